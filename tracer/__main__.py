@@ -1,0 +1,80 @@
+"""ddpscope tracer command line: ``python -m tracer run ...``.
+
+Exit codes: 0 success, 1 the job failed (one-line reason and the failing rank's stderr
+tail on stderr), 2 bad arguments (one line, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints the usage too)
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m tracer", description="Trace real DistributedDataParallel runs.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    r = sub.add_parser("run", help="launch the demo job under torchrun and trace it",
+                       description="Launch the bundled demo training job through torchrun and trace every rank.")
+    r.add_argument("--nproc", type=int, default=2, help="processes (ranks) on this node (default 2)")
+    r.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket_cap_mb, in MiB (default 25)")
+    r.add_argument("--model", default="mlp", help="demo model: mlp or gpt (default mlp)")
+    r.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    r.add_argument("--out", required=True, help="new or empty folder for the trace")
+    r.add_argument("--timeout", type=float, default=900.0, dest="timeout_s",
+                   help="watchdog: stop the job after this many seconds (default 900)")
+    r.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP gradient_as_bucket_view=True")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--nnodes", type=int, default=1, help="torchrun --nnodes (multi-node)")
+    r.add_argument("--node-rank", type=int, default=0, help="torchrun --node-rank")
+    r.add_argument("--rdzv-endpoint", default=None, help="torchrun --rdzv-endpoint HOST:PORT (node 0 hosts it)")
+    r.add_argument("-v", "--verbose", action="store_true", help="also show the workers' own output")
+    return p
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tracer.runner import RunConfig, create_out_dir, run_job
+
+    opts = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
+    try:
+        cfg = RunConfig(**opts)
+        create_out_dir(cfg.out)
+    except ValueError as e:
+        print(f"python -m tracer run: error: {e}", file=sys.stderr)
+        return 2
+
+    def progress(rec: dict) -> None:
+        if rec.get("event") == "start":
+            print(f"running {rec['model']} ({rec['params'] / 1e6:.1f} M params) on {rec['world_size']} ranks, "
+                  f"{rec['steps']} steps, bucket_cap_mb={cfg.bucket_cap_mb:g}", file=sys.stderr)
+        elif rec.get("event") == "step":
+            print(f"step {rec['step']}/{rec['steps']}  loss {rec['loss']:.4f}  {rec['ms']:.0f} ms", file=sys.stderr)
+
+    def output(rank, line) -> None:
+        if args.verbose:
+            print(f"[rank {rank}] {line}" if rank is not None else line, file=sys.stderr)
+
+    result = run_job(cfg, progress, output)
+    if not result.ok:
+        print(f"python -m tracer run: run failed: {result.reason}", file=sys.stderr)
+        if result.stderr_tail:
+            print(f"--- rank {result.failed_rank} stderr (last lines) ---\n{result.stderr_tail}", file=sys.stderr)
+        print(f"partial trace kept in {cfg.out} (run.json says failed)", file=sys.stderr)
+        return 130 if result.interrupted else 1
+    print(cfg.out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        return cmd_run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Where the tracer's timestamps come from.
+
+A clock hands out *stamps* while training runs and turns them into microseconds on
+this host's monotonic clock later, in one go per step (``resolve``). On CPU/gloo a
+stamp already is a time; on CUDA a stamp is an event on a stream, resolved after a
+single synchronize (see ``cuda_clock.py``, kept separate because CI cannot run it).
+
+All times are microseconds (µs) as floats on the host's monotonic clock, the clock
+that cross-rank offsets (``offsets.py``) are estimated on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Protocol, Sequence
+
+# Test-only: shifts this process's clock by this many milliseconds, so that a test
+# on one machine can show that cross-rank alignment removes a real offset.
+SKEW_ENV = "DDPSCOPE_TEST_CLOCK_SKEW_MS"
+
+
+def host_skew_us() -> float:
+    """The injected test skew in µs (0 unless ``DDPSCOPE_TEST_CLOCK_SKEW_MS`` is set)."""
+    raw = os.environ.get(SKEW_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        return float(raw) * 1000.0
+    except ValueError:
+        raise ValueError(f"{SKEW_ENV} must be a number of milliseconds, got {raw!r}") from None
+
+
+class Clock(Protocol):
+    """The interface both clocks implement."""
+
+    kind: str
+    #: Steps a stamp may stay unresolved, so that resolving never stalls the step
+    #: that is still running (0: resolved at once; CUDA: 1, one step behind).
+    lag_steps: int
+
+    def stamp(self) -> Any:
+        """Mark "now" on the current stream (CPU: the host clock)."""
+
+    def host_us(self) -> float:
+        """The host monotonic clock now, µs (with any test skew)."""
+
+    def resolve(self, stamps: Sequence[Any]) -> list[float | None]:
+        """Turn stamps into host-clock µs (``None`` stays ``None``); may block once,
+        never once per stamp."""
+
+
+class CpuClock:
+    """Host monotonic clock (``time.perf_counter_ns``, CLOCK_MONOTONIC on Linux)."""
+
+    kind = "cpu-monotonic"
+    lag_steps = 0
+
+    def __init__(self) -> None:
+        self._skew_us = host_skew_us()
+
+    def host_us(self) -> float:
+        return time.perf_counter_ns() / 1000.0 + self._skew_us
+
+    def stamp(self) -> float:
+        return time.perf_counter_ns() / 1000.0 + self._skew_us
+
+    def resolve(self, stamps: Sequence[Any]) -> list[float | None]:
+        return [None if s is None else float(s) for s in stamps]
+
+
+def make_clock(device: Any) -> Clock:
+    """The clock for a model on ``device`` (a ``torch.device`` or string)."""
+    if str(device).startswith("cuda"):
+        from tracer.cuda_clock import CudaEventClock
+
+        return CudaEventClock(host_clock=CpuClock())
+    return CpuClock()

@@ -1,0 +1,1 @@
+"""The bundled demo job that ``python -m tracer run`` launches (models + training script)."""

@@ -1,0 +1,103 @@
+"""The demo training job: one process per rank, started by torchrun (see runner.py).
+
+Rank 0 prints one progress line per step (``ddpscope-progress {json}``) for the runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tracer.demo.models import MODELS, build_model
+from tracer.tracer import DDPTracer, TracerConfig
+
+PROGRESS_PREFIX = "ddpscope-progress "
+# Test-only failure injection, "RANK:STEP": raise (FAIL) or block forever (HANG) there.
+FAIL_ENV = "DDPSCOPE_TEST_FAIL"
+HANG_ENV = "DDPSCOPE_TEST_HANG"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", choices=MODELS, default="mlp")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--gradient-as-bucket-view", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--pg-timeout-s", type=float, default=600.0)
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def _injected(env: str, rank: int) -> int | None:
+    raw = os.environ.get(env)
+    if not raw:
+        return None
+    r, s = raw.split(":")
+    return int(s) if int(r) == rank else None
+
+
+def _progress(**fields) -> None:
+    print(PROGRESS_PREFIX + json.dumps(fields), flush=True)
+
+
+@record
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo",
+                            timeout=datetime.timedelta(seconds=args.pg_timeout_s))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts)
+        model = build_model(args.model).to(device)
+        ddp = DDP(model, device_ids=[local_rank] if use_cuda else None,
+                  bucket_cap_mb=args.bucket_cap_mb,
+                  gradient_as_bucket_view=args.gradient_as_bucket_view)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+        gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own data
+        fail_at, hang_at = _injected(FAIL_ENV, rank), _injected(HANG_ENV, rank)
+        n_params = sum(p.numel() for p in model.parameters())
+        cfg = TracerConfig(out_dir=args.out, run_meta={
+            "model": args.model, "model_params": n_params, "steps_requested": args.steps,
+            "seed": args.seed, "lr": args.lr,
+        })
+        if rank == 0:
+            _progress(event="start", world_size=world, model=args.model, params=n_params, steps=args.steps)
+        with DDPTracer(ddp, opt, config=cfg):
+            for step in range(args.steps):
+                t0 = time.perf_counter()
+                if step == fail_at:
+                    raise RuntimeError(f"injected failure on rank {rank} at step {step} ({FAIL_ENV})")
+                if step == hang_at:
+                    time.sleep(10**6)
+                x, y = (t.to(device, non_blocking=True) for t in model.batch(gen))
+                loss = model.loss(ddp(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if rank == 0:
+                    # loss.item(): a CPU-GPU sync on CUDA, once per step, after the step is done
+                    _progress(event="step", step=step + 1, steps=args.steps, loss=round(loss.item(), 5),
+                              ms=round((time.perf_counter() - t0) * 1e3, 1))
+        if rank == 0:
+            _progress(event="done", steps=args.steps)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

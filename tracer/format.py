@@ -1,0 +1,43 @@
+"""The trace format: file names, lanes and event categories shared by writer and readers.
+
+Light on purpose (no torch): readers in ``viz/`` import it to parse what the tracer wrote.
+
+A run folder holds ``run.json`` (run metadata, written by rank 0 and updated by the
+runner) and one ``rank-<r>.json`` per rank: Chrome Trace Event JSON (object form) that
+Perfetto and chrome://tracing open as they are. Timestamps (``ts``) and durations
+(``dur``) are µs on that rank's own host clock; ``otherData.ddpscope`` holds the rank's
+metadata, including its clock offset to rank 0 (readers add it to align ranks).
+"""
+
+from __future__ import annotations
+
+import re
+
+FORMAT = "ddpscope-trace"
+VERSION = 1
+RUN_FILE = "run.json"
+RANK_FILE_RE = re.compile(r"^rank-(\d+)\.json$")
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank}.json"
+
+
+# Lanes (Chrome trace thread ids) inside one rank's process.
+TID_COMPUTE = 1  # step span with forward / backward / optimizer nested inside
+TID_GRADS = 2  # one instant event per parameter when its gradient is ready
+TID_BUCKET_BASE = 100  # bucket b's all-reduces on tid 100 + b (a bucket never overlaps itself)
+
+# Event categories ("cat").
+CAT_STEP = "step"
+CAT_FORWARD = "forward"
+CAT_BACKWARD = "backward"
+CAT_OPTIMIZER = "optimizer"
+CAT_GRAD = "grad_ready"
+CAT_ALLREDUCE = "allreduce"
+CAT_MEMORY = "memory"
+
+# Status of a rank file or a run.
+RUNNING = "running"
+COMPLETE = "complete"
+FAILED = "failed"

@@ -1,0 +1,243 @@
+"""Launching a job through torchrun (``torch.distributed.run``) and always cleaning up.
+
+Guarantees: every process the job started is reaped (torchrun, and its workers, which
+torchrun puts in sessions of their own), a watchdog ends a job that outlives its
+timeout, Ctrl-C ends the job rather than orphaning it, and a failure comes back as the
+failing rank, a one-line reason and the tail of that rank's stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+# A rank that failed only because a peer died says so; it is not the root cause.
+_PEER_FAILURE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote worker crashing|"
+    r"NCCL communicator was aborted|Socket Timeout|timed out|ProcessGroup.*abort",
+    re.IGNORECASE,
+)
+_RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*(\d+)\]:(.*)$")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free now on ``host`` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """One torchrun job. ``target`` is a module run with ``-m``; ``args`` follow it."""
+
+    target: str
+    args: list[str] = field(default_factory=list)
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None  # "host:port"; default 127.0.0.1 and a free port
+    log_dir: Path
+    timeout_s: float = 900.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
+        if self.rdzv_endpoint is not None and not re.fullmatch(r"[\w.\-]+:\d{1,5}", self.rdzv_endpoint):
+            raise ValueError(f"--rdzv-endpoint must look like HOST:PORT, got {self.rdzv_endpoint!r}")
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    timed_out: bool = False
+    interrupted: bool = False
+    failed_rank: int | None = None
+    reason: str | None = None  # one line
+    stderr_tail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+
+def torchrun_command(cfg: LaunchConfig) -> list[str]:
+    endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node", str(cfg.nproc), "--nnodes", str(cfg.nnodes),
+        "--node-rank", str(cfg.node_rank),
+        # static rendezvous: node 0 hosts the store at the endpoint; ranks are deterministic
+        "--rdzv-backend", "static", "--rdzv-endpoint", endpoint,
+        "--max-restarts", "0", "--log-dir", str(cfg.log_dir), "--tee", "3",
+        "-m", cfg.target, *cfg.args,
+    ]
+
+
+def launch(cfg: LaunchConfig, on_line: Callable[[int | None, str], None] = lambda r, l: None) -> LaunchResult:
+    """Run the job to its end; ``on_line(local_rank or None, text)`` sees its output."""
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **cfg.env}
+    proc = subprocess.Popen(
+        torchrun_command(cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env=env, start_new_session=True, text=True, errors="replace", bufsize=1,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + cfg.timeout_s
+    timed_out = interrupted = False
+    workers: set[int] = set()
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+            except queue.Empty:
+                workers |= _descendants(proc.pid)  # remember them: torchrun may die first
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    break
+                continue
+            if line is None:
+                break
+            m = _RANK_PREFIX.match(line)
+            on_line(int(m.group(1)), m.group(2)) if m else on_line(None, line)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        workers |= _descendants(proc.pid)
+        _terminate(proc, workers)
+        reader.join(timeout=5)
+    result = LaunchResult(returncode=proc.returncode, timed_out=timed_out, interrupted=interrupted)
+    if timed_out:
+        result.reason = f"watchdog: the job ran past --timeout {cfg.timeout_s:g} s and was stopped"
+    elif interrupted:
+        result.reason = "interrupted: the job was stopped"
+    if not result.ok or interrupted:
+        _explain_failure(cfg, result)
+    return result
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line.rstrip("\n"))
+    lines.put(None)
+
+
+def _descendants(pid: int) -> set[int]:
+    """All live descendants of ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _terminate(proc: subprocess.Popen, workers: set[int], grace_s: float = 10.0) -> None:
+    """Stop torchrun (it stops its workers on SIGTERM), then kill whatever is left."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    for pid in [proc.pid, *workers]:
+        if pid == proc.pid and proc.poll() is not None:
+            continue
+        if _alive(pid):
+            for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+                try:
+                    kill()
+                except (ProcessLookupError, PermissionError):
+                    pass
+    proc.wait()
+
+
+def _explain_failure(cfg: LaunchConfig, result: LaunchResult) -> None:
+    """Find the root-cause rank from torchrun's per-rank error files and logs."""
+    failures = []  # (is_secondary, timestamp, local_rank, message)
+    for err in cfg.log_dir.glob("*/attempt_*/*/error.json"):
+        try:
+            data = json.loads(err.read_text())
+            msg = data["message"]
+            if isinstance(msg, dict):
+                ts, text = int(msg.get("extraInfo", {}).get("timestamp", 0)), str(msg.get("message", ""))
+            else:
+                ts, text = int(data.get("timestamp", 0)), str(msg)
+            failures.append((bool(_PEER_FAILURE.search(text)), ts, int(err.parent.name), text))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    base = cfg.node_rank * cfg.nproc
+    if failures:
+        _, _, local, text = min(failures)
+        result.failed_rank = base + local
+        if result.reason is None:
+            result.reason = f"rank {base + local} failed: {_last_error_line(text)}"
+    else:
+        for log in sorted(cfg.log_dir.glob("*/attempt_*/*/stderr.log")):
+            tail = _tail(log)
+            if "Traceback" in tail or "Error" in tail:
+                result.failed_rank = base + int(log.parent.name)
+                break
+        if result.reason is None:
+            who = f"rank {result.failed_rank}" if result.failed_rank is not None else "the job"
+            result.reason = f"{who} exited with code {result.returncode} (killed or crashed without a Python error)"
+    if result.failed_rank is not None:
+        logs = list(cfg.log_dir.glob(f"*/attempt_*/{result.failed_rank - base}/stderr.log"))
+        if logs:
+            result.stderr_tail = _tail(logs[0])
+
+
+def _last_error_line(text: str) -> str:
+    lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
+    for l in lines:
+        if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", l):
+            return l[:300]
+    return (lines[-1] if lines else "unknown error")[:300]
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""

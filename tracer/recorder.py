@@ -1,0 +1,292 @@
+"""The step state machine: what happened in each training step, turned into trace events.
+
+Hooks (hooks.py) call the ``on_*`` methods while training runs; they only take a
+clock stamp and append to the open step. When a step closes, its stamps are resolved
+to µs (``Clock.resolve``, one batch per step, lagging ``clock.lag_steps`` steps on
+CUDA) and its Chrome trace events go to the writer.
+
+Thread notes: forward/optimizer hooks run on the training thread, gradient hooks on
+the autograd thread (the same one on CPU), bucket completions on the process group's
+threads; a completion only assigns ``BucketRecord.done``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from tracer import format as fmt
+from tracer.clock import Clock
+from tracer.memory import measure_memory, reset_peak
+
+
+@dataclass
+class BucketRecord:
+    index: int
+    nbytes: int
+    params: tuple[int, ...]
+    launch: Any
+    done: Any = None
+    work: Any = None  # NCCL work, kept only for kernel-only timing
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start: Any
+    warmup: bool = False
+    forwards: list[list[Any]] = field(default_factory=list)  # [start, end] per forward call
+    backward_start: Any = None
+    backward_end: Any = None
+    grads: list[tuple[int, Any]] = field(default_factory=list)
+    buckets: list[BucketRecord] = field(default_factory=list)
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)
+    optimizer: list[Any] | None = None
+    end: Any = None
+    memory: dict | None = None
+    incomplete: bool = False
+    first_grad_seen: bool = False
+
+
+def _round(us: float) -> float:
+    return round(us, 3)  # ns resolution is plenty; keeps files small
+
+
+class StepRecorder:
+    """Collects steps; emits them with ``emit(events, layout_changed)``."""
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        rank: int,
+        param_names: list[str],
+        params: list[torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer | None,
+        step_boundary: str,
+        emit: Callable[[list[dict], list[dict] | None], None],
+        nccl_kernel_timing: bool = False,
+    ) -> None:
+        self.clock = clock
+        self.rank = rank
+        self.param_names = param_names
+        self.params = params
+        self.param_index = {id(p): i for i, p in enumerate(params)}
+        self.optimizer = optimizer
+        self.explicit = step_boundary == "explicit"
+        self.emit = emit
+        self.nccl_kernel_timing = nccl_kernel_timing
+        self.current: StepRecord | None = None
+        self.next_step = 0
+        self.pending: list[StepRecord] = []  # closed, not yet resolved
+        self.layouts: list[dict] = []  # {"from_step": s, "buckets": [[param idx...], ...]}
+        self.buckets_seen: set[int] = set()
+        self.device = params[0].device if params else torch.device("cpu")
+        self.steps_written = 0
+
+    # -- hooks ------------------------------------------------------------------
+    def on_forward_start(self) -> None:
+        now = self.clock.stamp()
+        cur = self.current
+        if cur is not None and not self.explicit and self.optimizer is None and cur.grads:
+            # auto mode without an optimizer: the next forward ends the step
+            self._close(now)
+            cur = None
+        if cur is None:
+            reset_peak(self.device)
+            cur = self.current = StepRecord(step=self.next_step, start=now)
+            self.next_step += 1
+        cur.forwards.append([now, None])
+
+    def on_forward_end(self, warmup: bool) -> None:
+        cur = self.current
+        if cur is not None and cur.forwards:
+            cur.forwards[-1][1] = self.clock.stamp()
+            cur.warmup = cur.warmup or warmup
+
+    def on_output_grad(self) -> None:
+        cur = self.current
+        if cur is not None and cur.backward_start is None:
+            cur.backward_start = self.clock.stamp()
+
+    def on_grad_ready(self, index: int) -> None:
+        cur = self.current
+        if cur is None:
+            return
+        now = self.clock.stamp()
+        if not cur.first_grad_seen:
+            cur.first_grad_seen = True
+            # Runs when the autograd engine finishes this backward, *before* DDP's own
+            # end-of-backward callback (queued later), which waits for all buckets.
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        cur.grads.append((index, now))
+
+    def _on_backward_end(self) -> None:
+        cur = self.current
+        if cur is not None:
+            cur.backward_end = self.clock.stamp()
+            cur.first_grad_seen = False  # a further backward (accumulation) queues again
+
+    def on_bucket_launch(self, index: int, buffer: torch.Tensor, params: list) -> BucketRecord | None:
+        cur = self.current
+        if cur is None:
+            return None
+        now = self.clock.stamp()
+        rec = BucketRecord(
+            index=index,
+            nbytes=buffer.numel() * buffer.element_size(),
+            params=tuple(self.param_index.get(id(p), -1) for p in params),
+            launch=now,
+        )
+        cur.buckets.append(rec)
+        cur.buffers[index] = buffer
+        return rec
+
+    def on_optimizer_start(self) -> None:
+        if self.current is not None:
+            self.current.optimizer = [self.clock.stamp(), None]
+
+    def on_optimizer_end(self) -> None:
+        cur = self.current
+        if cur is None or cur.optimizer is None:
+            return
+        now = self.clock.stamp()
+        cur.optimizer[1] = now
+        if not self.explicit:
+            self._close(now)
+
+    def mark_step(self) -> None:
+        """Explicit step boundary: the open step ends now."""
+        if self.current is not None:
+            self._close(self.clock.stamp())
+
+    def finish(self, aborted: bool) -> None:
+        """Close the open step (``incomplete`` if aborted mid-step) and resolve everything."""
+        cur = self.current
+        if cur is not None:
+            if aborted or not self._looks_finished(cur):
+                cur.incomplete = True
+            if cur.incomplete and not cur.grads and not cur.buckets and not aborted:
+                self.current = None  # a lone forward (e.g. evaluation) is not a step
+            else:
+                self._close(self.clock.stamp())
+        self._resolve(len(self.pending))
+
+    # -- internals ----------------------------------------------------------------
+    def _looks_finished(self, cur: StepRecord) -> bool:
+        return bool(cur.buckets) and all(b.done is not None for b in cur.buckets)
+
+    def _close(self, now: Any) -> None:
+        cur = self.current
+        self.current = None
+        cur.end = now
+        cur.memory = measure_memory(self.params, self.optimizer, cur.buffers.values())
+        cur.buffers = {}
+        self.pending.append(cur)
+        self._resolve(len(self.pending) - self.clock.lag_steps)
+
+    def _resolve(self, count: int) -> None:
+        if count <= 0:
+            return
+        ready, self.pending = self.pending[:count], self.pending[count:]
+        stamps: list[Any] = []
+        for s in ready:
+            stamps += [s.start, s.end, s.backward_start, s.backward_end]
+            stamps += [s.optimizer[0], s.optimizer[1]] if s.optimizer else [None, None]
+            for f in s.forwards:
+                stamps += f
+            stamps += [t for _, t in s.grads]
+            for b in s.buckets:
+                stamps += [b.launch, b.done]
+        times = iter(self.clock.resolve(stamps))
+        events: list[dict] = []
+        layout_changed = False
+        for s in ready:
+            events += self._events(s, times)
+            layout = [list(p) for p in _layout(s.buckets)]
+            if layout and (not self.layouts or self.layouts[-1]["buckets"] != layout):
+                self.layouts.append({"from_step": s.step, "buckets": layout})
+                layout_changed = True
+        self.steps_written += len(ready)
+        self.emit(events, self.layouts if layout_changed else None)
+
+    def _events(self, s: StepRecord, times) -> list[dict]:
+        pid = self.rank
+        start, end, bwd_s, bwd_e, opt_s, opt_e = (next(times) for _ in range(6))
+        fwds = [(next(times), next(times)) for _ in s.forwards]
+        grads = [(i, next(times)) for i, _ in s.grads]
+        buckets = [(b, next(times), next(times)) for b in s.buckets]
+
+        def span(cat, name, ts, te, tid=fmt.TID_COMPUTE, lo=None, hi=None, **args):
+            if ts is None:
+                return []
+            te = ts if te is None else te
+            if lo is not None:  # keep children inside their step, as Perfetto requires
+                ts, te = max(ts, lo), min(te, hi)
+            ts, te = _round(ts), _round(te)
+            return [{"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid,
+                     "ts": ts, "dur": _round(max(te - ts, 0.0)), "args": {"step": s.step, **args}}]
+
+        last_grad = max((t for _, t in grads if t is not None), default=None)
+        fwd_end = max((fe for _, fe in fwds if fe is not None), default=start)
+        bwd_end = bwd_e if bwd_e is not None else last_grad
+        flags = {"warmup": s.warmup}
+        if s.incomplete:
+            flags["incomplete"] = True
+        ev = span(fmt.CAT_STEP, f"step {s.step}", start, end, memory=s.memory, **flags)
+        for fs, fe in fwds:
+            ev += span(fmt.CAT_FORWARD, "forward", fs, fe, lo=start, hi=end)
+        if bwd_end is not None:
+            ev += span(fmt.CAT_BACKWARD, "backward", bwd_s if bwd_s is not None else fwd_end,
+                       bwd_end, lo=start, hi=end)
+        ev += span(fmt.CAT_OPTIMIZER, "optimizer.step", opt_s, opt_e, lo=start, hi=end)
+        for i, t in grads:
+            if t is not None:
+                ev.append({"ph": "i", "s": "t", "cat": fmt.CAT_GRAD, "name": self._name(i),
+                           "pid": pid, "tid": fmt.TID_GRADS, "ts": _round(t),
+                           "args": {"step": s.step, "param": i}})
+        for b, launch, done in buckets:
+            if b.index not in self.buckets_seen:
+                self.buckets_seen.add(b.index)
+                ev += _thread_meta(pid, fmt.TID_BUCKET_BASE + b.index, f"all-reduce bucket {b.index}")
+            args = {"bucket": b.index, "bytes": b.nbytes, "params": [self._name(i) for i in b.params]}
+            if done is None:
+                args["incomplete"] = True
+            if self.nccl_kernel_timing and b.work is not None:
+                try:
+                    args["nccl_kernel_us"] = b.work.get_duration() * 1000.0  # ms -> µs
+                except RuntimeError:
+                    pass
+            ev += span(fmt.CAT_ALLREDUCE, f"bucket {b.index}", launch,
+                       done if done is not None else end, tid=fmt.TID_BUCKET_BASE + b.index, **args)
+        if s.memory:
+            ev.append({"ph": "C", "cat": fmt.CAT_MEMORY, "name": "memory", "pid": pid,
+                       "ts": _round(end), "args": dict(s.memory)})
+        return ev
+
+    def _name(self, i: int) -> str:
+        return self.param_names[i] if 0 <= i < len(self.param_names) else f"param[{i}]"
+
+
+def _layout(buckets: list[BucketRecord]) -> list[tuple[int, ...]]:
+    by_index = {b.index: b.params for b in buckets}
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def _thread_meta(pid: int, tid: int, name: str) -> list[dict]:
+    return [
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}},
+        {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}},
+    ]
+
+
+def header_events(rank: int, host: str) -> list[dict]:
+    """Process and lane names for Perfetto."""
+    return [
+        {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank} ({host})"}},
+        {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+        *_thread_meta(rank, fmt.TID_COMPUTE, "compute (step / forward / backward / optimizer)"),
+        *_thread_meta(rank, fmt.TID_GRADS, "gradient ready"),
+    ]

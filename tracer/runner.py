@@ -1,0 +1,135 @@
+"""``python -m tracer run``: launch the bundled demo job under torchrun, traced.
+
+The run folder gets ``run.json`` (status ``running`` until rank 0 marks it ``complete``;
+``failed`` with the reason if the job fails), ``rank-<r>.json`` per rank and ``logs/``
+(torchrun's per-rank stdout/stderr and error files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tracer import format as fmt
+from tracer.demo.models import MODELS
+from tracer.launch import LaunchConfig, LaunchResult, launch
+from tracer.writer import read_json, write_json_atomic
+
+PROGRESS_PREFIX = "ddpscope-progress "  # printed by tracer/demo/train.py on rank 0
+MAX_NPROC = 64
+MAX_BUCKET_CAP_MB = 10240.0  # 10 GiB: more than any real gradient bucket
+MAX_STEPS = 100_000
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """A demo run. Sizes in MiB (PyTorch's ``bucket_cap_mb`` is MiB), times in seconds."""
+
+    out: Path | str
+    nproc: int = 2
+    bucket_cap_mb: float = 25.0
+    model: str = "mlp"
+    steps: int = 20
+    timeout_s: float = 900.0
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    gradient_as_bucket_view: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        if not 1 <= self.nproc <= MAX_NPROC:
+            raise ValueError(f"--nproc must be in 1..{MAX_NPROC}, got {self.nproc}")
+        if not 0 < self.bucket_cap_mb <= MAX_BUCKET_CAP_MB:
+            raise ValueError(f"--bucket-cap-mb must be > 0 and <= {MAX_BUCKET_CAP_MB:g} (MiB), got {self.bucket_cap_mb:g}")
+        if self.model not in MODELS:
+            raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise ValueError(f"--steps must be in 1..{MAX_STEPS}, got {self.steps}")
+        if not 0 < self.timeout_s <= 7 * 24 * 3600:
+            raise ValueError(f"--timeout must be > 0 seconds (and at most a week), got {self.timeout_s:g}")
+        _check_out_dir(self.out)
+
+    def launch_config(self) -> LaunchConfig:
+        args = ["--model", self.model, "--steps", str(self.steps), "--bucket-cap-mb", repr(self.bucket_cap_mb),
+                "--seed", str(self.seed), "--out", str(self.out.resolve())]
+        if self.gradient_as_bucket_view:
+            args.append("--gradient-as-bucket-view")
+        return LaunchConfig(target="tracer.demo.train", args=args, nproc=self.nproc, nnodes=self.nnodes,
+                            node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
+                            log_dir=self.out / "logs", timeout_s=self.timeout_s)
+
+
+def _check_out_dir(out: Path) -> None:
+    """--out must be a new or empty folder we can write to; nothing is created here."""
+    if out.exists():
+        if not out.is_dir():
+            raise ValueError(f"--out {out} exists and is not a folder")
+        if any(out.iterdir()):
+            raise ValueError(f"--out {out} is not empty; choose a new folder (traces are never overwritten)")
+        probe = out
+    else:
+        probe = out.parent
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not probe.is_dir():
+            raise ValueError(f"--out {out}: {probe} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out} is not writable ({probe} denies writing)")
+
+
+def create_out_dir(out: Path) -> None:
+    """Create --out and prove it takes files; ``ValueError`` (one line) if it does not."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".ddpscope-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--out {out} is not writable: {e.strerror or e}") from None
+
+
+def parse_progress(line: str) -> dict | None:
+    """The progress record in a line of rank 0's output, or None."""
+    if not line.startswith(PROGRESS_PREFIX):
+        return None
+    try:
+        rec = json.loads(line[len(PROGRESS_PREFIX):])
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None,
+            on_output: Callable[[int | None, str], None] = lambda r, l: None) -> LaunchResult:
+    """Run the traced demo job to its end and leave the run folder consistent.
+
+    Raises ``ValueError`` if the run folder cannot be created (nothing is launched)."""
+    create_out_dir(cfg.out)
+    lc = cfg.launch_config()
+    run_path = cfg.out / fmt.RUN_FILE
+    write_json_atomic(run_path, {
+        "format": fmt.FORMAT, "version": fmt.VERSION, "status": fmt.RUNNING,
+        "command": shlex.join(["python", "-m", "tracer", "run", *sys.argv[2:]]) if sys.argv[1:2] == ["run"] else None,
+        "model": cfg.model, "steps_requested": cfg.steps, "nproc_per_node": cfg.nproc, "nnodes": cfg.nnodes,
+    })
+
+    def _line(local_rank: int | None, text: str) -> None:
+        rec = parse_progress(text)
+        if rec is not None:
+            on_progress(rec)
+        else:
+            on_output(local_rank, text)
+
+    result = launch(lc, _line)
+    if not result.ok or result.interrupted:
+        run = read_json(run_path) if run_path.exists() else {}
+        run.update({"status": fmt.FAILED, "error": result.reason, "failed_rank": result.failed_rank})
+        write_json_atomic(run_path, run)
+    return result

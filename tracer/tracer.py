@@ -1,0 +1,204 @@
+"""``DDPTracer``: attach to a DistributedDataParallel model (and its optimizer) and write
+one trace per rank. The training loop stays as it is::
+
+    with DDPTracer(ddp_model, optimizer, out_dir="traces/run1"):
+        for batch in loader:
+            loss = loss_fn(ddp_model(batch))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+Steps are detected (a step starts at a training forward and ends when
+``optimizer.step()`` returns) or, with ``step_boundary="explicit"``, end where the loop
+calls ``tracer.step()``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tracer import format as fmt
+from tracer.clock import make_clock
+from tracer.hooks import HookHandles, attach_comm_hook, attach_hooks, reducer_params
+from tracer.offsets import ClockOffset, estimate_offsets
+from tracer.recorder import StepRecorder, header_events
+from tracer.writer import TraceWriter, read_json, write_json_atomic
+
+NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
+
+
+@dataclass(kw_only=True)
+class TracerConfig:
+    """Where and how a tracer writes.
+
+    out_dir: run folder; each rank writes ``rank-<r>.json``, rank 0 also ``run.json``.
+    step_boundary: ``"auto"`` (forward ... ``optimizer.step()``) or ``"explicit"``
+        (``tracer.step()`` ends a step).
+    offset_rounds: ping-pong rounds per rank for the clock-offset estimate.
+    flush_interval_s: the writer rewrites the file at most this often (seconds).
+    run_meta: extra JSON-able facts about the run (model name, batch size, ...).
+    """
+
+    out_dir: Path | str
+    step_boundary: str = "auto"
+    offset_rounds: int = 16
+    flush_interval_s: float = 0.05
+    run_meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+        if self.step_boundary not in ("auto", "explicit"):
+            raise ValueError(f"step_boundary must be 'auto' or 'explicit', got {self.step_boundary!r}")
+        if not 1 <= self.offset_rounds <= 1000:
+            raise ValueError(f"offset_rounds must be in 1..1000, got {self.offset_rounds}")
+        if not 0 <= self.flush_interval_s <= 60:
+            raise ValueError(f"flush_interval_s must be in 0..60 seconds, got {self.flush_interval_s}")
+
+
+class DDPTracer:
+    """Context manager that traces ``model`` (a ``DistributedDataParallel``) on this rank."""
+
+    def __init__(self, model: DDP, optimizer: torch.optim.Optimizer | None = None,
+                 config: TracerConfig | None = None, **config_kw: Any) -> None:
+        if not isinstance(model, DDP):
+            raise TypeError(f"DDPTracer needs a DistributedDataParallel model, got {type(model).__name__}")
+        if config is None:
+            config = TracerConfig(**config_kw)
+        elif config_kw:
+            raise TypeError("pass either config= or keyword options, not both")
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self._handles = HookHandles()
+        self._recorder: StepRecorder | None = None
+        self._writer: TraceWriter | None = None
+        self._comm_state = None
+
+    # -- lifecycle ----------------------------------------------------------------
+    def __enter__(self) -> "DDPTracer":
+        if not dist.is_initialized():
+            raise RuntimeError("DDPTracer needs an initialized process group (dist.init_process_group)")
+        cfg = self.config
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.backend = dist.get_backend(self.model.process_group)
+        names, params = reducer_params(self.model)
+        device = params[0].device if params else torch.device("cpu")
+        self.clock = make_clock(device)
+        # Host clocks are compared over gloo: a CPU group beside NCCL when needed.
+        self._cpu_group = None if self.backend == "gloo" else dist.new_group(backend="gloo")
+        self.offsets_start = estimate_offsets(self.clock.host_us, self._cpu_group, cfg.offset_rounds)
+        hosts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=self._cpu_group)
+        self.hosts = hosts
+
+        self._meta = {
+            "format": fmt.FORMAT, "version": fmt.VERSION, "status": fmt.RUNNING,
+            "rank": self.rank, "world_size": self.world_size,
+            "local_rank": int(os.environ.get("LOCAL_RANK", self.rank)),
+            "host": hosts[self.rank], "pid": os.getpid(),
+            "backend": self.backend, "device": str(device), "clock": self.clock.kind,
+            "clock_offset": {"start": self.offsets_start[self.rank].to_json(), "end": None},
+            "param_names": names, "param_bytes": [p.numel() * p.element_size() for p in params],
+            "bucket_layouts": [], "steps": 0,
+            "step_boundary": cfg.step_boundary, "torch_version": torch.__version__,
+        }
+        self._writer = TraceWriter(cfg.out_dir / fmt.rank_file(self.rank), self._meta, cfg.flush_interval_s)
+        self._writer.add(header_events(self.rank, hosts[self.rank]))
+        if self.rank == 0:
+            self._write_run_json(status=fmt.RUNNING)
+
+        comm_state = attach_comm_hook(self.model)
+        nccl_timing = self.backend == "nccl" and os.environ.get(NCCL_TIMING_ENV) == "1"
+        self._recorder = StepRecorder(
+            clock=self.clock, rank=self.rank, param_names=names, params=params,
+            optimizer=self.optimizer, step_boundary=cfg.step_boundary, emit=self._emit,
+            nccl_kernel_timing=nccl_timing,
+        )
+        comm_state.keep_work = nccl_timing
+        comm_state.recorder = self._recorder
+        self._comm_state = comm_state
+        attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles)
+        return self
+
+    def step(self) -> None:
+        """End the current step here (needed with ``step_boundary="explicit"``)."""
+        if self._recorder is not None:
+            self._recorder.mark_step()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        failed = exc_type is not None
+        try:
+            if self._recorder is not None:
+                self._recorder.finish(aborted=failed)
+        finally:
+            self._handles.remove()
+            if self._comm_state is not None:
+                self._comm_state.recorder = None
+        status = fmt.FAILED if failed else fmt.COMPLETE
+        error = None if not failed else f"{exc_type.__name__}: {exc}"[:2000]
+        offsets_end: list[ClockOffset] | None = None
+        self._writer.set_meta(status=status, error=error)  # on disk even if the end sync dies
+        if not failed:
+            try:  # collective: every rank that ends cleanly takes part
+                offsets_end = estimate_offsets(self.clock.host_us, self._cpu_group, self.config.offset_rounds)
+            except Exception:  # a peer died: keep the start estimate
+                offsets_end = None
+        if offsets_end is not None:
+            self._meta["clock_offset"]["end"] = offsets_end[self.rank].to_json()
+        try:
+            self._writer.close(status=status, error=error, clock_offset=self._meta["clock_offset"])
+        except OSError:
+            if not failed:
+                raise
+        if self.rank == 0:
+            self._write_run_json(status=status, error=error, offsets_end=offsets_end)
+        return False
+
+    # -- internals ----------------------------------------------------------------
+    def _emit(self, events: list[dict], layouts: list[dict] | None) -> None:
+        self._writer.add(events)
+        fields = {"steps": self._recorder.steps_written}
+        if layouts is not None:
+            fields["bucket_layouts"] = [dict(l) for l in layouts]
+        self._writer.set_meta(**fields)
+
+    def _write_run_json(self, status: str, error: str | None = None,
+                        offsets_end: list[ClockOffset] | None = None) -> None:
+        path = self.config.out_dir / fmt.RUN_FILE
+        run = read_json(path) if path.exists() else {}  # the runner may have put facts there
+        ddp = self.model
+        layouts = self._recorder.layouts if self._recorder else []
+        run.update({
+            "format": fmt.FORMAT, "version": fmt.VERSION, "status": status,
+            "world_size": self.world_size, "backend": self.backend, "device": self._meta["device"],
+            "clock": self.clock.kind, "hosts": self.hosts, "torch_version": torch.__version__,
+            "bucket_cap_bytes": int(ddp.bucket_bytes_cap),
+            "bucket_cap_mb": ddp.bucket_bytes_cap / 2**20,
+            "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
+            "static_graph": bool(ddp.static_graph),
+            "find_unused_parameters": bool(ddp.find_unused_parameters),
+            "param_names": self._meta["param_names"], "param_bytes": self._meta["param_bytes"],
+            # DDP's layout after its rebuild, as the communication hook saw it
+            "bucket_layout": layouts[-1]["buckets"] if layouts else None,
+            "clock_offsets": {
+                "start": [o.to_json() for o in self.offsets_start],
+                "end": None if offsets_end is None else [o.to_json() for o in offsets_end],
+            },
+            "steps": self._recorder.steps_written if self._recorder else 0,
+            "ranks": [fmt.rank_file(r) for r in range(self.world_size)],
+            **self.config.run_meta,
+        })
+        run.setdefault("started_at", _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+        if error:
+            run["error"] = error
+        write_json_atomic(path, run)
