@@ -20,6 +20,7 @@ from tracer.demo.models import MODELS
 from tracer.launch import LaunchConfig, LaunchResult, launch
 from tracer.writer import read_json, write_json_atomic
 
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PROGRESS_PREFIX = "ddpscope-progress "  # printed by tracer/demo/train.py on rank 0
 MAX_NPROC = 64
 MAX_BUCKET_CAP_MB = 10240.0  # 10 GiB: more than any real gradient bucket
@@ -63,7 +64,13 @@ class RunConfig:
             args.append("--gradient-as-bucket-view")
         return LaunchConfig(target="tracer.demo.train", args=args, nproc=self.nproc, nnodes=self.nnodes,
                             node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
-                            log_dir=self.out / "logs", timeout_s=self.timeout_s)
+                            log_dir=self.out / "logs", timeout_s=self.timeout_s, env=project_env())
+
+
+def project_env() -> dict[str, str]:
+    """Environment that lets torchrun's workers import ddpscope from any working folder."""
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": str(PROJECT_ROOT) + (os.pathsep + path if path else "")}
 
 
 def _check_out_dir(out: Path) -> None:
@@ -128,8 +135,12 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
             on_output(local_rank, text)
 
     result = launch(lc, _line)
+    run = read_json(run_path) if run_path.exists() else {}
     if not result.ok or result.interrupted:
-        run = read_json(run_path) if run_path.exists() else {}
         run.update({"status": fmt.FAILED, "error": result.reason, "failed_rank": result.failed_rank})
+        write_json_atomic(run_path, run)
+    elif run.get("status") == fmt.RUNNING:  # a node other than 0: rank 0 wrote the run's metadata elsewhere
+        run.update({"status": fmt.COMPLETE, "node_rank": cfg.node_rank,
+                    "note": "ranks of one node; the run's metadata is in node 0's run.json"})
         write_json_atomic(run_path, run)
     return result

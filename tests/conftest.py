@@ -1,0 +1,45 @@
+"""Shared fixtures: real demo runs (made once per session) and helpers to run the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "samples"
+KINETO = ROOT.parent / "shared" / "data" / "kineto"
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -m tracer ...`` in a fresh process, from a folder that is not the project."""
+    return subprocess.run(
+        [sys.executable, "-m", "tracer", *args], cwd="/", capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes whose command line contains ``text``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z" and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+@pytest.fixture(scope="session")
+def mlp_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A real 2-rank traced run of the demo MLP at bucket_cap_mb=1 (6 steps)."""
+    out = tmp_path_factory.mktemp("runs") / "mlp-cap1"
+    proc = run_cli("run", "--nproc", "2", "--model", "mlp", "--steps", "6", "--bucket-cap-mb", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out, proc

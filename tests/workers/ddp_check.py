@@ -1,0 +1,107 @@
+"""Test worker (run under torchrun by the tests): trains a small model under DDPTracer
+and records, beside the trace, what independent instruments say about the same run:
+
+- DDP's own runtime logging (``_get_ddp_logging_data`` at sample rate 1), per step;
+- DDP's ``rebuilt_per_bucket_param_indices``;
+- with ``--compare-untraced``: an identical, *untraced* DDP model (DDP's built-in
+  all-reduce) trained on the same batches, and the largest parameter difference;
+- ``dist.all_reduce`` of locally computed gradients vs the gradients DDP produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tracer import DDPTracer
+
+LOG_KEYS = ("forward_compute_time", "backward_compute_time", "backward_comm_time",
+            "backward_compute_comm_overlap_time")
+
+
+def build(width: int, depth: int) -> nn.Module:
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, 8))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--width", type=int, default=384)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--gradient-as-bucket-view", action="store_true")
+    p.add_argument("--compare-untraced", action="store_true")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(args.out)
+    try:
+        torch.manual_seed(0)
+        model = build(args.width, args.depth)
+        reference = copy.deepcopy(model)
+        ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
+        ddp._set_ddp_runtime_logging_sample_rate(1)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        if args.compare_untraced:
+            ref_ddp = DDP(reference, bucket_cap_mb=args.bucket_cap_mb,
+                          gradient_as_bucket_view=args.gradient_as_bucket_view)
+            ref_opt = torch.optim.SGD(ref_ddp.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(100 + rank)
+        logging, allreduce_err = [], 0.0
+        with DDPTracer(ddp, opt, out_dir=out / "trace"):
+            for step in range(args.steps):
+                x = torch.randn(64, args.width, generator=gen)
+                y = torch.randn(64, 8, generator=gen)
+                pred = ddp(x)
+                d = ddp._get_ddp_logging_data()  # holds the previous iteration's timings
+                if d.get("iteration", 0) >= 1 and all(k in d for k in LOG_KEYS):
+                    logging.append({"step": int(d["iteration"]) - 1, **{k: int(d[k]) for k in LOG_KEYS}})
+                loss = nn.functional.mse_loss(pred, y)
+                loss.backward()
+                if step == args.steps - 1:
+                    # independent check of the averaged gradients with a plain dist.all_reduce
+                    local = copy.deepcopy(ddp.module)
+                    for q in local.parameters():
+                        q.grad = None
+                    nn.functional.mse_loss(local(x), y).backward()
+                    for q, g in zip(ddp.module.parameters(), local.parameters()):
+                        avg = g.grad.clone()
+                        dist.all_reduce(avg)
+                        avg /= world
+                        allreduce_err = max(allreduce_err, float((q.grad - avg).abs().max()))
+                opt.step()
+                opt.zero_grad()
+                if args.compare_untraced:
+                    nn.functional.mse_loss(ref_ddp(x), y).backward()
+                    ref_opt.step()
+                    ref_opt.zero_grad()
+        result = {
+            "rank": rank, "world_size": world, "logging": logging,
+            "rebuilt_per_bucket_param_indices": ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices"),
+            "allreduce_max_abs_err": allreduce_err,
+        }
+        if args.compare_untraced:
+            torch.set_grad_enabled(False)
+            result["max_param_diff"] = max(float((a - b).abs().max()) for a, b in
+                                           zip(ddp.module.parameters(), ref_ddp.module.parameters()))
+            result["params_bitwise_equal"] = all(torch.equal(a, b) for a, b in
+                                                 zip(ddp.module.parameters(), ref_ddp.module.parameters()))
+        (out / f"check-rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

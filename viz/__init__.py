@@ -1,0 +1,1 @@
+"""ddpscope's analysis side: trace model, metrics and Plotly figures (pure functions)."""

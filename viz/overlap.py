@@ -1,0 +1,96 @@
+"""How much of each step's all-reduce the backward pass hid: per-step, per-rank metrics.
+
+Definitions (times in ms):
+- communication time: the union of the step's bucket all-reduce intervals
+  [launch, completion] (busy time, overlapping buckets counted once);
+- overlapped: the part of it inside backward compute [backward start, backward end];
+- exposed: the rest, i.e. all-reduce time after backward compute ended;
+- overlap %: overlapped / communication time, as Holistic Trace Analysis defines it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from viz.trace import RunTrace
+
+
+def merge_intervals(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Union of intervals as an (n, 2) array of disjoint, sorted [start, end]."""
+    if len(starts) == 0:
+        return np.empty((0, 2))
+    order = np.argsort(starts, kind="stable")
+    s, e = np.asarray(starts, float)[order], np.asarray(ends, float)[order]
+    reach = np.maximum.accumulate(e)
+    new = np.r_[True, s[1:] > reach[:-1]]  # a gap before this interval starts a new run
+    idx = np.flatnonzero(new)
+    return np.column_stack([s[idx], np.r_[reach[idx[1:] - 1], reach[-1]]])
+
+
+def covered(merged: np.ndarray, lo: float, hi: float) -> float:
+    """Length of ``merged`` (disjoint intervals) inside [lo, hi]."""
+    if len(merged) == 0 or hi <= lo:
+        return 0.0
+    return float(np.clip(np.minimum(merged[:, 1], hi) - np.maximum(merged[:, 0], lo), 0, None).sum())
+
+
+def _steps(trace: RunTrace, include_warmup: bool) -> pd.DataFrame:
+    steps = trace.steps
+    if len(steps) == 0:
+        return steps
+    keep = ~steps["incomplete"]
+    if not include_warmup:
+        keep &= ~steps["warmup"]
+    return steps[keep]
+
+
+def compute_step_breakdown(trace: RunTrace, include_warmup: bool = False) -> pd.DataFrame:
+    """Per rank and step: step, forward, backward compute, optimizer, communication,
+    overlapped and exposed communication (ms) and overlap % (warm-up steps left out
+    unless ``include_warmup``; unfinished steps always left out)."""
+    steps = _steps(trace, include_warmup)
+    cols = ["rank", "step", "warmup", "step_ms", "forward_ms", "backward_ms", "optimizer_ms",
+            "comm_ms", "overlapped_ms", "exposed_ms", "overlap_pct", "buckets"]
+    if len(steps) == 0:
+        return pd.DataFrame(columns=cols)
+    groups = {k: g for k, g in trace.buckets.groupby(["rank", "step"])} if len(trace.buckets) else {}
+    out = []
+    for s in steps.itertuples(index=False):
+        b = groups.get((s.rank, s.step))
+        merged = merge_intervals(b["launch_us"].to_numpy(), b["done_us"].to_numpy()) if b is not None else np.empty((0, 2))
+        comm = covered(merged, -np.inf, np.inf)
+        overlapped = covered(merged, s.backward_start_us, s.backward_end_us)
+        out.append({
+            "rank": s.rank, "step": s.step, "warmup": s.warmup,
+            "step_ms": (s.end_us - s.start_us) / 1e3,
+            "forward_ms": (s.forward_end_us - s.forward_start_us) / 1e3,
+            "backward_ms": (s.backward_end_us - s.backward_start_us) / 1e3,
+            "optimizer_ms": (s.optimizer_end_us - s.optimizer_start_us) / 1e3,
+            "comm_ms": comm / 1e3, "overlapped_ms": overlapped / 1e3, "exposed_ms": (comm - overlapped) / 1e3,
+            "overlap_pct": 100.0 * overlapped / comm if comm > 0 else np.nan,
+            "buckets": 0 if b is None else len(b),
+        })
+    return pd.DataFrame(out, columns=cols)
+
+
+def compute_ddp_logging_view(trace: RunTrace, include_warmup: bool = False) -> pd.DataFrame:
+    """The four durations DDP's own runtime logging reports, derived from the trace with
+    DDP's definitions (ms): ``forward_compute`` (forward start -> forward end, where DDP
+    starts its backward clock), ``backward_compute`` (forward end -> end of backward),
+    ``backward_comm`` (first bucket launch -> last completion) and
+    ``backward_compute_comm_overlap`` (first bucket launch -> end of backward)."""
+    steps = _steps(trace, include_warmup)
+    cols = ["rank", "step", "forward_compute_ms", "backward_compute_ms", "backward_comm_ms",
+            "backward_compute_comm_overlap_ms"]
+    if len(steps) == 0 or len(trace.buckets) == 0:
+        return pd.DataFrame(columns=cols)
+    b = trace.buckets.groupby(["rank", "step"]).agg(first_launch=("launch_us", "min"), last_done=("done_us", "max"))
+    df = steps.join(b, on=["rank", "step"], how="inner")
+    return pd.DataFrame({
+        "rank": df["rank"], "step": df["step"],
+        "forward_compute_ms": (df["forward_end_us"] - df["forward_start_us"]) / 1e3,
+        "backward_compute_ms": (df["backward_end_us"] - df["forward_end_us"]) / 1e3,
+        "backward_comm_ms": (df["last_done"] - df["first_launch"]) / 1e3,
+        "backward_compute_comm_overlap_ms": (df["backward_end_us"] - df["first_launch"]) / 1e3,
+    }).reset_index(drop=True)

@@ -1,0 +1,182 @@
+"""The trace model: a run folder written by the tracer, loaded and aligned.
+
+``load_run(path)`` reads ``run.json`` and every ``rank-<r>.json``, checks them, maps
+every rank's timestamps onto rank 0's clock with the stored offsets, and returns
+tables (pandas DataFrames). Times are µs on rank 0's clock (``*_us`` columns).
+Bad input raises ``TraceError`` with a one-line message; nothing half-built is returned.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from tracer import format as fmt
+
+MAX_FILE_BYTES = 512 * 2**20  # a rank file beyond this is not something we parse in memory
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read; the message is one line, fit for a user."""
+
+
+@dataclass(frozen=True)
+class RunTrace:
+    """One run. DataFrames:
+
+    - ``steps``: rank, step, warmup, incomplete, start_us, end_us, forward_start_us,
+      forward_end_us, backward_start_us, backward_end_us, optimizer_start_us,
+      optimizer_end_us
+    - ``buckets``: rank, step, bucket, bytes, num_params, params (names), launch_us,
+      done_us, incomplete
+    - ``grads``: rank, step, param, name, ready_us
+    - ``memory``: rank, step and the byte counts the tracer measured
+    """
+
+    path: Path
+    run: dict
+    ranks: dict[int, dict]
+    steps: pd.DataFrame
+    buckets: pd.DataFrame
+    grads: pd.DataFrame
+    memory: pd.DataFrame
+
+    @property
+    def world_size(self) -> int:
+        return int(self.run.get("world_size") or len(self.ranks))
+
+    @property
+    def status(self) -> str:
+        return str(self.run.get("status", "unknown"))
+
+
+def _offset_fn(meta: dict):
+    """t (this rank's µs) -> t on rank 0's clock, interpolating start/end estimates."""
+    co = meta.get("clock_offset") or {}
+    start, end = co.get("start"), co.get("end")
+    if not start:
+        return lambda t: t
+    if not end or end["at_us"] == start["at_us"]:
+        return lambda t: t + start["offset_us"]
+    slope = (end["offset_us"] - start["offset_us"]) / (end["at_us"] - start["at_us"])
+    return lambda t: t + start["offset_us"] + slope * (t - start["at_us"])
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise TraceError(f"cannot read {what} {path}: {e.strerror}") from None
+    if size > MAX_FILE_BYTES:
+        raise TraceError(f"{what} {path} is {size / 2**20:.0f} MiB, over the {MAX_FILE_BYTES // 2**20} MiB limit")
+    try:
+        with open(path, "rb") as f:
+            data = json.load(f)
+    except UnicodeDecodeError:
+        raise TraceError(f"{what} {path.name} is not text (not a trace?)") from None
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{what} {path.name} is not valid JSON (truncated?): {e.msg} at line {e.lineno}") from None
+    except OSError as e:
+        raise TraceError(f"cannot read {what} {path}: {e.strerror}") from None
+    if not isinstance(data, dict):
+        raise TraceError(f"{what} {path.name} is not a JSON object")
+    return data
+
+
+def read_rank_file(path: Path) -> tuple[dict, list[dict]]:
+    """(metadata, events) of one rank file, checked to be ours."""
+    data = _read_json(path, "rank file")
+    meta = (data.get("otherData") or {}).get("ddpscope") if isinstance(data.get("otherData"), dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != fmt.FORMAT:
+        raise TraceError(f"{path.name} is not a ddpscope trace (no otherData.ddpscope; another tool's file?)")
+    if int(meta.get("version", 0)) > fmt.VERSION:
+        raise TraceError(f"{path.name} has trace format version {meta.get('version')}; this ddpscope reads up to {fmt.VERSION}")
+    events = data.get("traceEvents")
+    if not isinstance(events, list):
+        raise TraceError(f"{path.name} has no traceEvents list")
+    return meta, events
+
+
+def load_run(path: str | Path, *, allow_missing_ranks: bool = False) -> RunTrace:
+    """Load a run folder (``run.json`` + ``rank-*.json``)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise TraceError(f"{path} is not a folder")
+    run_path = path / fmt.RUN_FILE
+    run = _read_json(run_path, "run metadata") if run_path.exists() else {}
+    if run and run.get("format") != fmt.FORMAT:
+        raise TraceError(f"{run_path.name} in {path} is not ddpscope run metadata")
+    files = {int(m.group(1)): p for p in path.iterdir() if (m := fmt.RANK_FILE_RE.match(p.name))}
+    if not files:
+        raise TraceError(f"{path} holds no rank-<r>.json trace files")
+    ranks: dict[int, dict] = {}
+    rows: dict[str, list] = {"steps": [], "buckets": [], "grads": [], "memory": []}
+    for rank in sorted(files):
+        meta, events = read_rank_file(files[rank])
+        if int(meta.get("rank", -1)) != rank:
+            raise TraceError(f"{files[rank].name} says it is rank {meta.get('rank')}")
+        ranks[rank] = meta
+        _parse_events(rank, meta, events, rows)
+    world = int(run.get("world_size") or max(int(m.get("world_size", 0)) for m in ranks.values()))
+    missing = sorted(set(range(world)) - set(ranks))
+    if missing and not allow_missing_ranks:
+        raise TraceError(f"{path}: rank file(s) for rank {', '.join(map(str, missing))} of {world} are missing")
+    if not run:  # e.g. ranks gathered from several nodes without run.json
+        run = {"world_size": world, "status": "unknown"}
+    return RunTrace(
+        path=path, run=run, ranks=ranks,
+        steps=_frame(rows["steps"], ["rank", "step"]),
+        buckets=_frame(rows["buckets"], ["rank", "step", "bucket"]),
+        grads=_frame(rows["grads"], ["rank", "step", "ready_us"]),
+        memory=_frame(rows["memory"], ["rank", "step"]),
+    )
+
+
+def _frame(rows: list[dict], order: list[str]) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    return df.sort_values(order, kind="stable").reset_index(drop=True) if len(df) else df
+
+
+def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) -> None:
+    align = _offset_fn(meta)
+    steps: dict[int, dict] = {}
+    names = meta.get("param_names") or []
+    try:
+        for e in events:
+            ph, cat = e.get("ph"), e.get("cat")
+            if ph not in ("X", "i"):
+                continue
+            args = e.get("args") or {}
+            step = int(args["step"])
+            ts = align(float(e["ts"]))
+            te = ts + float(e.get("dur", 0.0))
+            if cat == fmt.CAT_STEP:
+                row = steps.setdefault(step, {"rank": rank, "step": step})
+                row.update(start_us=ts, end_us=te, warmup=bool(args.get("warmup", False)),
+                           incomplete=bool(args.get("incomplete", False)))
+                if isinstance(args.get("memory"), dict):
+                    rows["memory"].append({"rank": rank, "step": step, **args["memory"]})
+            elif cat in (fmt.CAT_FORWARD, fmt.CAT_BACKWARD, fmt.CAT_OPTIMIZER):
+                row = steps.setdefault(step, {"rank": rank, "step": step})
+                key = {"forward": "forward", "backward": "backward", "optimizer": "optimizer"}[cat]
+                row[f"{key}_start_us"] = min(ts, row.get(f"{key}_start_us", ts))  # first forward ...
+                row[f"{key}_end_us"] = max(te, row.get(f"{key}_end_us", te))  # ... to the last
+            elif cat == fmt.CAT_GRAD:
+                p = int(args["param"])
+                rows["grads"].append({"rank": rank, "step": step, "param": p,
+                                      "name": names[p] if 0 <= p < len(names) else e.get("name"), "ready_us": ts})
+            elif cat == fmt.CAT_ALLREDUCE:
+                params = list(args.get("params") or [])
+                rows["buckets"].append({"rank": rank, "step": step, "bucket": int(args["bucket"]),
+                                        "bytes": int(args["bytes"]), "num_params": len(params), "params": params,
+                                        "launch_us": ts, "done_us": te,
+                                        "incomplete": bool(args.get("incomplete", False))})
+    except (KeyError, TypeError, ValueError) as e:
+        raise TraceError(f"rank {rank}: malformed trace event ({type(e).__name__}: {e})") from None
+    for row in steps.values():
+        if "start_us" not in row:
+            raise TraceError(f"rank {rank}: step {row['step']} has events but no step span")
+        rows["steps"].append(row)
