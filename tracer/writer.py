@@ -83,7 +83,10 @@ class TraceWriter:
             self._dirty = True
             self._cond.notify()
         self._thread.join()
-        self._flush()
+        try:
+            self._flush()
+        except OSError as e:
+            self._error = e
         if self._error is not None:
             raise OSError(f"could not write trace {self.path}: {self._error}") from self._error
 

@@ -1,0 +1,77 @@
+"""Clocks. The CUDA clock cannot run here (no GPU): its arithmetic and its
+one-synchronize-per-resolve rule are checked with fake events — a mock, because there
+is no other way to exercise it on a CPU machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tracer.clock import SKEW_ENV, CpuClock, make_clock
+from tracer.cuda_clock import CudaEventClock
+
+
+def test_cpu_clock_is_monotonic_and_resolves_to_itself():
+    c = CpuClock()
+    stamps = [c.stamp() for _ in range(1000)]
+    assert stamps == sorted(stamps)
+    assert c.resolve(stamps + [None]) == stamps + [None]
+    assert c.lag_steps == 0 and make_clock("cpu").kind == "cpu-monotonic"
+
+
+def test_injected_skew_shifts_the_clock(monkeypatch):
+    base = CpuClock().host_us()
+    monkeypatch.setenv(SKEW_ENV, "250")
+    skewed = CpuClock().host_us()
+    assert 250_000 <= skewed - base < 260_000
+    monkeypatch.setenv(SKEW_ENV, "soon")
+    with pytest.raises(ValueError, match=SKEW_ENV):
+        CpuClock()
+
+
+class FakeGpu:
+    """A fake device timeline: events complete at the GPU time when recorded."""
+
+    def __init__(self):
+        self.gpu_ms = 100.0
+        self.syncs = 0
+
+    def event(self):
+        gpu = self
+
+        class Event:
+            def record(self):
+                self.t = gpu.gpu_ms
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return other.t - self.t
+
+        return Event()
+
+    def synchronize(self):
+        self.syncs += 1
+
+
+class FakeHost:
+    def __init__(self):
+        self.now = 5_000_000.0
+
+    def host_us(self):
+        return self.now
+
+
+def test_cuda_clock_maps_events_onto_the_host_clock_with_one_sync_per_resolve():
+    gpu, host = FakeGpu(), FakeHost()
+    clock = CudaEventClock(host_clock=host, event_factory=gpu.event, synchronize=gpu.synchronize)
+    assert gpu.syncs == 1 and clock.lag_steps == 1  # the anchor
+    stamps = []
+    for dt_ms in (1.0, 2.5, 0.25):
+        gpu.gpu_ms += dt_ms
+        stamps.append(clock.stamp())
+    times = clock.resolve(stamps + [None])
+    assert times[:3] == pytest.approx([5_000_000 + 1000, 5_000_000 + 3500, 5_000_000 + 3750])
+    assert times[3] is None
+    assert gpu.syncs == 2 and clock.syncs == 1  # one synchronize for the whole batch
+    assert clock.resolve([None, None]) == [None, None] and clock.syncs == 1

@@ -1,0 +1,38 @@
+"""Memory accounting with real tensors and a real optimizer."""
+
+import torch
+
+from tracer.memory import distinct_bytes, measure_memory
+
+
+def test_views_of_one_region_count_once():
+    flat = torch.zeros(1000)
+    a, b = flat[:500], flat[500:]
+    assert distinct_bytes([flat, flat]) == 4000
+    assert distinct_bytes([a, b]) == 4000
+    assert distinct_bytes([a, a.view(10, 50)]) == 2000
+
+
+def test_params_grads_adam_state_and_aliased_bucket_buffers():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    params = list(model.parameters())
+    n_bytes = sum(p.numel() * 4 for p in params)
+    opt = torch.optim.Adam(params)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    # a DDP-like flat bucket that the gradients alias (gradient_as_bucket_view=True) ...
+    bucket = torch.zeros(sum(p.numel() for p in params))
+    offset = 0
+    for p in params:
+        view = bucket[offset: offset + p.numel()].view_as(p)
+        view.copy_(p.grad)
+        p.grad = view
+        offset += p.numel()
+    m = measure_memory(params, opt, [bucket])
+    assert m["params_bytes"] == n_bytes and m["grads_bytes"] == n_bytes
+    assert m["optimizer_state_bytes"] == 2 * n_bytes + 4 * len(params)  # exp_avg, exp_avg_sq, step
+    assert m["bucket_buffers_bytes"] == 0  # aliased: no extra memory
+    # ... and one that is a separate copy (gradient_as_bucket_view=False)
+    assert measure_memory(params, opt, [bucket.clone()])["bucket_buffers_bytes"] == n_bytes
+    assert m["rss_bytes"] > n_bytes

@@ -1,0 +1,109 @@
+"""Loading run folders: alignment, and clear one-line errors for everything else."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import KINETO, SAMPLES
+from viz.trace import TraceError, load_run
+
+
+def _meta(rank, world=2, offset=None, **kw):
+    return {"format": "ddpscope-trace", "version": 1, "status": "complete", "rank": rank, "world_size": world,
+            "param_names": ["w", "b"], "clock_offset": offset or {"start": None, "end": None}, **kw}
+
+
+def _step_events(rank, step, t0):
+    return [
+        {"ph": "X", "cat": "step", "name": f"step {step}", "pid": rank, "tid": 1, "ts": t0, "dur": 100.0,
+         "args": {"step": step, "warmup": step == 0}},
+        {"ph": "X", "cat": "forward", "name": "forward", "pid": rank, "tid": 1, "ts": t0, "dur": 20.0, "args": {"step": step}},
+        {"ph": "X", "cat": "backward", "name": "backward", "pid": rank, "tid": 1, "ts": t0 + 25, "dur": 40.0, "args": {"step": step}},
+        {"ph": "X", "cat": "optimizer", "name": "optimizer.step", "pid": rank, "tid": 1, "ts": t0 + 80, "dur": 20.0, "args": {"step": step}},
+        {"ph": "i", "s": "t", "cat": "grad_ready", "name": "b", "pid": rank, "tid": 2, "ts": t0 + 40, "args": {"step": step, "param": 1}},
+        {"ph": "X", "cat": "allreduce", "name": "bucket 0", "pid": rank, "tid": 100, "ts": t0 + 45, "dur": 30.0,
+         "args": {"step": step, "bucket": 0, "bytes": 4096, "params": ["b", "w"]}},
+    ]
+
+
+def write_run(folder, ranks, run=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    for r, (meta, events) in ranks.items():
+        (folder / f"rank-{r}.json").write_text(json.dumps({"traceEvents": events, "otherData": {"ddpscope": meta}}))
+    if run is not None:
+        (folder / "run.json").write_text(json.dumps(run))
+    return folder
+
+
+def test_offsets_align_ranks_with_drift(tmp_path):
+    drift = {"start": {"offset_us": -1000.0, "rtt_us": 50, "at_us": 0.0},
+             "end": {"offset_us": -1010.0, "rtt_us": 50, "at_us": 10_000.0}}
+    run = write_run(tmp_path / "r", {
+        0: (_meta(0), _step_events(0, 0, 1000.0) + _step_events(0, 1, 6000.0)),
+        1: (_meta(1, offset=drift), _step_events(1, 0, 2000.0) + _step_events(1, 1, 7005.0)),
+    }, run={"format": "ddpscope-trace", "world_size": 2, "status": "complete"})
+    t = load_run(run)
+    steps = t.steps.set_index(["rank", "step"])
+    assert steps.loc[(1, 0), "start_us"] == pytest.approx(2000 - 1000 - 2)  # offset interpolated at t=2000
+    assert steps.loc[(1, 1), "start_us"] == pytest.approx(7005 - 1000 - 7.005)
+    assert list(t.steps.warmup) == [True, False, True, False]
+    assert t.buckets.params.iloc[0] == ["b", "w"] and t.grads.name.iloc[0] == "b"
+
+
+@pytest.mark.parametrize("setup, message", [
+    ("not_a_folder", "is not a folder"),
+    ("empty", "holds no rank-<r>.json"),
+    ("truncated", "is not valid JSON (truncated?)"),
+    ("binary", "is not text"),
+    ("other_tool", "is not a ddpscope trace"),
+    ("missing_rank", "rank 1 of 2 are missing"),
+    ("future_version", "trace format version 99"),
+    ("bad_event", "malformed trace event"),
+    ("wrong_rank", "says it is rank 3"),
+])
+def test_bad_input_raises_one_line_trace_error(tmp_path, setup, message):
+    folder = tmp_path / "r"
+    good = {0: (_meta(0), _step_events(0, 0, 0.0)), 1: (_meta(1), _step_events(1, 0, 0.0))}
+    if setup == "not_a_folder":
+        folder.write_text("x")
+    elif setup == "empty":
+        folder.mkdir()
+    else:
+        write_run(folder, good)
+        target = folder / "rank-1.json"
+        if setup == "truncated":
+            target.write_text(target.read_text()[:-40])
+        elif setup == "binary":
+            target.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+        elif setup == "other_tool":
+            target.write_text(json.dumps({"traceEvents": [], "deviceProperties": []}))
+        elif setup == "missing_rank":
+            target.unlink()
+        elif setup == "future_version":
+            write_run(folder, {1: (_meta(1, version=99), [])})
+        elif setup == "bad_event":
+            write_run(folder, {1: (_meta(1), [{"ph": "X", "cat": "step", "ts": "soon", "args": {"step": 0}}])})
+        elif setup == "wrong_rank":
+            write_run(folder, {1: (_meta(3), [])})
+    with pytest.raises(TraceError) as e:
+        load_run(folder)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_ranks_can_be_allowed(tmp_path):
+    folder = write_run(tmp_path / "r", {0: (_meta(0), _step_events(0, 0, 0.0))})
+    assert load_run(folder, allow_missing_ranks=True).steps["rank"].tolist() == [0]
+
+
+@pytest.mark.skipif(not KINETO.exists(), reason="../shared/data/kineto is absent")
+def test_a_real_pytorch_profiler_trace_is_recognised_as_another_tools(tmp_path):
+    folder = tmp_path / "kineto"
+    folder.mkdir()
+    with gzip.open(KINETO / "hta-sampled-2rank" / "rank-0.json.gz") as src, open(folder / "rank-0.json", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    with pytest.raises(TraceError, match="not a ddpscope trace"):
+        load_run(folder)
