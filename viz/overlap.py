@@ -94,3 +94,15 @@ def compute_ddp_logging_view(trace: RunTrace, include_warmup: bool = False) -> p
         "backward_comm_ms": (df["last_done"] - df["first_launch"]) / 1e3,
         "backward_compute_comm_overlap_ms": (df["backward_end_us"] - df["first_launch"]) / 1e3,
     }).reset_index(drop=True)
+
+
+def compute_rank_medians(trace: RunTrace) -> pd.DataFrame:
+    """Per rank: medians over non-warm-up, finished steps of ``compute_step_breakdown``."""
+    b = compute_step_breakdown(trace)
+    cols = ["step_ms", "forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "overlapped_ms", "exposed_ms",
+            "overlap_pct"]
+    if len(b) == 0:
+        return pd.DataFrame(columns=["rank", "steps", *cols])
+    med = b.groupby("rank")[cols].median()
+    med.insert(0, "steps", b.groupby("rank").size())
+    return med.reset_index()

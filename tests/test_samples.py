@@ -1,0 +1,28 @@
+"""The bundled samples are real, complete, small traces."""
+
+import json
+
+import pytest
+
+from tests.chrome_trace import check_chrome_trace
+from tests.conftest import SAMPLES
+from viz.trace import load_run
+
+NAMES = sorted(p.name for p in SAMPLES.iterdir() if (p / "run.json").exists())
+
+
+def test_there_are_samples_at_two_bucket_caps():
+    caps = {json.loads((SAMPLES / n / "run.json").read_text())["bucket_cap_mb"] for n in NAMES}
+    assert {1.0, 25.0} <= caps
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sample_is_complete_small_and_well_formed(name):
+    folder = SAMPLES / name
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 2 * 2**20
+    t = load_run(folder)
+    assert t.status == "complete" and t.world_size >= 2
+    assert t.run["steps"] >= 10 and not t.steps.incomplete.any()
+    for r in range(t.world_size):
+        assert check_chrome_trace(json.loads((folder / f"rank-{r}.json").read_text())) == []
+        assert t.ranks[r]["bucket_layouts"][-1]["buckets"] == t.run["bucket_layout"]
