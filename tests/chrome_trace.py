@@ -46,9 +46,9 @@ def check_chrome_trace(doc: dict) -> list[str]:
     for lane, items in spans.items():
         stack: list[tuple[float, float, int]] = []
         for ts, te, n in sorted(items, key=lambda s: (s[0], -s[1])):
-            while stack and stack[-1][1] <= ts:
+            while stack and stack[-1][1] <= ts + 1e-3:  # 1 ns: float rounding of ts + dur
                 stack.pop()
-            if stack and te > stack[-1][1] + 1e-6:
+            if stack and te > stack[-1][1] + 1e-3:
                 problems.append(f"event {n} on {lane} overlaps event {stack[-1][2]} without nesting")
             stack.append((ts, te, n))
     return problems

@@ -116,9 +116,10 @@ def test_two_nodes_with_a_skewed_clock_align(tmp_path):
     400 ms ahead. After alignment, each bucket's all-reduce completes on both ranks
     within a few ms (typically well under 1 ms; the outliers are CPU scheduling of the
     process group's threads on a 2-core machine running 2 busy ranks)."""
+    import os
+    import shutil
     import subprocess
     import sys
-    import os
     from tests.conftest import ROOT
 
     port = free_port()
@@ -126,8 +127,10 @@ def test_two_nodes_with_a_skewed_clock_align(tmp_path):
               "--rdzv-endpoint", f"127.0.0.1:{port}"]
     # both "nodes" share this machine's cores: one compute thread each, as torchrun sets for nproc > 1
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # each "node" on its own core, as real nodes would be (the demo binds ranks within a node)
+    pin = (lambda n: ["taskset", "-c", str(n)]) if shutil.which("taskset") and os.cpu_count() >= 2 else (lambda n: [])
     nodes = [
-        subprocess.Popen([sys.executable, "-m", "tracer", "run", *common, "--node-rank", str(n),
+        subprocess.Popen([*pin(n), sys.executable, "-m", "tracer", "run", *common, "--node-rank", str(n),
                           "--out", str(tmp_path / f"node{n}")], cwd="/", text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env={**env, "DDPSCOPE_TEST_CLOCK_SKEW_MS": "400"} if n == 1 else env)
@@ -143,10 +146,10 @@ def test_two_nodes_with_a_skewed_clock_align(tmp_path):
     b = trace.buckets[trace.buckets.step >= 1].pivot_table(index=["step", "bucket"], columns="rank", values="done_us")
     assert len(b) >= 5 * 10
     diff = (b[0] - b[1]).abs()
-    # µs. Most completions agree to well under a millisecond; a few are late on one rank
-    # by some ms because 2 busy ranks share 2 cores with their process-group threads
-    # (seen in single-node runs too), far from the 400 ms the alignment removed.
-    assert diff.median() < 1_000 and diff.quantile(0.9) < 3_000 and diff.max() < 50_000, diff.describe()
+    # µs. Most completions agree to a fraction of a millisecond; a few are late on one
+    # rank by some ms, because each rank has one core for its training thread and its
+    # process group's threads (seen in single-node runs too): far from the 400 ms removed.
+    assert diff.median() < 2_000 and diff.max() < 15_000, diff.describe()
     raw = trace.buckets.done_us + trace.buckets["rank"].map(lambda r: -trace.ranks[r]["clock_offset"]["start"]["offset_us"])
     assert abs(raw[trace.buckets["rank"] == 1].mean() - raw[trace.buckets["rank"] == 0].mean() - 400_000) < 20_000
     assert _port_is_free(port)

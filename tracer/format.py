@@ -32,6 +32,7 @@ TID_BUCKET_BASE = 100  # bucket b's all-reduces on tid 100 + b (a bucket never o
 CAT_STEP = "step"
 CAT_FORWARD = "forward"
 CAT_BACKWARD = "backward"
+CAT_GRAD_SYNC = "grad_sync"  # end of backward compute -> DDP has every averaged gradient
 CAT_OPTIMIZER = "optimizer"
 CAT_GRAD = "grad_ready"
 CAT_ALLREDUCE = "allreduce"

@@ -32,7 +32,7 @@ class CommHookState:
 def traced_allreduce_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     recorder = state.recorder
     buffer = bucket.buffer()
-    rec = None if recorder is None else recorder.on_bucket_launch(bucket.index(), buffer, bucket.parameters())
+    rec = None if recorder is None else recorder.on_bucket_launch(bucket.index(), buffer, bucket)
     buffer.div_(dist.get_world_size(state.group))  # average, as DDP's default does
     work = dist.all_reduce(buffer, group=state.group, async_op=True)
     if rec is None:

@@ -13,13 +13,9 @@ from typing import Iterable
 import torch
 
 
-def _region(t: torch.Tensor) -> tuple[int, int]:
-    return (t.data_ptr(), t.numel() * t.element_size())
-
-
 def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct regions that ``tensors`` occupy."""
-    return sum(n for _, n in {_region(t) for t in tensors if t is not None})
+    return sum(n for _, n in {(t.data_ptr(), t.nbytes) for t in tensors if t is not None})
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
@@ -41,17 +37,20 @@ def measure_memory(
     params: list[torch.nn.Parameter],
     optimizer: torch.optim.Optimizer | None,
     bucket_buffers: Iterable[torch.Tensor] = (),
+    params_bytes: int | None = None,
 ) -> dict[str, int]:
     """Bytes of parameters, gradients, optimizer state and DDP's extra bucket buffers.
 
+    ``params_bytes`` may be passed in when known (parameters do not change size).
     On CUDA, adds the caching allocator's ``allocated_bytes`` and ``max_allocated_bytes``
     (peak since the last ``reset_peak``); on CPU, the process RSS.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    grad_storages = {g.untyped_storage().data_ptr() for g in grads}
-    extra_buffers = [b for b in bucket_buffers if b.untyped_storage().data_ptr() not in grad_storages]
+    buffers = list(bucket_buffers)
+    grad_storages = {g.untyped_storage().data_ptr() for g in grads} if buffers else set()
+    extra_buffers = [b for b in buffers if b.untyped_storage().data_ptr() not in grad_storages]
     out = {
-        "params_bytes": distinct_bytes(params),
+        "params_bytes": distinct_bytes(params) if params_bytes is None else params_bytes,
         "grads_bytes": distinct_bytes(grads),
         "optimizer_state_bytes": distinct_bytes(optimizer_state_tensors(optimizer)),
         "bucket_buffers_bytes": distinct_bytes(extra_buffers),

@@ -13,13 +13,13 @@ threads; a completion only assigns ``BucketRecord.done``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from tracer import format as fmt
 from tracer.clock import Clock
-from tracer.memory import measure_memory, reset_peak
+from tracer.memory import distinct_bytes, measure_memory, reset_peak
 
 
 @dataclass
@@ -40,6 +40,7 @@ class StepRecord:
     forwards: list[list[Any]] = field(default_factory=list)  # [start, end] per forward call
     backward_start: Any = None
     backward_end: Any = None
+    sync_end: Any = None  # DDP's end-of-backward work (wait for buckets, write grads) done
     grads: list[tuple[int, Any]] = field(default_factory=list)
     buckets: list[BucketRecord] = field(default_factory=list)
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -55,7 +56,7 @@ def _round(us: float) -> float:
 
 
 class StepRecorder:
-    """Collects steps; emits them with ``emit(events, layout_changed)``."""
+    """Collects steps; hands their Chrome trace events on with ``emit(events, layouts_or_None)``."""
 
     def __init__(
         self,
@@ -66,7 +67,7 @@ class StepRecorder:
         params: list[torch.nn.Parameter],
         optimizer: torch.optim.Optimizer | None,
         step_boundary: str,
-        emit: Callable[[list[dict], list[dict] | None], None],
+        emit: Callable[[Iterator[dict], list[dict] | None], None],
         nccl_kernel_timing: bool = False,
     ) -> None:
         self.clock = clock
@@ -83,6 +84,8 @@ class StepRecorder:
         self.pending: list[StepRecord] = []  # closed, not yet resolved
         self.layouts: list[dict] = []  # {"from_step": s, "buckets": [[param idx...], ...]}
         self.buckets_seen: set[int] = set()
+        self._params_bytes = distinct_bytes(params)
+        self._bucket_params: dict[tuple[int, int, int], tuple[int, ...]] = {}
         self.device = params[0].device if params else torch.device("cpu")
         self.steps_written = 0
 
@@ -128,18 +131,27 @@ class StepRecorder:
         if cur is not None:
             cur.backward_end = self.clock.stamp()
             cur.first_grad_seen = False  # a further backward (accumulation) queues again
+            # Callbacks queued while callbacks run go to the back of the queue: this one
+            # runs after DDP's finalize (wait for every bucket, write the averaged grads).
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_grads_synced)
 
-    def on_bucket_launch(self, index: int, buffer: torch.Tensor, params: list) -> BucketRecord | None:
+    def _on_grads_synced(self) -> None:
+        cur = self.current
+        if cur is not None:
+            cur.sync_end = self.clock.stamp()
+
+    def on_bucket_launch(self, index: int, buffer: torch.Tensor, bucket) -> BucketRecord | None:
         cur = self.current
         if cur is None:
             return None
         now = self.clock.stamp()
-        rec = BucketRecord(
-            index=index,
-            nbytes=buffer.numel() * buffer.element_size(),
-            params=tuple(self.param_index.get(id(p), -1) for p in params),
-            launch=now,
-        )
+        # A bucket's parameters change only when DDP rebuilds its buckets, which gives it
+        # new buffers: look them up once per buffer, not on every step.
+        key = (index, buffer.data_ptr(), buffer.numel())
+        params = self._bucket_params.get(key)
+        if params is None:
+            params = self._bucket_params[key] = tuple(self.param_index.get(id(p), -1) for p in bucket.parameters())
+        rec = BucketRecord(index=index, nbytes=buffer.numel() * buffer.element_size(), params=params, launch=now)
         cur.buckets.append(rec)
         cur.buffers[index] = buffer
         return rec
@@ -182,8 +194,7 @@ class StepRecorder:
         cur = self.current
         self.current = None
         cur.end = now
-        cur.memory = measure_memory(self.params, self.optimizer, cur.buffers.values())
-        cur.buffers = {}
+        cur.memory = measure_memory(self.params, self.optimizer, cur.buffers.values(), self._params_bytes)
         self.pending.append(cur)
         self._resolve(len(self.pending) - self.clock.lag_steps)
 
@@ -193,28 +204,40 @@ class StepRecorder:
         ready, self.pending = self.pending[:count], self.pending[count:]
         stamps: list[Any] = []
         for s in ready:
-            stamps += [s.start, s.end, s.backward_start, s.backward_end]
+            stamps += [s.start, s.end, s.backward_start, s.backward_end, s.sync_end]
             stamps += [s.optimizer[0], s.optimizer[1]] if s.optimizer else [None, None]
             for f in s.forwards:
                 stamps += f
             stamps += [t for _, t in s.grads]
             for b in s.buckets:
                 stamps += [b.launch, b.done]
-        times = iter(self.clock.resolve(stamps))
-        events: list[dict] = []
+        times = self.clock.resolve(stamps)
+        nccl = [[self._nccl_us(b) for b in s.buckets] for s in ready] if self.nccl_kernel_timing else None
         layout_changed = False
         for s in ready:
-            events += self._events(s, times)
+            s.buffers = {}
             layout = [list(p) for p in _layout(s.buckets)]
             if layout and (not self.layouts or self.layouts[-1]["buckets"] != layout):
                 self.layouts.append({"from_step": s.step, "buckets": layout})
                 layout_changed = True
         self.steps_written += len(ready)
-        self.emit(events, self.layouts if layout_changed else None)
+        self.emit(self.events(ready, times, nccl), self.layouts if layout_changed else None)
 
-    def _events(self, s: StepRecord, times) -> list[dict]:
+    def _nccl_us(self, b: BucketRecord) -> float | None:
+        try:
+            return None if b.work is None else b.work.get_duration() * 1000.0  # ms -> µs
+        except RuntimeError:
+            return None
+
+    def events(self, steps: list[StepRecord], times: list, nccl: list | None = None) -> Iterator[dict]:
+        """Chrome trace events for resolved steps (``times`` in ``_resolve``'s order)."""
+        it = iter(times)
+        for n, s in enumerate(steps):
+            yield from self._events(s, it, nccl[n] if nccl else None)
+
+    def _events(self, s: StepRecord, times, nccl: list | None) -> list[dict]:
         pid = self.rank
-        start, end, bwd_s, bwd_e, opt_s, opt_e = (next(times) for _ in range(6))
+        start, end, bwd_s, bwd_e, sync_e, opt_s, opt_e = (next(times) for _ in range(7))
         fwds = [(next(times), next(times)) for _ in s.forwards]
         grads = [(i, next(times)) for i, _ in s.grads]
         buckets = [(b, next(times), next(times)) for b in s.buckets]
@@ -241,24 +264,23 @@ class StepRecorder:
         if bwd_end is not None:
             ev += span(fmt.CAT_BACKWARD, "backward", bwd_s if bwd_s is not None else fwd_end,
                        bwd_end, lo=start, hi=end)
+        if bwd_end is not None and sync_e is not None:
+            ev += span(fmt.CAT_GRAD_SYNC, "wait for all-reduce", bwd_end, sync_e, lo=start, hi=end)
         ev += span(fmt.CAT_OPTIMIZER, "optimizer.step", opt_s, opt_e, lo=start, hi=end)
         for i, t in grads:
             if t is not None:
                 ev.append({"ph": "i", "s": "t", "cat": fmt.CAT_GRAD, "name": self._name(i),
                            "pid": pid, "tid": fmt.TID_GRADS, "ts": _round(t),
                            "args": {"step": s.step, "param": i}})
-        for b, launch, done in buckets:
+        for n, (b, launch, done) in enumerate(buckets):
             if b.index not in self.buckets_seen:
                 self.buckets_seen.add(b.index)
                 ev += _thread_meta(pid, fmt.TID_BUCKET_BASE + b.index, f"all-reduce bucket {b.index}")
             args = {"bucket": b.index, "bytes": b.nbytes, "params": [self._name(i) for i in b.params]}
             if done is None:
                 args["incomplete"] = True
-            if self.nccl_kernel_timing and b.work is not None:
-                try:
-                    args["nccl_kernel_us"] = b.work.get_duration() * 1000.0  # ms -> µs
-                except RuntimeError:
-                    pass
+            if nccl and nccl[n] is not None:
+                args["nccl_kernel_us"] = nccl[n]
             ev += span(fmt.CAT_ALLREDUCE, f"bucket {b.index}", launch,
                        done if done is not None else end, tid=fmt.TID_BUCKET_BASE + b.index, **args)
         if s.memory:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import socket
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,19 +45,13 @@ class TracerConfig:
         (``tracer.step()`` ends a step).
     offset_rounds: ping-pong rounds per rank for the clock-offset estimate.
     flush_interval_s: the writer rewrites the file at most this often (seconds).
-    gil_switch_interval_s: while tracing, Python's thread switch interval (seconds;
-        None leaves it alone). All-reduce completions are stamped in callbacks on the
-        process group's threads; at Python's default 5 ms a busy training thread can
-        hold such a callback back that long. A waiting thread is rare, so a short
-        interval costs next to nothing.
     run_meta: extra JSON-able facts about the run (model name, batch size, ...).
     """
 
     out_dir: Path | str
     step_boundary: str = "auto"
     offset_rounds: int = 16
-    flush_interval_s: float = 0.05
-    gil_switch_interval_s: float | None = 0.0005
+    flush_interval_s: float = 0.25
     run_meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -69,8 +62,6 @@ class TracerConfig:
             raise ValueError(f"offset_rounds must be in 1..1000, got {self.offset_rounds}")
         if not 0 <= self.flush_interval_s <= 60:
             raise ValueError(f"flush_interval_s must be in 0..60 seconds, got {self.flush_interval_s}")
-        if self.gil_switch_interval_s is not None and not 1e-6 <= self.gil_switch_interval_s <= 1.0:
-            raise ValueError(f"gil_switch_interval_s must be in 1e-6..1 seconds or None, got {self.gil_switch_interval_s}")
 
 
 class DDPTracer:
@@ -91,7 +82,6 @@ class DDPTracer:
         self._recorder: StepRecorder | None = None
         self._writer: TraceWriter | None = None
         self._comm_state = None
-        self._old_switch_interval = sys.getswitchinterval()
 
     # -- lifecycle ----------------------------------------------------------------
     def __enter__(self) -> "DDPTracer":
@@ -138,9 +128,6 @@ class DDPTracer:
         comm_state.recorder = self._recorder
         self._comm_state = comm_state
         attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles)
-        self._old_switch_interval = sys.getswitchinterval()
-        if cfg.gil_switch_interval_s is not None:
-            sys.setswitchinterval(cfg.gil_switch_interval_s)
         return self
 
     def step(self) -> None:
@@ -154,7 +141,6 @@ class DDPTracer:
             if self._recorder is not None:
                 self._recorder.finish(aborted=failed)
         finally:
-            sys.setswitchinterval(self._old_switch_interval)
             self._handles.remove()
             if self._comm_state is not None:
                 self._comm_state.recorder = None
@@ -179,7 +165,7 @@ class DDPTracer:
         return False
 
     # -- internals ----------------------------------------------------------------
-    def _emit(self, events: list[dict], layouts: list[dict] | None) -> None:
+    def _emit(self, events, layouts: list[dict] | None) -> None:
         self._writer.add(events)
         fields = {"steps": self._recorder.steps_written}
         if layouts is not None:

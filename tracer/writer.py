@@ -1,8 +1,8 @@
 """Writing traces: atomically (temporary file, then rename), off the training thread.
 
 ``TraceWriter`` keeps one rank's Chrome trace on disk, complete and valid after every
-step: the training thread only hands finished events over; a background thread
-re-encodes nothing it has encoded before and rewrites the file atomically. A run that
+step: the training thread encodes each finished step's events once (between steps); a
+background thread rewrites the file atomically (I/O only, which releases the GIL). A run that
 dies therefore leaves every step that was handed over readable, with ``status`` still
 ``running`` (or ``failed``) in the metadata.
 """
@@ -52,7 +52,7 @@ class TraceWriter:
     def __init__(self, path: Path, meta: dict, min_interval_s: float = 0.05) -> None:
         self.path = Path(path)
         self._meta = dict(meta)
-        self._pending: list[dict] = []
+        self._pending: list[bytes] = []
         self._encoded: list[bytes] = []
         self._dirty = True
         self._closed = False
@@ -64,9 +64,13 @@ class TraceWriter:
         self._thread = threading.Thread(target=self._loop, name="ddpscope-writer", daemon=True)
         self._thread.start()
 
-    def add(self, events: list[dict]) -> None:
+    def add(self, events: Iterable[dict]) -> None:
+        """Hand over finished events. They are encoded here, on the caller's thread, between
+        steps: encoding on the writer's thread would compete with the next step for the
+        GIL and the CPU, and distort the very timings being traced. Only I/O is deferred."""
+        encoded = [json.dumps(e, separators=_SEP).encode() for e in events]
         with self._cond:
-            self._pending.extend(events)
+            self._pending.extend(encoded)
             self._dirty = True
             self._cond.notify()
 
@@ -112,7 +116,7 @@ class TraceWriter:
                 events, self._pending = self._pending, []
                 meta = json.dumps(self._meta, separators=_SEP).encode()
                 self._dirty = False
-            self._encoded.extend(json.dumps(e, separators=_SEP).encode() for e in events)
+            self._encoded.extend(events)
             write_bytes_atomic(
                 self.path,
                 [

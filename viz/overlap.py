@@ -77,9 +77,10 @@ def compute_step_breakdown(trace: RunTrace, include_warmup: bool = False) -> pd.
 def compute_ddp_logging_view(trace: RunTrace, include_warmup: bool = False) -> pd.DataFrame:
     """The four durations DDP's own runtime logging reports, derived from the trace with
     DDP's definitions (ms): ``forward_compute`` (forward start -> forward end, where DDP
-    starts its backward clock), ``backward_compute`` (forward end -> end of backward),
-    ``backward_comm`` (first bucket launch -> last completion) and
-    ``backward_compute_comm_overlap`` (first bucket launch -> end of backward)."""
+    starts its backward clock), ``backward_compute`` (forward end -> end of backward
+    compute), ``backward_comm`` (first bucket launch -> DDP has written every averaged
+    gradient, i.e. the end of the grad-sync span; the last bucket completion if absent)
+    and ``backward_compute_comm_overlap`` (first bucket launch -> end of backward compute)."""
     steps = _steps(trace, include_warmup)
     cols = ["rank", "step", "forward_compute_ms", "backward_compute_ms", "backward_comm_ms",
             "backward_compute_comm_overlap_ms"]
@@ -87,11 +88,12 @@ def compute_ddp_logging_view(trace: RunTrace, include_warmup: bool = False) -> p
         return pd.DataFrame(columns=cols)
     b = trace.buckets.groupby(["rank", "step"]).agg(first_launch=("launch_us", "min"), last_done=("done_us", "max"))
     df = steps.join(b, on=["rank", "step"], how="inner")
+    comm_end = df["sync_end_us"].fillna(df["last_done"]) if "sync_end_us" in df else df["last_done"]
     return pd.DataFrame({
         "rank": df["rank"], "step": df["step"],
         "forward_compute_ms": (df["forward_end_us"] - df["forward_start_us"]) / 1e3,
         "backward_compute_ms": (df["backward_end_us"] - df["forward_end_us"]) / 1e3,
-        "backward_comm_ms": (df["last_done"] - df["first_launch"]) / 1e3,
+        "backward_comm_ms": (comm_end - df["first_launch"]) / 1e3,
         "backward_compute_comm_overlap_ms": (df["backward_end_us"] - df["first_launch"]) / 1e3,
     }).reset_index(drop=True)
 

@@ -28,8 +28,9 @@ class RunTrace:
     """One run. DataFrames:
 
     - ``steps``: rank, step, warmup, incomplete, start_us, end_us, forward_start_us,
-      forward_end_us, backward_start_us, backward_end_us, optimizer_start_us,
-      optimizer_end_us
+      forward_end_us, backward_start_us, backward_end_us (backward compute),
+      sync_start_us, sync_end_us (waiting for DDP's all-reduces after backward compute
+      until every averaged gradient is written), optimizer_start_us, optimizer_end_us
     - ``buckets``: rank, step, bucket, bytes, num_params, params (names), launch_us,
       done_us, incomplete
     - ``grads``: rank, step, param, name, ready_us
@@ -140,6 +141,10 @@ def _frame(rows: list[dict], order: list[str]) -> pd.DataFrame:
     return df.sort_values(order, kind="stable").reset_index(drop=True) if len(df) else df
 
 
+_PHASES = {fmt.CAT_FORWARD: "forward", fmt.CAT_BACKWARD: "backward", fmt.CAT_GRAD_SYNC: "sync",
+           fmt.CAT_OPTIMIZER: "optimizer"}
+
+
 def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) -> None:
     align = _offset_fn(meta)
     steps: dict[int, dict] = {}
@@ -159,9 +164,9 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
                            incomplete=bool(args.get("incomplete", False)))
                 if isinstance(args.get("memory"), dict):
                     rows["memory"].append({"rank": rank, "step": step, **args["memory"]})
-            elif cat in (fmt.CAT_FORWARD, fmt.CAT_BACKWARD, fmt.CAT_OPTIMIZER):
+            elif cat in _PHASES:
                 row = steps.setdefault(step, {"rank": rank, "step": step})
-                key = {"forward": "forward", "backward": "backward", "optimizer": "optimizer"}[cat]
+                key = _PHASES[cat]
                 row[f"{key}_start_us"] = min(ts, row.get(f"{key}_start_us", ts))  # first forward ...
                 row[f"{key}_end_us"] = max(te, row.get(f"{key}_end_us", te))  # ... to the last
             elif cat == fmt.CAT_GRAD:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tracer import DDPTracer
+from tracer.affinity import bind_local_rank_to_cores
 
 LOG_KEYS = ("forward_compute_time", "backward_compute_time", "backward_comm_time",
             "backward_compute_comm_overlap_time")
@@ -44,6 +44,10 @@ def main() -> None:
     p.add_argument("--gradient-as-bucket-view", action="store_true")
     p.add_argument("--compare-untraced", action="store_true")
     args = p.parse_args()
+    # Each rank on its own cores, as the demo job does: on a 2-core machine the ranks'
+    # threads would otherwise preempt each other for milliseconds at random, between the
+    # tracer's timestamps and DDP's, which the two instruments would then disagree about.
+    bind_local_rank_to_cores()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(args.out)

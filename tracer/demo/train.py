@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tracer.affinity import bind_local_rank_to_cores
 from tracer.demo.models import MODELS, build_model
 from tracer.tracer import DDPTracer, TracerConfig
 
@@ -58,6 +59,8 @@ def main(argv=None) -> None:
     if use_cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if not use_cuda:
+        bind_local_rank_to_cores()  # ranks on their own cores: less scheduling noise
     dist.init_process_group("nccl" if use_cuda else "gloo",
                             timeout=datetime.timedelta(seconds=args.pg_timeout_s))
     try:
