@@ -153,3 +153,29 @@ def test_two_nodes_with_a_skewed_clock_align(tmp_path):
     raw = trace.buckets.done_us + trace.buckets["rank"].map(lambda r: -trace.ranks[r]["clock_offset"]["start"]["offset_us"])
     assert abs(raw[trace.buckets["rank"] == 1].mean() - raw[trace.buckets["rank"] == 0].mean() - 400_000) < 20_000
     assert _port_is_free(port)
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_stopping_the_runner_stops_and_reaps_the_job(tmp_path, sig):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, "-m", "tracer", "run", "--nproc", "2", "--steps", "500", "--out", str(out)],
+                            cwd="/", env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (out / "rank-0.json").exists():
+        time.sleep(0.2)
+    time.sleep(1.5)  # a few steps in
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert json.loads((out / "run.json").read_text())["status"] == "failed"
+    assert len(load_run(out).steps.query("rank == 0 and not incomplete")) >= 1
+    assert processes_mentioning(str(out)) == []

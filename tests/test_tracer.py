@@ -25,11 +25,11 @@ QUANTITIES = {  # DDP logging key (ns) -> our column (ms)
 }
 
 
-def _check_run(tmp_path: Path, *extra: str, steps: int = 10) -> tuple[dict, object]:
+def _check_run(tmp_path: Path, *extra: str, steps: int = 10, compare: bool = True) -> tuple[dict, object]:
     out = tmp_path / "check"
     result = launch(LaunchConfig(
-        target="tests.workers.ddp_check", nproc=2, log_dir=out / "logs", timeout_s=180,
-        args=["--out", str(out), "--steps", str(steps), "--compare-untraced", *extra], env=project_env(),
+        target="tests.workers.ddp_check", nproc=2, log_dir=out / "logs", timeout_s=180, env=project_env(),
+        args=["--out", str(out), "--steps", str(steps), *(["--compare-untraced"] if compare else []), *extra],
     ))
     assert result.ok, f"{result.reason}\n{result.stderr_tail}"
     checks = {r: json.loads((out / f"check-rank{r}.json").read_text()) for r in (0, 1)}
@@ -81,3 +81,22 @@ def test_gradients_are_ready_before_their_bucket_launches(tmp_path):
             assert g[(b.rank, b.step, name)] <= b.launch_us
             n += 1
     assert n == 4 * 2 * 18  # every parameter of every step on both ranks
+
+
+@pytest.mark.parametrize("mode", [["--step-boundary", "explicit"], ["--no-optimizer-hooks"]],
+                         ids=["explicit-steps", "no-optimizer"])
+def test_step_boundaries_explicit_or_without_optimizer(tmp_path, mode):
+    _, trace = _check_run(tmp_path, *mode, steps=5, compare=False)
+    steps = trace.steps
+    assert sorted(steps.groupby("rank").size().to_dict().items()) == [(0, 5), (1, 5)]
+    assert not steps.incomplete.any()
+    for col in ("forward_start_us", "backward_end_us", "sync_end_us"):
+        assert steps[col].notna().all()
+    # spans nest inside their step, in order
+    assert ((steps.start_us <= steps.forward_start_us) & (steps.forward_end_us <= steps.backward_start_us)
+            & (steps.backward_end_us <= steps.sync_end_us) & (steps.sync_end_us <= steps.end_us)).all()
+    has_opt = "optimizer_start_us" in steps and steps.optimizer_start_us.notna().all()
+    assert has_opt == (mode[0] != "--no-optimizer-hooks")
+    # steps do not overlap on a rank
+    for _, g in steps.groupby("rank"):
+        assert (g.start_us.to_numpy()[1:] >= g.end_us.to_numpy()[:-1]).all()

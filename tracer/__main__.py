@@ -7,6 +7,7 @@ tail on stderr), 2 bad arguments (one line, nothing written).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 
@@ -58,6 +59,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.verbose:
             print(f"[rank {rank}] {line}" if rank is not None else line, file=sys.stderr)
 
+    # SIGTERM (a scheduler, `kill`) ends the job like Ctrl-C does: stopped and reaped.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     result = run_job(cfg, progress, output)
     if not result.ok:
         print(f"python -m tracer run: run failed: {result.reason}", file=sys.stderr)
@@ -67,6 +70,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 130 if result.interrupted else 1
     print(cfg.out)
     return 0
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,8 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--gradient-as-bucket-view", action="store_true")
     p.add_argument("--compare-untraced", action="store_true")
+    p.add_argument("--step-boundary", choices=("auto", "explicit"), default="auto")
+    p.add_argument("--no-optimizer-hooks", action="store_true", help="do not give the tracer the optimizer")
     args = p.parse_args()
     # Each rank on its own cores, as the demo job does: on a 2-core machine the ranks'
     # threads would otherwise preempt each other for milliseconds at random, between the
@@ -64,7 +66,8 @@ def main() -> None:
             ref_opt = torch.optim.SGD(ref_ddp.parameters(), lr=0.05, momentum=0.9)
         gen = torch.Generator().manual_seed(100 + rank)
         logging, allreduce_err = [], 0.0
-        with DDPTracer(ddp, opt, out_dir=out / "trace"):
+        with DDPTracer(ddp, None if args.no_optimizer_hooks else opt, out_dir=out / "trace",
+                       step_boundary=args.step_boundary) as tracer:
             for step in range(args.steps):
                 x = torch.randn(64, args.width, generator=gen)
                 y = torch.randn(64, 8, generator=gen)
@@ -87,6 +90,8 @@ def main() -> None:
                         allreduce_err = max(allreduce_err, float((q.grad - avg).abs().max()))
                 opt.step()
                 opt.zero_grad()
+                if args.step_boundary == "explicit":
+                    tracer.step()
                 if args.compare_untraced:
                     nn.functional.mse_loss(ref_ddp(x), y).backward()
                     ref_opt.step()
