@@ -224,9 +224,11 @@ class StepRecorder:
         self.emit(self.events(ready, times, nccl), self.layouts if layout_changed else None)
 
     def _nccl_us(self, b: BucketRecord) -> float | None:
+        # Work._get_duration(): NCCL kernel time in ms, when TORCH_NCCL_ENABLE_TIMING=1
+        # (recorded by ProcessGroupNCCL with CUDA events; read after the step's sync).
         try:
-            return None if b.work is None else b.work.get_duration() * 1000.0  # ms -> µs
-        except RuntimeError:
+            return None if b.work is None else b.work._get_duration() * 1000.0  # ms -> µs
+        except (RuntimeError, AttributeError):
             return None
 
     def events(self, steps: list[StepRecord], times: list, nccl: list | None = None) -> Iterator[dict]:
