@@ -1,0 +1,34 @@
+"""``python -m viz summary``."""
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT, SAMPLES
+from viz.overlap import compute_rank_medians
+from viz.trace import load_run
+
+
+def _viz(*args):
+    return subprocess.run([sys.executable, "-m", "viz", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_summary_json_matches_the_metrics():
+    path = SAMPLES / "gpt-2rank-cap1mb"
+    proc = _viz("summary", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    med = compute_rank_medians(load_run(path)).set_index("rank")
+    assert set(data["ranks"]) == {"0", "1"}
+    for r, row in data["ranks"].items():
+        assert row["step_ms"] == med.loc[int(r), "step_ms"] and row["steps"] == 11
+        assert 0 <= row["overlap_pct"] <= 100
+
+
+def test_summary_table_and_bad_input(tmp_path):
+    proc = _viz("summary", str(SAMPLES / "mlp-2rank-cap1mb"))
+    assert proc.returncode == 0 and "overlap_pct" in proc.stdout
+    (tmp_path / "rank-0.json").write_text("{not json")
+    for args in (["summary", str(tmp_path)], ["summary", str(tmp_path / "missing")], ["summarise"]):
+        proc = _viz(*args)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
