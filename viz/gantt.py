@@ -2,8 +2,7 @@
 
 Built for size: one Plotly trace per category (forward, backward segments, waiting,
 optimizer, buckets, exposed communication), each holding all its bars, never one trace
-per bar; 8 ranks x 100 steps x 50 buckets builds in well under a second
-(benchmarks/gantt.py). Times on the x axis are ms from the start of the first shown step
+per bar; numbers as arrays, lanes as numeric positions (benchmarks/gantt.py). Times on the x axis are ms from the start of the first shown step
 (rank 0's clock; ranks are aligned).
 """
 
@@ -14,13 +13,25 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.colors import sample_colorscale
 
 from viz.buckets import compute_bucket_events
-from viz.overlap import merge_intervals
 from viz.trace import RunTrace
 
-COLORS = {"forward": "#4C78A8", "backward": ("#72B7B2", "#54A24B"), "wait": "#BAB0AC",
+# Per-bar labels (module / parameter names in the hover) only up to this many bars in a
+# trace: strings travel one by one, numbers as packed arrays. Fewer steps: names return.
+TEXT_LIMIT = 5000
+# Above this many bars the figure draws WebGL segments instead of SVG rectangles.
+GL_THRESHOLD = 6000
+
+COLORS = {"forward": "#4C78A8", "backward": "#54A24B", "wait": "#BAB0AC",
           "optimizer": "#F58518", "exposed": "rgba(228, 26, 28, 0.55)"}
+
+
+def lane_position(fig: go.Figure, label: str) -> float:
+    """The y position of a lane label in a figure made here."""
+    ax = fig.layout.yaxis
+    return float(ax.tickvals[list(ax.ticktext).index(label)])
 
 
 def compute_lane(rank: int) -> str:
@@ -55,104 +66,190 @@ def _short(names: list[str], limit: int = 4) -> str:
 def backward_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
     """Backward compute cut at gradient-ready times into per-module segments:
     rank, step, start_us, end_us, label (consecutive parameters of one module merge)."""
+    cols = ["rank", "step", "start_us", "end_us", "label"]
     g = trace.grads
     if len(g) == 0 or len(shown) == 0:
-        return pd.DataFrame(columns=["rank", "step", "start_us", "end_us", "label"])
-    bounds = shown.set_index(["rank", "step"])[["backward_start_us", "backward_end_us"]]
+        return pd.DataFrame(columns=cols)
+    bounds = shown.set_index(["rank", "step"])["backward_start_us"]
     g = g.join(bounds, on=["rank", "step"], how="inner").sort_values(["rank", "step", "ready_us"], kind="stable")
-    first = (g["rank"] != g["rank"].shift()) | (g["step"] != g["step"].shift())
-    prev = g["ready_us"].shift().where(~first, g["backward_start_us"])
-    module = g["name"].str.rsplit(".", n=1).str[0]
-    new_seg = first | (module != module.shift())
-    seg = pd.DataFrame({"rank": g["rank"], "step": g["step"], "start_us": prev, "end_us": g["ready_us"],
-                        "label": module, "id": new_seg.cumsum()})
-    out = seg.groupby("id", sort=False).agg(rank=("rank", "first"), step=("step", "first"),
-                                           start_us=("start_us", "min"), end_us=("end_us", "max"),
-                                           label=("label", "first"))
-    return out.reset_index(drop=True)
+    if len(g) == 0:
+        return pd.DataFrame(columns=cols)
+    rank, step, ready = g["rank"].to_numpy(), g["step"].to_numpy(), g["ready_us"].to_numpy(float)
+    names = g["name"].to_numpy()
+    modules = {n: n.rsplit(".", 1)[0] for n in pd.unique(names)}  # a few hundred names, not one per row
+    module = np.array([modules[n] for n in names], dtype=object)
+    first = np.r_[True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])]
+    prev = np.where(first, g["backward_start_us"].to_numpy(float), np.r_[np.nan, ready[:-1]])
+    starts = np.flatnonzero(first | np.r_[True, module[1:] != module[:-1]])
+    return pd.DataFrame({
+        "rank": rank[starts], "step": step[starts], "start_us": np.minimum.reduceat(prev, starts),
+        "end_us": np.maximum.reduceat(ready, starts), "label": module[starts],
+    })
 
 
 def exposed_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
-    """All-reduce time after backward compute ended (what the overlap did not hide)."""
-    rows = []
+    """All-reduce time after backward compute ended (what the overlap did not hide):
+    rank, step, start_us, end_us, with overlapping all-reduces merged."""
+    cols = ["rank", "step", "start_us", "end_us"]
     b = trace.buckets
-    if len(b) and len(shown):
-        ends = shown.set_index(["rank", "step"])["backward_end_us"]
-        for (rank, step), grp in b.groupby(["rank", "step"]):
-            if (rank, step) not in ends.index:
-                continue
-            cut = ends[(rank, step)]
-            for s, e in merge_intervals(grp["launch_us"].to_numpy(), grp["done_us"].to_numpy()):
-                if e > cut:
-                    rows.append((rank, step, max(s, cut), e))
-    return pd.DataFrame(rows, columns=["rank", "step", "start_us", "end_us"])
+    if len(b) == 0 or len(shown) == 0:
+        return pd.DataFrame(columns=cols)
+    ends = shown.set_index(["rank", "step"])["backward_end_us"]
+    b = b.join(ends, on=["rank", "step"], how="inner").sort_values(["rank", "step", "launch_us"], kind="stable")
+    if len(b) == 0:
+        return pd.DataFrame(columns=cols)
+    rank, step = b["rank"].to_numpy(), b["step"].to_numpy()
+    launch, done, cut = (b[c].to_numpy(float) for c in ("launch_us", "done_us", "backward_end_us"))
+    first = np.r_[True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])]
+    # running end of the merged interval within each (rank, step): cummax restarted per group
+    group = np.cumsum(first) - 1
+    reach = pd.Series(done).groupby(group).cummax().to_numpy()
+    new = first | np.r_[True, launch[1:] > reach[:-1]]
+    idx = np.flatnonzero(new)
+    m_start, m_end = launch[idx], np.maximum.reduceat(done, idx)
+    m_cut = cut[idx]
+    keep = m_end > m_cut
+    return pd.DataFrame({"rank": rank[idx][keep], "step": step[idx][keep],
+                         "start_us": np.maximum(m_start, m_cut)[keep], "end_us": m_end[keep]})
 
 
-def _bars(name, lane, start_us, end_us, origin_us, color, hover, customdata=None, **marker) -> go.Bar:
+def _lane_trace(gl: bool, name: str, y, start_us, end_us, origin_us: float, color, hover: str,
+                custom: np.ndarray, text: list[str] | None = None, line: float = 0, pattern: dict | None = None,
+                **extra) -> list[go.Bar | go.Scattergl]:
+    """Bars from ``start_us`` to ``end_us`` on lane positions ``y``: SVG bars, or WebGL
+    line segments when ``gl`` (tens of thousands of SVG rectangles do not stay
+    interactive in a browser). ``custom`` rows are [step, duration ms, ...]; ``hover``
+    refers only to ``customdata`` and ``hovertext``, so both renderers share it."""
     start = (np.asarray(start_us, float) - origin_us) / 1e3
-    return go.Bar(
-        name=name, orientation="h", y=lane, base=start, x=(np.asarray(end_us, float) - origin_us) / 1e3 - start,
-        marker=dict(color=color, line=dict(width=0), **marker), customdata=customdata,
-        hovertemplate=hover + "<extra></extra>", showlegend=True,
+    end = (np.asarray(end_us, float) - origin_us) / 1e3
+    y = np.asarray(y, float)
+    custom = np.asarray(custom, float)
+    if text is None and "%{hovertext}" in hover:
+        hover = hover.replace("%{hovertext}", "(show fewer steps for names)")
+    hover += "<extra></extra>"
+    if gl:
+        group = extra.get("legendgroup", name)
+        return [_gl_lines(name, y, start, end, color, extra.get("gl_width", 26), group, extra.get("showlegend", True)),
+                _gl_hover(name, y, start, end, custom, text, hover, group)]
+    # _validate=False: Plotly would otherwise turn ``base`` (an "any" property) into an
+    # array of Python objects, element by element, and deep-copy it: most of the cost of
+    # a big figure. The inputs here are numeric arrays built above; tests check them.
+    marker = dict(color=color, line=dict(width=line, color="white"))
+    if pattern:
+        marker["pattern"] = pattern
+    marker.update({k: v for k, v in extra.items() if k in ("colorscale", "cmin", "cmax", "colorbar")})
+    return [go.Bar(
+        _validate=False, name=name, orientation="h", width=0.8, y=y, base=start, x=end - start, marker=marker,
+        customdata=custom, hovertext=text, hovertemplate=hover, textposition="none",
+        **{k: v for k, v in extra.items() if k in ("legendgroup", "showlegend")},
+    )]
+
+
+def _gl_lines(name, y, start, end, color, width, group, showlegend) -> go.Scattergl:
+    """Segments as one WebGL line broken by NaNs (float32: half the bytes to ship)."""
+    nan = np.full(len(start), np.nan, np.float32)
+    return go.Scattergl(
+        _validate=False, name=name, mode="lines", legendgroup=group, showlegend=showlegend, hoverinfo="skip",
+        x=np.column_stack([start.astype(np.float32), end.astype(np.float32), nan]).ravel(),
+        y=np.column_stack([y.astype(np.float32), y.astype(np.float32), nan]).ravel(),
+        line=dict(color=color, width=width), connectgaps=False,
+    )
+
+
+def _gl_hover(name, y, start, end, custom, text, hover, group) -> go.Scattergl:
+    """One invisible point per segment, at its middle, carrying the hover."""
+    return go.Scattergl(
+        _validate=False, name=name, mode="markers", legendgroup=group, showlegend=False,
+        x=((start + end) / 2).astype(np.float32), y=y.astype(np.float32), customdata=custom.astype(np.float32),
+        hovertext=text, hovertemplate=hover, marker=dict(size=6, opacity=0),
     )
 
 
 def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ranks: Sequence[int] | None = None,
-                         include_warmup: bool = False, title: str | None = None) -> go.Figure:
-    """Gantt of backward compute against bucket all-reduces, per rank."""
+                         include_warmup: bool = False, title: str | None = None,
+                         webgl: bool | None = None) -> go.Figure:
+    """Gantt of backward compute against bucket all-reduces, per rank: a compute lane
+    (forward, backward per module from gradient-ready times, waiting for the all-reduces,
+    optimizer) and an all-reduce lane (one bar per bucket, coloured by bucket index, with
+    the exposed part, after backward compute ended, hatched in red). ``webgl``: draw
+    WebGL segments (True), SVG bars (False), or choose by size (None)."""
     shown = select_steps(trace, steps, ranks, include_warmup)
-    fig = go.Figure()
     if len(shown) == 0:
-        fig.update_layout(title=title or "no finished steps to show")
-        return fig
+        return go.Figure(layout=dict(title=title or "no finished steps to show"))
+    fig = go.Figure(_validate=False)  # see _lane_trace
     origin = float(shown.loc[shown["rank"] == shown["rank"].min(), "start_us"].min())
     ranks_shown = sorted(shown["rank"].unique())
-    lanes = [lane for r in ranks_shown for lane in (compute_lane(r), comm_lane(r))]
-    lane = lambda df: [compute_lane(r) for r in df["rank"]]  # noqa: E731
+    # Lanes are numeric y positions (labelled by ticks): numbers travel as packed arrays,
+    # strings one by one. Rank order top to bottom, compute above its all-reduce lane.
+    pos = {r: 2 * (len(ranks_shown) - 1 - i) for i, r in enumerate(ranks_shown)}
+    lane = lambda df: df["rank"].map(pos).to_numpy(float) + 1  # noqa: E731  compute lane
+    comm = lambda df: df["rank"].map(pos).to_numpy(float)  # noqa: E731
+    dur = lambda a, b: (np.asarray(b, float) - np.asarray(a, float)) / 1e3  # noqa: E731
 
-    fig.add_trace(_bars("forward", lane(shown), shown["forward_start_us"], shown["forward_end_us"], origin,
-                        COLORS["forward"], "forward · step %{customdata}<br>%{base:.1f} → %{x:.1f} ms long",
-                        shown["step"]))
     seg = backward_segments(trace, shown)
-    if len(seg):
-        shade = np.where(np.arange(len(seg)) % 2 == 0, *COLORS["backward"])
-        fig.add_trace(_bars("backward (per module)", lane(seg), seg["start_us"], seg["end_us"], origin, shade,
-                            "backward · %{customdata[0]}<br>step %{customdata[1]} · %{x:.2f} ms",
-                            np.column_stack([seg["label"], seg["step"]])))
-    if "sync_end_us" in shown:
-        w = shown.dropna(subset=["sync_end_us"])
-        fig.add_trace(_bars("waiting for all-reduce", lane(w), w["backward_end_us"], w["sync_end_us"], origin,
-                            COLORS["wait"], "waiting for gradients · step %{customdata}<br>%{x:.2f} ms", w["step"]))
-    if "optimizer_start_us" in shown:
-        o = shown.dropna(subset=["optimizer_start_us"])
-        fig.add_trace(_bars("optimizer.step", lane(o), o["optimizer_start_us"], o["optimizer_end_us"], origin,
-                            COLORS["optimizer"], "optimizer.step · step %{customdata}<br>%{x:.2f} ms", o["step"]))
-
     ev = compute_bucket_events(trace)
     keys = pd.MultiIndex.from_frame(shown[["rank", "step"]])
     ev = ev[pd.MultiIndex.from_frame(ev[["rank", "step"]]).isin(keys)] if len(ev) else ev
-    if len(ev):
-        custom = np.column_stack([
-            ev["bucket"], ev["bytes"] / 2**20, [_short(p) for p in ev["params"]], ev["launch_offset_ms"],
-            ev["duration_ms"], ev["algbw_gbps"], ev["busbw_gbps"], ev["step"],
-        ])
-        fig.add_trace(_bars(
-            "bucket all-reduce", [comm_lane(r) for r in ev["rank"]], ev["launch_us"], ev["done_us"], origin,
-            ev["bucket"].to_numpy(), "<b>bucket %{customdata[0]}</b> · step %{customdata[7]}<br>"
-            "%{customdata[1]:.2f} MiB · %{customdata[2]}<br>launch %{customdata[3]:.2f} ms after backward start"
-            "<br>duration %{customdata[4]:.2f} ms<br>algbw %{customdata[5]:.3f} GB/s · busbw %{customdata[6]:.3f} GB/s",
-            custom, colorscale="Viridis", cmin=0, cmax=max(1, int(ev["bucket"].max())),
-            colorbar=dict(title="bucket", thickness=10, x=1.0, len=0.5, y=0.25)))
     ex = exposed_segments(trace, shown)
+    gl = len(seg) + len(ev) + 3 * len(shown) > GL_THRESHOLD if webgl is None else webgl
+
+    def phase(name, df, a, b, color, what):
+        df = df.dropna(subset=[a, b])
+        if len(df):
+            fig.add_traces(_lane_trace(gl, name, lane(df), df[a], df[b], origin, color,
+                                      what + " · step %{customdata[0]}<br>%{customdata[1]:.2f} ms",
+                                      np.column_stack([df["step"], dur(df[a], df[b])])))
+
+    phase("forward", shown, "forward_start_us", "forward_end_us", COLORS["forward"], "forward")
+    if len(seg):
+        fig.add_traces(_lane_trace(
+            gl, "backward (per module)", lane(seg), seg["start_us"], seg["end_us"], origin, COLORS["backward"],
+            "backward · %{hovertext}<br>step %{customdata[0]} · %{customdata[1]:.2f} ms",
+            np.column_stack([seg["step"], dur(seg["start_us"], seg["end_us"])]),
+            text=seg["label"].tolist() if len(seg) <= TEXT_LIMIT else None, line=0.5))
+    if "sync_end_us" in shown:
+        phase("waiting for all-reduce", shown, "backward_end_us", "sync_end_us", COLORS["wait"],
+              "waiting for the averaged gradients")
+    if "optimizer_start_us" in shown:
+        phase("optimizer.step", shown, "optimizer_start_us", "optimizer_end_us", COLORS["optimizer"], "optimizer.step")
+
+    if len(ev):
+        custom = np.column_stack([ev["step"], ev["duration_ms"], ev["bucket"], ev["bytes"] / 2**20,
+                                  ev["launch_offset_ms"], ev["algbw_gbps"], ev["busbw_gbps"]])
+        text = [_short(p) for p in ev["params"]] if len(ev) <= TEXT_LIMIT else None
+        hover = ("<b>bucket %{customdata[2]}</b> · step %{customdata[0]}<br>%{customdata[3]:.2f} MiB · "
+                 "%{hovertext}<br>launch %{customdata[4]:.2f} ms after backward start<br>duration "
+                 "%{customdata[1]:.2f} ms<br>algbw %{customdata[5]:.3f} GB/s · busbw %{customdata[6]:.3f} GB/s")
+        top = max(1, int(ev["bucket"].max()))
+        if not gl:
+            fig.add_traces(_lane_trace(
+                gl, "bucket all-reduce", comm(ev), ev["launch_us"], ev["done_us"], origin,
+                ev["bucket"].to_numpy(float), hover, custom, text=text, line=0.5, colorscale="Viridis", cmin=0,
+                cmax=top, colorbar=dict(title="bucket", thickness=10, x=1.0, len=0.5, y=0.25)))
+        else:  # WebGL lines take one colour each: lines per bucket index, one hover layer
+            idx = ev["bucket"].to_numpy()
+            y, start = comm(ev), (ev["launch_us"].to_numpy(float) - origin) / 1e3
+            end = (ev["done_us"].to_numpy(float) - origin) / 1e3
+            uniq = np.unique(idx)
+            colors = sample_colorscale("Viridis", list(uniq / top))  # one call: it validates the scale
+            for n, (b, color) in enumerate(zip(uniq, colors)):
+                m = idx == b
+                fig.add_trace(_gl_lines("bucket all-reduce", y[m], start[m], end[m], color, 26, "buckets", n == 0))
+            fig.add_trace(_gl_hover("bucket all-reduce", y, start, end, custom,
+                                    None, hover.replace("%{hovertext}", "(show fewer steps for names)")
+                                    + "<extra></extra>", "buckets"))
     if len(ex):
-        fig.add_trace(_bars("exposed all-reduce (after backward)", [comm_lane(r) for r in ex["rank"]],
-                            ex["start_us"], ex["end_us"], origin, COLORS["exposed"],
-                            "exposed communication · step %{customdata}<br>%{x:.2f} ms", ex["step"],
-                            pattern=dict(shape="/", fgcolor="#E41A1C")))
+        fig.add_traces(_lane_trace(
+            gl, "exposed all-reduce (after backward)", comm(ex), ex["start_us"], ex["end_us"], origin,
+            COLORS["exposed"], "exposed communication · step %{customdata[0]}<br>%{customdata[1]:.2f} ms",
+            np.column_stack([ex["step"], dur(ex["start_us"], ex["end_us"])]),
+            pattern=dict(shape="/", fgcolor="#E41A1C"), gl_width=10))
     fig.update_layout(
-        barmode="overlay", bargap=0.25, title=title, height=140 + 70 * len(lanes),
-        xaxis=dict(title="ms from the start of the first shown step", zeroline=False, rangeslider=dict(visible=False)),
-        yaxis=dict(categoryorder="array", categoryarray=lanes[::-1], title=None),
+        barmode="overlay", title=title, height=140 + 70 * 2 * len(ranks_shown), hovermode="closest",
+        xaxis=dict(title="ms from the start of the first shown step", zeroline=False),
+        yaxis=dict(tickvals=[p + d for r, p in pos.items() for d in (1, 0)],
+                   ticktext=[name for r in pos for name in (compute_lane(r), comm_lane(r))],
+                   range=[-0.6, 2 * len(ranks_shown) - 0.4], title=None, fixedrange=True),
         legend=dict(orientation="h", y=-0.18), margin=dict(l=10, r=10, t=40, b=10), dragmode="zoom",
     )
     return fig
