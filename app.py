@@ -1,6 +1,7 @@
-"""ddpscope dashboard (first page: a traced run's summary; the full dashboard follows).
+"""ddpscope dashboard: a traced run's timeline, its numbers and its buckets.
 
-Run: ``streamlit run app.py``. All numbers come from ``viz``; this file lays out the page.
+Run: ``streamlit run app.py``. All numbers and figures come from ``viz``; this file lays
+out the page, caches loads and keeps widget state.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import streamlit as st
 
-from viz.buckets import compute_bucket_layout
-from viz.overlap import compute_rank_medians
+from viz.buckets import compute_bucket_table
+from viz.gantt import make_timeline_figure
+from viz.overlap import compute_rank_medians, compute_step_breakdown
 from viz.trace import TraceError, load_run
 
 ROOT = Path(__file__).resolve().parent
@@ -22,10 +24,9 @@ def list_traces(folder: Path) -> list[str]:
 
 
 @st.cache_data(show_spinner=False)
-def load_tables(path: str, stamp: float):
-    """Everything the page shows for one run folder (``stamp`` invalidates the cache)."""
-    trace = load_run(path)
-    return trace.run, compute_rank_medians(trace), compute_bucket_layout(trace)
+def load_trace(path: str, stamp: float):
+    """The trace of one run folder (``stamp``, its run.json mtime, invalidates the cache)."""
+    return load_run(path)
 
 
 st.set_page_config(page_title="ddpscope", layout="wide")
@@ -39,19 +40,31 @@ if not names:
 choice = st.sidebar.selectbox("Trace", names, key="trace")
 path = SAMPLES / choice
 try:
-    run, medians, layout = load_tables(str(path), (path / "run.json").stat().st_mtime)
+    trace = load_trace(str(path), (path / "run.json").stat().st_mtime)
 except TraceError as e:
     st.error(str(e))
     st.stop()
+run = trace.run
 
 cols = st.columns(5)
 cols[0].metric("model", str(run.get("model", "?")))
 cols[1].metric("ranks", run.get("world_size", "?"))
 cols[2].metric("bucket_cap_mb (MiB)", f"{run.get('bucket_cap_mb', float('nan')):g}")
-cols[3].metric("buckets", len(layout))
+cols[3].metric("buckets", len(run.get("bucket_layout") or []))
 cols[4].metric("status", str(run.get("status", "?")))
 
+st.subheader("Timeline: backward compute against bucket all-reduces")
+all_steps = sorted(int(s) for s in trace.steps["step"].unique())
+warm = set(int(s) for s in trace.steps.loc[trace.steps["warmup"], "step"])
+default = next((s for s in all_steps if s not in warm), all_steps[0])
+lo, hi = st.select_slider("Steps", options=all_steps, value=(default, default), key="steps")
+ranks = st.multiselect("Ranks", sorted(trace.ranks), default=sorted(trace.ranks), key="ranks")
+fig = make_timeline_figure(trace, steps=range(lo, hi + 1), ranks=ranks or None)
+st.plotly_chart(fig, key="timeline")
+
 st.subheader("Per rank, medians over non-warm-up steps (ms)")
-st.dataframe(medians.round(2), hide_index=True, key="medians")
-st.subheader("Bucket layout after DDP's rebuild")
-st.dataframe(layout.round({"mib": 3}), hide_index=True, key="layout")
+st.dataframe(compute_rank_medians(trace).round(2), hide_index=True, key="medians")
+with st.expander("Every step"):
+    st.dataframe(compute_step_breakdown(trace, include_warmup=True).round(2), hide_index=True, key="per_step")
+st.subheader("Buckets (medians over non-warm-up steps and ranks)")
+st.dataframe(compute_bucket_table(trace).round(3), hide_index=True, key="buckets")
