@@ -1,70 +1,188 @@
-"""ddpscope dashboard: a traced run's timeline, its numbers and its buckets.
+"""ddpscope dashboard: trace a DDP run, look at it, change bucket_cap_mb, rerun, compare.
 
-Run: ``streamlit run app.py``. All numbers and figures come from ``viz``; this file lays
-out the page, caches loads and keeps widget state.
+Run: ``streamlit run app.py``. Numbers and figures come from ``viz``; runs are started
+through ``tracer.jobs``; this file lays out the page, caches loads and keeps widget state.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
 from pathlib import Path
 
 import streamlit as st
 
+from tracer.jobs import JobManager
+from viz.archive import extract_run_archive, safe_name
 from viz.buckets import compute_bucket_table
-from viz.gantt import make_timeline_figure
-from viz.overlap import compute_rank_medians, compute_step_breakdown
+from viz.gantt import make_timeline_figure, timeline_extent_ms
+from viz.overlap import compute_rank_medians, compute_run_comparison, compute_step_breakdown
 from viz.trace import TraceError, load_run
 
 ROOT = Path(__file__).resolve().parent
 SAMPLES = ROOT / "samples"
+RUNS = Path(os.environ.get("DDPSCOPE_RUNS_DIR", ROOT / "runs"))
+UPLOADS = RUNS / "uploads"
+CAP_OPTIONS = [0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0]  # MiB, log-spaced
 
 
-def list_traces(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if (p / "run.json").exists()) if folder.is_dir() else []
+def list_traces() -> dict[str, Path]:
+    """Every run folder the page can show, by label: samples, runs made here, uploads."""
+    found = {}
+    for prefix, folder in (("sample", SAMPLES), ("run", RUNS), ("upload", UPLOADS)):
+        if folder.is_dir():
+            for p in sorted(folder.iterdir(), reverse=prefix != "sample"):
+                if p.is_dir() and any(p.glob("rank-*.json")):
+                    found[f"{prefix}: {p.name}"] = p
+    return found
 
 
-@st.cache_data(show_spinner=False)
+@st.cache_data(show_spinner=False, max_entries=16)
 def load_trace(path: str, stamp: float):
-    """The trace of one run folder (``stamp``, its run.json mtime, invalidates the cache)."""
+    """The trace in a run folder (``stamp``, the newest file time there, renews the cache)."""
     return load_run(path)
 
 
+def stamp_of(path: Path) -> float:
+    return max((p.stat().st_mtime for p in path.iterdir()), default=0.0)
+
+
+@st.cache_resource
+def job_manager(runs_dir: str) -> JobManager:
+    return JobManager(Path(runs_dir))
+
+
+def first_real_step(trace) -> int:
+    s = trace.steps
+    ok = s[~s["warmup"] & ~s["incomplete"]]
+    return int(ok["step"].min()) if len(ok) else int(s["step"].min())
+
+
+def handle_upload(upload) -> None:
+    """Unpack an uploaded archive into its own folder; one-line error, nothing kept, if bad."""
+    if upload is None or st.session_state.get("upload_done") == upload.file_id:
+        return
+    st.session_state["upload_done"] = upload.file_id
+    dest = UPLOADS / f"{safe_name(Path(upload.name).stem)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        extract_run_archive(upload.getvalue(), upload.name, dest)
+        load_run(dest)
+    except TraceError as e:
+        shutil.rmtree(dest, ignore_errors=True)
+        st.session_state["upload_error"] = f"{upload.name}: {e}"
+        return
+    st.session_state.pop("upload_error", None)
+    st.session_state["trace"] = f"upload: {dest.name}"
+
+
+# ---------------------------------------------------------------------------------------
 st.set_page_config(page_title="ddpscope", layout="wide")
 st.title("ddpscope")
 st.caption("What each DDP gradient bucket's all-reduce does against the backward pass.")
 
-names = list_traces(SAMPLES)
-if not names:
-    st.error(f"No traces found in {SAMPLES}. Make one with: python -m tracer run --out samples/my-run")
+handle_upload(st.sidebar.file_uploader("Upload a run (.zip / .tar.gz of a run folder)",
+                                       type=["zip", "tar", "gz", "tgz"], key="upload"))
+if "upload_error" in st.session_state:
+    st.sidebar.error(st.session_state["upload_error"])
+traces = list_traces()
+if not traces:
+    st.error(f"No traces found. Make one with: python -m tracer run --out {RUNS / 'first'}")
     st.stop()
-choice = st.sidebar.selectbox("Trace", names, key="trace")
-path = SAMPLES / choice
-try:
-    trace = load_trace(str(path), (path / "run.json").stat().st_mtime)
-except TraceError as e:
-    st.error(str(e))
-    st.stop()
-run = trace.run
+if st.session_state.get("trace") not in traces:
+    st.session_state["trace"] = next(iter(traces))
+choice = st.sidebar.selectbox("Trace", list(traces), key="trace")
 
-cols = st.columns(5)
-cols[0].metric("model", str(run.get("model", "?")))
-cols[1].metric("ranks", run.get("world_size", "?"))
-cols[2].metric("bucket_cap_mb (MiB)", f"{run.get('bucket_cap_mb', float('nan')):g}")
-cols[3].metric("buckets", len(run.get("bucket_layout") or []))
-cols[4].metric("status", str(run.get("status", "?")))
+view, compare, run_tab = st.tabs(["Timeline", "Compare runs", "Run"])
 
-st.subheader("Timeline: backward compute against bucket all-reduces")
-all_steps = sorted(int(s) for s in trace.steps["step"].unique())
-warm = set(int(s) for s in trace.steps.loc[trace.steps["warmup"], "step"])
-default = next((s for s in all_steps if s not in warm), all_steps[0])
-lo, hi = st.select_slider("Steps", options=all_steps, value=(default, default), key="steps")
-ranks = st.multiselect("Ranks", sorted(trace.ranks), default=sorted(trace.ranks), key="ranks")
-fig = make_timeline_figure(trace, steps=range(lo, hi + 1), ranks=ranks or None)
-st.plotly_chart(fig, key="timeline")
+with view:
+    path = traces[choice]
+    try:
+        trace = load_trace(str(path), stamp_of(path))
+    except TraceError as e:
+        st.error(str(e))
+        trace = None
+    if trace is not None:
+        run = trace.run
+        cols = st.columns(5)
+        cols[0].metric("model", str(run.get("model", "?")))
+        cols[1].metric("ranks", run.get("world_size", "?"))
+        cols[2].metric("bucket_cap_mb (MiB)", f"{run.get('bucket_cap_mb', float('nan')):g}")
+        cols[3].metric("buckets", len(run.get("bucket_layout") or []))
+        cols[4].metric("status", str(run.get("status", "?")))
+        if run.get("status") == "failed":
+            st.warning(f"This run failed: {run.get('error')}. Finished steps are shown.")
+        steps = sorted(int(s) for s in trace.steps["step"].unique())
+        start = first_real_step(trace)
+        lo, hi = st.select_slider("Steps", options=steps, value=(start, start), key="steps")
+        ranks = st.multiselect("Ranks", sorted(trace.ranks), default=sorted(trace.ranks), key="ranks")
+        fig = make_timeline_figure(trace, steps=range(lo, hi + 1), ranks=ranks or None)
+        st.plotly_chart(fig, key="timeline")
+        st.subheader("Per rank, medians over non-warm-up steps (ms)")
+        st.dataframe(compute_rank_medians(trace).round(2), hide_index=True, key="medians")
+        with st.expander("Every step"):
+            st.dataframe(compute_step_breakdown(trace, include_warmup=True).round(2), hide_index=True, key="per_step")
+        st.subheader("Buckets (medians over non-warm-up steps and ranks)")
+        st.dataframe(compute_bucket_table(trace).round(3), hide_index=True, key="buckets")
 
-st.subheader("Per rank, medians over non-warm-up steps (ms)")
-st.dataframe(compute_rank_medians(trace).round(2), hide_index=True, key="medians")
-with st.expander("Every step"):
-    st.dataframe(compute_step_breakdown(trace, include_warmup=True).round(2), hide_index=True, key="per_step")
-st.subheader("Buckets (medians over non-warm-up steps and ranks)")
-st.dataframe(compute_bucket_table(trace).round(3), hide_index=True, key="buckets")
+with compare:
+    picked = st.multiselect("Runs to compare (the first is the reference)", list(traces),
+                            default=list(traces)[:2], key="compare_runs")
+    loaded = {}
+    for label in picked:
+        try:
+            loaded[label] = load_trace(str(traces[label]), stamp_of(traces[label]))
+        except TraceError as e:
+            st.error(f"{label}: {e}")
+    if len(loaded) >= 2:
+        st.dataframe(compute_run_comparison(loaded).round(2), hide_index=True, key="comparison")
+        width = max(timeline_extent_ms(t, [first_real_step(t)]) for t in loaded.values())
+        for n, (label, t) in enumerate(loaded.items()):
+            fig = make_timeline_figure(t, steps=[first_real_step(t)], title=f"{label} (step {first_real_step(t)})")
+            fig.update_xaxes(range=[0, width * 1.02])  # one time scale for all runs
+            st.plotly_chart(fig, key=f"compare_{n}")
+    else:
+        st.info("Pick at least two runs.")
+
+with run_tab:
+    jobs = job_manager(str(RUNS))
+    c = st.columns(4)
+    cap = c[0].select_slider("bucket_cap_mb (MiB, log scale)", options=CAP_OPTIONS, value=25.0, key="run_cap")
+    nproc = c[1].slider("world size", 1, 4, 2, key="run_nproc")
+    model = c[2].selectbox("model", ["gpt", "mlp"], key="run_model")
+    n_steps = c[3].slider("steps", 3, 50, 10, key="run_steps")
+    busy = jobs.current is not None and jobs.current.running
+    if st.button("Run", key="run_button", disabled=busy, type="primary"):
+        try:
+            started = jobs.start(model=model, nproc=nproc, bucket_cap_mb=cap, steps=n_steps)
+        except ValueError as e:
+            st.error(str(e))
+        else:
+            if started is None:
+                st.info("A run is already going; it continues.")
+            else:
+                st.rerun()  # show the button disabled and the progress at once
+
+    @st.fragment(run_every=1.0)
+    def job_status() -> None:
+        job = jobs.current
+        if job is None:
+            st.caption(f"Runs are kept in {RUNS}.")
+            return
+        if job.running:
+            st.progress(min(job.steps_done / job.config.steps, 1.0),
+                        text=f"{job.out.name}: step {job.steps_done}/{job.config.steps}"
+                             + (f" · {job.last_ms:.0f} ms" if job.last_ms else ""))
+            st.session_state["job_was_running"] = True
+            return
+        if st.session_state.pop("job_was_running", False):
+            st.rerun(scope="app")  # list the new run everywhere
+        if job.ok:
+            st.success(f"{job.out.name} finished: pick 'run: {job.out.name}' in the sidebar or compare it.")
+        else:
+            reason = job.error or (job.result.reason if job.result else "unknown")
+            st.error(f"{job.out.name} failed: {reason}")
+            if job.result is not None and job.result.stderr_tail:
+                st.code(job.result.stderr_tail, language=None)
+
+    job_status()

@@ -1,52 +1,150 @@
-"""The Streamlit page, run headless with AppTest."""
+"""The Streamlit page with AppTest: each view, uploads, and the run flow (real runs)."""
 
+from __future__ import annotations
+
+import io
+import json
+import time
+import zipfile
+
+import pytest
 from streamlit.testing.v1 import AppTest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SAMPLES
+
+# element order on the page: dataframes
+MEDIANS, PER_STEP, BUCKETS, COMPARISON = 0, 1, 2, 3
 
 
-def _app():
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60).run()
+@pytest.fixture
+def app(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(tmp_path / "runs"))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
     assert not at.exception and not at.error
     return at
 
 
-def _chart_traces(at):
-    import json
-
-    chart = at.get("plotly_chart")[0]
-    return json.loads(chart.proto.spec)["data"]
+def _spec(at, n=0):
+    return json.loads(at.get("plotly_chart")[n].proto.spec)
 
 
-def test_page_opens_on_a_sample_with_a_timeline_for_both_ranks():
-    at = _app()
-    assert at.title[0].value == "ddpscope"
-    medians = at.dataframe[0].value
+def _metric(at, label):
+    return next(m.value for m in at.metric if m.label == label)
+
+
+def _zip(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def test_timeline_view_opens_on_a_sample_with_both_ranks(app):
+    assert app.title[0].value == "ddpscope"
+    medians = app.dataframe[MEDIANS].value
     assert list(medians["rank"]) == [0, 1] and (medians["step_ms"] > 0).all()
-    traces = _chart_traces(at)
-    names = {t["name"] for t in traces}
-    assert {"forward", "bucket all-reduce", "optimizer.step"} <= names
-    buckets = next(t for t in traces if t["name"] == "bucket all-reduce")
-    assert buckets["type"] == "bar"
+    spec = _spec(app)
+    assert {"forward", "bucket all-reduce", "optimizer.step"} <= {t["name"] for t in spec["data"]}
+    assert spec["layout"]["yaxis"]["ticktext"] == ["rank 0 · compute", "rank 0 · all-reduce",
+                                                    "rank 1 · compute", "rank 1 · all-reduce"]
 
 
-def test_switching_traces_ranks_and_steps():
-    at = _app()
-    options = at.sidebar.selectbox(key="trace").options
-    assert len(options) >= 2
+def test_switching_traces_ranks_and_steps(app):
+    options = app.sidebar.selectbox(key="trace").options
+    assert len(options) >= 3
     for name in options:
-        at.sidebar.selectbox(key="trace").set_value(name).run()
-        assert not at.exception and not at.error
-        table = at.dataframe[-1].value  # bucket table
-        cap = next(m.value for m in at.metric if m.label == "bucket_cap_mb (MiB)")
-        assert len(table) == int(next(m.value for m in at.metric if m.label == "buckets"))
-        if cap == "1":
+        app.sidebar.selectbox(key="trace").set_value(name).run()
+        assert not app.exception and not app.error
+        table = app.dataframe[BUCKETS].value
+        assert len(table) == int(_metric(app, "buckets"))
+        if _metric(app, "bucket_cap_mb (MiB)") == "1":
             assert len(table) >= 10
-    at.multiselect(key="ranks").set_value([1]).run()
-    assert not at.exception
-    import json
+    app.multiselect(key="ranks").set_value([1]).run()
+    assert _spec(app)["layout"]["yaxis"]["ticktext"] == ["rank 1 · compute", "rank 1 · all-reduce"]
+    app.select_slider(key="steps").set_range(2, 5).run()
+    assert not app.exception and app.select_slider(key="steps").value == (2, 5)
 
-    layout = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]
-    assert layout["yaxis"]["ticktext"] == ["rank 1 · compute", "rank 1 · all-reduce"]
-    at.select_slider(key="steps").set_range(2, 5).run()
-    assert not at.exception and at.select_slider(key="steps").value == (2, 5)
+
+def test_compare_view_puts_runs_on_one_time_scale(app):
+    table = app.dataframe[COMPARISON].value
+    assert len(table) == 2 and table["step_ms_vs_first"].iloc[0] == 0
+    assert sorted(table["buckets"]) == [1, 20]
+    ranges = [_spec(app, n)["layout"]["xaxis"]["range"] for n in (1, 2)]  # chart 0 is the timeline view
+    assert ranges[0] == ranges[1] and ranges[0][1] > 50
+
+
+def test_upload_of_a_run_archive_opens_it(app):
+    files = {f"gpt/{p.name}": p.read_bytes() for p in (SAMPLES / "gpt-2rank-cap25mb").iterdir()}
+    app.sidebar.file_uploader(key="upload").upload("my-run.zip", _zip(files), "application/zip")
+    app.run()
+    assert not app.exception and not app.sidebar.error
+    assert app.sidebar.selectbox(key="trace").value.startswith("upload: my-run-")
+    assert _metric(app, "buckets") == "1"
+
+
+@pytest.mark.parametrize("name, make, message", [
+    ("notes.zip", lambda: b"just some text", "not a readable .zip or .tar(.gz) archive"),
+    ("empty.zip", lambda: _zip({"readme.txt": b"hi"}), "holds no rank-<r>.json"),
+    ("trunc.zip", lambda: _zip({"rank-0.json": (SAMPLES / "mlp-2rank-cap1mb" / "rank-0.json").read_bytes()[:5000],
+                                "rank-1.json": (SAMPLES / "mlp-2rank-cap1mb" / "rank-1.json").read_bytes()}),
+     "is not valid JSON (truncated?)"),
+    ("kineto.zip", lambda: _zip({"rank-0.json": json.dumps({"traceEvents": [], "schemaVersion": 1}).encode()}),
+     "is not a ddpscope trace"),
+    ("half.zip", lambda: _zip({"rank-0.json": (SAMPLES / "mlp-2rank-cap1mb" / "rank-0.json").read_bytes(),
+                               "run.json": (SAMPLES / "mlp-2rank-cap1mb" / "run.json").read_bytes()}),
+     "rank 1 of 2 are missing"),
+    ("evil.zip", lambda: _zip({"../../escape/rank-0.json": b"{}"}), "unsafe path"),
+])
+def test_bad_uploads_give_one_line_and_the_page_keeps_working(app, tmp_path, name, make, message):
+    app.sidebar.file_uploader(key="upload").upload(name, make())
+    app.run()
+    assert not app.exception
+    err = app.sidebar.error[0].value
+    assert message in err and "\n" not in err
+    assert app.sidebar.selectbox(key="trace").value.startswith("sample:")  # still on what it showed
+    assert not (tmp_path / "escape").exists() and not list((tmp_path / "runs").glob("uploads/*"))
+    assert app.dataframe[MEDIANS].value is not None
+
+
+def _wait_for_job(app, timeout=150):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        app.run()
+        assert not app.exception
+        if not app.get("progress"):
+            return
+    raise AssertionError("the run did not finish")
+
+
+@pytest.mark.ddp
+def test_run_flow_starts_a_real_run_once_and_lists_it(app, tmp_path):
+    app.select_slider(key="run_cap").set_value(1.0)
+    app.slider(key="run_nproc").set_value(2)
+    app.selectbox(key="run_model").set_value("mlp")
+    app.slider(key="run_steps").set_value(4)
+    app.button(key="run_button").click().run()
+    assert app.get("progress"), "no progress shown"
+    assert app.button(key="run_button").disabled  # a second click cannot start a second job
+    _wait_for_job(app)
+    assert "finished" in app.success[0].value
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    assert len(runs) == 1
+    label = f"run: {runs[0].name}"
+    assert label in app.sidebar.selectbox(key="trace").options
+    app.sidebar.selectbox(key="trace").set_value(label).run()
+    assert _metric(app, "bucket_cap_mb (MiB)") == "1" and int(_metric(app, "buckets")) >= 10
+    assert _metric(app, "status") == "complete"
+
+
+@pytest.mark.ddp
+def test_a_failed_run_shows_the_reason_not_a_traceback(app, monkeypatch):
+    monkeypatch.setenv("DDPSCOPE_TEST_FAIL", "1:1")
+    app.slider(key="run_steps").set_value(3)
+    app.button(key="run_button").click().run()
+    _wait_for_job(app)
+    assert not app.exception
+    err = app.error[0].value
+    assert "failed: rank 1 failed: RuntimeError: injected failure" in err
+    assert "Traceback" in app.code[0].value  # the rank's stderr tail, shown as text

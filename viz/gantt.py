@@ -58,6 +58,16 @@ def select_steps(trace: RunTrace, steps: Sequence[int] | None = None, ranks: Seq
     return s[keep]
 
 
+def timeline_extent_ms(trace: RunTrace, steps: Sequence[int] | None = None, include_warmup: bool = False) -> float:
+    """How long the shown steps last on the figure's time axis (ms), to give several
+    figures one time scale."""
+    shown = select_steps(trace, steps, None, include_warmup)
+    if len(shown) == 0:
+        return 0.0
+    origin = shown.loc[shown["rank"] == shown["rank"].min(), "start_us"].min()
+    return float((shown["end_us"].max() - origin) / 1e3)
+
+
 def _short(names: list[str], limit: int = 4) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" … (+{len(names) - limit})" if len(names) > limit else "")
