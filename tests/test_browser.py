@@ -1,0 +1,72 @@
+"""The dashboard in a real browser: ``streamlit run app.py`` on a free local port,
+opened in headless Chromium (Debian's, driven by Playwright), chart checked, screenshot
+saved. Skipped where Chromium or Playwright is absent (.ci/run installs both)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tracer.launch import free_port
+
+CHROMIUM = Path("/usr/bin/chromium")
+playwright = pytest.importorskip("playwright.sync_api")
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed")
+
+
+def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "streamlit exited"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("streamlit did not come up")
+
+
+def test_dashboard_renders_the_timeline_for_both_ranks(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
+         "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
+        cwd=ROOT, env={**os.environ, "DDPSCOPE_RUNS_DIR": str(tmp_path / "runs")},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        _wait_healthy(port, proc)
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"])
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
+                page.wait_for_selector(".js-plotly-plot .barlayer .point", timeout=60_000)
+                ticks = page.eval_on_selector_all(".js-plotly-plot .ytick text", "els => els.map(e => e.textContent)")
+                assert {"rank 0 · compute", "rank 0 · all-reduce", "rank 1 · compute", "rank 1 · all-reduce"} <= set(ticks)
+                bars = page.locator(".js-plotly-plot .barlayer .point").count()
+                assert bars >= 2 * 20  # at least every bucket of both ranks
+                # bars sit on both ranks' lanes: y centres of bars span the plot
+                ys = page.eval_on_selector_all(".js-plotly-plot .barlayer .point path",
+                                               "els => els.map(e => e.getBoundingClientRect().y)")
+                assert max(ys) - min(ys) > 100
+                page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+                assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+            finally:
+                browser.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more

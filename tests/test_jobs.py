@@ -1,0 +1,24 @@
+"""Runs started for the dashboard: one at a time, each in its own folder."""
+
+import time
+
+import pytest
+
+from tracer.jobs import JobManager
+
+pytestmark = pytest.mark.ddp
+
+
+def test_a_second_start_while_running_does_nothing_and_the_first_finishes(tmp_path):
+    jobs = JobManager(tmp_path / "runs")
+    first = jobs.start(model="mlp", nproc=2, bucket_cap_mb=5.0, steps=3)
+    assert first is not None and first.running
+    assert jobs.start(model="gpt", nproc=2, bucket_cap_mb=1.0, steps=3) is None
+    deadline = time.monotonic() + 120
+    while first.running and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert first.ok and first.steps_done == 3
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [first.out.name]
+    assert (first.out / "rank-1.json").exists()
+    with pytest.raises(ValueError, match="--bucket-cap-mb"):
+        jobs.start(model="mlp", nproc=2, bucket_cap_mb=0.0, steps=3)
