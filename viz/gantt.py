@@ -23,6 +23,8 @@ from viz.trace import RunTrace
 TEXT_LIMIT = 5000
 # Above this many bars the figure draws WebGL segments instead of SVG rectangles.
 GL_THRESHOLD = 6000
+# WebGL lines have one colour per trace: bucket colours come in this many bands.
+GL_COLORS = 12
 
 COLORS = {"forward": "#4C78A8", "backward": "#54A24B", "wait": "#BAB0AC",
           "optimizer": "#F58518", "exposed": "rgba(228, 26, 28, 0.55)"}
@@ -73,9 +75,35 @@ def _short(names: list[str], limit: int = 4) -> str:
     return shown + (f" … (+{len(names) - limit})" if len(names) > limit else "")
 
 
+def _only(df: pd.DataFrame, shown: pd.DataFrame) -> pd.DataFrame:
+    """Rows of ``df`` whose (rank, step) is among ``shown``'s."""
+    if len(df) == 0:
+        return df
+    key = lambda d: d["rank"].to_numpy(np.int64) * (1 << 32) + d["step"].to_numpy(np.int64)  # noqa: E731
+    mask = np.isin(key(df), key(shown))
+    return df if mask.all() else df[mask]
+
+
+def _cached(trace: RunTrace, key: str, make):
+    """A table derived from every finished step, computed once per loaded trace."""
+    if key not in trace.cache:
+        trace.cache[key] = make(trace, select_steps(trace, include_warmup=True))
+    return trace.cache[key]
+
+
 def backward_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
     """Backward compute cut at gradient-ready times into per-module segments:
     rank, step, start_us, end_us, label (consecutive parameters of one module merge)."""
+    return _only(_cached(trace, "backward_segments", _backward_segments), shown)
+
+
+def exposed_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
+    """All-reduce time after backward compute ended (what the overlap did not hide):
+    rank, step, start_us, end_us, with overlapping all-reduces merged."""
+    return _only(_cached(trace, "exposed_segments", _exposed_segments), shown)
+
+
+def _backward_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
     cols = ["rank", "step", "start_us", "end_us", "label"]
     g = trace.grads
     if len(g) == 0 or len(shown) == 0:
@@ -97,9 +125,7 @@ def backward_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
     })
 
 
-def exposed_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
-    """All-reduce time after backward compute ended (what the overlap did not hide):
-    rank, step, start_us, end_us, with overlapping all-reduces merged."""
+def _exposed_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
     cols = ["rank", "step", "start_us", "end_us"]
     b = trace.buckets
     if len(b) == 0 or len(shown) == 0:
@@ -125,7 +151,7 @@ def exposed_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
 
 def _lane_trace(gl: bool, name: str, y, start_us, end_us, origin_us: float, color, hover: str,
                 custom: np.ndarray, text: list[str] | None = None, line: float = 0, pattern: dict | None = None,
-                **extra) -> list[go.Bar | go.Scattergl]:
+                **extra) -> list[dict]:
     """Bars from ``start_us`` to ``end_us`` on lane positions ``y``: SVG bars, or WebGL
     line segments when ``gl`` (tens of thousands of SVG rectangles do not stay
     interactive in a browser). ``custom`` rows are [step, duration ms, ...]; ``hover``
@@ -141,35 +167,32 @@ def _lane_trace(gl: bool, name: str, y, start_us, end_us, origin_us: float, colo
         group = extra.get("legendgroup", name)
         return [_gl_lines(name, y, start, end, color, extra.get("gl_width", 26), group, extra.get("showlegend", True)),
                 _gl_hover(name, y, start, end, custom, text, hover, group)]
-    # _validate=False: Plotly would otherwise turn ``base`` (an "any" property) into an
-    # array of Python objects, element by element, and deep-copy it: most of the cost of
-    # a big figure. The inputs here are numeric arrays built above; tests check them.
     marker = dict(color=color, line=dict(width=line, color="white"))
     if pattern:
         marker["pattern"] = pattern
     marker.update({k: v for k, v in extra.items() if k in ("colorscale", "cmin", "cmax", "colorbar")})
-    return [go.Bar(
-        _validate=False, name=name, orientation="h", width=0.8, y=y, base=start, x=end - start, marker=marker,
+    return [dict(
+        type="bar", name=name, orientation="h", width=0.8, y=y, base=start, x=end - start, marker=marker,
         customdata=custom, hovertext=text, hovertemplate=hover, textposition="none",
         **{k: v for k, v in extra.items() if k in ("legendgroup", "showlegend")},
     )]
 
 
-def _gl_lines(name, y, start, end, color, width, group, showlegend) -> go.Scattergl:
+def _gl_lines(name, y, start, end, color, width, group, showlegend) -> dict:
     """Segments as one WebGL line broken by NaNs (float32: half the bytes to ship)."""
     nan = np.full(len(start), np.nan, np.float32)
-    return go.Scattergl(
-        _validate=False, name=name, mode="lines", legendgroup=group, showlegend=showlegend, hoverinfo="skip",
+    return dict(
+        type="scattergl", name=name, mode="lines", legendgroup=group, showlegend=showlegend, hoverinfo="skip",
         x=np.column_stack([start.astype(np.float32), end.astype(np.float32), nan]).ravel(),
         y=np.column_stack([y.astype(np.float32), y.astype(np.float32), nan]).ravel(),
         line=dict(color=color, width=width), connectgaps=False,
     )
 
 
-def _gl_hover(name, y, start, end, custom, text, hover, group) -> go.Scattergl:
+def _gl_hover(name, y, start, end, custom, text, hover, group) -> dict:
     """One invisible point per segment, at its middle, carrying the hover."""
-    return go.Scattergl(
-        _validate=False, name=name, mode="markers", legendgroup=group, showlegend=False,
+    return dict(
+        type="scattergl", name=name, mode="markers", legendgroup=group, showlegend=False,
         x=((start + end) / 2).astype(np.float32), y=y.astype(np.float32), customdata=custom.astype(np.float32),
         hovertext=text, hovertemplate=hover, marker=dict(size=6, opacity=0),
     )
@@ -186,7 +209,7 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
     shown = select_steps(trace, steps, ranks, include_warmup)
     if len(shown) == 0:
         return go.Figure(layout=dict(title=title or "no finished steps to show"))
-    fig = go.Figure(_validate=False)  # see _lane_trace
+    data: list[dict] = []
     origin = float(shown.loc[shown["rank"] == shown["rank"].min(), "start_us"].min())
     ranks_shown = sorted(shown["rank"].unique())
     # Lanes are numeric y positions (labelled by ticks): numbers travel as packed arrays,
@@ -197,22 +220,20 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
     dur = lambda a, b: (np.asarray(b, float) - np.asarray(a, float)) / 1e3  # noqa: E731
 
     seg = backward_segments(trace, shown)
-    ev = compute_bucket_events(trace)
-    keys = pd.MultiIndex.from_frame(shown[["rank", "step"]])
-    ev = ev[pd.MultiIndex.from_frame(ev[["rank", "step"]]).isin(keys)] if len(ev) else ev
+    ev = _only(_cached(trace, "bucket_events", lambda t, _: compute_bucket_events(t)), shown)
     ex = exposed_segments(trace, shown)
     gl = len(seg) + len(ev) + 3 * len(shown) > GL_THRESHOLD if webgl is None else webgl
 
     def phase(name, df, a, b, color, what):
         df = df.dropna(subset=[a, b])
         if len(df):
-            fig.add_traces(_lane_trace(gl, name, lane(df), df[a], df[b], origin, color,
+            data.extend(_lane_trace(gl, name, lane(df), df[a], df[b], origin, color,
                                       what + " · step %{customdata[0]}<br>%{customdata[1]:.2f} ms",
                                       np.column_stack([df["step"], dur(df[a], df[b])])))
 
     phase("forward", shown, "forward_start_us", "forward_end_us", COLORS["forward"], "forward")
     if len(seg):
-        fig.add_traces(_lane_trace(
+        data.extend(_lane_trace(
             gl, "backward (per module)", lane(seg), seg["start_us"], seg["end_us"], origin, COLORS["backward"],
             "backward · %{hovertext}<br>step %{customdata[0]} · %{customdata[1]:.2f} ms",
             np.column_stack([seg["step"], dur(seg["start_us"], seg["end_us"])]),
@@ -232,7 +253,7 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
                  "%{customdata[1]:.2f} ms<br>algbw %{customdata[5]:.3f} GB/s · busbw %{customdata[6]:.3f} GB/s")
         top = max(1, int(ev["bucket"].max()))
         if not gl:
-            fig.add_traces(_lane_trace(
+            data.extend(_lane_trace(
                 gl, "bucket all-reduce", comm(ev), ev["launch_us"], ev["done_us"], origin,
                 ev["bucket"].to_numpy(float), hover, custom, text=text, line=0.5, colorscale="Viridis", cmin=0,
                 cmax=top, colorbar=dict(title="bucket", thickness=10, x=1.0, len=0.5, y=0.25)))
@@ -240,20 +261,27 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
             idx = ev["bucket"].to_numpy()
             y, start = comm(ev), (ev["launch_us"].to_numpy(float) - origin) / 1e3
             end = (ev["done_us"].to_numpy(float) - origin) / 1e3
-            uniq = np.unique(idx)
-            colors = sample_colorscale("Viridis", list(uniq / top))  # one call: it validates the scale
+            # at most GL_COLORS traces: neighbouring bucket indices share a colour beyond that
+            band = np.minimum((idx / top * GL_COLORS).astype(int), GL_COLORS - 1)
+            uniq = np.unique(band)
+            colors = sample_colorscale("Viridis", list((uniq + 0.5) / GL_COLORS))  # one call: it validates
             for n, (b, color) in enumerate(zip(uniq, colors)):
-                m = idx == b
-                fig.add_trace(_gl_lines("bucket all-reduce", y[m], start[m], end[m], color, 26, "buckets", n == 0))
-            fig.add_trace(_gl_hover("bucket all-reduce", y, start, end, custom,
+                m = band == b
+                data.append(_gl_lines("bucket all-reduce", y[m], start[m], end[m], color, 26, "buckets", n == 0))
+            data.append(_gl_hover("bucket all-reduce", y, start, end, custom,
                                     None, hover.replace("%{hovertext}", "(show fewer steps for names)")
                                     + "<extra></extra>", "buckets"))
     if len(ex):
-        fig.add_traces(_lane_trace(
+        data.extend(_lane_trace(
             gl, "exposed all-reduce (after backward)", comm(ex), ex["start_us"], ex["end_us"], origin,
             COLORS["exposed"], "exposed communication · step %{customdata[0]}<br>%{customdata[1]:.2f} ms",
             np.column_stack([ex["step"], dur(ex["start_us"], ex["end_us"])]),
             pattern=dict(shape="/", fgcolor="#E41A1C"), gl_width=10))
+    # _validate=False: Plotly would otherwise turn ``base`` (an "any" property) into an
+    # array of Python objects, element by element, and deep-copy every trace more than
+    # once: most of the cost of a big figure. Inputs are numeric arrays built above, and
+    # the tests check the figure's contents.
+    fig = go.Figure(data=data, _validate=False)
     fig.update_layout(
         barmode="overlay", title=title, height=140 + 70 * 2 * len(ranks_shown), hovermode="closest",
         xaxis=dict(title="ms from the start of the first shown step", zeroline=False),

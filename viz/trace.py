@@ -9,7 +9,7 @@ Bad input raises ``TraceError`` with a one-line message; nothing half-built is r
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -44,6 +44,8 @@ class RunTrace:
     buckets: pd.DataFrame
     grads: pd.DataFrame
     memory: pd.DataFrame
+    #: derived tables that figures reuse across selections (filled by viz functions)
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
