@@ -158,8 +158,8 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
                 continue
             args = e.get("args") or {}
             step = int(args["step"])
-            ts = align(float(e["ts"]))
-            te = ts + float(e.get("dur", 0.0))
+            raw = float(e["ts"])
+            ts, te = align(raw), align(raw + float(e.get("dur", 0.0)))  # both ends: drift applies
             if cat == fmt.CAT_STEP:
                 row = steps.setdefault(step, {"rank": rank, "step": step})
                 row.update(start_us=ts, end_us=te, warmup=bool(args.get("warmup", False)),
