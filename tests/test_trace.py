@@ -50,6 +50,7 @@ def test_offsets_align_ranks_with_drift(tmp_path):
     steps = t.steps.set_index(["rank", "step"])
     assert steps.loc[(1, 0), "start_us"] == pytest.approx(2000 - 1000 - 2)  # offset interpolated at t=2000
     assert steps.loc[(1, 1), "start_us"] == pytest.approx(7005 - 1000 - 7.005)
+    assert steps.loc[(1, 0), "end_us"] == pytest.approx(2100 - 1000 - 2.1)  # the end gets its own offset
     assert list(t.steps.warmup) == [True, False, True, False]
     assert t.buckets.params.iloc[0] == ["b", "w"] and t.grads.name.iloc[0] == "b"
 
