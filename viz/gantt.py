@@ -103,20 +103,27 @@ def exposed_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
     return _only(_cached(trace, "exposed_segments", _exposed_segments), shown)
 
 
+def _sorted_per_step(events: pd.DataFrame, shown: pd.DataFrame, column: str, time_col: str):
+    """``events`` of the shown steps with the step's ``column`` joined, sorted by rank,
+    step and ``time_col``, and a mask of each step's first row; (None, None) if empty."""
+    if len(events) == 0 or len(shown) == 0:
+        return None, None
+    df = events.join(shown.set_index(["rank", "step"])[column], on=["rank", "step"], how="inner")
+    if len(df) == 0:
+        return None, None
+    df = df.sort_values(["rank", "step", time_col], kind="stable")
+    rank, step = df["rank"].to_numpy(), df["step"].to_numpy()
+    return df, np.r_[True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])]
+
+
 def _backward_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
-    cols = ["rank", "step", "start_us", "end_us", "label"]
-    g = trace.grads
-    if len(g) == 0 or len(shown) == 0:
-        return pd.DataFrame(columns=cols)
-    bounds = shown.set_index(["rank", "step"])["backward_start_us"]
-    g = g.join(bounds, on=["rank", "step"], how="inner").sort_values(["rank", "step", "ready_us"], kind="stable")
-    if len(g) == 0:
-        return pd.DataFrame(columns=cols)
+    g, first = _sorted_per_step(trace.grads, shown, "backward_start_us", "ready_us")
+    if g is None:
+        return pd.DataFrame(columns=["rank", "step", "start_us", "end_us", "label"])
     rank, step, ready = g["rank"].to_numpy(), g["step"].to_numpy(), g["ready_us"].to_numpy(float)
     names = g["name"].to_numpy()
     modules = {n: n.rsplit(".", 1)[0] for n in pd.unique(names)}  # a few hundred names, not one per row
     module = np.array([modules[n] for n in names], dtype=object)
-    first = np.r_[True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])]
     prev = np.where(first, g["backward_start_us"].to_numpy(float), np.r_[np.nan, ready[:-1]])
     starts = np.flatnonzero(first | np.r_[True, module[1:] != module[:-1]])
     return pd.DataFrame({
@@ -126,17 +133,11 @@ def _backward_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
 
 
 def _exposed_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
-    cols = ["rank", "step", "start_us", "end_us"]
-    b = trace.buckets
-    if len(b) == 0 or len(shown) == 0:
-        return pd.DataFrame(columns=cols)
-    ends = shown.set_index(["rank", "step"])["backward_end_us"]
-    b = b.join(ends, on=["rank", "step"], how="inner").sort_values(["rank", "step", "launch_us"], kind="stable")
-    if len(b) == 0:
-        return pd.DataFrame(columns=cols)
+    b, first = _sorted_per_step(trace.buckets, shown, "backward_end_us", "launch_us")
+    if b is None:
+        return pd.DataFrame(columns=["rank", "step", "start_us", "end_us"])
     rank, step = b["rank"].to_numpy(), b["step"].to_numpy()
     launch, done, cut = (b[c].to_numpy(float) for c in ("launch_us", "done_us", "backward_end_us"))
-    first = np.r_[True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])]
     # running end of the merged interval within each (rank, step): cummax restarted per group
     group = np.cumsum(first) - 1
     reach = pd.Series(done).groupby(group).cummax().to_numpy()
