@@ -100,3 +100,17 @@ def test_step_boundaries_explicit_or_without_optimizer(tmp_path, mode):
     # steps do not overlap on a rank
     for _, g in steps.groupby("rank"):
         assert (g.start_us.to_numpy()[1:] >= g.end_us.to_numpy()[:-1] - 1e-3).all()  # 1 ns: float rounding
+
+
+def test_bad_tracer_input_fails_loudly(tmp_path):
+    import torch.nn as nn
+
+    from tracer import DDPTracer, TracerConfig
+
+    with pytest.raises(TypeError, match="needs a DistributedDataParallel model"):
+        DDPTracer(nn.Linear(2, 2), out_dir=tmp_path)
+    with pytest.raises(ValueError, match="step_boundary"):
+        TracerConfig(out_dir=tmp_path, step_boundary="sometimes")
+    with pytest.raises(ValueError, match="offset_rounds"):
+        TracerConfig(out_dir=tmp_path, offset_rounds=0)
+    assert list(tmp_path.iterdir()) == []

@@ -85,6 +85,17 @@ class DDPTracer:
 
     # -- lifecycle ----------------------------------------------------------------
     def __enter__(self) -> "DDPTracer":
+        try:
+            return self._attach()
+        except BaseException:  # leave nothing half-attached: no hooks, no writer thread
+            self._handles.remove()
+            if self._comm_state is not None:
+                self._comm_state.recorder = None
+            if self._writer is not None:
+                self._writer.close(status=fmt.FAILED, error="the tracer could not start")
+            raise
+
+    def _attach(self) -> "DDPTracer":
         if not dist.is_initialized():
             raise RuntimeError("DDPTracer needs an initialized process group (dist.init_process_group)")
         cfg = self.config
