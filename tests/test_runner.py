@@ -146,10 +146,11 @@ def test_two_nodes_with_a_skewed_clock_align(tmp_path):
     b = trace.buckets[trace.buckets.step >= 1].pivot_table(index=["step", "bucket"], columns="rank", values="done_us")
     assert len(b) >= 5 * 10
     diff = (b[0] - b[1]).abs()
-    # µs. Most completions agree to a fraction of a millisecond; a few are late on one
-    # rank by some ms, because each rank has one core for its training thread and its
-    # process group's threads (seen in single-node runs too): far from the 400 ms removed.
-    assert diff.median() < 2_000 and diff.max() < 15_000, diff.describe()
+    # µs. Most completions agree to about a millisecond; a few are late on one rank by
+    # several ms, rarely tens of ms, because each "node" has one core for its training
+    # thread, its process group's threads, torchrun and the runner (single-node runs show
+    # it too). Unaligned, every one of them would be 400 ms off.
+    assert diff.median() < 2_500 and diff.quantile(0.9) < 10_000 and diff.max() < 100_000, diff.describe()
     raw = trace.buckets.done_us + trace.buckets["rank"].map(lambda r: -trace.ranks[r]["clock_offset"]["start"]["offset_us"])
     assert abs(raw[trace.buckets["rank"] == 1].mean() - raw[trace.buckets["rank"] == 0].mean() - 400_000) < 20_000
     assert _port_is_free(port)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 from pathlib import Path
 
@@ -65,6 +66,8 @@ def main() -> None:
                           gradient_as_bucket_view=args.gradient_as_bucket_view)
             ref_opt = torch.optim.SGD(ref_ddp.parameters(), lr=0.05, momentum=0.9)
         gen = torch.Generator().manual_seed(100 + rank)
+        gc.collect()
+        gc.freeze()  # as the demo job does: short GC pauses, fewer late timestamps
         logging, allreduce_err = [], 0.0
         with DDPTracer(ddp, None if args.no_optimizer_hooks else opt, out_dir=out / "trace",
                        step_boundary=args.step_boundary) as tracer:
