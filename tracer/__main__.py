@@ -38,12 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tracer.runner import RunConfig, create_out_dir, run_job
+    from tracer.runner import RunConfig, run_job
 
     opts = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
     try:
         cfg = RunConfig(**opts)
-        create_out_dir(cfg.out)
     except ValueError as e:
         print(f"python -m tracer run: error: {e}", file=sys.stderr)
         return 2
@@ -61,7 +60,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     # SIGTERM (a scheduler, `kill`) ends the job like Ctrl-C does: stopped and reaped.
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    result = run_job(cfg, progress, output)
+    try:
+        result = run_job(cfg, progress, output)
+    except ValueError as e:  # the run folder could not be made: nothing was launched
+        print(f"python -m tracer run: error: {e}", file=sys.stderr)
+        return 2
     if not result.ok:
         print(f"python -m tracer run: run failed: {result.reason}", file=sys.stderr)
         if result.stderr_tail:
