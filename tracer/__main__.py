@@ -1,4 +1,4 @@
-"""ddpscope tracer command line: ``python -m tracer run ...``.
+"""ddpscope tracer command line: ``python -m tracer run ...`` and ``python -m tracer ring ...``.
 
 Exit codes: 0 success, 1 the job failed (one-line reason and the failing rank's stderr
 tail on stderr), 2 bad arguments (one line, nothing written).
@@ -34,6 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--node-rank", type=int, default=0, help="torchrun --node-rank")
     r.add_argument("--rdzv-endpoint", default=None, help="torchrun --rdzv-endpoint HOST:PORT (node 0 hosts it)")
     r.add_argument("-v", "--verbose", action="store_true", help="also show the workers' own output")
+
+    g = sub.add_parser("ring", help="run a traced ring all-reduce beside dist.all_reduce",
+                       description="Run a ring all-reduce built from send/recv on N local ranks, step by step "
+                                   "traced, and PyTorch's dist.all_reduce on the same tensor for comparison.")
+    g.add_argument("--nproc", type=int, default=4, help="ranks in the ring (default 4)")
+    g.add_argument("--mb", type=float, default=4.0, help="tensor size per rank, in MiB (default 4)")
+    g.add_argument("--repeat", type=int, default=5, help="timed rounds after one warm-up (default 5)")
+    g.add_argument("--dtype", default="float32", help="float32, float64, bfloat16, float16, int64 or int32")
+    g.add_argument("--no-calibration", action="store_false", dest="calibration",
+                   help="skip the two small sizes used to fit latency and bandwidth")
+    g.add_argument("--out", required=True, help="new or empty folder for the trace")
+    g.add_argument("--timeout", type=float, default=600.0, dest="timeout_s",
+                   help="watchdog: stop the job after this many seconds (default 600)")
+    g.add_argument("-v", "--verbose", action="store_true", help="also show the workers' own output")
     return p
 
 
@@ -65,14 +79,50 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:  # the run folder could not be made: nothing was launched
         print(f"python -m tracer run: error: {e}", file=sys.stderr)
         return 2
+    return _report(result, cfg.out, "run")
+
+
+def _report(result, out, command: str) -> int:
+    """Exit code and the final lines of a finished job (stdout: the run folder on success)."""
     if not result.ok:
-        print(f"python -m tracer run: run failed: {result.reason}", file=sys.stderr)
+        print(f"python -m tracer {command}: run failed: {result.reason}", file=sys.stderr)
         if result.stderr_tail:
             print(f"--- rank {result.failed_rank} stderr (last lines) ---\n{result.stderr_tail}", file=sys.stderr)
-        print(f"partial trace kept in {cfg.out} (run.json says failed)", file=sys.stderr)
+        print(f"partial trace kept in {out} (run.json says failed)", file=sys.stderr)
         return 130 if result.interrupted else 1
-    print(cfg.out)
+    print(out)
     return 0
+
+
+def cmd_ring(args: argparse.Namespace) -> int:
+    from tracer.runner import RingConfig, run_ring
+
+    opts = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
+    try:
+        cfg = RingConfig(**opts)
+    except ValueError as e:
+        print(f"python -m tracer ring: error: {e}", file=sys.stderr)
+        return 2
+
+    def progress(rec: dict) -> None:
+        if rec.get("event") == "start":
+            print(f"ring all-reduce of {rec['bytes'] / 2**20:g} MiB ({rec['dtype']}) on {rec['world_size']} ranks, "
+                  f"{rec['repeat']} rounds", file=sys.stderr)
+        elif rec.get("event") == "round":
+            print(f"round {rec['round']}/{rec['repeat']}  ring {rec['ring_ms']:.2f} ms  "
+                  f"dist.all_reduce {rec['ref_ms']:.2f} ms", file=sys.stderr)
+
+    def output(rank, line) -> None:
+        if args.verbose:
+            print(f"[rank {rank}] {line}" if rank is not None else line, file=sys.stderr)
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        result = run_ring(cfg, progress, output)
+    except ValueError as e:
+        print(f"python -m tracer ring: error: {e}", file=sys.stderr)
+        return 2
+    return _report(result, cfg.out, "ring")
 
 
 def _raise_interrupt(signum, frame) -> None:
@@ -83,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return cmd_run(args)
+    if args.command == "ring":
+        return cmd_ring(args)
     return 2
 
 

@@ -42,3 +42,12 @@ CAT_MEMORY = "memory"
 RUNNING = "running"
 COMPLETE = "complete"
 FAILED = "failed"
+
+# Ring all-reduce runs (``python -m tracer ring``): ``run.json`` says ``"kind": "ring"``.
+KIND_DDP = "ddp"  # the default when run.json has no "kind"
+KIND_RING = "ring"
+TID_RING = 10  # one span per ring all-reduce, its 2(N-1) steps nested inside
+TID_RING_REF = 11  # dist.all_reduce of the same tensor, for comparison
+CAT_RING = "ring"
+CAT_RING_STEP = "ring_step"
+CAT_RING_REF = "allreduce_ref"

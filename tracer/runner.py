@@ -1,4 +1,4 @@
-"""``python -m tracer run``: launch the bundled demo job under torchrun, traced.
+"""``python -m tracer run`` and ``python -m tracer ring``: launch a job under torchrun, traced.
 
 The run folder gets ``run.json`` (status ``running`` until rank 0 marks it ``complete``;
 ``failed`` with the reason if the job fails), ``rank-<r>.json`` per rank and ``logs/``
@@ -67,6 +67,57 @@ class RunConfig:
                             log_dir=self.out / "logs", timeout_s=self.timeout_s, env=project_env())
 
 
+MAX_RING_MB = 4096.0  # MiB per rank; each rank holds about 3.5 copies
+RING_DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32")
+
+
+@dataclass(kw_only=True)
+class RingConfig:
+    """A ring all-reduce run: ``nproc`` ranks on this machine, a tensor of ``mb`` MiB."""
+
+    out: Path | str
+    nproc: int = 4
+    mb: float = 4.0
+    repeat: int = 5
+    dtype: str = "float32"
+    calibration: bool = True
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        if not 2 <= self.nproc <= MAX_NPROC:
+            raise ValueError(f"--nproc must be in 2..{MAX_NPROC} (a ring needs two ranks), got {self.nproc}")
+        if not 0 < self.mb <= MAX_RING_MB:
+            raise ValueError(f"--mb must be > 0 and <= {MAX_RING_MB:g} (MiB), got {self.mb:g}")
+        if not 1 <= self.repeat <= 1000:
+            raise ValueError(f"--repeat must be in 1..1000, got {self.repeat}")
+        if self.dtype not in RING_DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(RING_DTYPES)}, got {self.dtype!r}")
+        if not 0 < self.timeout_s <= 7 * 24 * 3600:
+            raise ValueError(f"--timeout must be > 0 seconds (and at most a week), got {self.timeout_s:g}")
+        need = 3.5 * self.mb * 2**20 * self.nproc
+        total = _physical_memory_bytes()
+        if total and need > 0.8 * total:
+            raise ValueError(f"--mb {self.mb:g} x --nproc {self.nproc} needs about {need / 2**30:.1f} GiB, "
+                             f"more than this machine's {total / 2**30:.1f} GiB allows; lower --mb")
+        _check_out_dir(self.out)
+
+    def launch_config(self) -> LaunchConfig:
+        args = ["--mb", repr(self.mb), "--repeat", str(self.repeat), "--dtype", self.dtype,
+                "--out", str(self.out.resolve())]
+        if not self.calibration:
+            args.append("--no-calibration")
+        return LaunchConfig(target="tracer.ring_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
+                            timeout_s=self.timeout_s, env=project_env())
+
+
+def _physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def project_env() -> dict[str, str]:
     """Environment that lets torchrun's workers import ddpscope from any working folder."""
     path = os.environ.get("PYTHONPATH")
@@ -118,13 +169,27 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
     """Run the traced demo job to its end and leave the run folder consistent.
 
     Raises ``ValueError`` if the run folder cannot be created (nothing is launched)."""
-    create_out_dir(cfg.out)
-    lc = cfg.launch_config()
-    run_path = cfg.out / fmt.RUN_FILE
+    return _launch_traced(cfg.launch_config(), cfg.out, {
+        "kind": fmt.KIND_DDP, "model": cfg.model, "steps_requested": cfg.steps,
+        "nproc_per_node": cfg.nproc, "nnodes": cfg.nnodes}, cfg.node_rank, on_progress, on_output)
+
+
+def run_ring(cfg: RingConfig, on_progress: Callable[[dict], None] = lambda p: None,
+             on_output: Callable[[int | None, str], None] = lambda r, l: None) -> LaunchResult:
+    """Run the traced ring job (``tracer/ring_job.py``) to its end; as ``run_job``."""
+    return _launch_traced(cfg.launch_config(), cfg.out, {
+        "kind": fmt.KIND_RING, "mb": cfg.mb, "repeat": cfg.repeat, "dtype": cfg.dtype,
+        "nproc_per_node": cfg.nproc, "nnodes": 1}, 0, on_progress, on_output)
+
+
+def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int,
+                   on_progress: Callable[[dict], None], on_output: Callable[[int | None, str], None]) -> LaunchResult:
+    create_out_dir(out)
+    run_path = out / fmt.RUN_FILE
     write_json_atomic(run_path, {
         "format": fmt.FORMAT, "version": fmt.VERSION, "status": fmt.RUNNING,
-        "command": shlex.join(["python", "-m", "tracer", "run", *sys.argv[2:]]) if sys.argv[1:2] == ["run"] else None,
-        "model": cfg.model, "steps_requested": cfg.steps, "nproc_per_node": cfg.nproc, "nnodes": cfg.nnodes,
+        "command": shlex.join(["python", "-m", "tracer", *sys.argv[1:]])
+        if sys.argv[1:2] in (["run"], ["ring"]) else None, **facts,
     })
 
     def _line(local_rank: int | None, text: str) -> None:
@@ -140,7 +205,7 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
         run.update({"status": fmt.FAILED, "error": result.reason, "failed_rank": result.failed_rank})
         write_json_atomic(run_path, run)
     elif run.get("status") == fmt.RUNNING:  # a node other than 0: rank 0 wrote the run's metadata elsewhere
-        run.update({"status": fmt.COMPLETE, "node_rank": cfg.node_rank,
+        run.update({"status": fmt.COMPLETE, "node_rank": node_rank,
                     "note": "ranks of one node; the run's metadata is in node 0's run.json"})
         write_json_atomic(run_path, run)
     return result
