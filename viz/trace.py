@@ -56,7 +56,7 @@ class RunTrace:
         return str(self.run.get("status", "unknown"))
 
 
-def _offset_fn(meta: dict):
+def clock_alignment(meta: dict):
     """t (this rank's µs) -> t on rank 0's clock, interpolating start/end estimates."""
     co = meta.get("clock_offset") or {}
     start, end = co.get("start"), co.get("end")
@@ -68,7 +68,7 @@ def _offset_fn(meta: dict):
     return lambda t: t + start["offset_us"] + slope * (t - start["at_us"])
 
 
-def _read_json(path: Path, what: str) -> dict:
+def read_json_file(path: Path, what: str) -> dict:
     try:
         size = path.stat().st_size
     except OSError as e:
@@ -91,7 +91,7 @@ def _read_json(path: Path, what: str) -> dict:
 
 def read_rank_file(path: Path) -> tuple[dict, list[dict]]:
     """(metadata, events) of one rank file, checked to be ours."""
-    data = _read_json(path, "rank file")
+    data = read_json_file(path, "rank file")
     meta = (data.get("otherData") or {}).get("ddpscope") if isinstance(data.get("otherData"), dict) else None
     if not isinstance(meta, dict) or meta.get("format") != fmt.FORMAT:
         raise TraceError(f"{path.name} is not a ddpscope trace (no otherData.ddpscope; another tool's file?)")
@@ -103,42 +103,69 @@ def read_rank_file(path: Path) -> tuple[dict, list[dict]]:
     return meta, events
 
 
-def load_run(path: str | Path, *, allow_missing_ranks: bool = False) -> RunTrace:
-    """Load a run folder (``run.json`` + ``rank-*.json``)."""
+def run_kind(path: str | Path) -> str | None:
+    """``"ddp"`` or ``"ring"`` for a run folder (from ``run.json``; ``"ddp"`` when it has
+    none), or None when the folder holds no rank files or unreadable metadata."""
+    path = Path(path)
+    if not path.is_dir() or not any(fmt.RANK_FILE_RE.match(p.name) for p in path.iterdir()):
+        return None
+    try:
+        run = read_json_file(path / fmt.RUN_FILE, "run metadata") if (path / fmt.RUN_FILE).exists() else {}
+    except TraceError:
+        return None
+    return str(run.get("kind") or fmt.KIND_DDP)
+
+
+def read_run_folder(path: str | Path, kind: str, *, allow_missing_ranks: bool = False
+                    ) -> tuple[dict, dict[int, tuple[dict, list]], int]:
+    """``(run.json, {rank: (metadata, events)}, world size)`` of a run folder of ``kind``,
+    checked: every rank file ours and present (unless ``allow_missing_ranks``)."""
     path = Path(path)
     if not path.is_dir():
         raise TraceError(f"{path} is not a folder")
     run_path = path / fmt.RUN_FILE
-    run = _read_json(run_path, "run metadata") if run_path.exists() else {}
+    run = read_json_file(run_path, "run metadata") if run_path.exists() else {}
     if run and run.get("format") != fmt.FORMAT:
         raise TraceError(f"{run_path.name} in {path} is not ddpscope run metadata")
+    found = str(run.get("kind") or fmt.KIND_DDP)
+    if found != kind:
+        what = {fmt.KIND_RING: "a ring all-reduce run (see the Ring page)", fmt.KIND_DDP: "a DDP training run"}
+        raise TraceError(f"{path.name} is {what.get(found, repr(found))}, not {what.get(kind, repr(kind))}")
     files = {int(m.group(1)): p for p in path.iterdir() if (m := fmt.RANK_FILE_RE.match(p.name))}
     if not files:
         raise TraceError(f"{path} holds no rank-<r>.json trace files")
-    ranks: dict[int, dict] = {}
-    rows: dict[str, list] = {"steps": [], "buckets": [], "grads": [], "memory": []}
+    ranks = {}
     for rank in sorted(files):
         meta, events = read_rank_file(files[rank])
         if int(meta.get("rank", -1)) != rank:
             raise TraceError(f"{files[rank].name} says it is rank {meta.get('rank')}")
-        ranks[rank] = meta
-        _parse_events(rank, meta, events, rows)
-    world = int(run.get("world_size") or max(int(m.get("world_size", 0)) for m in ranks.values()))
+        ranks[rank] = (meta, events)
+    world = int(run.get("world_size") or max(int(m.get("world_size", 0)) for m, _ in ranks.values()))
     missing = sorted(set(range(world)) - set(ranks))
     if missing and not allow_missing_ranks:
         raise TraceError(f"{path}: rank file(s) for rank {', '.join(map(str, missing))} of {world} are missing")
-    if not run:  # e.g. ranks gathered from several nodes without run.json
-        run = {"world_size": world, "status": "unknown"}
+    return run or {"world_size": world, "status": "unknown"}, ranks, world
+
+
+def load_run(path: str | Path, *, allow_missing_ranks: bool = False) -> RunTrace:
+    """Load a DDP run folder (``run.json`` + ``rank-*.json``)."""
+    path = Path(path)
+    run, files, _ = read_run_folder(path, fmt.KIND_DDP, allow_missing_ranks=allow_missing_ranks)
+    ranks: dict[int, dict] = {}
+    rows: dict[str, list] = {"steps": [], "buckets": [], "grads": [], "memory": []}
+    for rank, (meta, events) in files.items():
+        ranks[rank] = meta
+        _parse_events(rank, meta, events, rows)
     return RunTrace(
         path=path, run=run, ranks=ranks,
-        steps=_frame(rows["steps"], ["rank", "step"]),
-        buckets=_frame(rows["buckets"], ["rank", "step", "bucket"]),
-        grads=_frame(rows["grads"], ["rank", "step", "ready_us"]),
-        memory=_frame(rows["memory"], ["rank", "step"]),
+        steps=frame_of(rows["steps"], ["rank", "step"]),
+        buckets=frame_of(rows["buckets"], ["rank", "step", "bucket"]),
+        grads=frame_of(rows["grads"], ["rank", "step", "ready_us"]),
+        memory=frame_of(rows["memory"], ["rank", "step"]),
     )
 
 
-def _frame(rows: list[dict], order: list[str]) -> pd.DataFrame:
+def frame_of(rows: list[dict], order: list[str]) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     return df.sort_values(order, kind="stable").reset_index(drop=True) if len(df) else df
 
@@ -148,7 +175,7 @@ _PHASES = {fmt.CAT_FORWARD: "forward", fmt.CAT_BACKWARD: "backward", fmt.CAT_GRA
 
 
 def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) -> None:
-    align = _offset_fn(meta)
+    align = clock_alignment(meta)
     steps: dict[int, dict] = {}
     names = meta.get("param_names") or []
     try:

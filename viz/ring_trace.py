@@ -1,0 +1,95 @@
+"""The ring trace model: a folder written by ``python -m tracer ring``, loaded and aligned.
+
+``load_ring(path)`` returns a ``RingTrace`` with three tables, times in µs on rank 0's
+clock (ranks aligned with the stored clock offsets, as for DDP runs):
+
+- ``rounds``: one row per rank and round of the ring: round, repeat (-1: warm-up),
+  bytes (the tensor), calibration, warmup, start_us, end_us, max_abs_diff
+- ``steps``: one row per rank, round and ring step: step (0 .. 2N-3), phase, phase_step,
+  send_chunk, recv_chunk, send_to, recv_from, send_bytes, recv_bytes, start_us, end_us,
+  comm_us (send and receive done), reduce_us (adding the received chunk in)
+- ``refs``: one row per rank and round of ``dist.all_reduce`` on the same tensor
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from tracer import format as fmt
+from viz.trace import TraceError, clock_alignment, frame_of, read_run_folder
+
+_STEP_FIELDS = ("step", "phase", "phase_step", "send_chunk", "recv_chunk", "send_to", "recv_from",
+                "send_bytes", "recv_bytes")
+
+
+@dataclass(frozen=True)
+class RingTrace:
+    path: Path
+    run: dict
+    ranks: dict[int, dict]
+    rounds: pd.DataFrame
+    steps: pd.DataFrame
+    refs: pd.DataFrame
+
+    @property
+    def world_size(self) -> int:
+        return int(self.run.get("world_size") or len(self.ranks))
+
+    @property
+    def size_bytes(self) -> int:
+        """The requested tensor size (bytes per rank); calibration sizes are smaller."""
+        return int(self.run["bytes"])
+
+    def main_rounds(self) -> list[int]:
+        """Timed rounds of the requested size (no warm-up, no calibration), in order."""
+        r = self.rounds
+        keep = r[(r["bytes"] == self.size_bytes) & ~r["warmup"] & ~r["calibration"]]
+        return sorted(int(x) for x in keep["round"].unique())
+
+
+def load_ring(path: str | Path) -> RingTrace:
+    """Load a ring run folder; ``TraceError`` (one line) if it is not one or is malformed."""
+    path = Path(path)
+    run, files, world = read_run_folder(path, fmt.KIND_RING)
+    if "bytes" not in run:
+        raise TraceError(f"{path.name}/run.json has no tensor size (the ring job never started?)")
+    rows: dict[str, list] = {"rounds": [], "steps": [], "refs": []}
+    for rank, (meta, events) in files.items():
+        align = clock_alignment(meta)
+        try:
+            for e in events:
+                if e.get("ph") != "X":
+                    continue
+                cat, args = e.get("cat"), e.get("args") or {}
+                ts = align(float(e["ts"]))
+                te = align(float(e["ts"]) + float(e["dur"]))
+                if cat == fmt.CAT_RING:
+                    rows["rounds"].append({"rank": rank, "round": int(args["round"]), "repeat": int(args["repeat"]),
+                                           "bytes": int(args["bytes"]), "calibration": bool(args["calibration"]),
+                                           "warmup": bool(args["warmup"]), "start_us": ts, "end_us": te,
+                                           "max_abs_diff": float(args.get("max_abs_diff", "nan"))})
+                elif cat == fmt.CAT_RING_STEP:
+                    row = {"rank": rank, "round": int(args["round"]), "size_bytes": int(args["size_bytes"])}
+                    row.update({k: args[k] for k in _STEP_FIELDS})
+                    row.update(start_us=ts, end_us=te, comm_us=float(args["comm_us"]),
+                               reduce_us=float(args["reduce_us"]))
+                    rows["steps"].append(row)
+                elif cat == fmt.CAT_RING_REF:
+                    rows["refs"].append({"rank": rank, "round": int(args["round"]), "bytes": int(args["bytes"]),
+                                         "calibration": bool(args["calibration"]), "warmup": bool(args["warmup"]),
+                                         "start_us": ts, "end_us": te})
+        except (KeyError, TypeError, ValueError) as e:
+            raise TraceError(f"rank {rank}: malformed ring trace event ({type(e).__name__}: {e})") from None
+    if not rows["rounds"]:
+        raise TraceError(f"{path.name} holds no finished ring round")
+    steps = frame_of(rows["steps"], ["rank", "round", "step"])
+    bad = steps[(steps["step"] < 0) | (steps["step"] > 2 * world - 3)]
+    if len(bad):
+        raise TraceError(f"{path.name}: step {int(bad['step'].iloc[0])} is outside 0..{2 * world - 3} "
+                         f"for a ring of {world} ranks")
+    return RingTrace(path=path, run=run, ranks={r: m for r, (m, _) in files.items()},
+                     rounds=frame_of(rows["rounds"], ["rank", "round"]), steps=steps,
+                     refs=frame_of(rows["refs"], ["rank", "round"]))
