@@ -43,3 +43,12 @@ def mlp_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     proc = run_cli("run", "--nproc", "2", "--model", "mlp", "--steps", "6", "--bucket-cap-mb", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     return out, proc
+
+
+@pytest.fixture(scope="session")
+def ring_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A real traced ring all-reduce: 4 ranks, 1 MiB float32, 3 timed rounds per size."""
+    out = tmp_path_factory.mktemp("rings") / "ring4"
+    proc = run_cli("ring", "--nproc", "4", "--mb", "1", "--repeat", "3", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out, proc
