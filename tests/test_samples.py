@@ -6,9 +6,12 @@ import pytest
 
 from tests.chrome_trace import check_chrome_trace
 from tests.conftest import SAMPLES
-from viz.trace import load_run
+from viz.ring import compute_ring_traffic
+from viz.ring_trace import load_ring
+from viz.trace import load_run, run_kind
 
-NAMES = sorted(p.name for p in SAMPLES.iterdir() if (p / "run.json").exists())
+NAMES = sorted(p.name for p in SAMPLES.iterdir() if run_kind(p) == "ddp")
+RINGS = sorted(p.name for p in SAMPLES.iterdir() if run_kind(p) == "ring")
 
 
 def test_there_are_samples_at_two_bucket_caps():
@@ -26,3 +29,19 @@ def test_sample_is_complete_small_and_well_formed(name):
     for r in range(t.world_size):
         assert check_chrome_trace(json.loads((folder / f"rank-{r}.json").read_text())) == []
         assert t.ranks[r]["bucket_layouts"][-1]["buckets"] == t.run["bucket_layout"]
+
+
+@pytest.mark.parametrize("name", RINGS)
+def test_ring_sample_is_complete_and_well_formed(name):
+    folder = SAMPLES / name
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 2 * 2**20
+    t = load_ring(folder)
+    assert t.run["status"] == "complete" and t.world_size >= 3 and len(t.main_rounds()) >= 3
+    traffic = compute_ring_traffic(t)
+    assert (traffic["steps"] == 2 * (t.world_size - 1)).all()
+    for r in range(t.world_size):
+        assert check_chrome_trace(json.loads((folder / f"rank-{r}.json").read_text())) == []
+
+
+def test_there_is_a_ring_sample():
+    assert RINGS
