@@ -1,4 +1,5 @@
-"""ddpscope dashboard: trace a DDP run, look at it, change bucket_cap_mb, rerun, compare.
+"""ddpscope dashboard: trace a DDP run, look at it, change bucket_cap_mb, rerun, compare;
+watch a traced ring all-reduce step by step and project it to N ranks.
 
 Run: ``streamlit run app.py``. Numbers and figures come from ``viz``; runs are started
 through ``tracer.jobs``; this file lays out the page, caches loads and keeps widget state.
@@ -18,7 +19,11 @@ from viz.archive import extract_run_archive, safe_name
 from viz.buckets import compute_bucket_table
 from viz.gantt import make_timeline_figure, timeline_extent_ms
 from viz.overlap import compute_rank_medians, compute_run_comparison, compute_step_breakdown
-from viz.trace import TraceError, load_run
+from viz.ring import compute_ring_step_times, compute_ring_summary, default_round
+from viz.ring_anim import make_ring_animation_figure, make_ring_step_figure
+from viz.ring_cost import MAX_WHATIF_N, RingCostModel, compute_ring_whatif, fit_ring_cost, make_ring_whatif_figure
+from viz.ring_trace import load_ring
+from viz.trace import TraceError, load_run, run_kind
 
 ROOT = Path(__file__).resolve().parent
 SAMPLES = ROOT / "samples"
@@ -27,13 +32,14 @@ UPLOADS = RUNS / "uploads"
 CAP_OPTIONS = [0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0]  # MiB, log-spaced
 
 
-def list_traces() -> dict[str, Path]:
-    """Every run folder the page can show, by label: samples, runs made here, uploads."""
+def list_traces(kind: str = "ddp") -> dict[str, Path]:
+    """Every run folder of ``kind`` ("ddp" or "ring") the page can show, by label:
+    samples, runs made here, uploads."""
     found = {}
     for prefix, folder in (("sample", SAMPLES), ("run", RUNS), ("upload", UPLOADS)):
         if folder.is_dir():
             for p in sorted(folder.iterdir(), reverse=prefix != "sample"):
-                if p.is_dir() and any(p.glob("rank-*.json")):
+                if run_kind(p) == kind:
                     found[f"{prefix}: {p.name}"] = p
     return found
 
@@ -42,6 +48,12 @@ def list_traces() -> dict[str, Path]:
 def load_trace(path: str, stamp: float):
     """The trace in a run folder (``stamp``, the newest file time there, renews the cache)."""
     return load_run(path)
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def load_ring_trace(path: str, stamp: float):
+    """The ring trace in a folder made by ``python -m tracer ring`` (cached as ``load_trace``)."""
+    return load_ring(path)
 
 
 def stamp_of(path: Path) -> float:
@@ -67,13 +79,14 @@ def handle_upload(upload) -> None:
     dest = UPLOADS / f"{safe_name(Path(upload.name).stem)}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         extract_run_archive(upload.getvalue(), upload.name, dest)
-        load_run(dest)
+        ring = run_kind(dest) == "ring"
+        load_ring(dest) if ring else load_run(dest)
     except TraceError as e:
         shutil.rmtree(dest, ignore_errors=True)
         st.session_state["upload_error"] = f"{upload.name}: {e}"
         return
     st.session_state.pop("upload_error", None)
-    st.session_state["trace"] = f"upload: {dest.name}"
+    st.session_state["ring_trace" if ring else "trace"] = f"upload: {dest.name}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -93,7 +106,7 @@ if st.session_state.get("trace") not in traces:
     st.session_state["trace"] = next(iter(traces))
 choice = st.sidebar.selectbox("Trace", list(traces), key="trace")
 
-view, compare, run_tab = st.tabs(["Timeline", "Compare runs", "Run"])
+view, compare, run_tab, ring_tab = st.tabs(["Timeline", "Compare runs", "Run", "Ring all-reduce"])
 
 with view:
     path = traces[choice]
@@ -186,3 +199,64 @@ with run_tab:
                 st.code(job.result.stderr_tail, language=None)
 
     job_status()
+
+
+with ring_tab:
+    rings = list_traces("ring")
+    ring = None
+    if not rings:
+        st.info(f"No ring traces yet. Make one with: python -m tracer ring --nproc 4 --mb 4 --out {RUNS / 'ring'}")
+    else:
+        if st.session_state.get("ring_trace") not in rings:
+            st.session_state["ring_trace"] = next(iter(rings))
+        ring_path = rings[st.selectbox("Ring trace", list(rings), key="ring_trace")]
+        try:
+            ring = load_ring_trace(str(ring_path), stamp_of(ring_path))
+        except TraceError as e:
+            st.error(str(e))
+    if ring is not None:
+        n = ring.world_size
+        summary = compute_ring_summary(ring).set_index("bytes")
+        main = summary.loc[ring.size_bytes] if ring.size_bytes in summary.index else None
+        cols = st.columns(5)
+        cols[0].metric("ranks", n)
+        cols[1].metric("tensor (MiB)", f"{ring.size_bytes / 2**20:.4g}")
+        cols[2].metric("ring, median (ms)", "-" if main is None else f"{main['ring_ms']:.2f}")
+        cols[3].metric("dist.all_reduce, median (ms)", "-" if main is None else f"{main['ref_ms']:.2f}")
+        cols[4].metric("ring busbw (GB/s)", "-" if main is None else f"{main['ring_busbw_GBps']:.3f}")
+        if ring.run.get("status") != "complete":
+            st.warning(f"This ring run did not complete ({ring.run.get('error') or ring.run.get('status')}); "
+                       "finished rounds are shown.")
+        rounds = ring.main_rounds() or sorted(int(r) for r in ring.steps["round"].unique())
+        if st.session_state.get("ring_round") not in rounds:
+            st.session_state["ring_round"] = default_round(ring)
+        rnd = st.select_slider("Round (the median one first)", options=rounds, key="ring_round")
+        st.plotly_chart(make_ring_animation_figure(ring, rnd), key="ring_animation")
+        st.caption("Play steps through the ring: each frame lasts in proportion to the step's measured time "
+                   "(median over ranks). Slots: a rank's N chunks, with how many ranks' data each holds.")
+        st.plotly_chart(make_ring_step_figure(compute_ring_step_times(ring, rnd)), key="ring_steps")
+        st.subheader("Ring vs dist.all_reduce (medians over timed rounds; GB/s = 10^9 bytes/s)")
+        st.dataframe(summary.reset_index().round(4), hide_index=True, key="ring_summary")
+
+        st.subheader(f"What if: N = 2 .. {MAX_WHATIF_N} ranks")
+        try:
+            fitted = fit_ring_cost(ring)
+        except ValueError as e:
+            st.warning(f"Cannot fit the cost model: {e}; enter latency and bandwidth by hand.")
+            fitted = RingCostModel(alpha_us=10.0, bandwidth_GBps=1.0, latency_fitted=False)
+        if st.session_state.get("whatif_for") != str(ring_path):  # new trace: start from its fit
+            st.session_state.update(whatif_for=str(ring_path), whatif_mb=ring.size_bytes / 2**20,
+                                    whatif_alpha=round(fitted.alpha_us, 2),
+                                    whatif_bw=float(f"{fitted.bandwidth_GBps:.4g}"))
+        c = st.columns(3)
+        mb = c[0].number_input("tensor M (MiB)", min_value=0.001, max_value=1e6, key="whatif_mb", format="%.3f")
+        alpha = c[1].number_input("latency a per step (µs)", min_value=0.0, max_value=1e7, key="whatif_alpha")
+        bw = c[2].number_input("bandwidth B (GB/s)", min_value=1e-4, max_value=1e5, key="whatif_bw", format="%.4f")
+        model = RingCostModel(alpha_us=alpha, bandwidth_GBps=bw)
+        size = mb * 2**20
+        measured = ([(n, float(main["ring_ms"]))] if main is not None and abs(size - ring.size_bytes) < 1 else None)
+        st.plotly_chart(make_ring_whatif_figure(compute_ring_whatif(model, size), size, measured), key="ring_whatif")
+        st.caption(f"T(N) = 2(N-1)·a + 2(N-1)/N·M/B. Fitted to this trace's {fitted.sizes} tensor sizes: "
+                   f"a = {fitted.alpha_us:.1f} µs, B = {fitted.bandwidth_GBps:.3g} GB/s"
+                   + ("" if fitted.latency_fitted else " (latency not separable from this trace; set to 0)")
+                   + ". The model leaves out the time to add chunks; on CPU that is folded into the fit.")

@@ -148,3 +148,71 @@ def test_a_failed_run_shows_the_reason_not_a_traceback(app, monkeypatch):
     err = app.error[0].value
     assert "failed: rank 1 failed: RuntimeError: injected failure" in err
     assert "Traceback" in app.code[0].value  # the rank's stderr tail, shown as text
+
+
+def _ring_specs(app) -> dict[str, dict]:
+    """The Ring page's charts: animation (has frames), steps and what-if, by what they show."""
+    specs = [json.loads(c.proto.spec) for c in app.get("plotly_chart")]
+    out = {}
+    for s in specs:
+        if s.get("frames"):
+            out["animation"] = s
+        elif any(t.get("name") == "2M (limit)" for t in s["data"]):
+            out["whatif"] = s
+        elif "Time per ring step and rank" in json.dumps(s["layout"].get("title")):
+            out["steps"] = s
+    return out
+
+
+def test_ring_page_animates_the_sample(app):
+    assert app.selectbox(key="ring_trace").value == "sample: ring-4rank-4mb"
+    assert "sample: ring-4rank-4mb" not in app.sidebar.selectbox(key="trace").options  # not a DDP run
+    assert [str(m.value) for m in app.metric if m.label == "ranks"] == ["2", "4"]  # timeline's run, the ring
+    assert float(_metric(app, "ring, median (ms)")) > 0 and float(_metric(app, "dist.all_reduce, median (ms)")) > 0
+    specs = _ring_specs(app)
+    assert len(specs["animation"]["frames"]) == 2 * 3 + 1
+    assert len(specs["steps"]["data"]) == 4
+    summary = app.dataframe[4].value
+    assert list(summary["bytes"]) == [4096, 2**18, 2**22]
+
+
+def test_ring_round_and_whatif_inputs(app):
+    rounds = app.select_slider(key="ring_round").options
+    other = next(r for r in rounds if str(r) != str(app.select_slider(key="ring_round").value))
+    app.select_slider(key="ring_round").set_value(int(other)).run()
+    assert not app.exception
+    assert _ring_specs(app)["animation"]["layout"]["meta"]["round"] == int(other)
+    whatif = _ring_specs(app)["whatif"]
+    assert any(t.get("name") == "measured (median)" for t in whatif["data"])  # at the traced size
+    app.number_input(key="whatif_mb").set_value(64.0)
+    app.number_input(key="whatif_alpha").set_value(0.0)
+    app.number_input(key="whatif_bw").set_value(2.0).run()
+    assert not app.exception
+    whatif = _ring_specs(app)["whatif"]
+    names = [t.get("name") for t in whatif["data"]]
+    assert "measured (median)" not in names  # another size: nothing measured to show
+    latency = whatif["data"][names.index("latency term 2(N-1)·a")]
+    assert latency["x"][-1] == 64
+    sent = whatif["data"][names.index("sent per rank (MiB)")]
+    assert sent["y"][0] == 64.0 and 2 * 64 * 0.96 < sent["y"][-1] < 128.0  # approaching 2M
+
+
+def test_a_broken_ring_trace_shows_a_readable_error(app, tmp_path):
+    bad = tmp_path / "runs" / "broken-ring"
+    bad.mkdir(parents=True)
+    for p in (SAMPLES / "ring-4rank-4mb").iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    (bad / "rank-3.json").write_bytes(b'{"traceEvents": [')
+    app.run()
+    app.selectbox(key="ring_trace").set_value("run: broken-ring").run()
+    assert not app.exception
+    assert any("rank-3.json is not valid JSON" in e.value and "\n" not in e.value for e in app.error)
+
+
+def test_upload_of_a_ring_archive_opens_the_ring_page(app):
+    files = {f"ring/{p.name}": p.read_bytes() for p in (SAMPLES / "ring-4rank-4mb").iterdir()}
+    app.sidebar.file_uploader(key="upload").upload("my-ring.zip", _zip(files), "application/zip")
+    app.run()
+    assert not app.exception and not app.sidebar.error
+    assert app.selectbox(key="ring_trace").value.startswith("upload: my-ring-")
+    assert len(_ring_specs(app)["animation"]["frames"]) == 7

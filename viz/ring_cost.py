@@ -98,6 +98,7 @@ def make_ring_whatif_figure(whatif: pd.DataFrame, size_bytes: float,
     """Left: predicted time vs N (latency and bandwidth terms stacked), with measured
     (N, ms) points; right: bytes each rank sends vs N, approaching 2M."""
     mib = size_bytes / 2**20
+    whatif = {k: whatif[k].tolist() for k in ("n", "latency_ms", "bandwidth_ms", "volume_bytes")}  # 63 points: plain JSON
     fig = make_subplots(rows=1, cols=2, subplot_titles=(
         f"Predicted ring all-reduce time, M = {mib:.4g} MiB", "Bytes sent per rank: 2(N-1)/N x M"))
     fig.add_trace(go.Scatter(x=whatif["n"], y=whatif["bandwidth_ms"], name="bandwidth term 2(N-1)/N·M/B",
@@ -108,10 +109,10 @@ def make_ring_whatif_figure(whatif: pd.DataFrame, size_bytes: float,
         fig.add_trace(go.Scatter(x=[p[0] for p in measured], y=[p[1] for p in measured], mode="markers",
                                  name="measured (median)", marker=dict(color="black", size=10, symbol="x")),
                       row=1, col=1)
-    fig.add_trace(go.Scatter(x=whatif["n"], y=whatif["volume_bytes"] / 2**20, mode="lines+markers",
+    fig.add_trace(go.Scatter(x=whatif["n"], y=[v / 2**20 for v in whatif["volume_bytes"]], mode="lines+markers",
                              name="sent per rank (MiB)", marker=dict(size=4), line=dict(color="#2ca02c")),
                   row=1, col=2)
-    fig.add_trace(go.Scatter(x=[2, int(whatif["n"].max())], y=[2 * mib, 2 * mib], mode="lines",
+    fig.add_trace(go.Scatter(x=[2, int(max(whatif["n"]))], y=[2 * mib, 2 * mib], mode="lines",
                              name="2M (limit)", line=dict(color="gray", dash="dash")), row=1, col=2)
     fig.update_xaxes(title_text="ranks N", row=1, col=1)
     fig.update_xaxes(title_text="ranks N", row=1, col=2)
