@@ -63,6 +63,7 @@ def test_dashboard_renders_the_timeline_for_both_ranks(tmp_path):
                 assert max(ys) - min(ys) > 100
                 page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
                 assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+                _ring_animation_plays(page, tmp_path)
             finally:
                 browser.close()
     finally:
@@ -70,3 +71,25 @@ def test_dashboard_renders_the_timeline_for_both_ranks(tmp_path):
         proc.wait(timeout=30)
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
+
+
+def _ring_animation_plays(page, tmp_path: Path) -> None:
+    """The Ring tab's animation: play runs every frame in order, with per-frame durations."""
+    page.get_by_role("tab", name="Ring all-reduce").click()
+    page.get_by_text("▶ play").wait_for(timeout=60_000)
+    find = "() => [...document.querySelectorAll('.js-plotly-plot')].find(g => (g._transitionData || {})._frames?.length)"
+    page.wait_for_function(f"() => !!({find})()", timeout=60_000)
+    info = page.evaluate(f"""() => {{
+        const gd = ({find})();
+        window.ringSeen = [];
+        gd.on('plotly_animatingframe', e => window.ringSeen.push(e.name));
+        const play = gd.layout.updatemenus[0].buttons[0].args[1];
+        return {{frames: gd._transitionData._frames.length, durations: play.frame.map(f => f.duration),
+                 meta: gd.layout.meta.frame_ms, slots: gd._fullData[0].x.length}};
+    }}""")
+    assert info["frames"] == 7 and info["slots"] == 16  # 4 ranks x 4 chunk slots
+    assert info["durations"] == info["meta"] and len(set(info["durations"])) > 1  # one duration per frame
+    page.get_by_text("▶ play").click()
+    page.wait_for_function("() => window.ringSeen.length >= 7", timeout=sum(info["durations"]) + 30_000)
+    assert page.evaluate("window.ringSeen") == [str(k) for k in range(7)]
+    page.screenshot(path=str(tmp_path / "ring.png"), full_page=True)
