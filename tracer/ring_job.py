@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import socket
 import time
@@ -27,14 +26,11 @@ from tracer.affinity import bind_local_rank_to_cores
 from tracer.clock import CpuClock
 from tracer.offsets import estimate_offsets
 from tracer.ring import ALL_GATHER, RingStepRecord, chunk_bounds, ring_all_reduce
-from tracer.writer import TraceWriter, read_json, write_json_atomic
+from tracer.worker import FAIL_ENV, HANG_ENV, injected, progress, update_run_json
+from tracer.writer import TraceWriter
 
-PROGRESS_PREFIX = "ddpscope-progress "
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
-# Test-only failure injection, "RANK:ROUND" (round of the requested size, 0-based).
-FAIL_ENV = "DDPSCOPE_TEST_FAIL"
-HANG_ENV = "DDPSCOPE_TEST_HANG"
 CALIBRATION_MIN_BYTES = 4096
 
 
@@ -69,16 +65,8 @@ def tolerance(dtype: torch.dtype, world: int) -> tuple[float, float]:
     return 4 * world * eps, 4 * world * eps
 
 
-def _injected(env: str, rank: int) -> int | None:
-    raw = os.environ.get(env)
-    if not raw:
-        return None
-    r, s = raw.split(":")
-    return int(s) if int(r) == rank else None
 
 
-def _progress(**fields) -> None:
-    print(PROGRESS_PREFIX + json.dumps(fields), flush=True)
 
 
 def _input(numel: int, dtype: torch.dtype, rank: int, seed: int, device) -> torch.Tensor:
@@ -155,9 +143,9 @@ def main(argv=None) -> None:
             "clock": clock.kind, "torch_version": torch.__version__,
         }
         if rank == 0:
-            _update_run_json(args.out, {**run_facts, "status": fmt.RUNNING})
-            _progress(event="start", world_size=world, bytes=numel * item, repeat=args.repeat, dtype=args.dtype)
-        fail_at, hang_at = _injected(FAIL_ENV, rank), _injected(HANG_ENV, rank)
+            update_run_json(args.out, {**run_facts, "status": fmt.RUNNING})
+            progress(event="start", world_size=world, bytes=numel * item, repeat=args.repeat, dtype=args.dtype)
+        fail_at, hang_at = injected(FAIL_ENV, rank), injected(HANG_ENV, rank)
         rtol, atol = tolerance(dtype, world)
         n_round = 0
         for size_numel, calibration in sizes:
@@ -199,15 +187,15 @@ def main(argv=None) -> None:
                 if rank == 0 and not calibration and i >= 0:
                     ring_ms = next(e["dur"] for e in events if e["cat"] == fmt.CAT_RING) / 1e3
                     ref_ms = next(e["dur"] for e in events if e["cat"] == fmt.CAT_RING_REF) / 1e3
-                    _progress(event="round", round=i + 1, repeat=args.repeat, ring_ms=round(ring_ms, 3),
+                    progress(event="round", round=i + 1, repeat=args.repeat, ring_ms=round(ring_ms, 3),
                               ref_ms=round(ref_ms, 3))
         offsets_end = estimate_offsets(clock.host_us, cpu_group)
         meta["clock_offset"]["end"] = offsets_end[rank].to_json()
         status = fmt.COMPLETE
         if rank == 0:
-            _update_run_json(args.out, {**run_facts, "status": status, "rounds": n_round, "clock_offsets": {
+            update_run_json(args.out, {**run_facts, "status": status, "rounds": n_round, "clock_offsets": {
                 "start": [o.to_json() for o in offsets_start], "end": [o.to_json() for o in offsets_end]}})
-            _progress(event="done")
+            progress(event="done")
     except BaseException as e:
         error = f"{type(e).__name__}: {e}"[:2000]
         raise
@@ -216,12 +204,6 @@ def main(argv=None) -> None:
             writer.close(status=status, error=error, clock_offset=meta["clock_offset"])
         dist.destroy_process_group()
 
-
-def _update_run_json(out: str, fields: dict) -> None:
-    path = os.path.join(out, fmt.RUN_FILE)
-    run = read_json(path) if os.path.exists(path) else {"format": fmt.FORMAT, "version": fmt.VERSION}
-    run.update(fields)
-    write_json_atomic(path, run)
 
 
 if __name__ == "__main__":

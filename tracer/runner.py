@@ -18,10 +18,10 @@ from typing import Callable
 from tracer import format as fmt
 from tracer.demo.models import MODELS
 from tracer.launch import LaunchConfig, LaunchResult, launch
+from tracer.worker import PROGRESS_PREFIX  # printed by the jobs on rank 0
 from tracer.writer import read_json, write_json_atomic
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-PROGRESS_PREFIX = "ddpscope-progress "  # printed by tracer/demo/train.py on rank 0
 MAX_NPROC = 64
 MAX_BUCKET_CAP_MB = 10240.0  # 10 GiB: more than any real gradient bucket
 MAX_STEPS = 100_000

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import time
 
@@ -20,11 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tracer.affinity import bind_local_rank_to_cores
 from tracer.demo.models import MODELS, build_model
 from tracer.tracer import DDPTracer, TracerConfig
+from tracer.worker import FAIL_ENV, HANG_ENV, injected, progress
 
-PROGRESS_PREFIX = "ddpscope-progress "
-# Test-only failure injection, "RANK:STEP": raise (FAIL) or block forever (HANG) there.
-FAIL_ENV = "DDPSCOPE_TEST_FAIL"
-HANG_ENV = "DDPSCOPE_TEST_HANG"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,16 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _injected(env: str, rank: int) -> int | None:
-    raw = os.environ.get(env)
-    if not raw:
-        return None
-    r, s = raw.split(":")
-    return int(s) if int(r) == rank else None
 
 
-def _progress(**fields) -> None:
-    print(PROGRESS_PREFIX + json.dumps(fields), flush=True)
 
 
 @record
@@ -73,7 +61,7 @@ def main(argv=None) -> None:
                   gradient_as_bucket_view=args.gradient_as_bucket_view)
         opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
         gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own data
-        fail_at, hang_at = _injected(FAIL_ENV, rank), _injected(HANG_ENV, rank)
+        fail_at, hang_at = injected(FAIL_ENV, rank), injected(HANG_ENV, rank)
         n_params = sum(p.numel() for p in model.parameters())
         cfg = TracerConfig(out_dir=args.out, run_meta={
             "model": args.model, "model_params": n_params, "steps_requested": args.steps,
@@ -85,7 +73,7 @@ def main(argv=None) -> None:
         gc.collect()
         gc.freeze()
         if rank == 0:
-            _progress(event="start", world_size=world, model=args.model, params=n_params, steps=args.steps)
+            progress(event="start", world_size=world, model=args.model, params=n_params, steps=args.steps)
         with DDPTracer(ddp, opt, config=cfg):
             for step in range(args.steps):
                 t0 = time.perf_counter()
@@ -100,10 +88,10 @@ def main(argv=None) -> None:
                 opt.zero_grad(set_to_none=True)
                 if rank == 0:
                     # loss.item(): a CPU-GPU sync on CUDA, once per step, after the step is done
-                    _progress(event="step", step=step + 1, steps=args.steps, loss=round(loss.item(), 5),
+                    progress(event="step", step=step + 1, steps=args.steps, loss=round(loss.item(), 5),
                               ms=round((time.perf_counter() - t0) * 1e3, 1))
         if rank == 0:
-            _progress(event="done", steps=args.steps)
+            progress(event="done", steps=args.steps)
     finally:
         dist.destroy_process_group()
 
