@@ -1,4 +1,4 @@
-"""ddpscope tracer command line: ``python -m tracer run ...`` and ``python -m tracer ring ...``.
+"""ddpscope tracer command line: ``python -m tracer run|ring|zero ...``.
 
 Exit codes: 0 success, 1 the job failed (one-line reason and the failing rank's stderr
 tail on stderr), 2 bad arguments (one line, nothing written).
@@ -48,6 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=600.0, dest="timeout_s",
                    help="watchdog: stop the job after this many seconds (default 600)")
     g.add_argument("-v", "--verbose", action="store_true", help="also show the workers' own output")
+
+    z = sub.add_parser("zero", help="measure memory and communication per ZeRO stage",
+                       description="Train the demo model a few steps under each ZeRO stage (0: DDP + Adam, "
+                                   "1: ZeroRedundancyOptimizer, 2: FSDP without resharding after forward, "
+                                   "3: FSDP full sharding) and measure what each rank holds and sends.")
+    z.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    z.add_argument("--model", default="mlp", help="demo model: mlp or gpt (default mlp)")
+    z.add_argument("--steps", type=int, default=3, help="steps per stage; the last is measured (default 3)")
+    z.add_argument("--stages", default="0,1,2,3", help="comma-separated stages (default 0,1,2,3)")
+    z.add_argument("--out", required=True, help="new or empty folder for the results")
+    z.add_argument("--timeout", type=float, default=600.0, dest="timeout_s",
+                   help="watchdog: stop the job after this many seconds (default 600)")
+    z.add_argument("-v", "--verbose", action="store_true", help="also show the workers' own output")
     return p
 
 
@@ -125,6 +138,38 @@ def cmd_ring(args: argparse.Namespace) -> int:
     return _report(result, cfg.out, "ring")
 
 
+def cmd_zero(args: argparse.Namespace) -> int:
+    from tracer.runner import ZeroConfig, run_zero
+
+    opts = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
+    try:
+        cfg = ZeroConfig(**opts)
+    except ValueError as e:
+        print(f"python -m tracer zero: error: {e}", file=sys.stderr)
+        return 2
+
+    def progress(rec: dict) -> None:
+        if rec.get("event") == "start":
+            print(f"ZeRO stages {','.join(map(str, rec['stages']))} of {rec['model']} on {rec['world_size']} ranks",
+                  file=sys.stderr)
+        elif rec.get("event") == "stage":
+            print(f"stage {rec['stage']} ({rec['name']}): model states {rec['model_state_mib']:.2f} MiB, "
+                  f"peak {rec['peak_mib']:.2f} MiB, sent {rec['comm_mib']:.2f} MiB per step (rank 0)",
+                  file=sys.stderr)
+
+    def output(rank, line) -> None:
+        if args.verbose:
+            print(f"[rank {rank}] {line}" if rank is not None else line, file=sys.stderr)
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        result = run_zero(cfg, progress, output)
+    except ValueError as e:
+        print(f"python -m tracer zero: error: {e}", file=sys.stderr)
+        return 2
+    return _report(result, cfg.out, "zero")
+
+
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -135,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_run(args)
     if args.command == "ring":
         return cmd_ring(args)
+    if args.command == "zero":
+        return cmd_zero(args)
     return 2
 
 

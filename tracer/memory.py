@@ -13,15 +13,24 @@ from typing import Iterable
 import torch
 
 
-def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct regions that ``tensors`` occupy."""
-    return sum(n for _, n in {(t.data_ptr(), t.nbytes) for t in tensors if t is not None})
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own data of ``t``: a DTensor's local shard (FSDP), else ``t``."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def distinct_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct regions (data pointer, size) that ``tensors`` occupy on this
+    rank; a DTensor counts its local shard."""
+    regions = {(t.data_ptr(), t.nbytes) for t in (local_tensor(x) for x in tensors if x is not None) if t.nbytes}
+    return sum(n for _, n in regions)
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """State tensors the optimizer holds on this rank (``ZeroRedundancyOptimizer``: its shard)."""
     if optimizer is None:
         return []
-    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    inner = getattr(optimizer, "optim", optimizer)
+    return [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
 
 
 def rss_bytes() -> int | None:

@@ -1,4 +1,4 @@
-"""``python -m tracer run`` and ``python -m tracer ring``: launch a job under torchrun, traced.
+"""``python -m tracer run``, ``ring`` and ``zero``: launch a job under torchrun, traced.
 
 The run folder gets ``run.json`` (status ``running`` until rank 0 marks it ``complete``;
 ``failed`` with the reason if the job fails), ``rank-<r>.json`` per rank and ``logs/``
@@ -111,6 +111,40 @@ class RingConfig:
                             timeout_s=self.timeout_s, env=project_env())
 
 
+@dataclass(kw_only=True)
+class ZeroConfig:
+    """A ZeRO memory run: the demo ``model`` trained ``steps`` steps under each of ``stages``."""
+
+    out: Path | str
+    nproc: int = 2
+    model: str = "mlp"
+    steps: int = 3
+    stages: str = "0,1,2,3"
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        if not 2 <= self.nproc <= MAX_NPROC:
+            raise ValueError(f"--nproc must be in 2..{MAX_NPROC} (sharding needs two ranks), got {self.nproc}")
+        if self.model not in MODELS:
+            raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if not 2 <= self.steps <= 100:
+            raise ValueError(f"--steps must be in 2..100 (the last step is measured after warm-up), got {self.steps}")
+        parts = [p.strip() for p in str(self.stages).split(",")]
+        if not parts or any(p not in ("0", "1", "2", "3") for p in parts) or len(set(parts)) != len(parts):
+            raise ValueError(f"--stages must list distinct stages from 0,1,2,3 (e.g. 0,3), got {self.stages!r}")
+        self.stages = ",".join(parts)
+        if not 0 < self.timeout_s <= 7 * 24 * 3600:
+            raise ValueError(f"--timeout must be > 0 seconds (and at most a week), got {self.timeout_s:g}")
+        _check_out_dir(self.out)
+
+    def launch_config(self) -> LaunchConfig:
+        args = ["--model", self.model, "--steps", str(self.steps), "--stages", self.stages,
+                "--out", str(self.out.resolve())]
+        return LaunchConfig(target="tracer.zero_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
+                            timeout_s=self.timeout_s, env=project_env())
+
+
 def _physical_memory_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -182,6 +216,14 @@ def run_ring(cfg: RingConfig, on_progress: Callable[[dict], None] = lambda p: No
         "nproc_per_node": cfg.nproc, "nnodes": 1}, 0, on_progress, on_output)
 
 
+def run_zero(cfg: ZeroConfig, on_progress: Callable[[dict], None] = lambda p: None,
+             on_output: Callable[[int | None, str], None] = lambda r, l: None) -> LaunchResult:
+    """Run the ZeRO memory job (``tracer/zero_job.py``) to its end; as ``run_job``."""
+    return _launch_traced(cfg.launch_config(), cfg.out, {
+        "kind": fmt.KIND_ZERO, "model": cfg.model, "steps": cfg.steps, "nproc_per_node": cfg.nproc,
+        "nnodes": 1}, 0, on_progress, on_output)
+
+
 def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int,
                    on_progress: Callable[[dict], None], on_output: Callable[[int | None, str], None]) -> LaunchResult:
     create_out_dir(out)
@@ -189,7 +231,7 @@ def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int,
     write_json_atomic(run_path, {
         "format": fmt.FORMAT, "version": fmt.VERSION, "status": fmt.RUNNING,
         "command": shlex.join(["python", "-m", "tracer", *sys.argv[1:]])
-        if sys.argv[1:2] in (["run"], ["ring"]) else None, **facts,
+        if sys.argv[1:2] in (["run"], ["ring"], ["zero"]) else None, **facts,
     })
 
     def _line(local_rank: int | None, text: str) -> None:

@@ -1,0 +1,75 @@
+"""ZeRO runs (``python -m tracer zero``): loaded, and set beside the analytic model.
+
+``load_zero(path)`` returns a ``ZeroTrace``: ``stages`` (one row per rank and stage:
+the bytes that rank held and sent; see ``tracer/zero.py`` for how each is measured) and
+``comm`` (one row per rank, stage and collective). Bytes throughout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from tracer import format as fmt
+from viz.trace import TraceError, frame_of, read_run_folder
+from viz.zero_model import model_state_bytes, run_precision
+
+_STAGE_FIELDS = ("params", "params_bytes", "grads_bytes", "optimizer_state_bytes", "model_state_bytes",
+                 "step_start_bytes", "peak_bytes", "comm_volume_bytes", "step_ms")
+
+
+@dataclass(frozen=True)
+class ZeroTrace:
+    path: Path
+    run: dict
+    stages: pd.DataFrame
+    comm: pd.DataFrame
+
+    @property
+    def world_size(self) -> int:
+        return int(self.run.get("world_size") or self.stages["rank"].nunique())
+
+    @property
+    def params(self) -> int:
+        return int(self.stages["params"].iloc[0])
+
+
+def load_zero(path: str | Path) -> ZeroTrace:
+    """Load a ZeRO run folder; ``TraceError`` (one line) if it is not one or is malformed."""
+    path = Path(path)
+    run, files, _ = read_run_folder(path, fmt.KIND_ZERO)
+    rows, comm = [], []
+    for rank, (meta, _) in files.items():
+        stages = meta.get("stages")
+        if not isinstance(stages, list):
+            raise TraceError(f"rank-{rank}.json holds no ZeRO stage measurements")
+        try:
+            for s in stages:
+                rows.append({"rank": rank, "stage": int(s["stage"]), "name": str(s["name"]),
+                             **{k: float(s[k]) for k in _STAGE_FIELDS}})
+                for coll, c in (s.get("comm") or {}).items():
+                    comm.append({"rank": rank, "stage": int(s["stage"]), "collective": coll, "calls": int(c["calls"]),
+                                 "message_bytes": float(c["message_bytes"]), "volume_bytes": float(c["volume_bytes"])})
+        except (KeyError, TypeError, ValueError) as e:
+            raise TraceError(f"rank-{rank}.json: malformed stage measurement ({type(e).__name__}: {e})") from None
+    if not rows:
+        raise TraceError(f"{path.name} holds no finished ZeRO stage")
+    return ZeroTrace(path=path, run=run, stages=frame_of(rows, ["stage", "rank"]),
+                     comm=frame_of(comm, ["stage", "rank", "collective"]))
+
+
+def compute_zero_comparison(trace: ZeroTrace) -> pd.DataFrame:
+    """Per stage and rank: measured model-state bytes beside the model's prediction for
+    the run (same P, N, fp32 and K as the run: ``run_precision``), and their ratio; plus
+    the measured peak and the bytes sent per step."""
+    n = trace.world_size
+    out = trace.stages[["stage", "rank", "name", "params_bytes", "grads_bytes", "optimizer_state_bytes",
+                        "model_state_bytes", "peak_bytes", "comm_volume_bytes"]].copy()
+    pred = [model_state_bytes(trace.params, n, int(s), run_precision(int(s))) for s in out["stage"]]
+    for key in ("params_bytes", "grads_bytes", "optimizer_state_bytes"):
+        out[f"predicted_{key}"] = [p[key] for p in pred]
+    out["predicted_model_state_bytes"] = [sum(p.values()) for p in pred]
+    out["measured/predicted"] = out["model_state_bytes"] / out["predicted_model_state_bytes"]
+    return out.reset_index(drop=True)
