@@ -24,6 +24,10 @@ from viz.ring_anim import make_ring_animation_figure, make_ring_step_figure
 from viz.ring_cost import MAX_WHATIF_N, RingCostModel, compute_ring_whatif, fit_ring_cost, make_ring_whatif_figure
 from viz.ring_trace import load_ring
 from viz.trace import TraceError, load_run, run_kind
+from viz.zero_figures import UNITS, make_zero_projection_figure, make_zero_run_figure
+from viz.zero_model import (PRECISIONS, PRESETS, Precision, compute_zero_memory, largest_model,
+                            transformer_activation_bytes)
+from viz.zero_trace import compute_zero_comparison, load_zero
 
 ROOT = Path(__file__).resolve().parent
 SAMPLES = ROOT / "samples"
@@ -56,6 +60,12 @@ def load_ring_trace(path: str, stamp: float):
     return load_ring(path)
 
 
+@st.cache_data(show_spinner=False, max_entries=8)
+def load_zero_trace(path: str, stamp: float):
+    """The ZeRO run in a folder made by ``python -m tracer zero`` (cached as ``load_trace``)."""
+    return load_zero(path)
+
+
 def stamp_of(path: Path) -> float:
     return max((p.stat().st_mtime for p in path.iterdir()), default=0.0)
 
@@ -79,14 +89,14 @@ def handle_upload(upload) -> None:
     dest = UPLOADS / f"{safe_name(Path(upload.name).stem)}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         extract_run_archive(upload.getvalue(), upload.name, dest)
-        ring = run_kind(dest) == "ring"
-        load_ring(dest) if ring else load_run(dest)
+        kind = run_kind(dest) or "ddp"
+        {"ring": load_ring, "zero": load_zero}.get(kind, load_run)(dest)
     except TraceError as e:
         shutil.rmtree(dest, ignore_errors=True)
         st.session_state["upload_error"] = f"{upload.name}: {e}"
         return
     st.session_state.pop("upload_error", None)
-    st.session_state["ring_trace" if ring else "trace"] = f"upload: {dest.name}"
+    st.session_state[{"ring": "ring_trace", "zero": "zero_trace"}.get(kind, "trace")] = f"upload: {dest.name}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -106,7 +116,8 @@ if st.session_state.get("trace") not in traces:
     st.session_state["trace"] = next(iter(traces))
 choice = st.sidebar.selectbox("Trace", list(traces), key="trace")
 
-view, compare, run_tab, ring_tab = st.tabs(["Timeline", "Compare runs", "Run", "Ring all-reduce"])
+view, compare, run_tab, ring_tab, memory_tab = st.tabs(
+    ["Timeline", "Compare runs", "Run", "Ring all-reduce", "Memory (ZeRO)"])
 
 with view:
     path = traces[choice]
@@ -260,3 +271,98 @@ with ring_tab:
                    f"a = {fitted.alpha_us:.1f} µs, B = {fitted.bandwidth_GBps:.3g} GB/s"
                    + ("" if fitted.latency_fitted else " (latency not separable from this trace; set to 0)")
                    + ". The model leaves out the time to add chunks; on CPU that is folded into the fit.")
+
+
+def set_preset() -> None:
+    """A preset fills in the parameter count (billions)."""
+    st.session_state["proj_params_b"] = PRESETS[st.session_state["proj_preset"]] / 1e9
+
+
+def set_precision_k() -> None:
+    """A precision brings its usual K (12 for mixed-precision Adam, 8 for fp32 Adam)."""
+    st.session_state["proj_k"] = int(PRECISIONS[st.session_state["proj_precision"]].k)
+
+
+with memory_tab:
+    unit = st.radio("Units", list(UNITS), horizontal=True, key="zero_unit",
+                    help="GB and MB are 10^9 and 10^6 bytes (the ZeRO paper's unit); GiB and MiB 2^30 and 2^20.")
+    scale = UNITS[unit]
+    st.subheader("Measured: one model trained under each ZeRO stage")
+    zeros = list_traces("zero")
+    if not zeros:
+        st.info(f"No ZeRO runs yet. Make one with: python -m tracer zero --nproc 2 --model gpt --out {RUNS / 'zero'}")
+    else:
+        if st.session_state.get("zero_trace") not in zeros:
+            st.session_state["zero_trace"] = next(iter(zeros))
+        zero_path = zeros[st.selectbox("ZeRO run", list(zeros), key="zero_trace")]
+        try:
+            zt = load_zero_trace(str(zero_path), stamp_of(zero_path))
+        except TraceError as e:
+            st.error(str(e))
+            zt = None
+        if zt is not None:
+            if zt.run.get("status") != "complete":
+                st.warning(f"This run did not complete ({zt.run.get('error') or zt.run.get('status')}); "
+                           "finished stages are shown.")
+            cmp = compute_zero_comparison(zt)
+            c = st.columns(3)
+            c[0].metric("model", str(zt.run.get("model", "?")))
+            c[1].metric("parameters", f"{zt.params / 1e6:.2f} M")
+            c[2].metric("ranks", zt.world_size)
+            zrank = st.selectbox("Rank", sorted(int(r) for r in cmp["rank"].unique()), key="zero_rank")
+            st.plotly_chart(make_zero_run_figure(cmp, unit, zrank), key="zero_run")
+            st.caption("Measured: tensor accounting of what the rank holds (parameters after forward: FSDP's "
+                       "unsharded copy in stage 2), and the step's peak from torch.profiler's memory events. "
+                       "Predicted: the ZeRO model with the run's fp32 Adam (K = 8; 12 in stage 2, where the fp32 "
+                       "shard is a master copy beside the unsharded one).")
+            table = cmp[cmp["rank"] == zrank].copy()
+            for col in ("model_state_bytes", "predicted_model_state_bytes", "peak_bytes", "comm_volume_bytes"):
+                table[col.replace("bytes", unit)] = table.pop(col) / scale
+            st.dataframe(table[["stage", "name"] + [c for c in table.columns if c.endswith(unit)]
+                               + ["measured/predicted"]].round(4), hide_index=True, key="zero_table")
+            comm = zt.comm[zt.comm["rank"] == zrank].copy()
+            comm[f"message ({unit})"] = comm.pop("message_bytes") / scale
+            comm[f"sent per rank, ring ({unit})"] = comm.pop("volume_bytes") / scale
+            st.dataframe(comm.drop(columns="rank").round(4), hide_index=True, key="zero_comm")
+            st.caption(f"Collectives of the measured step as the backend ran them. The model: 2P for stages 0-2, "
+                       f"3P for stage 3 (x (N-1)/N with rings; P = {zt.params * 4 / scale:.4g} {unit} of fp32 "
+                       "gradients). PyTorch's ZeRO-1 all-reduces gradients and then broadcasts parameters (3P, not "
+                       "2P), and gloo runs a reduce-scatter as an all-reduce.")
+
+    st.subheader("Projected: any model size, N and precision")
+    c = st.columns(4)
+    c[0].selectbox("Preset", list(PRESETS), index=1, key="proj_preset", on_change=set_preset)
+    if "proj_params_b" not in st.session_state:
+        set_preset()
+    params_b = c[1].number_input("parameters (billions)", min_value=0.001, max_value=1e5, key="proj_params_b")
+    n_dev = c[2].select_slider("N (data-parallel ranks)", options=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
+                               value=64, key="proj_n")
+    prec_name = c[3].radio("Precision", list(PRECISIONS), key="proj_precision",
+                           format_func=lambda k: PRECISIONS[k].name, on_change=set_precision_k)
+    if "proj_k" not in st.session_state:
+        set_precision_k()
+    c = st.columns(4)
+    k_bytes = c[0].slider("K (optimizer bytes / parameter)", 0, 32, key="proj_k")
+    device_gib = c[1].number_input("device memory (GiB)", min_value=1.0, max_value=4096.0, value=80.0, key="proj_device")
+    with_act = c[2].checkbox("add transformer activations", key="proj_act")
+    act = 0.0
+    if with_act:
+        a = st.columns(4)
+        act = transformer_activation_bytes(
+            layers=a[0].number_input("layers", 1, 1000, 32, key="act_layers"),
+            hidden=a[1].number_input("hidden", 64, 65536, 4096, key="act_hidden"),
+            seq=a[2].number_input("sequence", 1, 1_000_000, 2048, key="act_seq"),
+            micro_batch=a[3].number_input("micro-batch", 1, 1024, 1, key="act_mb"),
+            bytes_per_value=PRECISIONS[prec_name].param)
+        st.caption("Activations: s·b·h·(34 + 5·a·s/h) bytes per layer with 16-bit values (Korthikanti et al. 2022), "
+                   "no recomputation, a = hidden/64 heads; doubled for fp32.")
+    base = PRECISIONS[prec_name]
+    prec = Precision(name=base.name, param=base.param, grad=base.grad, k=k_bytes)
+    mem = compute_zero_memory(params_b * 1e9, n_dev, prec, act)
+    st.plotly_chart(make_zero_projection_figure(mem, unit, device_gib * 2**30), key="zero_projection")
+    fits = largest_model(device_gib * 2**30, n_dev, prec, act)
+    view_mem = mem[["stage", "name"]].copy()
+    view_mem[f"per device ({unit})"] = mem["total_bytes"] / scale
+    view_mem[f"comm per rank and step ({unit})"] = mem["comm_bytes"] / scale
+    view_mem["largest model that fits (B params)"] = fits["max_params"] / 1e9
+    st.dataframe(view_mem.round(3), hide_index=True, key="zero_projection_table")
