@@ -52,3 +52,12 @@ def ring_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     proc = run_cli("ring", "--nproc", "4", "--mb", "1", "--repeat", "3", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     return out, proc
+
+
+@pytest.fixture(scope="session")
+def zero_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A real ZeRO run: the demo MLP on 2 ranks, 3 steps under each of stages 0-3."""
+    out = tmp_path_factory.mktemp("zero") / "mlp"
+    proc = run_cli("zero", "--nproc", "2", "--model", "mlp", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out, proc

@@ -167,7 +167,7 @@ def _ring_specs(app) -> dict[str, dict]:
 def test_ring_page_animates_the_sample(app):
     assert app.selectbox(key="ring_trace").value == "sample: ring-4rank-4mb"
     assert "sample: ring-4rank-4mb" not in app.sidebar.selectbox(key="trace").options  # not a DDP run
-    assert [str(m.value) for m in app.metric if m.label == "ranks"] == ["2", "4"]  # timeline's run, the ring
+    assert [str(m.value) for m in app.metric if m.label == "ranks"][:2] == ["2", "4"]  # timeline's run, the ring
     assert float(_metric(app, "ring, median (ms)")) > 0 and float(_metric(app, "dist.all_reduce, median (ms)")) > 0
     specs = _ring_specs(app)
     assert len(specs["animation"]["frames"]) == 2 * 3 + 1
@@ -216,3 +216,60 @@ def test_upload_of_a_ring_archive_opens_the_ring_page(app):
     assert not app.exception and not app.sidebar.error
     assert app.selectbox(key="ring_trace").value.startswith("upload: my-ring-")
     assert len(_ring_specs(app)["animation"]["frames"]) == 7
+
+
+def _chart(app, title_part: str) -> dict:
+    for c in app.get("plotly_chart"):
+        spec = json.loads(c.proto.spec)
+        if title_part in json.dumps(spec["layout"].get("title")) or title_part in json.dumps(spec["layout"].get("yaxis")):
+            return spec
+    raise AssertionError(f"no chart with {title_part!r}")
+
+
+def _table(app, column: str):
+    return next(d.value for d in app.dataframe if column in d.value.columns)
+
+
+def test_memory_page_shows_the_zero_sample_beside_the_model(app):
+    assert app.selectbox(key="zero_trace").value == "sample: zero-gpt-2rank"
+    run = _chart(app, "measured vs predicted per ZeRO stage (GB)")  # GB by default
+    bars = {t["name"]: t for t in run["data"]}
+    assert {"parameters", "gradients", "optimizer state"} <= set(bars)
+    assert bars["parameters"]["x"][1][:4] == ["measured"] * 4 and bars["parameters"]["x"][1][4:] == ["predicted"] * 4
+    table = _table(app, "measured/predicted")
+    assert len(table) == 4 and ((table["measured/predicted"] - 1).abs() < 0.05).all()
+    comm = _table(app, "collective")
+    assert set(comm["collective"]) == {"all_reduce", "broadcast", "all_gather"}
+
+
+def test_memory_projection_reproduces_figure_1_and_reacts_to_widgets(app):
+    # the default: the paper's 7.5B parameters, N = 64, mixed precision, K = 12, in GB
+    table = _table(app, "per device (GB)")
+    assert table["per device (GB)"].round(1).tolist() == [120.0, 31.4, 16.6, 1.9]
+    assert _chart(app, "per device (GB)")["layout"]["yaxis"]["title"]["text"] == "per device (GB)"
+    app.radio(key="zero_unit").set_value("GiB").run()
+    assert _table(app, "per device (GiB)")["per device (GiB)"].iloc[0] == pytest.approx(120e9 / 2**30, abs=1e-3)
+    app.radio(key="zero_unit").set_value("GB").run()
+    app.select_slider(key="proj_n").set_value(8).run()
+    assert _table(app, "per device (GB)")["per device (GB)"].round(3).tolist()[3] == 15.0
+    app.selectbox(key="proj_preset").set_value("GPT-3 (175B)").run()
+    assert app.number_input(key="proj_params_b").value == 175.0
+    app.radio(key="proj_precision").set_value("fp32").run()
+    assert app.slider(key="proj_k").value == 8
+    app.checkbox(key="proj_act").check().run()
+    assert not app.exception
+    fits = _table(app, "largest model that fits (B params)")["largest model that fits (B params)"]
+    assert fits.is_monotonic_increasing
+
+
+def test_a_broken_zero_run_shows_a_readable_error(app, tmp_path):
+    bad = tmp_path / "runs" / "broken-zero"
+    bad.mkdir(parents=True)
+    (bad / "run.json").write_bytes((SAMPLES / "zero-gpt-2rank" / "run.json").read_bytes())
+    (bad / "rank-0.json").write_text(json.dumps({"traceEvents": [], "otherData": {"ddpscope": {
+        "format": "ddpscope-trace", "version": 1, "rank": 0, "world_size": 2}}}))
+    (bad / "rank-1.json").write_bytes((SAMPLES / "zero-gpt-2rank" / "rank-1.json").read_bytes())
+    app.run()
+    app.selectbox(key="zero_trace").set_value("run: broken-zero").run()
+    assert not app.exception
+    assert any("rank-0.json holds no ZeRO stage measurements" in e.value for e in app.error)

@@ -9,9 +9,11 @@ from tests.conftest import SAMPLES
 from viz.ring import compute_ring_traffic
 from viz.ring_trace import load_ring
 from viz.trace import load_run, run_kind
+from viz.zero_trace import compute_zero_comparison, load_zero
 
 NAMES = sorted(p.name for p in SAMPLES.iterdir() if run_kind(p) == "ddp")
 RINGS = sorted(p.name for p in SAMPLES.iterdir() if run_kind(p) == "ring")
+ZEROS = sorted(p.name for p in SAMPLES.iterdir() if run_kind(p) == "zero")
 
 
 def test_there_are_samples_at_two_bucket_caps():
@@ -45,3 +47,18 @@ def test_ring_sample_is_complete_and_well_formed(name):
 
 def test_there_is_a_ring_sample():
     assert RINGS
+
+
+@pytest.mark.parametrize("name", ZEROS)
+def test_zero_sample_is_complete_and_matches_the_model(name):
+    folder = SAMPLES / name
+    t = load_zero(folder)
+    assert t.run["status"] == "complete" and sorted(t.stages["stage"].unique()) == [0, 1, 2, 3]
+    cmp = compute_zero_comparison(t)
+    assert ((cmp["measured/predicted"] - 1).abs() < 0.05).all()
+    for r in range(t.world_size):
+        assert check_chrome_trace(json.loads((folder / f"rank-{r}.json").read_text())) == []
+
+
+def test_there_is_a_zero_sample():
+    assert ZEROS
