@@ -12,6 +12,7 @@ writes the run's facts into ``run.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import os
@@ -125,7 +126,8 @@ def main(argv=None) -> None:
                     {"ph": "M", "name": "thread_name", "pid": rank, "tid": 1, "args": {"name": "ZeRO stages"}}])
         facts = {"kind": fmt.KIND_ZERO, "world_size": world, "backend": backend, "device": str(device),
                  "model": args.model, "steps": args.steps, "stages_requested": stages, "dtype": "float32",
-                 "optimizer": "Adam", "torch_version": torch.__version__}
+                 "optimizer": "Adam", "torch_version": torch.__version__,
+                 "model_config": dataclasses.asdict(build_model(args.model).cfg)}
         if rank == 0:
             update_run_json(args.out, {**facts, "status": fmt.RUNNING})
             progress(event="start", world_size=world, model=args.model, stages=stages)

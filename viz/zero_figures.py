@@ -24,7 +24,8 @@ def _scale(unit: str) -> float:
 def make_zero_run_figure(comparison: pd.DataFrame, unit: str = "MiB", rank: int = 0) -> go.Figure:
     """Measured (one rank) beside predicted, per stage. The measured "activations" part
     is everything else the step's peak held: peak tensor memory minus model states
-    (activations, temporaries, communication buffers)."""
+    (activations, temporaries, communication buffers); the predicted one is the
+    transformer estimate when the comparison has one."""
     k = _scale(unit)
     c = comparison[comparison["rank"] == rank].sort_values("stage")
     stages = [f"stage {int(s)}" for s in c["stage"]]
@@ -33,8 +34,9 @@ def make_zero_run_figure(comparison: pd.DataFrame, unit: str = "MiB", rank: int 
     fig = go.Figure()
     for key, label, color in PARTS:
         if key == "activations_bytes":
-            measured, predicted = other, [0.0] * len(c)
-            label = "activations & temporaries (peak - model states)"
+            measured = other
+            predicted = c["predicted_activations_bytes"] if "predicted_activations_bytes" in c else [0.0] * len(c)
+            label = "activations (measured: peak - model states)"
         else:
             measured, predicted = c[key], c[f"predicted_{key}"]
         y = [v / k for v in list(measured) + list(predicted)]

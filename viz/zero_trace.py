@@ -14,7 +14,7 @@ import pandas as pd
 
 from tracer import format as fmt
 from viz.trace import TraceError, frame_of, read_run_folder
-from viz.zero_model import model_state_bytes, run_precision
+from viz.zero_model import model_state_bytes, run_precision, transformer_activation_bytes
 
 _STAGE_FIELDS = ("params", "params_bytes", "grads_bytes", "optimizer_state_bytes", "model_state_bytes",
                  "step_start_bytes", "peak_bytes", "comm_volume_bytes", "step_ms")
@@ -63,7 +63,8 @@ def load_zero(path: str | Path) -> ZeroTrace:
 def compute_zero_comparison(trace: ZeroTrace) -> pd.DataFrame:
     """Per stage and rank: measured model-state bytes beside the model's prediction for
     the run (same P, N, fp32 and K as the run: ``run_precision``), and their ratio; plus
-    the measured peak and the bytes sent per step."""
+    the measured peak, the bytes sent per step and, for the demo GPT, the activation
+    estimate (``predicted_activations_bytes``)."""
     n = trace.world_size
     out = trace.stages[["stage", "rank", "name", "params_bytes", "grads_bytes", "optimizer_state_bytes",
                         "model_state_bytes", "peak_bytes", "comm_volume_bytes"]].copy()
@@ -72,4 +73,15 @@ def compute_zero_comparison(trace: ZeroTrace) -> pd.DataFrame:
         out[f"predicted_{key}"] = [p[key] for p in pred]
     out["predicted_model_state_bytes"] = [sum(p.values()) for p in pred]
     out["measured/predicted"] = out["model_state_bytes"] / out["predicted_model_state_bytes"]
+    out["predicted_activations_bytes"] = predicted_activations(trace)
     return out.reset_index(drop=True)
+
+
+def predicted_activations(trace: ZeroTrace) -> float:
+    """The transformer activation estimate for the run's demo GPT (fp32), or 0 when the
+    run's model is not a transformer or its configuration was not recorded."""
+    cfg = trace.run.get("model_config") or {}
+    if trace.run.get("model") != "gpt" or not cfg:
+        return 0.0
+    return transformer_activation_bytes(layers=int(cfg["layers"]), hidden=int(cfg["embd"]), seq=int(cfg["block"]),
+                                        micro_batch=int(cfg["batch"]), heads=int(cfg["heads"]), bytes_per_value=4)
