@@ -102,7 +102,8 @@ def handle_upload(upload) -> None:
 # ---------------------------------------------------------------------------------------
 st.set_page_config(page_title="ddpscope", layout="wide")
 st.title("ddpscope")
-st.caption("What each DDP gradient bucket's all-reduce does against the backward pass.")
+st.caption("What each DDP gradient bucket's all-reduce does against the backward pass, how a ring "
+           "all-reduce moves data, and what each ZeRO stage does to memory.")
 
 handle_upload(st.sidebar.file_uploader("Upload a run (.zip / .tar.gz of a run folder)",
                                        type=["zip", "tar", "gz", "tgz"], key="upload"))
