@@ -48,7 +48,7 @@ def load_zero(path: str | Path) -> ZeroTrace:
         try:
             for s in stages:
                 rows.append({"rank": rank, "stage": int(s["stage"]), "name": str(s["name"]),
-                             **{k: float(s[k]) for k in _STAGE_FIELDS}})
+                             **{k: float("nan") if s[k] is None else float(s[k]) for k in _STAGE_FIELDS}})
                 for coll, c in (s.get("comm") or {}).items():
                     comm.append({"rank": rank, "stage": int(s["stage"]), "collective": coll, "calls": int(c["calls"]),
                                  "message_bytes": float(c["message_bytes"]), "volume_bytes": float(c["volume_bytes"])})
