@@ -99,6 +99,16 @@ def handle_upload(upload) -> None:
     st.session_state[{"ring": "ring_trace", "zero": "zero_trace"}.get(kind, "trace")] = f"upload: {dest.name}"
 
 
+def set_preset() -> None:
+    """A preset fills in the parameter count (billions)."""
+    st.session_state["proj_params_b"] = PRESETS[st.session_state["proj_preset"]] / 1e9
+
+
+def set_precision_k() -> None:
+    """A precision brings its usual K (12 for mixed-precision Adam, 8 for fp32 Adam)."""
+    st.session_state["proj_k"] = int(PRECISIONS[st.session_state["proj_precision"]].k)
+
+
 # ---------------------------------------------------------------------------------------
 st.set_page_config(page_title="ddpscope", layout="wide")
 st.title("ddpscope")
@@ -272,16 +282,6 @@ with ring_tab:
                    f"a = {fitted.alpha_us:.1f} µs, B = {fitted.bandwidth_GBps:.3g} GB/s"
                    + ("" if fitted.latency_fitted else " (latency not separable from this trace; set to 0)")
                    + ". The model leaves out the time to add chunks; on CPU that is folded into the fit.")
-
-
-def set_preset() -> None:
-    """A preset fills in the parameter count (billions)."""
-    st.session_state["proj_params_b"] = PRESETS[st.session_state["proj_preset"]] / 1e9
-
-
-def set_precision_k() -> None:
-    """A precision brings its usual K (12 for mixed-precision Adam, 8 for fp32 Adam)."""
-    st.session_state["proj_k"] = int(PRECISIONS[st.session_state["proj_precision"]].k)
 
 
 with memory_tab:

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import KINETO, SAMPLES
+from tests.conftest import KINETO
 from viz.trace import TraceError, load_run
 
 

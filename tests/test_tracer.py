@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
 from tracer.launch import LaunchConfig, launch
 from tracer.runner import project_env
 from viz.overlap import compute_ddp_logging_view

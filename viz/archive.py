@@ -62,7 +62,7 @@ def extract_run_archive(data: bytes, filename: str, dest: Path) -> Path:
                     if total > MAX_UNPACKED_BYTES:
                         raise TraceError(f"{filename} unpacks to more than {MAX_UNPACKED_BYTES // 2**20} MiB")
                     files[name] = t.extractfile(m).read()
-    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as e:
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError):
         raise TraceError(f"{filename} is not a readable .zip or .tar(.gz) archive") from None
     if not any(fmt.RANK_FILE_RE.match(n) for n in files):
         raise TraceError(f"{filename} holds no rank-<r>.json trace files")
