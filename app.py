@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parent
 SAMPLES = ROOT / "samples"
 RUNS = Path(os.environ.get("DDPSCOPE_RUNS_DIR", ROOT / "runs"))
 UPLOADS = RUNS / "uploads"
+# 0.1 to 1000 billion parameters, 8 steps a decade, and every preset's own size
+PARAM_OPTIONS_B = sorted({float(f"{10 ** (i / 8):.3g}") for i in range(-8, 25)} | {v / 1e9 for v in PRESETS.values()})
 CAP_OPTIONS = [0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0]  # MiB, log-spaced
 
 
@@ -335,7 +337,8 @@ with memory_tab:
     c[0].selectbox("Preset", list(PRESETS), index=1, key="proj_preset", on_change=set_preset)
     if "proj_params_b" not in st.session_state:
         set_preset()
-    params_b = c[1].number_input("parameters (billions)", min_value=0.001, max_value=1e5, key="proj_params_b")
+    params_b = c[1].select_slider("parameters (billions, log scale)", options=PARAM_OPTIONS_B, key="proj_params_b",
+                                  format_func=lambda b: f"{b:g}")
     n_dev = c[2].select_slider("N (data-parallel ranks)", options=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
                                value=64, key="proj_n")
     prec_name = c[3].radio("Precision", list(PRECISIONS), key="proj_precision",

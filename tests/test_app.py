@@ -253,7 +253,9 @@ def test_memory_projection_reproduces_figure_1_and_reacts_to_widgets(app):
     app.select_slider(key="proj_n").set_value(8).run()
     assert _table(app, "per device (GB)")["per device (GB)"].round(3).tolist()[3] == 15.0
     app.selectbox(key="proj_preset").set_value("GPT-3 (175B)").run()
-    assert app.number_input(key="proj_params_b").value == 175.0
+    assert app.select_slider(key="proj_params_b").value == 175.0
+    app.select_slider(key="proj_params_b").set_value(1000.0).run()
+    assert _table(app, "per device (GB)")["per device (GB)"].iloc[0] == pytest.approx((2 + 2 + 12) * 1000)
     app.radio(key="proj_precision").set_value("fp32").run()
     assert app.slider(key="proj_k").value == 8
     app.checkbox(key="proj_act").check().run()
