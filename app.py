@@ -111,6 +111,45 @@ def set_precision_k() -> None:
     st.session_state["proj_k"] = int(PRECISIONS[st.session_state["proj_precision"]].k)
 
 
+@st.fragment(run_every=1.0)
+def job_status(jobs: JobManager) -> None:
+    """The current job's progress, then its outcome (refreshes itself every second)."""
+    job = jobs.current
+    if job is None:
+        st.caption(f"Runs started here are kept in {RUNS}.")
+        return
+    if job.running:
+        st.progress(min(job.done / max(job.total, 1), 1.0),
+                    text=f"{job.out.name}: {job.unit} {job.done}/{job.total}"
+                         + (f" · {job.last_ms:.0f} ms" if job.last_ms and job.kind == "ddp" else ""))
+        st.session_state["job_was_running"] = True
+        return
+    if st.session_state.pop("job_was_running", False):
+        st.rerun(scope="app")  # list the new run everywhere
+    if job.ok:
+        where = {"ddp": "in the sidebar's Trace list", "ring": "on the Ring all-reduce tab",
+                 "zero": "on the Memory (ZeRO) tab"}[job.kind]
+        st.success(f"{job.out.name} finished: pick 'run: {job.out.name}' {where}.")
+    else:
+        reason = job.error or (job.result.reason if job.result else "unknown")
+        st.error(f"{job.out.name} failed: {reason}")
+        if job.result is not None and job.result.stderr_tail:
+            st.code(job.result.stderr_tail, language=None)
+
+
+def start_job(start, **settings) -> None:
+    """Start a run from a button (``start``: a ``JobManager`` method); messages on the page."""
+    try:
+        started = start(**settings)
+    except ValueError as e:
+        st.error(str(e))
+        return
+    if started is None:
+        st.info("A run is already going; it continues.")
+    else:
+        st.rerun()  # show the buttons disabled and the progress at once
+
+
 # ---------------------------------------------------------------------------------------
 st.set_page_config(page_title="ddpscope", layout="wide")
 st.title("ddpscope")
@@ -129,6 +168,11 @@ if st.session_state.get("trace") not in traces:
     st.session_state["trace"] = next(iter(traces))
 choice = st.sidebar.selectbox("Trace", list(traces), key="trace")
 
+jobs = job_manager(str(RUNS))
+busy = jobs.current is not None and jobs.current.running
+with st.sidebar:
+    st.subheader("Runs")
+    job_status(jobs)
 view, compare, run_tab, ring_tab, memory_tab = st.tabs(
     ["Timeline", "Compare runs", "Run", "Ring all-reduce", "Memory (ZeRO)"])
 
@@ -182,50 +226,26 @@ with compare:
         st.info("Pick at least two runs.")
 
 with run_tab:
-    jobs = job_manager(str(RUNS))
     c = st.columns(4)
     cap = c[0].select_slider("bucket_cap_mb (MiB, log scale)", options=CAP_OPTIONS, value=25.0, key="run_cap")
     nproc = c[1].slider("world size", 1, 4, 2, key="run_nproc")
     model = c[2].selectbox("model", ["gpt", "mlp"], key="run_model")
     n_steps = c[3].slider("steps", 3, 50, 10, key="run_steps")
-    busy = jobs.current is not None and jobs.current.running
     if st.button("Run", key="run_button", disabled=busy, type="primary"):
-        try:
-            started = jobs.start(model=model, nproc=nproc, bucket_cap_mb=cap, steps=n_steps)
-        except ValueError as e:
-            st.error(str(e))
-        else:
-            if started is None:
-                st.info("A run is already going; it continues.")
-            else:
-                st.rerun()  # show the button disabled and the progress at once
+        start_job(jobs.start, model=model, nproc=nproc, bucket_cap_mb=cap, steps=n_steps)
+    st.caption("Progress and the outcome show in the sidebar.")
 
-    @st.fragment(run_every=1.0)
-    def job_status() -> None:
-        job = jobs.current
-        if job is None:
-            st.caption(f"Runs are kept in {RUNS}.")
-            return
-        if job.running:
-            st.progress(min(job.steps_done / job.config.steps, 1.0),
-                        text=f"{job.out.name}: step {job.steps_done}/{job.config.steps}"
-                             + (f" · {job.last_ms:.0f} ms" if job.last_ms else ""))
-            st.session_state["job_was_running"] = True
-            return
-        if st.session_state.pop("job_was_running", False):
-            st.rerun(scope="app")  # list the new run everywhere
-        if job.ok:
-            st.success(f"{job.out.name} finished: pick 'run: {job.out.name}' in the sidebar or compare it.")
-        else:
-            reason = job.error or (job.result.reason if job.result else "unknown")
-            st.error(f"{job.out.name} failed: {reason}")
-            if job.result is not None and job.result.stderr_tail:
-                st.code(job.result.stderr_tail, language=None)
-
-    job_status()
 
 
 with ring_tab:
+    with st.expander("Run a ring all-reduce here", expanded=False):
+        c = st.columns(4)
+        r_nproc = c[0].slider("ranks", 2, 4, 4, key="ring_run_nproc")
+        r_mb = c[1].select_slider("tensor (MiB)", options=[0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0],
+                                  value=4.0, key="ring_run_mb")
+        r_repeat = c[2].slider("rounds", 1, 20, 5, key="ring_run_repeat")
+        if c[3].button("Run ring", key="ring_run_button", disabled=busy):
+            start_job(jobs.start_ring, nproc=r_nproc, mb=r_mb, repeat=r_repeat)
     rings = list_traces("ring")
     ring = None
     if not rings:
@@ -291,6 +311,12 @@ with memory_tab:
                     help="GB and MB are 10^9 and 10^6 bytes (the ZeRO paper's unit); GiB and MiB 2^30 and 2^20.")
     scale = UNITS[unit]
     st.subheader("Measured: one model trained under each ZeRO stage")
+    with st.expander("Run the ZeRO stages here", expanded=False):
+        c = st.columns(3)
+        z_model = c[0].selectbox("model", ["gpt", "mlp"], key="zero_run_model")
+        z_nproc = c[1].slider("ranks", 2, 4, 2, key="zero_run_nproc")
+        if c[2].button("Run ZeRO stages 0-3", key="zero_run_button", disabled=busy):
+            start_job(jobs.start_zero, model=z_model, nproc=z_nproc)
     zeros = list_traces("zero")
     if not zeros:
         st.info(f"No ZeRO runs yet. Make one with: python -m tracer zero --nproc 2 --model gpt --out {RUNS / 'zero'}")

@@ -275,3 +275,26 @@ def test_a_broken_zero_run_shows_a_readable_error(app, tmp_path):
     app.selectbox(key="zero_trace").set_value("run: broken-zero").run()
     assert not app.exception
     assert any("rank-0.json holds no ZeRO stage measurements" in e.value for e in app.error)
+
+
+@pytest.mark.ddp
+def test_ring_and_zero_runs_start_from_their_pages(app, tmp_path):
+    app.slider(key="ring_run_nproc").set_value(2)
+    app.select_slider(key="ring_run_mb").set_value(0.5)
+    app.slider(key="ring_run_repeat").set_value(2)
+    app.button(key="ring_run_button").click().run()
+    assert app.get("progress") and app.button(key="zero_run_button").disabled  # one job at a time
+    _wait_for_job(app)
+    assert "on the Ring all-reduce tab" in app.success[0].value
+    ring_label = next(o for o in app.selectbox(key="ring_trace").options if o.startswith("run: "))
+    app.selectbox(key="ring_trace").set_value(ring_label).run()
+    assert not app.exception and len(_ring_specs(app)["animation"]["frames"]) == 3  # 2 ranks: 2 steps + start
+
+    app.selectbox(key="zero_run_model").set_value("mlp")
+    app.button(key="zero_run_button").click().run()
+    _wait_for_job(app)
+    assert "on the Memory (ZeRO) tab" in app.success[0].value
+    zero_label = next(o for o in app.selectbox(key="zero_trace").options if o.startswith("run: "))
+    app.selectbox(key="zero_trace").set_value(zero_label).run()
+    table = _table(app, "measured/predicted")
+    assert len(table) == 4 and ((table["measured/predicted"] - 1).abs() < 0.05).all()

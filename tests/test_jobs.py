@@ -22,3 +22,18 @@ def test_a_second_start_while_running_does_nothing_and_the_first_finishes(tmp_pa
     assert (first.out / "rank-1.json").exists()
     with pytest.raises(ValueError, match="--bucket-cap-mb"):
         jobs.start(model="mlp", nproc=2, bucket_cap_mb=0.0, steps=3)
+
+
+def test_one_job_at_a_time_across_kinds_and_ring_progress(tmp_path):
+    jobs = JobManager(tmp_path / "runs")
+    ring = jobs.start_ring(nproc=2, mb=0.25, repeat=2)
+    assert ring is not None and ring.kind == "ring" and ring.total == 2
+    assert jobs.start_zero(model="mlp", nproc=2) is None  # the ring is still going
+    deadline = time.monotonic() + 120
+    while ring.running and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ring.ok and ring.done == 2 and ring.out.name.endswith("-ring-2r-0.25mb")
+    with pytest.raises(ValueError, match="--stages"):
+        jobs.start_zero(model="mlp", nproc=2, stages="5")
+    with pytest.raises(ValueError, match="--nproc must be in 2..64"):
+        jobs.start_ring(nproc=1, mb=1.0, repeat=1)

@@ -1,8 +1,10 @@
 """Runs started from the dashboard: one at a time, in a background thread, with progress.
 
-``JobManager.start`` launches ``runner.run_job`` unless a job is already going (a second
-click neither starts a second job nor disturbs the first). Each run gets its own new
-folder under ``runs_dir``, named by the manager, never by the user.
+``JobManager.start`` (a DDP training run), ``start_ring`` and ``start_zero`` launch the
+same runners as the command line unless a job is already going (a second click neither
+starts a second job nor disturbs the first; one job at a time because every job wants
+all the cores). Each run gets its own new folder under ``runs_dir``, named by the
+manager, never by the user.
 """
 
 from __future__ import annotations
@@ -11,23 +13,36 @@ import datetime as _dt
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 from tracer.launch import LaunchResult
-from tracer.runner import RunConfig, run_job
+from tracer.runner import RingConfig, RunConfig, ZeroConfig, run_job, run_ring, run_zero
+
+Config = RunConfig | RingConfig | ZeroConfig
 
 
 @dataclass
 class Job:
-    """What the page shows about a run: its folder, progress and outcome."""
+    """What the page shows about a run: its kind, folder, progress and outcome."""
 
     out: Path
-    config: RunConfig
-    steps_done: int = 0
-    last_loss: float | None = None
+    config: Config
+    kind: str = "ddp"  # "ddp", "ring" or "zero"
+    total: int = 1  # steps, rounds or stages to do
+    done: int = 0
     last_ms: float | None = None
+    last_loss: float | None = None
     lines: list[str] = field(default_factory=list)
     result: LaunchResult | None = None
     error: str | None = None  # the run could not even start
+
+    @property
+    def steps_done(self) -> int:  # the name the DDP page uses
+        return self.done
+
+    @property
+    def unit(self) -> str:
+        return {"ddp": "step", "ring": "round", "zero": "stage"}[self.kind]
 
     @property
     def running(self) -> bool:
@@ -38,9 +53,16 @@ class Job:
         return self.result is not None and self.result.ok
 
 
-def run_name(cfg: RunConfig, now: _dt.datetime | None = None) -> str:
+def run_name(cfg: Config, now: _dt.datetime | None = None) -> str:
     now = now or _dt.datetime.now()
+    if isinstance(cfg, RingConfig):
+        return f"{now:%Y%m%d-%H%M%S}-ring-{cfg.nproc}r-{cfg.mb:g}mb"
+    if isinstance(cfg, ZeroConfig):
+        return f"{now:%Y%m%d-%H%M%S}-zero-{cfg.model}-{cfg.nproc}r"
     return f"{now:%Y%m%d-%H%M%S}-{cfg.model}-{cfg.nproc}r-cap{cfg.bucket_cap_mb:g}mb"
+
+
+_RUNNERS: dict[type, Callable] = {RunConfig: run_job, RingConfig: run_ring, ZeroConfig: run_zero}
 
 
 class JobManager:
@@ -51,32 +73,51 @@ class JobManager:
 
     def start(self, *, model: str, nproc: int, bucket_cap_mb: float, steps: int,
               timeout_s: float = 600.0) -> Job | None:
-        """Start a run; None if one is already going. Raises ValueError on bad settings."""
+        """Start a DDP training run; None if a job is already going. ValueError on bad settings."""
+        return self._start(lambda out: RunConfig(out=out, model=model, nproc=nproc, bucket_cap_mb=bucket_cap_mb,
+                                                 steps=steps, timeout_s=timeout_s), "ddp", steps)
+
+    def start_ring(self, *, nproc: int, mb: float, repeat: int, timeout_s: float = 600.0) -> Job | None:
+        """Start a ring all-reduce run (``python -m tracer ring``); as ``start``."""
+        return self._start(lambda out: RingConfig(out=out, nproc=nproc, mb=mb, repeat=repeat, timeout_s=timeout_s),
+                           "ring", repeat)
+
+    def start_zero(self, *, model: str, nproc: int, stages: str = "0,1,2,3",
+                   timeout_s: float = 600.0) -> Job | None:
+        """Start a ZeRO memory run (``python -m tracer zero``); as ``start``."""
+        return self._start(lambda out: ZeroConfig(out=out, model=model, nproc=nproc, stages=stages,
+                                                  timeout_s=timeout_s), "zero", len(stages.split(",")))
+
+    def _start(self, make: Callable[[Path], Config], kind: str, total: int) -> Job | None:
         with self._lock:
             if self.current is not None and self.current.running:
                 return None
-            base = RunConfig(out=self.runs_dir / "pending", model=model, nproc=nproc,
-                             bucket_cap_mb=bucket_cap_mb, steps=steps, timeout_s=timeout_s)
+            base = make(self.runs_dir / "pending")  # validates: ValueError names the setting
             out = self.runs_dir / run_name(base)
             n = 1
             while out.exists():
                 out = self.runs_dir / f"{run_name(base)}-{n}"
                 n += 1
-            job = Job(out=out, config=replace(base, out=out))
+            job = Job(out=out, config=replace(base, out=out), kind=kind, total=total)
             self.current = job
         threading.Thread(target=self._run, args=(job,), name="ddpscope-job", daemon=True).start()
         return job
 
     def _run(self, job: Job) -> None:
         def progress(rec: dict) -> None:
-            if rec.get("event") == "step":
-                job.steps_done = int(rec["step"])
+            event = rec.get("event")
+            if event == "step":
+                job.done = int(rec["step"])
                 job.last_loss, job.last_ms = rec.get("loss"), rec.get("ms")
+            elif event == "round":
+                job.done, job.last_ms = int(rec["round"]), rec.get("ring_ms")
+            elif event == "stage":
+                job.done += 1
 
         def output(rank, line: str) -> None:
             job.lines = (job.lines + [line])[-50:]
 
         try:
-            job.result = run_job(job.config, progress, output)
+            job.result = _RUNNERS[type(job.config)](job.config, progress, output)
         except Exception as e:  # never lose the reason; the page shows it
             job.error = f"{type(e).__name__}: {e}"
