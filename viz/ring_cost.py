@@ -118,5 +118,5 @@ def make_ring_whatif_figure(whatif: pd.DataFrame, size_bytes: float,
     fig.update_xaxes(title_text="ranks N", row=1, col=2)
     fig.update_yaxes(title_text="ms", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="MiB", rangemode="tozero", row=1, col=2)
-    fig.update_layout(height=380, margin=dict(t=50, b=40, l=50, r=20), legend=dict(orientation="h", y=-0.2))
+    fig.update_layout(height=430, margin=dict(t=50, b=100, l=50, r=20), legend=dict(orientation="h", y=-0.3))
     return fig
