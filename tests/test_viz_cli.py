@@ -32,3 +32,12 @@ def test_summary_table_and_bad_input(tmp_path):
     for args in (["summary", str(tmp_path)], ["summary", str(tmp_path / "missing")], ["summarise"]):
         proc = _viz(*args)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_summary_of_ring_and_zero_runs():
+    proc = _viz("summary", str(SAMPLES / "ring-4rank-4mb"))
+    assert proc.returncode == 0 and "ring_busbw_GBps" in proc.stdout and "4194304" in proc.stdout
+    proc = _viz("summary", str(SAMPLES / "zero-gpt-2rank"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["rows"]
+    assert len(rows) == 8 and all(abs(r["measured/predicted"] - 1) < 0.05 for r in rows)

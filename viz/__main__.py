@@ -1,7 +1,11 @@
-"""``python -m viz summary PATH [--json]``: per-rank figures of a traced run.
+"""``python -m viz summary PATH [--json]``: the figures of a run folder.
 
-Per rank, medians over non-warm-up steps: step, forward, backward compute, optimizer,
-all-reduce busy time, overlapped and exposed communication (ms) and overlap %.
+- a DDP run: per rank, medians over non-warm-up steps: step, forward, backward compute,
+  optimizer, all-reduce busy time, overlapped and exposed communication (ms), overlap %;
+- a ring run: per tensor size, the ring beside ``dist.all_reduce`` (ms, GB/s);
+- a ZeRO run: per stage and rank, measured model states beside the ZeRO model, the
+  step's peak and the bytes sent (bytes).
+
 Exit 2 with a one-line message on bad input.
 """
 
@@ -27,9 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from viz.overlap import compute_rank_medians
-    from viz.trace import TraceError, load_run
+    from viz.trace import TraceError, load_run, run_kind
 
     try:
+        kind = run_kind(args.path)
+        if kind in ("ring", "zero"):
+            return _summary_table(args.path, kind, args.json)
         trace = load_run(args.path)
     except TraceError as e:
         print(f"python -m viz summary: error: {e}", file=sys.stderr)
@@ -45,6 +52,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{trace.path}  status={trace.status}  ranks={trace.world_size}  "
               f"bucket_cap_mb={trace.run.get('bucket_cap_mb')}  (medians over non-warm-up steps, ms)")
         print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
+    return 0
+
+
+def _summary_table(path: str, kind: str, as_json: bool) -> int:
+    """Ring or ZeRO runs: one table (TraceError propagates to the caller)."""
+    if kind == "ring":
+        from viz.ring import compute_ring_summary
+        from viz.ring_trace import load_ring
+
+        trace = load_ring(path)
+        table, title = compute_ring_summary(trace), f"ring all-reduce, {trace.world_size} ranks (medians, ms, GB/s)"
+    else:
+        from viz.zero_trace import compute_zero_comparison, load_zero
+
+        trace = load_zero(path)
+        table = compute_zero_comparison(trace)
+        title = f"ZeRO stages, {trace.params} parameters, {trace.world_size} ranks (bytes)"
+    if as_json:
+        print(json.dumps({"path": str(trace.path), "kind": kind, "status": trace.run.get("status"),
+                          "rows": table.astype(object).to_dict("records")}, indent=1, default=float))
+    else:
+        print(f"{trace.path}  status={trace.run.get('status')}  {title}")
+        print(table.round(4).to_string(index=False))
     return 0
 
 

@@ -129,7 +129,8 @@ def read_run_folder(path: str | Path, kind: str, *, allow_missing_ranks: bool = 
         raise TraceError(f"{run_path.name} in {path} is not ddpscope run metadata")
     found = str(run.get("kind") or fmt.KIND_DDP)
     if found != kind:
-        what = {fmt.KIND_RING: "a ring all-reduce run (see the Ring page)", fmt.KIND_DDP: "a DDP training run"}
+        what = {fmt.KIND_RING: "a ring all-reduce run (see the Ring page)", fmt.KIND_DDP: "a DDP training run",
+                fmt.KIND_ZERO: "a ZeRO memory run (see the Memory page)"}
         raise TraceError(f"{path.name} is {what.get(found, repr(found))}, not {what.get(kind, repr(kind))}")
     files = {int(m.group(1)): p for p in path.iterdir() if (m := fmt.RANK_FILE_RE.match(p.name))}
     if not files:
