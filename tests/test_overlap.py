@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from tests.test_trace import _meta, _step_events, write_run
-from viz.overlap import compute_ddp_logging_view, compute_step_breakdown, covered, merge_intervals
+from viz.overlap import (compute_ddp_logging_view, compute_step_breakdown, covered, merge_intervals,
+                         merge_sorted_runs)
 from viz.trace import load_run
 
 
@@ -35,3 +36,15 @@ def test_step_breakdown_and_ddp_view(tmp_path):
     assert d.backward_compute_ms == pytest.approx(0.045)  # forward end (1020) -> backward end (1065)
     assert d.backward_comm_ms == pytest.approx(0.045)  # 1045 -> 1090
     assert d.backward_compute_comm_overlap_ms == pytest.approx(0.020)  # 1045 -> 1065
+
+
+def test_grouped_merge_equals_merging_each_group_alone():
+    rng = np.random.default_rng(0)
+    groups = [np.sort(rng.uniform(0, 100, size=k)) for k in (1, 5, 12, 3)]
+    starts = np.concatenate(groups)
+    ends = starts + np.concatenate([rng.uniform(0, 15, size=len(g)) for g in groups])
+    first = np.concatenate([np.r_[True, np.zeros(len(g) - 1, bool)] for g in groups])
+    idx, merged_ends = merge_sorted_runs(first, starts, ends)
+    bounds = np.cumsum([0] + [len(g) for g in groups])
+    expected = np.concatenate([merge_intervals(starts[a:b], ends[a:b]) for a, b in zip(bounds, bounds[1:])])
+    assert np.array_equal(np.column_stack([starts[idx], merged_ends]), expected)

@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 
 from viz.buckets import compute_bucket_events
+from viz.overlap import merge_sorted_runs
 from viz.trace import RunTrace
 
 # Per-bar labels (module / parameter names in the hover) only up to this many bars in a
@@ -138,12 +139,8 @@ def _exposed_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=["rank", "step", "start_us", "end_us"])
     rank, step = b["rank"].to_numpy(), b["step"].to_numpy()
     launch, done, cut = (b[c].to_numpy(float) for c in ("launch_us", "done_us", "backward_end_us"))
-    # running end of the merged interval within each (rank, step): cummax restarted per group
-    group = np.cumsum(first) - 1
-    reach = pd.Series(done).groupby(group).cummax().to_numpy()
-    new = first | np.r_[True, launch[1:] > reach[:-1]]
-    idx = np.flatnonzero(new)
-    m_start, m_end = launch[idx], np.maximum.reduceat(done, idx)
+    idx, m_end = merge_sorted_runs(first, launch, done)  # the all-reduces' union within each (rank, step)
+    m_start = launch[idx]
     m_cut = cut[idx]
     keep = m_end > m_cut
     return pd.DataFrame({"rank": rank[idx][keep], "step": step[idx][keep],

@@ -16,16 +16,26 @@ import pandas as pd
 from viz.trace import RunTrace
 
 
+def merge_sorted_runs(first: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Union of intervals within groups, vectorised. The intervals are sorted by group,
+    then start; ``first`` marks each group's first one. Returns ``(idx, merged_ends)``:
+    merged interval k starts at ``starts[idx[k]]`` (and belongs to that row's group) and
+    ends at ``merged_ends[k]``."""
+    first = np.asarray(first, bool)
+    reach = pd.Series(ends).groupby(np.cumsum(first) - 1).cummax().to_numpy()  # running end, per group
+    new = first | np.r_[True, starts[1:] > reach[:-1]]  # a gap before this interval starts a new run
+    idx = np.flatnonzero(new)
+    return idx, np.maximum.reduceat(ends, idx)
+
+
 def merge_intervals(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """Union of intervals as an (n, 2) array of disjoint, sorted [start, end]."""
     if len(starts) == 0:
         return np.empty((0, 2))
     order = np.argsort(starts, kind="stable")
     s, e = np.asarray(starts, float)[order], np.asarray(ends, float)[order]
-    reach = np.maximum.accumulate(e)
-    new = np.r_[True, s[1:] > reach[:-1]]  # a gap before this interval starts a new run
-    idx = np.flatnonzero(new)
-    return np.column_stack([s[idx], np.r_[reach[idx[1:] - 1], reach[-1]]])
+    idx, merged_ends = merge_sorted_runs(np.r_[True, np.zeros(len(s) - 1, bool)], s, e)
+    return np.column_stack([s[idx], merged_ends])
 
 
 def covered(merged: np.ndarray, lo: float, hi: float) -> float:
