@@ -1,4 +1,5 @@
-"""A ring all-reduce built from the process group's point-to-point ``isend``/``irecv``.
+"""A ring all-reduce built from the process group's point-to-point ``isend``/``irecv``
+(batched per step with ``batch_isend_irecv``).
 
 The textbook algorithm (Patarasuk & Yuan; what NCCL's ring does): the flat tensor is cut
 into N chunks; in N-1 *reduce-scatter* steps every rank sends one chunk to its right
@@ -119,13 +120,15 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         if sync:
             sync()  # CPU-GPU sync: the step starts once the previous one finished on the device
         t0 = clock_us()
-        # Empty chunks (numel < N) are skipped on both sides: both know the sizes.
-        works = []
+        # Empty chunks (numel < N) are skipped on both sides: both know the sizes. The send
+        # and the receive go out as one batch: on NCCL, a separate send and receive to
+        # the same peer (N = 2) would each wait for the other side's second call.
+        ops = []
         if s_len:
-            works.append(dist.isend(flat.narrow(0, s0, s_len), peer(st.send_to), group=group))
+            ops.append(dist.P2POp(dist.isend, flat.narrow(0, s0, s_len), peer(st.send_to), group))
         if r_len:
-            works.append(dist.irecv(dst_view, peer(st.recv_from), group=group))
-        for w in works:
+            ops.append(dist.P2POp(dist.irecv, dst_view, peer(st.recv_from), group))
+        for w in dist.batch_isend_irecv(ops) if ops else ():
             w.wait()
         if sync:
             sync()  # CPU-GPU sync (per step, by design: the trace times each step)
