@@ -7,6 +7,7 @@ through ``tracer.jobs``; this file lays out the page, caches loads and keeps wid
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -19,6 +20,7 @@ from viz.archive import extract_run_archive, safe_name
 from viz.buckets import compute_bucket_table
 from viz.gantt import make_timeline_figure, timeline_extent_ms
 from viz.overlap import compute_rank_medians, compute_run_comparison, compute_step_breakdown
+from viz.perfetto import merge_run
 from viz.ring import compute_ring_step_times, compute_ring_summary, default_round
 from viz.ring_anim import make_ring_animation_figure, make_ring_step_figure
 from viz.ring_cost import MAX_WHATIF_N, RingCostModel, compute_ring_whatif, fit_ring_cost, make_ring_whatif_figure
@@ -66,6 +68,12 @@ def load_ring_trace(path: str, stamp: float):
 def load_zero_trace(path: str, stamp: float):
     """The ZeRO run in a folder made by ``python -m tracer zero`` (cached as ``load_trace``)."""
     return load_zero(path)
+
+
+@st.cache_data(show_spinner=False, max_entries=4)
+def merged_trace_bytes(path: str, stamp: float) -> bytes:
+    """Every rank of the run in one Chrome trace on rank 0's clock, for Perfetto."""
+    return json.dumps(merge_run(path), separators=(",", ":")).encode()
 
 
 def stamp_of(path: Path) -> float:
@@ -205,6 +213,10 @@ with view:
             st.dataframe(compute_step_breakdown(trace, include_warmup=True).round(2), hide_index=True, key="per_step")
         st.subheader("Buckets (medians over non-warm-up steps and ranks)")
         st.dataframe(compute_bucket_table(trace).round(3), hide_index=True, key="buckets")
+        st.download_button("Download all ranks as one Perfetto trace (rank 0's clock)",
+                           data=merged_trace_bytes(str(path), stamp_of(path)), file_name=f"{path.name}-merged.json",
+                           mime="application/json", key="perfetto_download",
+                           help="Open it at ui.perfetto.dev; the same as python -m viz perfetto.")
 
 with compare:
     picked = st.multiselect("Runs to compare (the first is the reference)", list(traces),

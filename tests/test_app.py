@@ -298,3 +298,8 @@ def test_ring_and_zero_runs_start_from_their_pages(app, tmp_path):
     app.selectbox(key="zero_trace").set_value(zero_label).run()
     table = _table(app, "measured/predicted")
     assert len(table) == 4 and ((table["measured/predicted"] - 1).abs() < 0.05).all()
+
+
+def test_timeline_offers_the_merged_perfetto_trace(app):
+    buttons = app.get("download_button")
+    assert len(buttons) == 1 and "Perfetto" in buttons[0].proto.label

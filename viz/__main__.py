@@ -1,4 +1,5 @@
-"""``python -m viz summary PATH [--json]``: the figures of a run folder.
+"""``python -m viz summary PATH [--json]``: the figures of a run folder;
+``python -m viz perfetto PATH --out FILE``: every rank in one Perfetto trace (``perfetto.py``).
 
 - a DDP run: per rank, medians over non-warm-up steps: step, forward, backward compute,
   optimizer, all-reduce busy time, overlapped and exposed communication (ms), overlap %;
@@ -28,7 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("summary", help="per-rank medians over non-warm-up steps")
     s.add_argument("path", help="a run folder (run.json + rank-<r>.json)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    m = sub.add_parser("perfetto", help="merge a run's rank files into one Perfetto trace on rank 0's clock")
+    m.add_argument("path", help="a run folder (run.json + rank-<r>.json)")
+    m.add_argument("--out", required=True, help="the merged trace to write (a new .json file)")
     args = p.parse_args(argv)
+    if args.command == "perfetto":
+        from viz.perfetto import write_merged
+        from viz.trace import TraceError
+
+        try:
+            size = write_merged(args.path, args.out)
+        except TraceError as e:
+            print(f"python -m viz perfetto: error: {e}", file=sys.stderr)
+            return 2
+        print(f"{args.out} ({size / 2**20:.2f} MiB): open it at https://ui.perfetto.dev")
+        return 0
 
     from viz.overlap import compute_rank_medians
     from viz.trace import TraceError, load_run, run_kind
