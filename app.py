@@ -283,7 +283,11 @@ with ring_tab:
         if ring.run.get("status") != "complete":
             st.warning(f"This ring run did not complete ({ring.run.get('error') or ring.run.get('status')}); "
                        "finished rounds are shown.")
-        rounds = ring.main_rounds() or sorted(int(r) for r in ring.steps["round"].unique())
+        rounds = ring.main_rounds() or ring.complete_rounds()
+    if ring is not None and not rounds:
+        st.error(f"{ring_path.name}: no ring round finished on every rank; nothing to animate.")
+        ring = None
+    if ring is not None:
         if st.session_state.get("ring_round") not in rounds:
             st.session_state["ring_round"] = default_round(ring)
         rnd = st.select_slider("Round (the median one first)", options=rounds, key="ring_round")

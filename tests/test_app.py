@@ -303,3 +303,17 @@ def test_ring_and_zero_runs_start_from_their_pages(app, tmp_path):
 def test_timeline_offers_the_merged_perfetto_trace(app):
     buttons = app.get("download_button")
     assert len(buttons) == 1 and "Perfetto" in buttons[0].proto.label
+
+
+def test_a_ring_run_with_no_complete_round_says_so(app, tmp_path):
+    bad = tmp_path / "runs" / "no-rounds"
+    bad.mkdir(parents=True)
+    for p in (SAMPLES / "ring-4rank-4mb").iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    doc = json.loads((bad / "rank-3.json").read_text())
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("cat") != "ring_step"]
+    (bad / "rank-3.json").write_text(json.dumps(doc))
+    app.run()
+    app.selectbox(key="ring_trace").set_value("run: no-rounds").run()
+    assert not app.exception
+    assert any("no ring round finished on every rank" in e.value for e in app.error)

@@ -199,3 +199,18 @@ def test_bad_ring_folders_give_one_line_errors(tmp_path):
     (bad / "run.json").write_text(json.dumps(run))
     with pytest.raises(TraceError, match="no tensor size"):
         load_ring(bad)
+
+
+def test_a_round_missing_on_one_rank_is_left_out(tmp_path):
+    """A run that died mid-round: rank 3 never wrote the last round; the others did."""
+    bad = tmp_path / "partial"
+    shutil.copytree(RING, bad)
+    last = max(load_ring(RING).main_rounds())
+    doc = json.loads((bad / "rank-3.json").read_text())
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if (e.get("args") or {}).get("round") != last]
+    (bad / "rank-3.json").write_text(json.dumps(doc))
+    ring = load_ring(bad)
+    assert last not in ring.main_rounds() and last not in ring.complete_rounds()
+    assert default_round(ring) in ring.main_rounds()
+    for rnd in ring.main_rounds():
+        make_ring_animation_figure(ring, rnd)  # every offered round animates

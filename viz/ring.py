@@ -72,8 +72,11 @@ def default_round(trace: RingTrace) -> int:
     """The timed round of the requested size whose ring time is the median one."""
     rounds = compute_ring_rounds(trace)
     main = rounds[rounds["round"].isin(trace.main_rounds())].sort_values("ring_ms")
-    if not len(main):  # only warm-up or calibration finished
-        return int(rounds["round"].iloc[-1])
+    if not len(main):  # only warm-up or calibration rounds finished everywhere
+        complete = trace.complete_rounds()
+        if not complete:
+            raise ValueError("no ring round finished on every rank")
+        return complete[-1]
     return int(main["round"].iloc[(len(main) - 1) // 2])
 
 

@@ -43,11 +43,19 @@ class RingTrace:
         """The requested tensor size (bytes per rank); calibration sizes are smaller."""
         return int(self.run["bytes"])
 
+    def complete_rounds(self) -> list[int]:
+        """Rounds that every rank finished and traced (a failed run may end mid-round)."""
+        per_round = self.rounds.groupby("round")["rank"].nunique()
+        steps = self.steps.groupby("round").size() if len(self.steps) else pd.Series(dtype=int)
+        full = 2 * (self.world_size - 1) * self.world_size
+        return sorted(int(r) for r, n in per_round.items() if n == self.world_size and steps.get(r, 0) == full)
+
     def main_rounds(self) -> list[int]:
-        """Timed rounds of the requested size (no warm-up, no calibration), in order."""
+        """Timed rounds of the requested size (no warm-up, no calibration) that every rank
+        finished, in order."""
         r = self.rounds
         keep = r[(r["bytes"] == self.size_bytes) & ~r["warmup"] & ~r["calibration"]]
-        return sorted(int(x) for x in keep["round"].unique())
+        return sorted(set(int(x) for x in keep["round"].unique()) & set(self.complete_rounds()))
 
 
 def load_ring(path: str | Path) -> RingTrace:
