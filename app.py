@@ -40,16 +40,37 @@ PARAM_OPTIONS_B = sorted({float(f"{10 ** (i / 8):.3g}") for i in range(-8, 25)} 
 CAP_OPTIONS = [0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0]  # MiB, log-spaced
 
 
-def list_traces(kind: str = "ddp") -> dict[str, Path]:
-    """Every run folder of ``kind`` ("ddp" or "ring") the page can show, by label:
-    samples, runs made here, uploads."""
+def list_runs() -> dict[str, tuple[Path, str]]:
+    """Every run folder the page can show, by label, with its kind ("ddp", "ring" or
+    "zero"): samples, runs made here, uploads. Read once per page run."""
     found = {}
     for prefix, folder in (("sample", SAMPLES), ("run", RUNS), ("upload", UPLOADS)):
         if folder.is_dir():
             for p in sorted(folder.iterdir(), reverse=prefix != "sample"):
-                if run_kind(p) == kind:
-                    found[f"{prefix}: {p.name}"] = p
+                kind = run_kind(p)
+                if kind is not None:
+                    found[f"{prefix}: {p.name}"] = (p, kind)
     return found
+
+
+def of_kind(runs: dict[str, tuple[Path, str]], kind: str) -> dict[str, Path]:
+    return {label: path for label, (path, k) in runs.items() if k == kind}
+
+
+def pick_run(runs: dict[str, Path], label: str, key: str, loader, hint: str):
+    """A picker over ``runs`` that keeps a valid selection; ``(path, loaded run)``, the
+    run None (with the message on the page) if there is none or it cannot be read."""
+    if not runs:
+        st.info(hint)
+        return None, None
+    if st.session_state.get(key) not in runs:
+        st.session_state[key] = next(iter(runs))
+    path = runs[st.selectbox(label, list(runs), key=key)]
+    try:
+        return path, loader(str(path), stamp_of(path))
+    except TraceError as e:
+        st.error(str(e))
+        return path, None
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
@@ -70,8 +91,7 @@ def load_zero_trace(path: str, stamp: float):
     return load_zero(path)
 
 
-@st.cache_data(show_spinner=False, max_entries=4)
-def merged_trace_bytes(path: str, stamp: float) -> bytes:
+def merged_trace_bytes(path: str) -> bytes:
     """Every rank of the run in one Chrome trace on rank 0's clock, for Perfetto."""
     return json.dumps(merge_run(path), separators=(",", ":")).encode()
 
@@ -168,7 +188,8 @@ handle_upload(st.sidebar.file_uploader("Upload a run (.zip / .tar.gz of a run fo
                                        type=["zip", "tar", "gz", "tgz"], key="upload"))
 if "upload_error" in st.session_state:
     st.sidebar.error(st.session_state["upload_error"])
-traces = list_traces()
+all_runs = list_runs()
+traces = of_kind(all_runs, "ddp")
 if not traces:
     st.error(f"No traces found. Make one with: python -m tracer run --out {RUNS / 'first'}")
     st.stop()
@@ -214,7 +235,8 @@ with view:
         st.subheader("Buckets (medians over non-warm-up steps and ranks)")
         st.dataframe(compute_bucket_table(trace).round(3), hide_index=True, key="buckets")
         st.download_button("Download all ranks as one Perfetto trace (rank 0's clock)",
-                           data=merged_trace_bytes(str(path), stamp_of(path)), file_name=f"{path.name}-merged.json",
+                           data=lambda p=str(path): merged_trace_bytes(p),  # built on click only
+                           file_name=f"{path.name}-merged.json",
                            mime="application/json", key="perfetto_download",
                            help="Open it at ui.perfetto.dev; the same as python -m viz perfetto.")
 
@@ -258,18 +280,9 @@ with ring_tab:
         r_repeat = c[2].slider("rounds", 1, 20, 5, key="ring_run_repeat")
         if c[3].button("Run ring", key="ring_run_button", disabled=busy):
             start_job(jobs.start_ring, nproc=r_nproc, mb=r_mb, repeat=r_repeat)
-    rings = list_traces("ring")
-    ring = None
-    if not rings:
-        st.info(f"No ring traces yet. Make one with: python -m tracer ring --nproc 4 --mb 4 --out {RUNS / 'ring'}")
-    else:
-        if st.session_state.get("ring_trace") not in rings:
-            st.session_state["ring_trace"] = next(iter(rings))
-        ring_path = rings[st.selectbox("Ring trace", list(rings), key="ring_trace")]
-        try:
-            ring = load_ring_trace(str(ring_path), stamp_of(ring_path))
-        except TraceError as e:
-            st.error(str(e))
+    ring_path, ring = pick_run(of_kind(all_runs, "ring"), "Ring trace", "ring_trace", load_ring_trace,
+                               f"No ring traces yet. Make one with: python -m tracer ring --nproc 4 --mb 4 "
+                               f"--out {RUNS / 'ring'}")
     if ring is not None:
         n = ring.world_size
         summary = compute_ring_summary(ring).set_index("bytes")
@@ -333,46 +346,37 @@ with memory_tab:
         z_nproc = c[1].slider("ranks", 2, 4, 2, key="zero_run_nproc")
         if c[2].button("Run ZeRO stages 0-3", key="zero_run_button", disabled=busy):
             start_job(jobs.start_zero, model=z_model, nproc=z_nproc)
-    zeros = list_traces("zero")
-    if not zeros:
-        st.info(f"No ZeRO runs yet. Make one with: python -m tracer zero --nproc 2 --model gpt --out {RUNS / 'zero'}")
-    else:
-        if st.session_state.get("zero_trace") not in zeros:
-            st.session_state["zero_trace"] = next(iter(zeros))
-        zero_path = zeros[st.selectbox("ZeRO run", list(zeros), key="zero_trace")]
-        try:
-            zt = load_zero_trace(str(zero_path), stamp_of(zero_path))
-        except TraceError as e:
-            st.error(str(e))
-            zt = None
-        if zt is not None:
-            if zt.run.get("status") != "complete":
-                st.warning(f"This run did not complete ({zt.run.get('error') or zt.run.get('status')}); "
-                           "finished stages are shown.")
-            cmp = compute_zero_comparison(zt)
-            c = st.columns(3)
-            c[0].metric("model", str(zt.run.get("model", "?")))
-            c[1].metric("parameters", f"{zt.params / 1e6:.2f} M")
-            c[2].metric("ranks", zt.world_size)
-            zrank = st.selectbox("Rank", sorted(int(r) for r in cmp["rank"].unique()), key="zero_rank")
-            st.plotly_chart(make_zero_run_figure(cmp, unit, zrank), key="zero_run")
-            st.caption("Measured: tensor accounting of what the rank holds (parameters after forward: FSDP's "
-                       "unsharded copy in stage 2), and the step's peak from torch.profiler's memory events. "
-                       "Predicted: the ZeRO model with the run's fp32 Adam (K = 8; 12 in stage 2, where the fp32 "
-                       "shard is a master copy beside the unsharded one).")
-            table = cmp[cmp["rank"] == zrank].copy()
-            for col in ("model_state_bytes", "predicted_model_state_bytes", "peak_bytes", "comm_volume_bytes"):
-                table[col.replace("bytes", unit)] = table.pop(col) / scale
-            st.dataframe(table[["stage", "name"] + [c for c in table.columns if c.endswith(unit)]
-                               + ["measured/predicted"]].round(4), hide_index=True, key="zero_table")
-            comm = zt.comm[zt.comm["rank"] == zrank].copy()
-            comm[f"message ({unit})"] = comm.pop("message_bytes") / scale
-            comm[f"sent per rank, ring ({unit})"] = comm.pop("volume_bytes") / scale
-            st.dataframe(comm.drop(columns="rank").round(4), hide_index=True, key="zero_comm")
-            st.caption(f"Collectives of the measured step as the backend ran them. The model: 2P for stages 0-2, "
-                       f"3P for stage 3 (x (N-1)/N with rings; P = {zt.params * 4 / scale:.4g} {unit} of fp32 "
-                       "gradients). PyTorch's ZeRO-1 all-reduces gradients and then broadcasts parameters (3P, not "
-                       "2P), and gloo runs a reduce-scatter as an all-reduce.")
+    _, zt = pick_run(of_kind(all_runs, "zero"), "ZeRO run", "zero_trace", load_zero_trace,
+                     f"No ZeRO runs yet. Make one with: python -m tracer zero --nproc 2 --model gpt "
+                     f"--out {RUNS / 'zero'}")
+    if zt is not None:
+        if zt.run.get("status") != "complete":
+            st.warning(f"This run did not complete ({zt.run.get('error') or zt.run.get('status')}); "
+                       "finished stages are shown.")
+        cmp = compute_zero_comparison(zt)
+        c = st.columns(3)
+        c[0].metric("model", str(zt.run.get("model", "?")))
+        c[1].metric("parameters", f"{zt.params / 1e6:.2f} M")
+        c[2].metric("ranks", zt.world_size)
+        zrank = st.selectbox("Rank", sorted(int(r) for r in cmp["rank"].unique()), key="zero_rank")
+        st.plotly_chart(make_zero_run_figure(cmp, unit, zrank), key="zero_run")
+        st.caption("Measured: tensor accounting of what the rank holds (parameters after forward: FSDP's "
+                   "unsharded copy in stage 2), and the step's peak from torch.profiler's memory events. "
+                   "Predicted: the ZeRO model with the run's fp32 Adam (K = 8; 12 in stage 2, where the fp32 "
+                   "shard is a master copy beside the unsharded one).")
+        table = cmp[cmp["rank"] == zrank].copy()
+        for col in ("model_state_bytes", "predicted_model_state_bytes", "peak_bytes", "comm_volume_bytes"):
+            table[col.replace("bytes", unit)] = table.pop(col) / scale
+        st.dataframe(table[["stage", "name"] + [c for c in table.columns if c.endswith(unit)]
+                           + ["measured/predicted"]].round(4), hide_index=True, key="zero_table")
+        comm = zt.comm[zt.comm["rank"] == zrank].copy()
+        comm[f"message ({unit})"] = comm.pop("message_bytes") / scale
+        comm[f"sent per rank, ring ({unit})"] = comm.pop("volume_bytes") / scale
+        st.dataframe(comm.drop(columns="rank").round(4), hide_index=True, key="zero_comm")
+        st.caption(f"Collectives of the measured step as the backend ran them. The model: 2P for stages 0-2, "
+                   f"3P for stage 3 (x (N-1)/N with rings; P = {zt.params * 4 / scale:.4g} {unit} of fp32 "
+                   "gradients). PyTorch's ZeRO-1 all-reduces gradients and then broadcasts parameters (3P, not "
+                   "2P), and gloo runs a reduce-scatter as an all-reduce.")
 
     st.subheader("Projected: any model size, N and precision")
     c = st.columns(4)

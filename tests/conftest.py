@@ -22,6 +22,15 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 240) -> subpro
     )
 
 
+def assert_refused(command: str, args: list[str], message: str, out: Path) -> None:
+    """``python -m tracer COMMAND ARGS --out OUT`` refuses: exit 2, one line naming the
+    problem, nothing written."""
+    proc = run_cli(command, *args, "--out", str(out), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
+    assert not out.exists()
+
+
 def processes_mentioning(text: str) -> list[str]:
     """Command lines of live processes whose command line contains ``text``."""
     found = []

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.chrome_trace import check_chrome_trace
-from tests.conftest import processes_mentioning, run_cli
+from tests.conftest import assert_refused, processes_mentioning, run_cli
 from viz.ring import compute_ring_rounds, compute_ring_traffic
 from viz.ring_trace import load_ring
 
@@ -78,11 +78,7 @@ def test_a_ring_of_3_on_a_size_not_divisible_by_3(tmp_path):
     (["--timeout", "0"], "--timeout must be > 0"),
 ])
 def test_bad_arguments_exit_2_with_one_line_and_write_nothing(tmp_path, args, message):
-    out = tmp_path / "never"
-    proc = run_cli("ring", *args, "--out", str(out), timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
-    assert not out.exists()
+    assert_refused("ring", args, message, tmp_path / "never")
 
 
 def test_non_empty_out_folder_is_refused(tmp_path):

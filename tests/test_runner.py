@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.chrome_trace import check_chrome_trace
-from tests.conftest import processes_mentioning, run_cli
+from tests.conftest import assert_refused, processes_mentioning, run_cli
 from tracer.launch import free_port
 from viz.trace import load_run
 
@@ -61,11 +61,7 @@ def test_default_cap_gives_one_or_two_buckets(tmp_path):
     (["--timeout", "-1"], "--timeout must be > 0"),
 ])
 def test_bad_arguments_exit_2_with_one_line_and_write_nothing(tmp_path, args, message):
-    out = tmp_path / "never"
-    proc = run_cli("run", *args, "--out", str(out), timeout=60)
-    assert proc.returncode == 2
-    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
-    assert not out.exists()
+    assert_refused("run", args, message, tmp_path / "never")
 
 
 def test_unusable_out_folder_is_refused(tmp_path):

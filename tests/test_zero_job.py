@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.chrome_trace import check_chrome_trace
-from tests.conftest import processes_mentioning, run_cli
+from tests.conftest import assert_refused, processes_mentioning, run_cli
 from viz.zero_trace import compute_zero_comparison, load_zero
 
 pytestmark = pytest.mark.ddp
@@ -69,11 +69,7 @@ def test_communication_counted_from_the_run(zero_run):
     (["--nproc", "two"], "invalid int value"),
 ])
 def test_bad_arguments_exit_2_with_one_line_and_write_nothing(tmp_path, args, message):
-    out = tmp_path / "never"
-    proc = run_cli("zero", *args, "--out", str(out), timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
-    assert not out.exists()
+    assert_refused("zero", args, message, tmp_path / "never")
 
 
 def test_failing_rank_keeps_the_finished_stages(tmp_path):

@@ -64,22 +64,54 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from tracer.runner import RunConfig, run_job
+def run_progress(rec: dict, cfg) -> str | None:
+    """The line to print for a progress record of ``python -m tracer run`` (None: nothing)."""
+    if rec.get("event") == "start":
+        return (f"running {rec['model']} ({rec['params'] / 1e6:.1f} M params) on {rec['world_size']} ranks, "
+                f"{rec['steps']} steps, bucket_cap_mb={cfg.bucket_cap_mb:g}")
+    if rec.get("event") == "step":
+        return f"step {rec['step']}/{rec['steps']}  loss {rec['loss']:.4f}  {rec['ms']:.0f} ms"
+    return None
 
-    opts = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
+
+def ring_progress(rec: dict, cfg) -> str | None:
+    if rec.get("event") == "start":
+        return (f"ring all-reduce of {rec['bytes'] / 2**20:g} MiB ({rec['dtype']}) on {rec['world_size']} ranks, "
+                f"{rec['repeat']} rounds")
+    if rec.get("event") == "round":
+        return f"round {rec['round']}/{rec['repeat']}  ring {rec['ring_ms']:.2f} ms  dist.all_reduce {rec['ref_ms']:.2f} ms"
+    return None
+
+
+def zero_progress(rec: dict, cfg) -> str | None:
+    if rec.get("event") == "start":
+        return f"ZeRO stages {','.join(map(str, rec['stages']))} of {rec['model']} on {rec['world_size']} ranks"
+    if rec.get("event") == "stage":
+        return (f"stage {rec['stage']} ({rec['name']}): model states {rec['model_state_mib']:.2f} MiB, "
+                f"peak {rec['peak_mib']:.2f} MiB, sent {rec['comm_mib']:.2f} MiB per step (rank 0)")
+    return None
+
+
+def launch_command(args: argparse.Namespace) -> int:
+    """parse (config) -> run (the job, through its runner) -> report, for any subcommand."""
+    from tracer import runner
+
+    config_cls, run, describe = {
+        "run": (runner.RunConfig, runner.run_job, run_progress),
+        "ring": (runner.RingConfig, runner.run_ring, ring_progress),
+        "zero": (runner.ZeroConfig, runner.run_zero, zero_progress),
+    }[args.command]
+    prog = f"python -m tracer {args.command}"
     try:
-        cfg = RunConfig(**opts)
+        cfg = config_cls(**{k: v for k, v in vars(args).items() if k not in ("command", "verbose")})
     except ValueError as e:
-        print(f"python -m tracer run: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
     def progress(rec: dict) -> None:
-        if rec.get("event") == "start":
-            print(f"running {rec['model']} ({rec['params'] / 1e6:.1f} M params) on {rec['world_size']} ranks, "
-                  f"{rec['steps']} steps, bucket_cap_mb={cfg.bucket_cap_mb:g}", file=sys.stderr)
-        elif rec.get("event") == "step":
-            print(f"step {rec['step']}/{rec['steps']}  loss {rec['loss']:.4f}  {rec['ms']:.0f} ms", file=sys.stderr)
+        line = describe(rec, cfg)
+        if line:
+            print(line, file=sys.stderr)
 
     def output(rank, line) -> None:
         if args.verbose:
@@ -88,86 +120,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     # SIGTERM (a scheduler, `kill`) ends the job like Ctrl-C does: stopped and reaped.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        result = run_job(cfg, progress, output)
+        result = run(cfg, progress, output)
     except ValueError as e:  # the run folder could not be made: nothing was launched
-        print(f"python -m tracer run: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    return _report(result, cfg.out, "run")
-
-
-def _report(result, out, command: str) -> int:
-    """Exit code and the final lines of a finished job (stdout: the run folder on success)."""
     if not result.ok:
-        print(f"python -m tracer {command}: run failed: {result.reason}", file=sys.stderr)
+        print(f"{prog}: run failed: {result.reason}", file=sys.stderr)
         if result.stderr_tail:
             print(f"--- rank {result.failed_rank} stderr (last lines) ---\n{result.stderr_tail}", file=sys.stderr)
-        print(f"partial trace kept in {out} (run.json says failed)", file=sys.stderr)
+        print(f"partial trace kept in {cfg.out} (run.json says failed)", file=sys.stderr)
         return 130 if result.interrupted else 1
-    print(out)
+    print(cfg.out)
     return 0
-
-
-def cmd_ring(args: argparse.Namespace) -> int:
-    from tracer.runner import RingConfig, run_ring
-
-    opts = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
-    try:
-        cfg = RingConfig(**opts)
-    except ValueError as e:
-        print(f"python -m tracer ring: error: {e}", file=sys.stderr)
-        return 2
-
-    def progress(rec: dict) -> None:
-        if rec.get("event") == "start":
-            print(f"ring all-reduce of {rec['bytes'] / 2**20:g} MiB ({rec['dtype']}) on {rec['world_size']} ranks, "
-                  f"{rec['repeat']} rounds", file=sys.stderr)
-        elif rec.get("event") == "round":
-            print(f"round {rec['round']}/{rec['repeat']}  ring {rec['ring_ms']:.2f} ms  "
-                  f"dist.all_reduce {rec['ref_ms']:.2f} ms", file=sys.stderr)
-
-    def output(rank, line) -> None:
-        if args.verbose:
-            print(f"[rank {rank}] {line}" if rank is not None else line, file=sys.stderr)
-
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        result = run_ring(cfg, progress, output)
-    except ValueError as e:
-        print(f"python -m tracer ring: error: {e}", file=sys.stderr)
-        return 2
-    return _report(result, cfg.out, "ring")
-
-
-def cmd_zero(args: argparse.Namespace) -> int:
-    from tracer.runner import ZeroConfig, run_zero
-
-    opts = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
-    try:
-        cfg = ZeroConfig(**opts)
-    except ValueError as e:
-        print(f"python -m tracer zero: error: {e}", file=sys.stderr)
-        return 2
-
-    def progress(rec: dict) -> None:
-        if rec.get("event") == "start":
-            print(f"ZeRO stages {','.join(map(str, rec['stages']))} of {rec['model']} on {rec['world_size']} ranks",
-                  file=sys.stderr)
-        elif rec.get("event") == "stage":
-            print(f"stage {rec['stage']} ({rec['name']}): model states {rec['model_state_mib']:.2f} MiB, "
-                  f"peak {rec['peak_mib']:.2f} MiB, sent {rec['comm_mib']:.2f} MiB per step (rank 0)",
-                  file=sys.stderr)
-
-    def output(rank, line) -> None:
-        if args.verbose:
-            print(f"[rank {rank}] {line}" if rank is not None else line, file=sys.stderr)
-
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        result = run_zero(cfg, progress, output)
-    except ValueError as e:
-        print(f"python -m tracer zero: error: {e}", file=sys.stderr)
-        return 2
-    return _report(result, cfg.out, "zero")
 
 
 def _raise_interrupt(signum, frame) -> None:
@@ -175,14 +139,7 @@ def _raise_interrupt(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "run":
-        return cmd_run(args)
-    if args.command == "ring":
-        return cmd_ring(args)
-    if args.command == "zero":
-        return cmd_zero(args)
-    return 2
+    return launch_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

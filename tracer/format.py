@@ -51,4 +51,6 @@ TID_RING_REF = 11  # dist.all_reduce of the same tensor, for comparison
 CAT_RING = "ring"
 CAT_RING_STEP = "ring_step"
 CAT_RING_REF = "allreduce_ref"
+REDUCE_SCATTER = "reduce-scatter"  # the two phases of a ring step ("phase" in its args)
+ALL_GATHER = "all-gather"
 KIND_ZERO = "zero"  # python -m tracer zero: memory and communication per ZeRO stage

@@ -15,15 +15,14 @@ that against the algorithm's invariants.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-REDUCE_SCATTER = "reduce-scatter"
-ALL_GATHER = "all-gather"
+from tracer.clock import CpuClock
+from tracer.format import ALL_GATHER, REDUCE_SCATTER
 
 
 def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
@@ -90,17 +89,15 @@ class RingStepRecord:
         return asdict(self)
 
 
-def _host_us() -> float:
-    return time.perf_counter_ns() / 1000.0
-
-
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-                    clock_us: Callable[[], float] = _host_us,
+                    clock_us: Callable[[], float] | None = None,
                     sync: Callable[[], None] | None = None) -> list[RingStepRecord]:
     """Sum ``tensor`` over all ranks of ``group`` in place, by ring; returns this rank's
     step records. Collective: every rank must call it with a tensor of the same shape and
     dtype. ``sync`` (CUDA: ``torch.cuda.synchronize``) is called before each time stamp so
-    that stamps mean "the device got there", at the cost of one sync per step."""
+    that stamps mean "the device got there", at the cost of one sync per step.
+    ``clock_us``: µs now (default: the host monotonic clock, ``clock.CpuClock``)."""
+    clock_us = clock_us or CpuClock().host_us
     n = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if n == 1:

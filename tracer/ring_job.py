@@ -12,7 +12,6 @@ Rank 0 prints ``ddpscope-progress {json}`` lines for the runner.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import socket
 import time
@@ -22,11 +21,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from tracer import format as fmt
-from tracer.affinity import bind_local_rank_to_cores
 from tracer.clock import CpuClock
 from tracer.offsets import estimate_offsets
 from tracer.ring import ALL_GATHER, RingStepRecord, chunk_bounds, ring_all_reduce
-from tracer.worker import FAIL_ENV, HANG_ENV, injected, progress, update_run_json
+from tracer.worker import FAIL_ENV, HANG_ENV, init_worker, injected, progress, update_run_json
 from tracer.writer import TraceWriter
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -99,15 +97,9 @@ def step_events(rank: int, round_args: dict, records: list[RingStepRecord], worl
 @record
 def main(argv=None) -> None:
     args = parse_args(argv)
-    use_cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if not use_cuda:
-        bind_local_rank_to_cores()
+    device = init_worker(args.pg_timeout_s)
+    use_cuda = device.type == "cuda"
     backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.pg_timeout_s))
     writer = None
     status, error = fmt.FAILED, None
     try:

@@ -53,8 +53,7 @@ class RunConfig:
             raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if not 1 <= self.steps <= MAX_STEPS:
             raise ValueError(f"--steps must be in 1..{MAX_STEPS}, got {self.steps}")
-        if not 0 < self.timeout_s <= 7 * 24 * 3600:
-            raise ValueError(f"--timeout must be > 0 seconds (and at most a week), got {self.timeout_s:g}")
+        _check_timeout(self.timeout_s)
         _check_out_dir(self.out)
 
     def launch_config(self) -> LaunchConfig:
@@ -93,8 +92,7 @@ class RingConfig:
             raise ValueError(f"--repeat must be in 1..1000, got {self.repeat}")
         if self.dtype not in RING_DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(RING_DTYPES)}, got {self.dtype!r}")
-        if not 0 < self.timeout_s <= 7 * 24 * 3600:
-            raise ValueError(f"--timeout must be > 0 seconds (and at most a week), got {self.timeout_s:g}")
+        _check_timeout(self.timeout_s)
         need = 3.5 * self.mb * 2**20 * self.nproc
         total = _physical_memory_bytes()
         if total and need > 0.8 * total:
@@ -134,8 +132,7 @@ class ZeroConfig:
         if not parts or any(p not in ("0", "1", "2", "3") for p in parts) or len(set(parts)) != len(parts):
             raise ValueError(f"--stages must list distinct stages from 0,1,2,3 (e.g. 0,3), got {self.stages!r}")
         self.stages = ",".join(parts)
-        if not 0 < self.timeout_s <= 7 * 24 * 3600:
-            raise ValueError(f"--timeout must be > 0 seconds (and at most a week), got {self.timeout_s:g}")
+        _check_timeout(self.timeout_s)
         _check_out_dir(self.out)
 
     def launch_config(self) -> LaunchConfig:
@@ -156,6 +153,11 @@ def project_env() -> dict[str, str]:
     """Environment that lets torchrun's workers import ddpscope from any working folder."""
     path = os.environ.get("PYTHONPATH")
     return {"PYTHONPATH": str(PROJECT_ROOT) + (os.pathsep + path if path else "")}
+
+
+def _check_timeout(timeout_s: float) -> None:
+    if not 0 < timeout_s <= 7 * 24 * 3600:
+        raise ValueError(f"--timeout must be > 0 seconds (and at most a week), got {timeout_s:g}")
 
 
 def _check_out_dir(out: Path) -> None:

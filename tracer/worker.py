@@ -36,3 +36,26 @@ def update_run_json(out: str | os.PathLike, fields: dict) -> None:
     run = read_json(path) if os.path.exists(path) else {"format": fmt.FORMAT, "version": fmt.VERSION}
     run.update(fields)
     write_json_atomic(path, run)
+
+
+def init_worker(pg_timeout_s: float):
+    """Set this rank up and join the job's process group: the local GPU and NCCL where
+    CUDA is present, else gloo with the rank bound to its share of the cores (less
+    scheduling noise). Returns this rank's ``torch.device``."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from tracer.affinity import bind_local_rank_to_cores
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        bind_local_rank_to_cores()  # before the process group: its threads inherit it
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    return device

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import os
 import socket
@@ -25,9 +24,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from tracer import format as fmt
-from tracer.affinity import bind_local_rank_to_cores
-from tracer.demo.models import MODELS, build_model
-from tracer.worker import FAIL_ENV, HANG_ENV, injected, progress, update_run_json
+from tracer.demo.models import MODELS, build_model, model_config
+from tracer.worker import FAIL_ENV, HANG_ENV, init_worker, injected, progress, update_run_json
 from tracer.writer import TraceWriter
 from tracer.zero import STAGES, STEP_MARK, ModelStates, analyze_profile, build_stage
 
@@ -109,15 +107,9 @@ def run_stage(stage: int, args, device, rank: int, world: int) -> tuple[dict, li
 def main(argv=None) -> None:
     args = parse_args(argv)
     stages = [int(s) for s in args.stages.split(",")]
-    use_cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if not use_cuda:
-        bind_local_rank_to_cores()
+    device = init_worker(args.pg_timeout_s)
+    use_cuda = device.type == "cuda"
     backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.pg_timeout_s))
     writer, status, error, meta = None, fmt.FAILED, None, {}
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -131,7 +123,7 @@ def main(argv=None) -> None:
         facts = {"kind": fmt.KIND_ZERO, "world_size": world, "backend": backend, "device": str(device),
                  "model": args.model, "steps": args.steps, "stages_requested": stages, "dtype": "float32",
                  "optimizer": "Adam", "torch_version": torch.__version__,
-                 "model_config": dataclasses.asdict(build_model(args.model).cfg)}
+                 "model_config": dataclasses.asdict(model_config(args.model))}
         if rank == 0:
             update_run_json(args.out, {**facts, "status": fmt.RUNNING})
             progress(event="start", world_size=world, model=args.model, stages=stages)

@@ -10,10 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from tracer.format import REDUCE_SCATTER
 from viz.ring_trace import RingTrace
-
-REDUCE_SCATTER = "reduce-scatter"  # as tracer/ring.py names its phases
-ALL_GATHER = "all-gather"
 
 
 def ring_factor(n: int) -> float:

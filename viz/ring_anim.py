@@ -15,8 +15,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from viz.ring import (ALL_GATHER, REDUCE_SCATTER, compute_ring_step_times, replay_chunk_states,
-                      step_durations_ms)
+from tracer.format import ALL_GATHER, REDUCE_SCATTER
+from viz.ring import compute_ring_step_times, replay_chunk_states, step_durations_ms
 from viz.ring_trace import RingTrace
 
 MS_PER_MEDIAN_STEP = 800.0  # playback: a median-length step shows for this long
@@ -85,6 +85,11 @@ def _arrows(steps: pd.DataFrame, xy: np.ndarray) -> tuple[dict, dict]:
     return lines, labels
 
 
+def step_label(phase: str, phase_step: int) -> str:
+    """"RS 2" / "AG 1": a step's short name (phase steps count from 1)."""
+    return f"{'RS' if phase == REDUCE_SCATTER else 'AG'} {int(phase_step) + 1}"
+
+
 def ring_frame_durations_ms(step_ms: np.ndarray) -> list[float]:
     """Playback time of each frame: the start frame, then each step in proportion to its
     measured time (a median step lasts ``MS_PER_MEDIAN_STEP``)."""
@@ -120,16 +125,17 @@ def make_ring_animation_figure(trace: RingTrace, round_: int) -> go.Figure:
     def title(k: int) -> str:
         if k == 0:
             return f"Ring all-reduce of {trace.run.get('bytes', 0) / 2**20:.3g} MiB on {n} ranks: start"
-        s = st[st["step"] == k - 1].iloc[0]
+        s = by_step[k - 1].iloc[0]
         return (f"Step {k}/{2 * (n - 1)} · {s['phase']} {int(s['phase_step']) + 1}/{n - 1} · "
                 f"{step_ms[k - 1]:.3f} ms (median over ranks)")
 
     empty_arrows = (dict(x=[], y=[], marker=dict(symbol=[], size=[], angleref="previous")),
                     dict(x=[], y=[], text=[], hovertext=[]))
+    by_step = {int(k): g for k, g in st.groupby("step")}
     frames = []
     for k in range(2 * n - 1):
-        lines, labels = empty_arrows if k == 0 else _arrows(st[st["step"] == k - 1], nodes)
-        color = PHASE_COLORS.get(st[st["step"] == k - 1]["phase"].iloc[0], "#333") if k else "#333"
+        lines, labels = empty_arrows if k == 0 else _arrows(by_step[k - 1], nodes)
+        color = PHASE_COLORS.get(by_step[k - 1]["phase"].iloc[0], "#333") if k else "#333"
         frames.append(go.Frame(name=str(k), traces=[0, 1, 2], layout=dict(title=dict(text=title(k))), data=[
             go.Scatter(**slot_trace(counts[k])),
             go.Scatter(x=lines["x"], y=lines["y"], marker={**lines["marker"], "color": color},
@@ -152,8 +158,7 @@ def make_ring_animation_figure(trace: RingTrace, round_: int) -> go.Figure:
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
                                  marker=dict(symbol="square", size=12, color=color)))
     names = [f.name for f in frames]
-    labels = ["start"] + [f"{'RS' if p == REDUCE_SCATTER else 'AG'} {i + 1}"
-                          for p, i in st.groupby("step")[["phase", "phase_step"]].first().itertuples(index=False)]
+    labels = ["start"] + [step_label(g["phase"].iloc[0], g["phase_step"].iloc[0]) for _, g in sorted(by_step.items())]
     fig.update_layout(
         title=dict(text=title(0), y=0.98), height=680,
         xaxis=dict(range=[-2.2, 2.2], visible=False), yaxis=dict(range=[-2.2, 2.2], visible=False,
@@ -184,8 +189,7 @@ def make_ring_step_figure(step_times: pd.DataFrame) -> go.Figure:
     """Per-step time on each rank (grouped bars, ms): communication (send + receive) and,
     in reduce-scatter, the time to add the received chunk in."""
     fig = go.Figure()
-    labels = {int(s): f"{'RS' if p == REDUCE_SCATTER else 'AG'} {int(i) + 1}" for s, p, i in
-              step_times.groupby("step")[["phase", "phase_step"]].first().itertuples()}
+    labels = {int(s): step_label(g["phase"].iloc[0], g["phase_step"].iloc[0]) for s, g in step_times.groupby("step")}
     for rank, g in step_times.groupby("rank"):
         fig.add_trace(go.Bar(
             x=[labels[int(s)] for s in g["step"]], y=g["dur_ms"], name=f"rank {rank}",

@@ -100,9 +100,15 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def build_model(name: str) -> nn.Module:
+def model_config(name: str) -> MLPConfig | GPTConfig:
+    """The demo model's configuration (sizes), without building the model."""
     if name == "mlp":
-        return MLP(MLPConfig())
+        return MLPConfig()
     if name == "gpt":
-        return GPT(GPTConfig())
+        return GPTConfig()
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+
+
+def build_model(name: str) -> nn.Module:
+    cfg = model_config(name)
+    return MLP(cfg) if isinstance(cfg, MLPConfig) else GPT(cfg)

@@ -6,9 +6,7 @@ Rank 0 prints one progress line per step (``ddpscope-progress {json}``) for the 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import os
 import time
 
 import torch
@@ -16,10 +14,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tracer.affinity import bind_local_rank_to_cores
 from tracer.demo.models import MODELS, build_model
 from tracer.tracer import DDPTracer, TracerConfig
-from tracer.worker import FAIL_ENV, HANG_ENV, injected, progress
+from tracer.worker import FAIL_ENV, HANG_ENV, init_worker, injected, progress
 
 
 
@@ -43,20 +40,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 @record
 def main(argv=None) -> None:
     args = parse_args(argv)
-    use_cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if not use_cuda:
-        bind_local_rank_to_cores()  # ranks on their own cores: less scheduling noise
-    dist.init_process_group("nccl" if use_cuda else "gloo",
-                            timeout=datetime.timedelta(seconds=args.pg_timeout_s))
+    device = init_worker(args.pg_timeout_s)
+    use_cuda = device.type == "cuda"
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts)
         model = build_model(args.model).to(device)
-        ddp = DDP(model, device_ids=[local_rank] if use_cuda else None,
+        ddp = DDP(model, device_ids=[device.index] if use_cuda else None,
                   bucket_cap_mb=args.bucket_cap_mb,
                   gradient_as_bucket_view=args.gradient_as_bucket_view)
         opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
