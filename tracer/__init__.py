@@ -11,5 +11,5 @@ def __getattr__(name):
     if name in __all__:
         import importlib
 
-        return getattr(importlib.import_module("tracer.tracer"), name)
+        return getattr(importlib.import_module("tracer.capture.tracer"), name)
     raise AttributeError(name)

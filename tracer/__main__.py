@@ -94,7 +94,7 @@ def zero_progress(rec: dict, cfg) -> str | None:
 
 def launch_command(args: argparse.Namespace) -> int:
     """parse (config) -> run (the job, through its runner) -> report, for any subcommand."""
-    from tracer import runner
+    from tracer.launch import runner
 
     config_cls, run, describe = {
         "run": (runner.RunConfig, runner.run_job, run_progress),

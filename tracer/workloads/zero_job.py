@@ -24,10 +24,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from tracer import format as fmt
-from tracer.demo.models import MODELS, build_model, model_config
-from tracer.worker import FAIL_ENV, HANG_ENV, init_worker, injected, progress, update_run_json
+from tracer.workloads.demo.models import MODELS, build_model, model_config
+from tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected, progress, update_run_json
 from tracer.writer import TraceWriter
-from tracer.zero import STAGES, STEP_MARK, ModelStates, analyze_profile, build_stage
+from tracer.workloads.zero import STAGES, STEP_MARK, ModelStates, analyze_profile, build_stage
 
 MAX_COUNTER_POINTS = 300  # tensor-memory counter samples written per stage
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from tracer import format as fmt
-from tracer.clock import Clock
-from tracer.memory import distinct_bytes, measure_memory, reset_peak
+from tracer.capture.clock import Clock
+from tracer.capture.memory import distinct_bytes, measure_memory, reset_peak
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from tracer.clock import CpuClock
+from tracer.capture.clock import CpuClock
 
 
 class CudaEventClock:

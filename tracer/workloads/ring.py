@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tracer.clock import CpuClock
+from tracer.capture.clock import CpuClock
 from tracer.format import ALL_GATHER, REDUCE_SCATTER
 
 

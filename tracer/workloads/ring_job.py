@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from tracer import format as fmt
-from tracer.clock import CpuClock
-from tracer.offsets import estimate_offsets
-from tracer.ring import ALL_GATHER, RingStepRecord, chunk_bounds, ring_all_reduce
-from tracer.worker import FAIL_ENV, HANG_ENV, init_worker, injected, progress, update_run_json
+from tracer.capture.clock import CpuClock
+from tracer.capture.offsets import estimate_offsets
+from tracer.workloads.ring import ALL_GATHER, RingStepRecord, chunk_bounds, ring_all_reduce
+from tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected, progress, update_run_json
 from tracer.writer import TraceWriter
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,

@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tracer import format as fmt
-from tracer.clock import make_clock
-from tracer.hooks import HookHandles, attach_comm_hook, attach_hooks, reducer_params
-from tracer.offsets import ClockOffset, estimate_offsets
-from tracer.recorder import StepRecorder, header_events
+from tracer.capture.clock import make_clock
+from tracer.capture.hooks import HookHandles, attach_comm_hook, attach_hooks, reducer_params
+from tracer.capture.offsets import ClockOffset, estimate_offsets
+from tracer.capture.recorder import StepRecorder, header_events
 from tracer.writer import TraceWriter, read_json, write_json_atomic
 
 NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"

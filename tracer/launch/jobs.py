@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from tracer.launch import LaunchResult
-from tracer.runner import RingConfig, RunConfig, ZeroConfig, run_job, run_ring, run_zero
+from tracer.launch.torchrun import LaunchResult
+from tracer.launch.runner import RingConfig, RunConfig, ZeroConfig, run_job, run_ring, run_zero
 
 Config = RunConfig | RingConfig | ZeroConfig
 

@@ -72,7 +72,7 @@ class CpuClock:
 def make_clock(device: Any) -> Clock:
     """The clock for a model on ``device`` (a ``torch.device`` or string)."""
     if str(device).startswith("cuda"):
-        from tracer.cuda_clock import CudaEventClock
+        from tracer.capture.cuda_clock import CudaEventClock
 
         return CudaEventClock(host_clock=CpuClock())
     return CpuClock()

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Callable
 
 from tracer import format as fmt
-from tracer.demo.models import MODELS
-from tracer.launch import LaunchConfig, LaunchResult, launch
-from tracer.worker import PROGRESS_PREFIX  # printed by the jobs on rank 0
+from tracer.workloads.demo.models import MODELS
+from tracer.launch.torchrun import LaunchConfig, LaunchResult, launch
+from tracer.workloads.worker import PROGRESS_PREFIX  # printed by the jobs on rank 0
 from tracer.writer import read_json, write_json_atomic
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MAX_NPROC = 64
 MAX_BUCKET_CAP_MB = 10240.0  # 10 GiB: more than any real gradient bucket
 MAX_STEPS = 100_000
@@ -61,7 +61,7 @@ class RunConfig:
                 "--seed", str(self.seed), "--out", str(self.out.resolve())]
         if self.gradient_as_bucket_view:
             args.append("--gradient-as-bucket-view")
-        return LaunchConfig(target="tracer.demo.train", args=args, nproc=self.nproc, nnodes=self.nnodes,
+        return LaunchConfig(target="tracer.workloads.demo.train", args=args, nproc=self.nproc, nnodes=self.nnodes,
                             node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
                             log_dir=self.out / "logs", timeout_s=self.timeout_s, env=project_env())
 
@@ -105,7 +105,7 @@ class RingConfig:
                 "--out", str(self.out.resolve())]
         if not self.calibration:
             args.append("--no-calibration")
-        return LaunchConfig(target="tracer.ring_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
+        return LaunchConfig(target="tracer.workloads.ring_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
                             timeout_s=self.timeout_s, env=project_env())
 
 
@@ -138,7 +138,7 @@ class ZeroConfig:
     def launch_config(self) -> LaunchConfig:
         args = ["--model", self.model, "--steps", str(self.steps), "--stages", self.stages,
                 "--out", str(self.out.resolve())]
-        return LaunchConfig(target="tracer.zero_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
+        return LaunchConfig(target="tracer.workloads.zero_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
                             timeout_s=self.timeout_s, env=project_env())
 
 

@@ -47,7 +47,7 @@ def init_worker(pg_timeout_s: float):
     import torch
     import torch.distributed as dist
 
-    from tracer.affinity import bind_local_rank_to_cores
+    from tracer.workloads.affinity import bind_local_rank_to_cores
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tracer.demo.models import MODELS, build_model
-from tracer.tracer import DDPTracer, TracerConfig
-from tracer.worker import FAIL_ENV, HANG_ENV, init_worker, injected, progress
+from tracer.workloads.demo.models import MODELS, build_model
+from tracer.capture.tracer import DDPTracer, TracerConfig
+from tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected, progress
 
 
 
