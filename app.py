@@ -15,7 +15,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from tracer.jobs import JobManager
+from tracer.launch.jobs import JobManager
 from viz.archive import extract_run_archive, safe_name
 from viz.buckets import compute_bucket_table
 from viz.gantt import make_timeline_figure, timeline_extent_ms

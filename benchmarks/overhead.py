@@ -32,8 +32,8 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from tracer import DDPTracer
-    from tracer.affinity import bind_local_rank_to_cores
-    from tracer.demo.models import build_model
+    from tracer.workloads.affinity import bind_local_rank_to_cores
+    from tracer.workloads.demo.models import build_model
 
     bind_local_rank_to_cores()  # as the demo job does
     dist.init_process_group("gloo")
@@ -91,8 +91,8 @@ def main() -> int:
         worker(args)
         return 0
 
-    from tracer.launch import LaunchConfig, launch
-    from tracer.runner import project_env
+    from tracer.launch.torchrun import LaunchConfig, launch
+    from tracer.launch.runner import project_env
 
     results: list[dict] = []
 

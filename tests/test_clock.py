@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tracer.clock import SKEW_ENV, CpuClock, make_clock
-from tracer.cuda_clock import CudaEventClock
+from tracer.capture.clock import SKEW_ENV, CpuClock, make_clock
+from tracer.capture.cuda_clock import CudaEventClock
 
 
 def test_cpu_clock_is_monotonic_and_resolves_to_itself():

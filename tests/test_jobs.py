@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from tracer.jobs import JobManager
+from tracer.launch.jobs import JobManager
 
 pytestmark = pytest.mark.ddp
 

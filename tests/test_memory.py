@@ -2,7 +2,7 @@
 
 import torch
 
-from tracer.memory import distinct_bytes, measure_memory
+from tracer.capture.memory import distinct_bytes, measure_memory
 
 
 def test_views_of_one_region_count_once():

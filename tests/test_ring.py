@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from tracer.launch import LaunchConfig, launch
-from tracer.ring import ALL_GATHER, REDUCE_SCATTER, chunk_bounds, ring_schedule
-from tracer.runner import project_env
+from tracer.launch.torchrun import LaunchConfig, launch
+from tracer.workloads.ring import ALL_GATHER, REDUCE_SCATTER, chunk_bounds, ring_schedule
+from tracer.launch.runner import project_env
 
 ITEM = {"torch.float32": 4, "torch.float64": 8, "torch.bfloat16": 2, "torch.int64": 8, "torch.int32": 4}
 

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from tests.conftest import SAMPLES
-from tracer.ring import ring_schedule
+from tracer.workloads.ring import ring_schedule
 from viz.ring import (compute_ring_rounds, compute_ring_step_times, compute_ring_summary, default_round,
                       expected_chunk_states, replay_chunk_states, ring_factor, step_durations_ms)
 from viz.ring_anim import FULL, OWN, make_ring_animation_figure, make_ring_step_figure

@@ -10,7 +10,7 @@ import pytest
 
 from tests.chrome_trace import check_chrome_trace
 from tests.conftest import assert_refused, processes_mentioning, run_cli
-from tracer.launch import free_port
+from tracer.launch.torchrun import free_port
 from viz.trace import load_run
 
 pytestmark = pytest.mark.ddp

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tracer.launch import LaunchConfig, launch
-from tracer.runner import project_env
+from tracer.launch.torchrun import LaunchConfig, launch
+from tracer.launch.runner import project_env
 from viz.overlap import compute_ddp_logging_view
 from viz.trace import load_run
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tracer import DDPTracer
-from tracer.affinity import bind_local_rank_to_cores
+from tracer.workloads.affinity import bind_local_rank_to_cores
 
 LOG_KEYS = ("forward_compute_time", "backward_compute_time", "backward_comm_time",
             "backward_compute_comm_overlap_time")
