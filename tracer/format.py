@@ -42,6 +42,7 @@ CAT_MEMORY = "memory"
 RUNNING = "running"
 COMPLETE = "complete"
 FAILED = "failed"
+UNTRACED = "untraced"  # the script ran, but built nothing ddpscope could trace
 
 # Ring all-reduce runs (``python -m tracer ring``): ``run.json`` says ``"kind": "ring"``.
 KIND_DDP = "ddp"  # the default when run.json has no "kind"

@@ -1,5 +1,6 @@
-"""``python -m viz summary PATH [--json]``: the figures of a run folder;
-``python -m viz perfetto PATH --out FILE``: every rank in one Perfetto trace (``perfetto.py``).
+"""``ddpscope summary PATH [--json]`` (or ``python -m viz summary``): the figures of a
+run folder; ``ddpscope perfetto PATH --out FILE``: every rank in one Perfetto trace
+(``perfetto.py``).
 
 - a DDP run: per rank, medians over non-warm-up steps: step, forward, backward compute,
   optimizer, all-reduce busy time, overlapped and exposed communication (ms), overlap %;
@@ -23,41 +24,45 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m viz", description="Summaries of ddpscope traces.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    s = sub.add_parser("summary", help="per-rank medians over non-warm-up steps")
+def add_viz_commands(sub) -> None:
+    """``summary`` and ``perfetto`` on a subparsers object (the ``ddpscope`` command's too)."""
+    s = sub.add_parser("summary", help="per-rank medians over non-warm-up steps",
+                       description="The figures of a run folder: a DDP run's per-rank medians, a ring or ZeRO "
+                                   "run's summary table.")
     s.add_argument("path", help="a run folder (run.json + rank-<r>.json)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     m = sub.add_parser("perfetto", help="merge a run's rank files into one Perfetto trace on rank 0's clock")
     m.add_argument("path", help="a run folder (run.json + rank-<r>.json)")
     m.add_argument("--out", required=True, help="the merged trace to write (a new .json file)")
-    args = p.parse_args(argv)
-    if args.command == "perfetto":
-        from viz.perfetto import write_merged
-        from viz.trace import TraceError
 
-        try:
-            size = write_merged(args.path, args.out)
-        except TraceError as e:
-            print(f"python -m viz perfetto: error: {e}", file=sys.stderr)
-            return 2
-        print(f"{args.out} ({size / 2**20:.2f} MiB): open it at https://ui.perfetto.dev")
-        return 0
 
-    from viz.overlap import compute_rank_medians
-    from viz.trace import TraceError, load_run, run_kind
+def run_viz_command(args, prog: str) -> int:
+    """Run ``summary`` or ``perfetto``; one line and exit 2 on bad input."""
+    from viz.trace import TraceError
 
     try:
-        kind = run_kind(args.path)
-        if kind in ("ring", "zero"):
-            return _summary_table(args.path, kind, args.json)
-        trace = load_run(args.path)
+        if args.command == "perfetto":
+            from viz.perfetto import write_merged
+
+            size = write_merged(args.path, args.out)
+            print(f"{args.out} ({size / 2**20:.2f} MiB): open it at https://ui.perfetto.dev")
+            return 0
+        return _summary(args.path, args.json)
     except TraceError as e:
-        print(f"python -m viz summary: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _summary(path: str, as_json: bool) -> int:
+    from viz.overlap import compute_rank_medians
+    from viz.trace import load_run, run_kind
+
+    kind = run_kind(path)
+    if kind in ("ring", "zero"):
+        return _summary_table(path, kind, as_json)
+    trace = load_run(path)
     med = compute_rank_medians(trace)
-    if args.json:
+    if as_json:
         ranks = {str(int(r["rank"])): {k: (None if isinstance(v, float) and math.isnan(v) else v)
                                        for k, v in r.items() if k != "rank"}
                  for r in med.astype(object).to_dict("records")}
@@ -68,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
               f"bucket_cap_mb={trace.run.get('bucket_cap_mb')}  (medians over non-warm-up steps, ms)")
         print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _Parser(prog="python -m viz", description="Summaries of ddpscope traces.")
+    add_viz_commands(p.add_subparsers(dest="command", required=True, parser_class=_Parser))
+    args = p.parse_args(argv)
+    return run_viz_command(args, prog=f"python -m viz {args.command}")
 
 
 def _summary_table(path: str, kind: str, as_json: bool) -> int:
@@ -91,7 +103,3 @@ def _summary_table(path: str, kind: str, as_json: bool) -> int:
         print(f"{trace.path}  status={trace.run.get('status')}  {title}")
         print(table.round(4).to_string(index=False))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -104,21 +104,40 @@ def exposed_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
     return _only(_cached(trace, "exposed_segments", _exposed_segments), shown)
 
 
-def _sorted_per_step(events: pd.DataFrame, shown: pd.DataFrame, column: str, time_col: str):
-    """``events`` of the shown steps with the step's ``column`` joined, sorted by rank,
-    step and ``time_col``, and a mask of each step's first row; (None, None) if empty."""
+def _sorted_per_step(events: pd.DataFrame, shown: pd.DataFrame, column: str, time_col: str,
+                     by: tuple[str, ...] = ("rank", "step")):
+    """``events`` of the shown steps with ``column`` of ``shown`` joined on ``by``, sorted
+    by ``by`` and ``time_col``, and a mask of each group's first row; (None, None) if empty."""
+    by = list(by)
     if len(events) == 0 or len(shown) == 0:
         return None, None
-    df = events.join(shown.set_index(["rank", "step"])[column], on=["rank", "step"], how="inner")
+    df = events.join(shown.set_index(by)[column], on=by, how="inner")
     if len(df) == 0:
         return None, None
-    df = df.sort_values(["rank", "step", time_col], kind="stable")
-    rank, step = df["rank"].to_numpy(), df["step"].to_numpy()
-    return df, np.r_[True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])]
+    df = df.sort_values([*by, time_col], kind="stable")
+    first = np.zeros(len(df), bool)
+    first[0] = True
+    for c in by:
+        v = df[c].to_numpy()
+        first[1:] |= v[1:] != v[:-1]
+    return df, first
+
+
+def shown_passes(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
+    """The forward/backward passes (micro-batches) of the shown steps; traces without a
+    passes table give one pass per step, from the step's own columns."""
+    p = trace.passes
+    if len(p) == 0:
+        cols = [c for c in ("rank", "step", "forward_start_us", "forward_end_us", "backward_start_us",
+                            "backward_end_us", "sync_start_us", "sync_end_us") if c in shown]
+        return shown[cols].assign(micro=0, sync=True)
+    return _only(p, shown)
 
 
 def _backward_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
-    g, first = _sorted_per_step(trace.grads, shown, "backward_start_us", "ready_us")
+    passes = shown_passes(trace, shown)
+    grads = trace.grads if "micro" in trace.grads or len(trace.grads) == 0 else trace.grads.assign(micro=0)
+    g, first = _sorted_per_step(grads, passes, "backward_start_us", "ready_us", by=("rank", "step", "micro"))
     if g is None:
         return pd.DataFrame(columns=["rank", "step", "start_us", "end_us", "label"])
     rank, step, ready = g["rank"].to_numpy(), g["step"].to_numpy(), g["ready_us"].to_numpy(float)
@@ -229,16 +248,17 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
                                       what + " · step %{customdata[0]}<br>%{customdata[1]:.2f} ms",
                                       np.column_stack([df["step"], dur(df[a], df[b])])))
 
-    phase("forward", shown, "forward_start_us", "forward_end_us", COLORS["forward"], "forward")
+    passes = shown_passes(trace, shown)
+    phase("forward", passes, "forward_start_us", "forward_end_us", COLORS["forward"], "forward")
     if len(seg):
         data.extend(_lane_trace(
             gl, "backward (per module)", lane(seg), seg["start_us"], seg["end_us"], origin, COLORS["backward"],
             "backward · %{hovertext}<br>step %{customdata[0]} · %{customdata[1]:.2f} ms",
             np.column_stack([seg["step"], dur(seg["start_us"], seg["end_us"])]),
             text=seg["label"].tolist() if len(seg) <= TEXT_LIMIT else None, line=0.5))
-    if "sync_end_us" in shown:
-        phase("waiting for all-reduce", shown, "backward_end_us", "sync_end_us", COLORS["wait"],
-              "waiting for the averaged gradients")
+    if "sync_end_us" in passes:
+        phase("waiting for all-reduce", passes[passes["sync"].astype(bool)], "backward_end_us", "sync_end_us",
+              COLORS["wait"], "waiting for the averaged gradients")
     if "optimizer_start_us" in shown:
         phase("optimizer.step", shown, "optimizer_start_us", "optimizer_end_us", COLORS["optimizer"], "optimizer.step")
 

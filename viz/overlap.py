@@ -3,7 +3,8 @@
 Definitions (times in ms):
 - communication time: the union of the step's bucket all-reduce intervals
   [launch, completion] (busy time, overlapping buckets counted once);
-- overlapped: the part of it inside backward compute [backward start, backward end];
+- overlapped: the part of it inside backward compute [backward start, backward end]
+  (under gradient accumulation, inside any of the step's backward passes);
 - exposed: the rest, i.e. all-reduce time after backward compute ended;
 - overlap %: overlapped / communication time, as Holistic Trace Analysis defines it.
 """
@@ -58,30 +59,55 @@ def _steps(trace: RunTrace, include_warmup: bool) -> pd.DataFrame:
 def compute_step_breakdown(trace: RunTrace, include_warmup: bool = False) -> pd.DataFrame:
     """Per rank and step: step, forward, backward compute, optimizer, communication,
     overlapped and exposed communication (ms) and overlap % (warm-up steps left out
-    unless ``include_warmup``; unfinished steps always left out)."""
+    unless ``include_warmup``; unfinished steps always left out). Forward and backward
+    are summed over the step's micro-batches (``micro_batches`` of them)."""
     steps = _steps(trace, include_warmup)
     cols = ["rank", "step", "warmup", "step_ms", "forward_ms", "backward_ms", "optimizer_ms",
-            "comm_ms", "overlapped_ms", "exposed_ms", "overlap_pct", "buckets"]
+            "comm_ms", "overlapped_ms", "exposed_ms", "overlap_pct", "buckets", "micro_batches"]
     if len(steps) == 0:
         return pd.DataFrame(columns=cols)
     groups = {k: g for k, g in trace.buckets.groupby(["rank", "step"])} if len(trace.buckets) else {}
+    backwards = _backward_intervals(trace)
     out = []
     for s in steps.itertuples(index=False):
         b = groups.get((s.rank, s.step))
         merged = merge_intervals(b["launch_us"].to_numpy(), b["done_us"].to_numpy()) if b is not None else np.empty((0, 2))
         comm = covered(merged, -np.inf, np.inf)
-        overlapped = covered(merged, s.backward_start_us, s.backward_end_us)
+        bwd = backwards.get((s.rank, s.step), [(s.backward_start_us, s.backward_end_us)])
+        overlapped = sum(covered(merged, lo, hi) for lo, hi in bwd)
         out.append({
             "rank": s.rank, "step": s.step, "warmup": s.warmup,
             "step_ms": (s.end_us - s.start_us) / 1e3,
-            "forward_ms": (s.forward_end_us - s.forward_start_us) / 1e3,
-            "backward_ms": (s.backward_end_us - s.backward_start_us) / 1e3,
+            "forward_ms": _total_ms(s, "forward"),
+            "backward_ms": _total_ms(s, "backward"),
             "optimizer_ms": (s.optimizer_end_us - s.optimizer_start_us) / 1e3,
             "comm_ms": comm / 1e3, "overlapped_ms": overlapped / 1e3, "exposed_ms": (comm - overlapped) / 1e3,
             "overlap_pct": 100.0 * overlapped / comm if comm > 0 else np.nan,
             "buckets": 0 if b is None else len(b),
+            "micro_batches": int(getattr(s, "micro_batches", 1) or 1),
         })
     return pd.DataFrame(out, columns=cols)
+
+
+def _total_ms(s, phase: str) -> float:
+    """A step's ``phase`` compute summed over its passes (ms); the span if not recorded."""
+    total = getattr(s, f"{phase}_us", None)
+    if total is not None and not pd.isna(total) and getattr(s, "micro_batches", 0):
+        return total / 1e3
+    return (getattr(s, f"{phase}_end_us") - getattr(s, f"{phase}_start_us")) / 1e3
+
+
+def _backward_intervals(trace: RunTrace) -> dict[tuple[int, int], list[tuple[float, float]]]:
+    """Each step's backward passes as disjoint [start, end] intervals (µs), by (rank, step)."""
+    p = trace.passes
+    if len(p) == 0 or "backward_start_us" not in p:
+        return {}
+    p = p.dropna(subset=["backward_start_us", "backward_end_us"])
+    out: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for (rank, step), g in p.groupby(["rank", "step"]):
+        merged = merge_intervals(g["backward_start_us"].to_numpy(), g["backward_end_us"].to_numpy())
+        out[(int(rank), int(step))] = [(a, b) for a, b in merged]
+    return out
 
 
 def compute_ddp_logging_view(trace: RunTrace, include_warmup: bool = False) -> pd.DataFrame:

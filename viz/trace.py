@@ -27,13 +27,20 @@ class TraceError(ValueError):
 class RunTrace:
     """One run. DataFrames:
 
-    - ``steps``: rank, step, warmup, incomplete, start_us, end_us, forward_start_us,
-      forward_end_us, backward_start_us, backward_end_us (backward compute),
-      sync_start_us, sync_end_us (waiting for DDP's all-reduces after backward compute
-      until every averaged gradient is written), optimizer_start_us, optimizer_end_us
+    - ``passes``: one row per forward and its backward in a step (a micro-batch under
+      gradient accumulation): rank, step, micro, sync (DDP reduced this pass's
+      gradients: it ran outside ``no_sync()``), forward_start_us, forward_end_us,
+      backward_start_us, backward_end_us, sync_start_us, sync_end_us
+    - ``steps``: rank, step, warmup, incomplete, start_us, end_us, micro_batches,
+      forward_us and backward_us (compute summed over the step's passes), and the
+      *syncing* pass's (the one whose backward launched the all-reduces; the last pass
+      if none synced) forward_start_us, forward_end_us, backward_start_us,
+      backward_end_us (backward compute), sync_start_us, sync_end_us (waiting for
+      DDP's all-reduces after backward compute until every averaged gradient is
+      written); optimizer_start_us, optimizer_end_us
     - ``buckets``: rank, step, bucket, bytes, num_params, params (names), launch_us,
       done_us, incomplete
-    - ``grads``: rank, step, param, name, ready_us
+    - ``grads``: rank, step, micro, param, name, ready_us
     - ``memory``: rank, step and the byte counts the tracer measured
     """
 
@@ -44,6 +51,7 @@ class RunTrace:
     buckets: pd.DataFrame
     grads: pd.DataFrame
     memory: pd.DataFrame
+    passes: pd.DataFrame = field(default_factory=pd.DataFrame)
     #: derived tables that figures reuse across selections (filled by viz functions)
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -153,7 +161,7 @@ def load_run(path: str | Path, *, allow_missing_ranks: bool = False) -> RunTrace
     path = Path(path)
     run, files, _ = read_run_folder(path, fmt.KIND_DDP, allow_missing_ranks=allow_missing_ranks)
     ranks: dict[int, dict] = {}
-    rows: dict[str, list] = {"steps": [], "buckets": [], "grads": [], "memory": []}
+    rows: dict[str, list] = {"steps": [], "passes": [], "buckets": [], "grads": [], "memory": []}
     for rank, (meta, events) in files.items():
         ranks[rank] = meta
         _parse_events(rank, meta, events, rows)
@@ -163,6 +171,7 @@ def load_run(path: str | Path, *, allow_missing_ranks: bool = False) -> RunTrace
         buckets=frame_of(rows["buckets"], ["rank", "step", "bucket"]),
         grads=frame_of(rows["grads"], ["rank", "step", "ready_us"]),
         memory=frame_of(rows["memory"], ["rank", "step"]),
+        passes=frame_of(rows["passes"], ["rank", "step", "micro"]),
     )
 
 
@@ -171,13 +180,15 @@ def frame_of(rows: list[dict], order: list[str]) -> pd.DataFrame:
     return df.sort_values(order, kind="stable").reset_index(drop=True) if len(df) else df
 
 
-_PHASES = {fmt.CAT_FORWARD: "forward", fmt.CAT_BACKWARD: "backward", fmt.CAT_GRAD_SYNC: "sync",
-           fmt.CAT_OPTIMIZER: "optimizer"}
+_PHASES = {fmt.CAT_FORWARD: "forward", fmt.CAT_BACKWARD: "backward", fmt.CAT_GRAD_SYNC: "sync"}
+_STEP_PHASES = ("forward", "backward", "sync")
 
 
 def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) -> None:
     align = clock_alignment(meta)
     steps: dict[int, dict] = {}
+    passes: dict[tuple[int, int], dict] = {}
+    seen: dict[tuple[int, str], int] = {}  # (step, phase) -> spans so far (traces without "micro")
     names = meta.get("param_names") or []
     try:
         for e in events:
@@ -195,13 +206,19 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
                 if isinstance(args.get("memory"), dict):
                     rows["memory"].append({"rank": rank, "step": step, **args["memory"]})
             elif cat in _PHASES:
-                row = steps.setdefault(step, {"rank": rank, "step": step})
                 key = _PHASES[cat]
-                row[f"{key}_start_us"] = min(ts, row.get(f"{key}_start_us", ts))  # first forward ...
-                row[f"{key}_end_us"] = max(te, row.get(f"{key}_end_us", te))  # ... to the last
+                n = seen[(step, key)] = seen.get((step, key), -1) + 1
+                micro = int(args.get("micro", n))
+                p = passes.setdefault((step, micro), {"rank": rank, "step": step, "micro": micro, "sync": True})
+                if "sync" in args:
+                    p["sync"] = bool(args["sync"])
+                p[f"{key}_start_us"], p[f"{key}_end_us"] = ts, te
+            elif cat == fmt.CAT_OPTIMIZER:
+                row = steps.setdefault(step, {"rank": rank, "step": step})
+                row["optimizer_start_us"], row["optimizer_end_us"] = ts, te
             elif cat == fmt.CAT_GRAD:
                 p = int(args["param"])
-                rows["grads"].append({"rank": rank, "step": step, "param": p,
+                rows["grads"].append({"rank": rank, "step": step, "micro": int(args.get("micro", 0)), "param": p,
                                       "name": names[p] if 0 <= p < len(names) else e.get("name"), "ready_us": ts})
             elif cat == fmt.CAT_ALLREDUCE:
                 params = list(args.get("params") or [])
@@ -211,7 +228,22 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
                                         "incomplete": bool(args.get("incomplete", False))})
     except (KeyError, TypeError, ValueError) as e:
         raise TraceError(f"rank {rank}: malformed trace event ({type(e).__name__}: {e})") from None
+    by_step: dict[int, list[dict]] = {}
+    for (step, _), p in sorted(passes.items()):
+        by_step.setdefault(step, []).append(p)
+        rows["passes"].append(p)
     for row in steps.values():
         if "start_us" not in row:
             raise TraceError(f"rank {rank}: step {row['step']} has events but no step span")
+        mine = by_step.get(row["step"], [])
+        row["micro_batches"] = len(mine)
+        row["forward_us"] = sum(p["forward_end_us"] - p["forward_start_us"] for p in mine if "forward_start_us" in p)
+        row["backward_us"] = sum(p["backward_end_us"] - p["backward_start_us"] for p in mine
+                                 if "backward_start_us" in p)
+        syncing = [p for p in mine if p["sync"]] or mine
+        if syncing:  # the pass whose backward launched the all-reduces
+            for key in _STEP_PHASES:
+                for end in ("start_us", "end_us"):
+                    if f"{key}_{end}" in syncing[-1]:
+                        row[f"{key}_{end}"] = syncing[-1][f"{key}_{end}"]
         rows["steps"].append(row)

@@ -1,11 +1,14 @@
 """The hooks that feed the recorder: DDP communication hook, gradient-ready hooks,
 forward hooks on the DDP module, and optimizer step hooks.
 
-The communication hook keeps DDP's semantics exactly: like DDP's default (and
-``default_hooks.allreduce_hook``) it divides the bucket by the group size and sums it
-with one all-reduce; its completion callback only takes a timestamp. It works with
-``gradient_as_bucket_view`` either way, because it reduces ``bucket.buffer()`` in place
-and hands that same tensor back.
+The communication hook keeps DDP's semantics exactly. Without a hook of the user's, it
+does what DDP's default (and ``default_hooks.allreduce_hook``) does: divide the bucket
+by the group size and sum it with one all-reduce; its completion callback only takes a
+timestamp. It works with ``gradient_as_bucket_view`` either way, because it reduces
+``bucket.buffer()`` in place and hands that same tensor back. When the script registers
+its own hook afterwards (``bf16_compress_hook``, PowerSGD, a framework's), ours calls it
+unchanged and times the future it returns: launch when DDP hands the bucket over,
+completion when that future completes.
 """
 
 from __future__ import annotations
@@ -21,31 +24,45 @@ _STATE_ATTR = "_ddpscope_comm_state"
 
 class CommHookState:
     """What DDP passes to the hook. ``recorder`` is None while no tracer is attached
-    (DDP cannot unregister a hook; detached, it is a plain averaging all-reduce)."""
+    (DDP cannot unregister a hook; detached, it is a plain averaging all-reduce, or the
+    user's hook). ``inner``: the user's ``(hook, state)``, registered after ours."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.recorder = None
         self.keep_work = False
+        self.inner: tuple[Callable, Any] | None = None
+
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    # A hook's future holds the bucket's new value: a tensor, or a one-tensor list when
+    # the hook returned a Work's future as it is.
+    return value[0] if isinstance(value, (list, tuple)) else value
 
 
 def traced_allreduce_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     recorder = state.recorder
-    buffer = bucket.buffer()
-    rec = None if recorder is None else recorder.on_bucket_launch(bucket.index(), buffer, bucket)
-    buffer.div_(dist.get_world_size(state.group))  # average, as DDP's default does
-    work = dist.all_reduce(buffer, group=state.group, async_op=True)
+    rec = None if recorder is None else recorder.on_bucket_launch(bucket.index(), bucket.buffer(), bucket)
+    work = None
+    if state.inner is not None:
+        hook, hook_state = state.inner
+        fut = hook(hook_state, bucket)
+    else:
+        buffer = bucket.buffer()
+        buffer.div_(dist.get_world_size(state.group))  # average, as DDP's default does
+        work = dist.all_reduce(buffer, group=state.group, async_op=True)
+        fut = work.get_future()
     if rec is None:
-        return work.get_future().then(lambda fut: fut.value()[0])
-    if state.keep_work:
+        return fut.then(lambda f: _first_tensor(f.value()))
+    if state.keep_work and work is not None:
         rec.work = work
     clock = recorder.clock
 
-    def _done(fut: torch.futures.Future) -> torch.Tensor:
+    def _done(f: torch.futures.Future) -> torch.Tensor:
         rec.done = clock.stamp()  # the only thing the callback does besides passing through
-        return fut.value()[0]
+        return _first_tensor(f.value())
 
-    return work.get_future().then(_done)
+    return fut.then(_done)
 
 
 # DDP checks these annotations by identity; under postponed evaluation they are strings.
@@ -54,19 +71,56 @@ traced_allreduce_hook.__annotations__.update(
 )
 
 
+class CommHookTaken(RuntimeError):
+    """The model's communication hook was registered before ddpscope could wrap it."""
+
+
 def attach_comm_hook(ddp: DDP) -> CommHookState:
-    """Register the traced hook on ``ddp`` once; later tracers reuse its state."""
+    """Register the traced hook on ``ddp`` once; later tracers reuse its state. A hook the
+    script registers afterwards (``register_comm_hook`` or a built-in one) is wrapped:
+    ours calls it and times its future."""
     state = getattr(ddp, _STATE_ATTR, None)
     if state is not None:
         return state
     if getattr(ddp, "_comm_hooks", None):
-        raise RuntimeError(
-            "this DDP model already has a communication hook; ddpscope needs its own "
-            "to time each bucket. Trace the model without your hook."
+        hook = ddp._comm_hooks[0][0]
+        raise CommHookTaken(
+            f"this DDP model already has a communication hook ({getattr(hook, '__qualname__', hook)}), "
+            "registered before the tracer: DDP takes one hook only. Start DDPTracer before register_comm_hook "
+            "(ddpscope then wraps and times your hook), or run the script under `ddpscope run`"
         )
     state = CommHookState(ddp.process_group)
     ddp.register_comm_hook(state, traced_allreduce_hook)
     setattr(ddp, _STATE_ATTR, state)
+
+    def register_comm_hook(state_: object, hook: Callable) -> None:
+        """DDP's ``register_comm_hook``, for a model ddpscope traces: the hook runs
+        inside ddpscope's, which times the future it returns."""
+        if state.inner is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        ddp._check_comm_hook(hook)
+        if ddp.logger is not None:
+            ddp.logger._set_comm_hook_name(hook.__qualname__)
+        ddp._comm_hooks.append((hook, state_))
+        state.inner = (hook, state_)
+
+    def register_builtin_comm_hook(comm_hook_type) -> None:
+        """The built-in C++ hooks, as their Python twins (same arithmetic, same order)."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
+            register_comm_hook(ddp.process_group, default_hooks.fp16_compress_hook)
+        elif comm_hook_type == dist.BuiltinCommHookType.ALLREDUCE:
+            if state.inner is not None:
+                raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+            state.inner = None  # DDP's own averaging all-reduce, which ours already is
+        else:
+            raise ValueError(f"ddpscope cannot trace DDP's built-in hook {comm_hook_type}")
+
+    # Instance attributes shadow DDP's methods for this model only: frameworks call
+    # ``model.register_comm_hook(...)`` after wrapping (Lightning, Accelerate).
+    ddp.register_comm_hook = register_comm_hook
+    ddp._register_builtin_comm_hook = register_builtin_comm_hook
     return state
 
 
@@ -120,32 +174,64 @@ class HookHandles:
 
 
 def attach_hooks(ddp: DDP, params: list[torch.nn.Parameter], optimizer, recorder, handles: HookHandles) -> None:
-    """Forward, output-gradient, gradient-ready and optimizer hooks, all into ``recorder``."""
+    """Forward, output-gradient, gradient-ready and optimizer hooks, all into ``recorder``.
+    ``optimizer``: the model's optimizer, None (steps end at the next forward), or
+    ``"auto"``: found at its first step (the optimizer that updates these parameters)."""
     will_rebuild = _will_rebuild_buckets(ddp)
 
     def pre_forward(module, args):
         if torch.is_grad_enabled():  # evaluation forwards are not training steps
-            recorder.on_forward_start()
+            # under no_sync() DDP does not reduce this pass's gradients (accumulation)
+            recorder.on_forward_start(sync=bool(getattr(module, "require_backward_grad_sync", True)))
 
     def post_forward(module, args, output):
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or recorder.current is None:
             return
         warmup = will_rebuild and not getattr(module, "_has_rebuilt_buckets", True)
         recorder.on_forward_end(warmup)
+        step, k = recorder.current, len(recorder.current.passes) - 1
+        hook = _output_grad_hook(recorder, step, k)
         for t in _tensors(output):
             if t.requires_grad:
-                t.register_hook(_output_grad_hook)
-
-    def _output_grad_hook(grad):
-        recorder.on_output_grad()  # first gradient w.r.t. the model output: backward has begun
+                t.register_hook(hook)
 
     handles.add(ddp.register_forward_pre_hook(pre_forward))
     handles.add(ddp.register_forward_hook(post_forward))
     for i, p in enumerate(params):
         handles.add(p.register_post_accumulate_grad_hook(_grad_hook(recorder, i)))
-    if optimizer is not None:
+    if optimizer == "auto":
+        _attach_optimizer_finder(params, recorder, handles)
+    elif optimizer is not None:
         handles.add(optimizer.register_step_pre_hook(lambda opt, a, kw: recorder.on_optimizer_start()))
         handles.add(optimizer.register_step_post_hook(lambda opt, a, kw: recorder.on_optimizer_end()))
+
+
+def _attach_optimizer_finder(params: list[torch.nn.Parameter], recorder, handles: HookHandles) -> None:
+    """Global optimizer step hooks that pick the optimizer updating ``params`` (the first
+    one whose parameter groups hold any of them) and feed its steps to ``recorder``."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    mine = {id(p) for p in params}
+    verdict: dict[int, bool] = {}  # id(optimizer) -> updates our parameters
+
+    def ours(opt) -> bool:
+        key = id(opt)
+        if key not in verdict:
+            hit = any(id(p) in mine for g in opt.param_groups for p in g["params"])
+            verdict[key] = hit and recorder.optimizer in (None, opt)
+            if verdict[key] and recorder.optimizer is None:
+                recorder.optimizer = opt  # memory accounting counts its state from now on
+        return verdict[key]
+
+    handles.add(register_optimizer_step_pre_hook(lambda opt, a, kw: ours(opt) and recorder.on_optimizer_start()))
+    handles.add(register_optimizer_step_post_hook(lambda opt, a, kw: ours(opt) and recorder.on_optimizer_end()))
+
+
+def _output_grad_hook(recorder, step, k: int) -> Callable:
+    def hook(grad):
+        recorder.on_output_grad(step, k)  # first gradient w.r.t. the model output: backward has begun
+
+    return hook
 
 
 def _grad_hook(recorder, index: int) -> Callable:

@@ -33,15 +33,26 @@ class BucketRecord:
 
 
 @dataclass
+class PassRecord:
+    """One forward and its backward inside a step: a micro-batch under gradient
+    accumulation. ``sync``: DDP reduces gradients in this backward (the forward ran
+    outside ``no_sync()``), so the step's bucket all-reduces belong to it."""
+
+    sync: bool
+    forward: list[Any]  # [start, end]
+    backward_start: Any = None
+    backward_end: Any = None
+    sync_end: Any = None  # DDP's end-of-backward work (wait for buckets, write grads) done
+
+
+@dataclass
 class StepRecord:
     step: int
     start: Any
     warmup: bool = False
-    forwards: list[list[Any]] = field(default_factory=list)  # [start, end] per forward call
-    backward_start: Any = None
-    backward_end: Any = None
-    sync_end: Any = None  # DDP's end-of-backward work (wait for buckets, write grads) done
-    grads: list[tuple[int, Any]] = field(default_factory=list)
+    passes: list[PassRecord] = field(default_factory=list)
+    active: int | None = None  # the pass whose backward is running
+    grads: list[tuple[int, Any, int]] = field(default_factory=list)  # (param, stamp, pass)
     buckets: list[BucketRecord] = field(default_factory=list)
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
     optimizer: list[Any] | None = None
@@ -69,6 +80,7 @@ class StepRecorder:
         step_boundary: str,
         emit: Callable[[Iterator[dict], list[dict] | None], None],
         nccl_kernel_timing: bool = False,
+        on_close: Callable[[StepRecord], None] | None = None,
     ) -> None:
         self.clock = clock
         self.rank = rank
@@ -88,35 +100,46 @@ class StepRecorder:
         self._bucket_params: dict[tuple[int, int, int], tuple[int, ...]] = {}
         self.device = params[0].device if params else torch.device("cpu")
         self.steps_written = 0
+        self.on_close = on_close  # after a step closed (training thread); may raise to stop
 
     # -- hooks ------------------------------------------------------------------
-    def on_forward_start(self) -> None:
+    def on_forward_start(self, sync: bool = True) -> int | None:
+        """A training forward begins; returns its pass index within the open step."""
         now = self.clock.stamp()
         cur = self.current
-        if cur is not None and not self.explicit and self.optimizer is None and cur.grads:
-            # auto mode without an optimizer: the next forward ends the step
+        if cur is not None and not self.explicit and self.optimizer is None and _synced(cur):
+            # auto mode without an optimizer: a forward after a syncing backward ends the
+            # step (forwards under no_sync() are further micro-batches of the same step)
             self._close(now)
             cur = None
         if cur is None:
             reset_peak(self.device)
             cur = self.current = StepRecord(step=self.next_step, start=now)
             self.next_step += 1
-        cur.forwards.append([now, None])
+        elif cur.optimizer is not None and cur.optimizer[1] is None:
+            cur.optimizer = None  # a forward inside optimizer.step(closure): not the update
+        cur.passes.append(PassRecord(sync=sync, forward=[now, None]))
+        return len(cur.passes) - 1
 
     def on_forward_end(self, warmup: bool) -> None:
         cur = self.current
-        if cur is not None and cur.forwards:
-            cur.forwards[-1][1] = self.clock.stamp()
+        if cur is not None and cur.passes:
+            cur.passes[-1].forward[1] = self.clock.stamp()
             cur.warmup = cur.warmup or warmup
 
-    def on_output_grad(self) -> None:
+    def on_output_grad(self, step: StepRecord | None, k: int | None) -> None:
+        """The first gradient w.r.t. pass ``k``'s output: its backward has begun."""
         cur = self.current
-        if cur is not None and cur.backward_start is None:
-            cur.backward_start = self.clock.stamp()
+        if cur is None or step is not cur or k is None:
+            return
+        cur.active = k
+        p = cur.passes[k]
+        if p.backward_start is None:
+            p.backward_start = self.clock.stamp()
 
     def on_grad_ready(self, index: int) -> None:
         cur = self.current
-        if cur is None:
+        if cur is None or not cur.passes:
             return
         now = self.clock.stamp()
         if not cur.first_grad_seen:
@@ -124,21 +147,29 @@ class StepRecorder:
             # Runs when the autograd engine finishes this backward, *before* DDP's own
             # end-of-backward callback (queued later), which waits for all buckets.
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-        cur.grads.append((index, now))
+        cur.grads.append((index, now, len(cur.passes) - 1 if cur.active is None else cur.active))
+
+    def _active_pass(self) -> PassRecord | None:
+        cur = self.current
+        if cur is None or not cur.passes:
+            return None
+        return cur.passes[len(cur.passes) - 1 if cur.active is None else cur.active]
 
     def _on_backward_end(self) -> None:
-        cur = self.current
-        if cur is not None:
-            cur.backward_end = self.clock.stamp()
-            cur.first_grad_seen = False  # a further backward (accumulation) queues again
+        p = self._active_pass()
+        if p is not None:
+            p.backward_end = self.clock.stamp()
+            self.current.first_grad_seen = False  # the next backward (accumulation) queues again
             # Callbacks queued while callbacks run go to the back of the queue: this one
             # runs after DDP's finalize (wait for every bucket, write the averaged grads).
             torch.autograd.Variable._execution_engine.queue_callback(self._on_grads_synced)
 
     def _on_grads_synced(self) -> None:
-        cur = self.current
-        if cur is not None:
-            cur.sync_end = self.clock.stamp()
+        p = self._active_pass()
+        if p is not None:
+            p.sync_end = self.clock.stamp()
+        if self.current is not None:
+            self.current.active = None
 
     def on_bucket_launch(self, index: int, buffer: torch.Tensor, bucket) -> BucketRecord | None:
         cur = self.current
@@ -162,9 +193,15 @@ class StepRecorder:
 
     def on_optimizer_end(self) -> None:
         cur = self.current
-        if cur is None or cur.optimizer is None:
+        if cur is None:
             return
         now = self.clock.stamp()
+        if cur.optimizer is None:
+            # optimizer.step(closure) ran forward and backward inside it (Lightning): the
+            # update itself starts when the closure's backward is done
+            last = cur.passes[-1] if cur.passes else None
+            start = last and (last.sync_end or last.backward_end)
+            cur.optimizer = [start if start is not None else now, None]
         cur.optimizer[1] = now
         if not self.explicit:
             self._close(now)
@@ -197,6 +234,8 @@ class StepRecorder:
         cur.memory = measure_memory(self.params, self.optimizer, cur.buffers.values(), self._params_bytes)
         self.pending.append(cur)
         self._resolve(len(self.pending) - self.clock.lag_steps)
+        if self.on_close is not None:
+            self.on_close(cur)
 
     def _resolve(self, count: int) -> None:
         if count <= 0:
@@ -204,11 +243,11 @@ class StepRecorder:
         ready, self.pending = self.pending[:count], self.pending[count:]
         stamps: list[Any] = []
         for s in ready:
-            stamps += [s.start, s.end, s.backward_start, s.backward_end, s.sync_end]
+            stamps += [s.start, s.end]
             stamps += [s.optimizer[0], s.optimizer[1]] if s.optimizer else [None, None]
-            for f in s.forwards:
-                stamps += f
-            stamps += [t for _, t in s.grads]
+            for p in s.passes:
+                stamps += [*p.forward, p.backward_start, p.backward_end, p.sync_end]
+            stamps += [t for _, t, _ in s.grads]
             for b in s.buckets:
                 stamps += [b.launch, b.done]
         times = self.clock.resolve(stamps)
@@ -239,9 +278,9 @@ class StepRecorder:
 
     def _events(self, s: StepRecord, times, nccl: list | None) -> list[dict]:
         pid = self.rank
-        start, end, bwd_s, bwd_e, sync_e, opt_s, opt_e = (next(times) for _ in range(7))
-        fwds = [(next(times), next(times)) for _ in s.forwards]
-        grads = [(i, next(times)) for i, _ in s.grads]
+        start, end, opt_s, opt_e = (next(times) for _ in range(4))
+        passes = [tuple(next(times) for _ in range(5)) for _ in s.passes]  # fs, fe, bs, be, sync end
+        grads = [(i, next(times), k) for i, _, k in s.grads]
         buckets = [(b, next(times), next(times)) for b in s.buckets]
 
         def span(cat, name, ts, te, tid=fmt.TID_COMPUTE, lo=None, hi=None, **args):
@@ -254,26 +293,28 @@ class StepRecorder:
             return [{"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid,
                      "ts": ts, "dur": _round(max(te - ts, 0.0)), "args": {"step": s.step, **args}}]
 
-        last_grad = max((t for _, t in grads if t is not None), default=None)
-        fwd_end = max((fe for _, fe in fwds if fe is not None), default=start)
-        bwd_end = bwd_e if bwd_e is not None else last_grad
         flags = {"warmup": s.warmup}
         if s.incomplete:
             flags["incomplete"] = True
-        ev = span(fmt.CAT_STEP, f"step {s.step}", start, end, memory=s.memory, **flags)
-        for fs, fe in fwds:
-            ev += span(fmt.CAT_FORWARD, "forward", fs, fe, lo=start, hi=end)
-        if bwd_end is not None:
-            ev += span(fmt.CAT_BACKWARD, "backward", bwd_s if bwd_s is not None else fwd_end,
-                       bwd_end, lo=start, hi=end)
-        if bwd_end is not None and sync_e is not None:
-            ev += span(fmt.CAT_GRAD_SYNC, "wait for all-reduce", bwd_end, sync_e, lo=start, hi=end)
+        ev = span(fmt.CAT_STEP, f"step {s.step}", start, end, memory=s.memory, micro_batches=len(passes), **flags)
+        many = len(passes) > 1
+        for k, (rec, (fs, fe, bs, be, sync_e)) in enumerate(zip(s.passes, passes)):
+            tag = {"micro": k, "sync": rec.sync}
+            suffix = f" (micro-batch {k}{'' if rec.sync else ', no_sync'})" if many else ""
+            ev += span(fmt.CAT_FORWARD, "forward" + suffix, fs, fe, lo=start, hi=end, **tag)
+            last_grad = max((t for _, t, g in grads if g == k and t is not None), default=None)
+            bwd_end = be if be is not None else last_grad
+            if bwd_end is not None:
+                ev += span(fmt.CAT_BACKWARD, "backward" + suffix, bs if bs is not None else (fe or start),
+                           bwd_end, lo=start, hi=end, **tag)
+                if rec.sync and sync_e is not None:
+                    ev += span(fmt.CAT_GRAD_SYNC, "wait for all-reduce", bwd_end, sync_e, lo=start, hi=end, **tag)
         ev += span(fmt.CAT_OPTIMIZER, "optimizer.step", opt_s, opt_e, lo=start, hi=end)
-        for i, t in grads:
+        for i, t, k in grads:
             if t is not None:
                 ev.append({"ph": "i", "s": "t", "cat": fmt.CAT_GRAD, "name": self._name(i),
                            "pid": pid, "tid": fmt.TID_GRADS, "ts": _round(t),
-                           "args": {"step": s.step, "param": i}})
+                           "args": {"step": s.step, "param": i, "micro": k}})
         for n, (b, launch, done) in enumerate(buckets):
             if b.index not in self.buckets_seen:
                 self.buckets_seen.add(b.index)
@@ -292,6 +333,11 @@ class StepRecorder:
 
     def _name(self, i: int) -> str:
         return self.param_names[i] if 0 <= i < len(self.param_names) else f"param[{i}]"
+
+
+def _synced(step: StepRecord) -> bool:
+    """A syncing backward of ``step`` has finished (DDP reduced its gradients)."""
+    return any(p.sync and p.backward_end is not None for p in step.passes)
 
 
 def _layout(buckets: list[BucketRecord]) -> list[tuple[int, ...]]:

@@ -10,7 +10,9 @@ one trace per rank. The training loop stays as it is::
 
 Steps are detected (a step starts at a training forward and ends when
 ``optimizer.step()`` returns) or, with ``step_boundary="explicit"``, end where the loop
-calls ``tracer.step()``.
+calls ``tracer.step()``. Pass ``optimizer="auto"`` to have the optimizer found at its
+first step (the one that updates the model's parameters), as ``ddpscope run`` does.
+A communication hook the script registers after the tracer starts is wrapped and timed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,7 @@ class TracerConfig:
     step_boundary: ``"auto"`` (forward ... ``optimizer.step()``) or ``"explicit"``
         (``tracer.step()`` ends a step).
     offset_rounds: ping-pong rounds per rank for the clock-offset estimate.
+    sync_timeout_s: how long the tracer's own collectives (start, end) wait for a peer.
     flush_interval_s: the writer rewrites the file at most this often (seconds).
     run_meta: extra JSON-able facts about the run (model name, batch size, ...).
     """
@@ -51,6 +54,7 @@ class TracerConfig:
     out_dir: Path | str
     step_boundary: str = "auto"
     offset_rounds: int = 16
+    sync_timeout_s: float = 60.0
     flush_interval_s: float = 0.25
     run_meta: dict = field(default_factory=dict)
 
@@ -60,17 +64,26 @@ class TracerConfig:
             raise ValueError(f"step_boundary must be 'auto' or 'explicit', got {self.step_boundary!r}")
         if not 1 <= self.offset_rounds <= 1000:
             raise ValueError(f"offset_rounds must be in 1..1000, got {self.offset_rounds}")
+        if not 1 <= self.sync_timeout_s <= 3600:
+            raise ValueError(f"sync_timeout_s must be in 1..3600 seconds, got {self.sync_timeout_s}")
         if not 0 <= self.flush_interval_s <= 60:
             raise ValueError(f"flush_interval_s must be in 0..60 seconds, got {self.flush_interval_s}")
 
 
 class DDPTracer:
-    """Context manager that traces ``model`` (a ``DistributedDataParallel``) on this rank."""
+    """Context manager that traces ``model`` (a ``DistributedDataParallel``) on this rank.
 
-    def __init__(self, model: DDP, optimizer: torch.optim.Optimizer | None = None,
-                 config: TracerConfig | None = None, **config_kw: Any) -> None:
+    ``optimizer``: the model's optimizer, ``"auto"`` (found at its first step), or None
+    (then a step ends at the next training forward after a syncing backward).
+    ``on_step(step_record)``: called on the training thread each time a step closes."""
+
+    def __init__(self, model: DDP, optimizer: torch.optim.Optimizer | str | None = None,
+                 config: TracerConfig | None = None, *, on_step: Callable[[Any], None] | None = None,
+                 **config_kw: Any) -> None:
         if not isinstance(model, DDP):
             raise TypeError(f"DDPTracer needs a DistributedDataParallel model, got {type(model).__name__}")
+        if isinstance(optimizer, str) and optimizer != "auto":
+            raise ValueError(f"optimizer must be an Optimizer, 'auto' or None, got {optimizer!r}")
         if config is None:
             config = TracerConfig(**config_kw)
         elif config_kw:
@@ -82,6 +95,8 @@ class DDPTracer:
         self._recorder: StepRecorder | None = None
         self._writer: TraceWriter | None = None
         self._comm_state = None
+        self._on_step = on_step
+        self._closed = False
 
     # -- lifecycle ----------------------------------------------------------------
     def __enter__(self) -> "DDPTracer":
@@ -99,14 +114,16 @@ class DDPTracer:
         if not dist.is_initialized():
             raise RuntimeError("DDPTracer needs an initialized process group (dist.init_process_group)")
         cfg = self.config
-        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        # First, before any collective: a hook registered earlier cannot be wrapped.
+        comm_state = attach_comm_hook(self.model)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.backend = dist.get_backend(self.model.process_group)
         names, params = reducer_params(self.model)
         device = params[0].device if params else torch.device("cpu")
         self.clock = make_clock(device)
-        # Host clocks are compared over gloo: a CPU group beside NCCL when needed.
-        self._cpu_group = None if self.backend == "gloo" else dist.new_group(backend="gloo")
+        # The tracer's own gloo group: host clocks are compared on the host (beside NCCL
+        # too), and its short timeout bounds how long a rank waits for a peer that died.
+        self._cpu_group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=cfg.sync_timeout_s))
         self.offsets_start = estimate_offsets(self.clock.host_us, self._cpu_group, cfg.offset_rounds)
         hosts: list[Any] = [None] * self.world_size
         dist.all_gather_object(hosts, socket.gethostname(), group=self._cpu_group)
@@ -123,17 +140,26 @@ class DDPTracer:
             "bucket_layouts": [], "steps": 0,
             "step_boundary": cfg.step_boundary, "torch_version": torch.__version__,
         }
-        self._writer = TraceWriter(cfg.out_dir / fmt.rank_file(self.rank), self._meta, cfg.flush_interval_s)
-        self._writer.add(header_events(self.rank, hosts[self.rank]))
-        if self.rank == 0:
-            self._write_run_json(status=fmt.RUNNING)
+        problem = None
+        try:  # local set-up; every rank must succeed, or none traces (see below)
+            cfg.out_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = TraceWriter(cfg.out_dir / fmt.rank_file(self.rank), self._meta, cfg.flush_interval_s)
+            self._writer.add(header_events(self.rank, hosts[self.rank]))
+            if self.rank == 0:
+                self._write_run_json(status=fmt.RUNNING)
+        except OSError as e:
+            problem = f"rank {self.rank} cannot write its trace in {cfg.out_dir}: {e.strerror or e}"
+        problems: list[Any] = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self._cpu_group)
+        first = next((p for p in problems if p), None)
+        if first:  # a half-traced job would wait on the silent rank at the end
+            raise RuntimeError(first)
 
-        comm_state = attach_comm_hook(self.model)
         nccl_timing = self.backend == "nccl" and os.environ.get(NCCL_TIMING_ENV) == "1"
         self._recorder = StepRecorder(
             clock=self.clock, rank=self.rank, param_names=names, params=params,
-            optimizer=self.optimizer, step_boundary=cfg.step_boundary, emit=self._emit,
-            nccl_kernel_timing=nccl_timing,
+            optimizer=None if self.optimizer == "auto" else self.optimizer, step_boundary=cfg.step_boundary,
+            emit=self._emit, nccl_kernel_timing=nccl_timing, on_close=self._on_step,
         )
         comm_state.keep_work = nccl_timing
         comm_state.recorder = self._recorder
@@ -147,7 +173,17 @@ class DDPTracer:
             self._recorder.mark_step()
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        failed = exc_type is not None
+        self.close(None if exc_type is None else f"{exc_type.__name__}: {exc}")
+        return False
+
+    def close(self, error: str | None = None) -> None:
+        """End tracing: close the open step (``incomplete`` on error), estimate the end
+        clock offsets (a collective, only when no error: a failed peer would never
+        answer), write the files. Once; later calls do nothing."""
+        if self._closed or self._writer is None:
+            return
+        self._closed = True
+        failed = error is not None
         try:
             if self._recorder is not None:
                 self._recorder.finish(aborted=failed)
@@ -156,7 +192,7 @@ class DDPTracer:
             if self._comm_state is not None:
                 self._comm_state.recorder = None
         status = fmt.FAILED if failed else fmt.COMPLETE
-        error = None if not failed else f"{exc_type.__name__}: {exc}"[:2000]
+        error = None if not failed else error[:2000]
         offsets_end: list[ClockOffset] | None = None
         self._writer.set_meta(status=status, error=error)  # on disk even if the end sync dies
         if not failed:
@@ -173,7 +209,11 @@ class DDPTracer:
                 raise
         if self.rank == 0:
             self._write_run_json(status=status, error=error, offsets_end=offsets_end)
-        return False
+
+    @property
+    def steps(self) -> int:
+        """Steps closed so far."""
+        return self._recorder.next_step if self._recorder else 0
 
     # -- internals ----------------------------------------------------------------
     def _emit(self, events, layouts: list[dict] | None) -> None:
@@ -193,8 +233,10 @@ class DDPTracer:
             "format": fmt.FORMAT, "version": fmt.VERSION, "status": status,
             "world_size": self.world_size, "backend": self.backend, "device": self._meta["device"],
             "clock": self.clock.kind, "hosts": self.hosts, "torch_version": torch.__version__,
-            "bucket_cap_bytes": int(ddp.bucket_bytes_cap),
-            "bucket_cap_mb": ddp.bucket_bytes_cap / 2**20,
+            **bucket_caps(ddp),
+            "model_class": type(ddp.module).__name__,
+            "model_params": sum(p.numel() for p in reducer_params(ddp)[1]),
+            "comm_hook": _comm_hook_name(ddp),
             "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
             "static_graph": bool(ddp.static_graph),
             "find_unused_parameters": bool(ddp.find_unused_parameters),
@@ -213,3 +255,29 @@ class DDPTracer:
         if error:
             run["error"] = error
         write_json_atomic(path, run)
+
+
+def bucket_caps(ddp: DDP) -> dict:
+    """The bucket sizes DDP really uses (bytes; MiB = 2^20 bytes). DDP treats "no
+    bucket_cap_mb given" apart from an explicit 25: both cap buckets at 25 MiB, but only
+    the default makes the first bucket (the last gradients) 1 MiB
+    (``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
+    cap = int(ddp.bucket_bytes_cap)
+    config = getattr(ddp, "_bucket_config", None)
+    if config is not None:
+        first = int(config.first_bucket_bytes_cap)
+    else:  # older DDP: the flag alone says whether the default first bucket applies
+        first = int(dist._DEFAULT_FIRST_BUCKET_BYTES) if getattr(ddp, "bucket_bytes_cap_default", False) else cap
+    per_bucket = [int(b) for b in getattr(ddp, "bucket_bytes_cap_list", []) or []]
+    return {"bucket_cap_bytes": cap, "bucket_cap_mb": cap / 2**20, "first_bucket_cap_bytes": first,
+            "bucket_cap_default": first < cap and not per_bucket, "bucket_cap_bytes_list": per_bucket or None}
+
+
+def _comm_hook_name(ddp: DDP) -> str | None:
+    """The script's own communication hook (wrapped by ddpscope's), if any."""
+    from tracer.capture.hooks import _STATE_ATTR
+
+    state = getattr(ddp, _STATE_ATTR, None)
+    if state is None or state.inner is None:
+        return None
+    return getattr(state.inner[0], "__qualname__", repr(state.inner[0]))

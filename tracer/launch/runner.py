@@ -1,98 +1,199 @@
-"""``python -m tracer run``, ``ring`` and ``zero``: launch a job under torchrun, traced.
+"""``ddpscope run``, ``ring`` and ``zero``: launch a job under torchrun, traced.
+
+``run`` traces a training script as it is (the user's, or the bundled demo with
+``--demo``): its ranks start with the capture bootstrap on ``PYTHONPATH`` and the
+capture settings in the environment (``tracer.capture.autotrace``). ``ring`` and
+``zero`` run ddpscope's own workloads. Torch-free: the dashboard validates settings
+with these configs without importing torch.
 
 The run folder gets ``run.json`` (status ``running`` until rank 0 marks it ``complete``;
-``failed`` with the reason if the job fails), ``rank-<r>.json`` per rank and ``logs/``
-(torchrun's per-rank stdout/stderr and error files).
+``failed`` with the reason if the job fails; what a rerun needs), ``rank-<r>.json`` per
+rank and ``logs/`` (torchrun's per-rank stdout/stderr and error files).
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
+import importlib.machinery
 import os
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from tracer import format as fmt
-from tracer.workloads.demo.models import MODELS
+from tracer import options as o
+from tracer.capture.autotrace import CaptureConfig
 from tracer.launch.torchrun import LaunchConfig, LaunchResult, launch
-from tracer.workloads.worker import PROGRESS_PREFIX  # printed by the jobs on rank 0
+from tracer.progress import parse_progress
 from tracer.writer import read_json, write_json_atomic
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-MAX_NPROC = 64
-MAX_BUCKET_CAP_MB = 10240.0  # 10 GiB: more than any real gradient bucket
-MAX_STEPS = 100_000
+BOOTSTRAP = Path(__file__).resolve().parents[1] / "capture" / "bootstrap"
+DEMO_SCRIPT = "tracer.workloads.demo.train"
+DEMO_STEPS = 20  # a demo run without --steps
 
 
 @dataclass(kw_only=True)
 class RunConfig:
-    """A demo run. Sizes in MiB (PyTorch's ``bucket_cap_mb`` is MiB), times in seconds."""
+    """A traced run of a training script. ``script``: the command after ``--``, i.e.
+    ``["train.py", *args]`` or ``["-m", "package.module", *args]``, run in ``cwd``;
+    or ``demo`` (a bundled model) instead. Sizes in MiB (PyTorch's ``bucket_cap_mb`` is
+    MiB), times in seconds."""
 
-    out: Path | str
-    nproc: int = 2
-    bucket_cap_mb: float = 25.0
-    model: str = "mlp"
-    steps: int = 20
-    timeout_s: float = 900.0
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None
-    gradient_as_bucket_view: bool = False
-    seed: int = 0
+    out: Path | str = o.OUT.field()
+    script: list[str] = field(default_factory=list)
+    demo: str | None = o.DEMO.field()
+    nproc: int = o.NPROC.field()
+    bucket_cap_mb: float | None = o.BUCKET_CAP_MB.field()
+    steps: int | None = o.STEPS.field()
+    timeout_s: float = o.TIMEOUT.field()
+    nnodes: int = o.NNODES.field()
+    node_rank: int = o.NODE_RANK.field()
+    rdzv_endpoint: str | None = o.RDZV_ENDPOINT.field()
+    cwd: Path | str = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
+        if not self.out:
+            raise ValueError("--out DIR is required")
         self.out = Path(self.out)
-        if not 1 <= self.nproc <= MAX_NPROC:
-            raise ValueError(f"--nproc must be in 1..{MAX_NPROC}, got {self.nproc}")
-        if not 0 < self.bucket_cap_mb <= MAX_BUCKET_CAP_MB:
-            raise ValueError(f"--bucket-cap-mb must be > 0 and <= {MAX_BUCKET_CAP_MB:g} (MiB), got {self.bucket_cap_mb:g}")
-        if self.model not in MODELS:
-            raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
-        if not 1 <= self.steps <= MAX_STEPS:
-            raise ValueError(f"--steps must be in 1..{MAX_STEPS}, got {self.steps}")
-        _check_timeout(self.timeout_s)
+        self.cwd = Path(self.cwd).resolve()
+        self.script = [str(a) for a in self.script]
+        o.check_fields(self)
+        if self.demo is not None:
+            if self.script:
+                raise ValueError("give either --demo MODEL or a script after --, not both")
+            self.script = ["-m", DEMO_SCRIPT, "--model", self.demo, "--steps", str(self.steps or DEMO_STEPS)]
+        if not self.script:
+            raise ValueError("nothing to run: give the training script after -- (e.g. -- train.py --lr 3e-4) "
+                             "or --demo gpt")
+        if not self.cwd.is_dir():
+            raise ValueError(f"the working folder {self.cwd} does not exist")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
+        self.program_path()  # the script or module exists
         _check_out_dir(self.out)
 
+    @property
+    def module(self) -> bool:
+        return self.script[0] == "-m"
+
+    @property
+    def program(self) -> str:
+        """The script path or module name."""
+        if self.module:
+            if len(self.script) < 2 or self.script[1].startswith("-"):
+                raise ValueError("-m needs a module name (e.g. -m package.train)")
+            return self.script[1]
+        return self.script[0]
+
+    @property
+    def program_args(self) -> list[str]:
+        return self.script[2:] if self.module else self.script[1:]
+
+    def program_path(self) -> Path:
+        """The file that runs: the script, or the module's file (``ValueError`` if none)."""
+        if self.module:
+            found = find_module_file(self.program, [str(self.cwd), str(PROJECT_ROOT), *sys.path[1:]])
+            if found is None:
+                raise ValueError(f"-m {self.program}: no such module (searched {self.cwd} and this Python's path)")
+            return found
+        path = (self.cwd / self.program).resolve()
+        if self.program.startswith("-"):
+            raise ValueError(f"{self.program!r} is not a script; put the script after -- (e.g. -- train.py)")
+        if not path.is_file():
+            raise ValueError(f"script {self.program} does not exist (in {self.cwd})")
+        return path
+
+    def label(self) -> str:
+        """A short name for the run: the demo model, or the script's name."""
+        return self.demo or Path(self.program.replace(".", "/") if self.module else self.program).stem
+
     def launch_config(self) -> LaunchConfig:
-        args = ["--model", self.model, "--steps", str(self.steps), "--bucket-cap-mb", repr(self.bucket_cap_mb),
-                "--seed", str(self.seed), "--out", str(self.out.resolve())]
-        if self.gradient_as_bucket_view:
-            args.append("--gradient-as-bucket-view")
-        return LaunchConfig(target="tracer.workloads.demo.train", args=args, nproc=self.nproc, nnodes=self.nnodes,
-                            node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
-                            log_dir=self.out / "logs", timeout_s=self.timeout_s, env=project_env())
+        capture = CaptureConfig(out=str(self.out.resolve()), bucket_cap_mb=self.bucket_cap_mb, steps=self.steps)
+        return LaunchConfig(target=self.program, args=self.program_args, module=self.module, cwd=self.cwd,
+                            nproc=self.nproc, nnodes=self.nnodes, node_rank=self.node_rank,
+                            rdzv_endpoint=self.rdzv_endpoint, log_dir=self.out / "logs", timeout_s=self.timeout_s,
+                            env={**capture_env(), **capture.to_env()})
+
+    def facts(self) -> dict:
+        """What ``run.json`` records so that the run can be rerun (before the ranks add
+        what DDP really used)."""
+        path = self.program_path()
+        return {
+            "kind": fmt.KIND_DDP, "model": self.label(), "demo": self.demo,
+            "script": {"argv": self.script, "module": self.module, "path": str(path),
+                       "sha256": file_sha256(path), "cwd": str(self.cwd)},
+            "nproc_per_node": self.nproc, "nnodes": self.nnodes,
+            "bucket_cap_mb_requested": self.bucket_cap_mb, "steps_requested": self.steps,
+        }
+
+    def command(self) -> list[str]:
+        """The ``ddpscope run`` command line that reproduces this run (another --out)."""
+        cmd = ["ddpscope", "run", "--nproc", str(self.nproc)]
+        if self.bucket_cap_mb is not None:
+            cmd += ["--bucket-cap-mb", f"{self.bucket_cap_mb:g}"]
+        if self.steps is not None:
+            cmd += ["--steps", str(self.steps)]
+        if self.nnodes > 1:
+            cmd += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
+                    "--rdzv-endpoint", str(self.rdzv_endpoint)]
+        cmd += ["--out", str(self.out)]
+        return cmd + (["--demo", self.demo] if self.demo else ["--", *self.script])
 
 
-MAX_RING_MB = 4096.0  # MiB per rank; each rank holds about 3.5 copies
-RING_DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32")
+def find_module_file(name: str, path: list[str]) -> Path | None:
+    """The file ``python -m name`` would run, found without importing anything."""
+    parts = name.split(".")
+    if not all(p.isidentifier() for p in parts):
+        return None
+    spec = importlib.machinery.PathFinder.find_spec(parts[0], path)
+    for part in parts[1:]:
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:  # a package runs its __main__
+        main = importlib.machinery.PathFinder.find_spec("__main__", list(spec.submodule_search_locations))
+        return Path(main.origin) if main is not None and main.origin else None
+    return Path(spec.origin) if spec.origin else None
+
+
+def file_sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def capture_env() -> dict[str, str]:
+    """PYTHONPATH for a traced job's ranks: the bootstrap first (its ``sitecustomize``
+    installs the capture), then ddpscope itself, then what was there."""
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join([str(BOOTSTRAP), str(PROJECT_ROOT)] + ([path] if path else []))}
 
 
 @dataclass(kw_only=True)
 class RingConfig:
     """A ring all-reduce run: ``nproc`` ranks on this machine, a tensor of ``mb`` MiB."""
 
-    out: Path | str
-    nproc: int = 4
-    mb: float = 4.0
-    repeat: int = 5
-    dtype: str = "float32"
-    calibration: bool = True
-    timeout_s: float = 600.0
+    out: Path | str = o.OUT.field()
+    nproc: int = o.RING_NPROC.field()
+    mb: float = o.RING_MB.field()
+    repeat: int = o.RING_REPEAT.field()
+    dtype: str = o.RING_DTYPE.field()
+    calibration: bool = o.RING_CALIBRATION.field()
+    timeout_s: float = o.TIMEOUT.field(600.0)
 
     def __post_init__(self) -> None:
+        if not self.out:
+            raise ValueError("--out DIR is required")
         self.out = Path(self.out)
-        if not 2 <= self.nproc <= MAX_NPROC:
-            raise ValueError(f"--nproc must be in 2..{MAX_NPROC} (a ring needs two ranks), got {self.nproc}")
-        if not 0 < self.mb <= MAX_RING_MB:
-            raise ValueError(f"--mb must be > 0 and <= {MAX_RING_MB:g} (MiB), got {self.mb:g}")
-        if not 1 <= self.repeat <= 1000:
-            raise ValueError(f"--repeat must be in 1..1000, got {self.repeat}")
-        if self.dtype not in RING_DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(RING_DTYPES)}, got {self.dtype!r}")
-        _check_timeout(self.timeout_s)
+        o.check_fields(self)
         need = 3.5 * self.mb * 2**20 * self.nproc
         total = _physical_memory_bytes()
         if total and need > 0.8 * total:
@@ -113,26 +214,22 @@ class RingConfig:
 class ZeroConfig:
     """A ZeRO memory run: the demo ``model`` trained ``steps`` steps under each of ``stages``."""
 
-    out: Path | str
-    nproc: int = 2
-    model: str = "mlp"
-    steps: int = 3
-    stages: str = "0,1,2,3"
-    timeout_s: float = 600.0
+    out: Path | str = o.OUT.field()
+    nproc: int = o.ZERO_NPROC.field()
+    model: str = o.MODEL.field()
+    steps: int = o.ZERO_STEPS.field()
+    stages: str = o.ZERO_STAGES.field()
+    timeout_s: float = o.TIMEOUT.field(600.0)
 
     def __post_init__(self) -> None:
+        if not self.out:
+            raise ValueError("--out DIR is required")
         self.out = Path(self.out)
-        if not 2 <= self.nproc <= MAX_NPROC:
-            raise ValueError(f"--nproc must be in 2..{MAX_NPROC} (sharding needs two ranks), got {self.nproc}")
-        if self.model not in MODELS:
-            raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
-        if not 2 <= self.steps <= 100:
-            raise ValueError(f"--steps must be in 2..100 (the last step is measured after warm-up), got {self.steps}")
+        o.check_fields(self)
         parts = [p.strip() for p in str(self.stages).split(",")]
         if not parts or any(p not in ("0", "1", "2", "3") for p in parts) or len(set(parts)) != len(parts):
             raise ValueError(f"--stages must list distinct stages from 0,1,2,3 (e.g. 0,3), got {self.stages!r}")
         self.stages = ",".join(parts)
-        _check_timeout(self.timeout_s)
         _check_out_dir(self.out)
 
     def launch_config(self) -> LaunchConfig:
@@ -153,11 +250,6 @@ def project_env() -> dict[str, str]:
     """Environment that lets torchrun's workers import ddpscope from any working folder."""
     path = os.environ.get("PYTHONPATH")
     return {"PYTHONPATH": str(PROJECT_ROOT) + (os.pathsep + path if path else "")}
-
-
-def _check_timeout(timeout_s: float) -> None:
-    if not 0 < timeout_s <= 7 * 24 * 3600:
-        raise ValueError(f"--timeout must be > 0 seconds (and at most a week), got {timeout_s:g}")
 
 
 def _check_out_dir(out: Path) -> None:
@@ -189,25 +281,22 @@ def create_out_dir(out: Path) -> None:
         raise ValueError(f"--out {out} is not writable: {e.strerror or e}") from None
 
 
-def parse_progress(line: str) -> dict | None:
-    """The progress record in a line of rank 0's output, or None."""
-    if not line.startswith(PROGRESS_PREFIX):
-        return None
-    try:
-        rec = json.loads(line[len(PROGRESS_PREFIX):])
-    except ValueError:
-        return None
-    return rec if isinstance(rec, dict) else None
-
-
 def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None,
             on_output: Callable[[int | None, str], None] = lambda r, l: None) -> LaunchResult:
-    """Run the traced demo job to its end and leave the run folder consistent.
+    """Run the traced script to its end and leave the run folder consistent.
 
     Raises ``ValueError`` if the run folder cannot be created (nothing is launched)."""
-    return _launch_traced(cfg.launch_config(), cfg.out, {
-        "kind": fmt.KIND_DDP, "model": cfg.model, "steps_requested": cfg.steps,
-        "nproc_per_node": cfg.nproc, "nnodes": cfg.nnodes}, cfg.node_rank, on_progress, on_output)
+    result = _launch_traced(cfg.launch_config(), cfg.out, {**cfg.facts(), "command": shlex.join(cfg.command())},
+                            cfg.node_rank, on_progress, on_output)
+    if not any(fmt.RANK_FILE_RE.match(p.name) for p in cfg.out.iterdir()):
+        run_path = cfg.out / fmt.RUN_FILE
+        run = read_json(run_path) if run_path.exists() else {}
+        notes = [n for n in run.get("notes") or [] if isinstance(n, str)]
+        result.untraced = "; ".join(notes) if notes else "no DistributedDataParallel model was built; nothing was traced"
+        if result.ok:
+            run.update(status=fmt.UNTRACED, error=result.untraced)
+            write_json_atomic(run_path, run)
+    return result
 
 
 def run_ring(cfg: RingConfig, on_progress: Callable[[dict], None] = lambda p: None,
@@ -230,11 +319,7 @@ def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int,
                    on_progress: Callable[[dict], None], on_output: Callable[[int | None, str], None]) -> LaunchResult:
     create_out_dir(out)
     run_path = out / fmt.RUN_FILE
-    write_json_atomic(run_path, {
-        "format": fmt.FORMAT, "version": fmt.VERSION, "status": fmt.RUNNING,
-        "command": shlex.join(["python", "-m", "tracer", *sys.argv[1:]])
-        if sys.argv[1:2] in (["run"], ["ring"], ["zero"]) else None, **facts,
-    })
+    write_json_atomic(run_path, {"format": fmt.FORMAT, "version": fmt.VERSION, "status": fmt.RUNNING, **facts})
 
     def _line(local_rank: int | None, text: str) -> None:
         rec = parse_progress(text)

@@ -40,10 +40,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass(kw_only=True)
 class LaunchConfig:
-    """One torchrun job. ``target`` is a module run with ``-m``; ``args`` follow it."""
+    """One torchrun job: ``target`` (a module run with ``-m`` when ``module``, else a
+    script path) with ``args``, in the working directory ``cwd``."""
 
     target: str
     args: list[str] = field(default_factory=list)
+    module: bool = True
+    cwd: Path | None = None
     nproc: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -53,6 +56,7 @@ class LaunchConfig:
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.log_dir = Path(self.log_dir).resolve()  # the job runs in cwd, not ours
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -71,6 +75,7 @@ class LaunchResult:
     failed_rank: int | None = None
     reason: str | None = None  # one line
     stderr_tail: str = ""
+    untraced: str | None = None  # the job ran, but nothing could be traced: why
 
     @property
     def ok(self) -> bool:
@@ -86,7 +91,7 @@ def torchrun_command(cfg: LaunchConfig) -> list[str]:
         # static rendezvous: node 0 hosts the store at the endpoint; ranks are deterministic
         "--rdzv-backend", "static", "--rdzv-endpoint", endpoint,
         "--max-restarts", "0", "--log-dir", str(cfg.log_dir), "--tee", "3",
-        "-m", cfg.target, *cfg.args,
+        *(["-m"] if cfg.module else []), cfg.target, *cfg.args,
     ]
 
 
@@ -96,7 +101,7 @@ def launch(cfg: LaunchConfig, on_line: Callable[[int | None, str], None] = lambd
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **cfg.env}
     proc = subprocess.Popen(
         torchrun_command(cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=env, start_new_session=True, text=True, errors="replace", bufsize=1,
+        env=env, start_new_session=True, text=True, errors="replace", bufsize=1, cwd=cfg.cwd,
     )
     lines: queue.Queue[str | None] = queue.Queue()
     reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)

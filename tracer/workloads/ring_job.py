@@ -24,7 +24,8 @@ from tracer import format as fmt
 from tracer.capture.clock import CpuClock
 from tracer.capture.offsets import estimate_offsets
 from tracer.workloads.ring import ALL_GATHER, RingStepRecord, chunk_bounds, ring_all_reduce
-from tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected, progress, update_run_json
+from tracer.progress import emit_progress as progress
+from tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected, update_run_json
 from tracer.writer import TraceWriter
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,

@@ -1,15 +1,13 @@
-"""What every job that torchrun starts for ddpscope shares: progress lines for the runner,
-rank 0's updates of ``run.json``, and test-only fault injection."""
+"""What every workload job that ddpscope starts shares: set-up of the rank, rank 0's
+updates of ``run.json``, and test-only fault injection."""
 
 from __future__ import annotations
 
-import json
 import os
 
 from tracer import format as fmt
 from tracer.writer import read_json, write_json_atomic
 
-PROGRESS_PREFIX = "ddpscope-progress "  # runner.parse_progress reads these lines
 # Test-only failure injection, "RANK:AT": raise (FAIL) or block forever (HANG) when that
 # rank reaches step / round / stage AT (each job says which).
 FAIL_ENV = "DDPSCOPE_TEST_FAIL"
@@ -23,11 +21,6 @@ def injected(env: str, rank: int) -> int | None:
         return None
     r, s = raw.split(":")
     return int(s) if int(r) == rank else None
-
-
-def progress(**fields) -> None:
-    """One progress line for the runner (rank 0 prints them)."""
-    print(PROGRESS_PREFIX + json.dumps(fields), flush=True)
 
 
 def update_run_json(out: str | os.PathLike, fields: dict) -> None:

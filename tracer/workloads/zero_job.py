@@ -25,7 +25,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from tracer import format as fmt
 from tracer.workloads.demo.models import MODELS, build_model, model_config
-from tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected, progress, update_run_json
+from tracer.progress import emit_progress as progress
+from tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected, update_run_json
 from tracer.writer import TraceWriter
 from tracer.workloads.zero import STAGES, STEP_MARK, ModelStates, analyze_profile, build_stage
 

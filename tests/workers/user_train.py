@@ -1,0 +1,136 @@
+"""A plain torchrun DDP training script with no ddpscope code in it (the tests run it
+under ``ddpscope run`` and under torchrun alone). It reports what it can see itself,
+beside the trace, to ``--report`` (one JSON file per rank):
+
+- its own timings of every micro-batch's forward and ``loss.backward()`` (perf_counter);
+- DDP's runtime logging (sample rate 1) for each step's syncing pass;
+- a SHA-256 of its parameters after training (bit-identity with an untraced run).
+
+Options cover the cases ``ddpscope run`` must handle: gradient accumulation
+(``--accumulate``), a communication hook of the script's own (``--hook``), two DDP
+models, no DDP model at all, the script's own ``bucket_cap_mb``, a failure on a rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+LOG_KEYS = ("forward_compute_time", "backward_compute_time", "backward_comm_time",
+            "backward_compute_comm_overlap_time")
+
+
+def build(width: int, depth: int) -> nn.Module:
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, 8))
+
+
+def register_hook(ddp: DDP, name: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    if name == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif name == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "powersgd":
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2, use_error_feedback=True, warm_start=False,
+                                       random_seed=0)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    elif name == "builtin-fp16":
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    elif name == "custom":  # a hook of one's own (DDP docs' encode/decode pattern): scale, sum, decode
+        def scaled_sum(state, bucket):
+            buf = bucket.buffer().mul_(state)
+            return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0].clone())
+
+        ddp.register_comm_hook(1.0 / dist.get_world_size(), scaled_sum)
+
+
+def params_sha256(module: nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in module.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--report", required=True, help="folder for check-rank<r>.json")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--hook", default="none", choices=("none", "bf16", "fp16", "powersgd", "builtin-fp16", "custom"))
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="the script's own bucket_cap_mb")
+    p.add_argument("--width", type=int, default=384)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--two-models", action="store_true")
+    p.add_argument("--no-ddp", action="store_true")
+    p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--fail-step", type=int, default=-1)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        torch.manual_seed(0)
+        model = build(args.width, args.depth)
+        if args.no_ddp:
+            for _ in range(args.steps):
+                model(torch.randn(4, args.width)).sum().backward()
+            return
+        kw = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+        ddp = DDP(model, **kw)
+        ddp._set_ddp_runtime_logging_sample_rate(1)
+        if args.hook != "none":
+            register_hook(ddp, args.hook)
+        other = DDP(build(64, 2)) if args.two_models else None
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(100 + rank)
+        own, logging = [], []
+        for step in range(args.steps):
+            if rank == args.fail_rank and step == args.fail_step:
+                raise RuntimeError(f"user script failed on rank {rank} at step {step}")
+            for micro in range(args.accumulate):
+                sync = micro == args.accumulate - 1
+                x = torch.randn(64, args.width, generator=gen)
+                y = torch.randn(64, 8, generator=gen)
+                with contextlib.nullcontext() if sync else ddp.no_sync():
+                    t0 = time.perf_counter()
+                    out = ddp(x)
+                    t1 = time.perf_counter()
+                    if sync:
+                        d = ddp._get_ddp_logging_data()  # the previous syncing pass's timings
+                        if d.get("iteration", 0) >= 1 and all(k in d for k in LOG_KEYS):
+                            logging.append({"step": step - 1, **{k: int(d[k]) for k in LOG_KEYS}})
+                    loss = nn.functional.mse_loss(out, y) / args.accumulate
+                    t2 = time.perf_counter()
+                    loss.backward()
+                    t3 = time.perf_counter()
+                own.append({"step": step, "micro": micro, "sync": sync,
+                            "forward_ms": (t1 - t0) * 1e3, "backward_ms": (t3 - t2) * 1e3})
+            opt.step()
+            opt.zero_grad()
+            if other is not None:
+                other(torch.randn(4, 64)).sum().backward()
+        os.makedirs(args.report, exist_ok=True)
+        with open(os.path.join(args.report, f"check-rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "own": own, "logging": logging, "params_sha256": params_sha256(ddp.module),
+                       "bucket_bytes_cap": ddp.bucket_bytes_cap,
+                       "rebuilt": ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

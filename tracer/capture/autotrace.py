@@ -1,0 +1,361 @@
+"""Zero-code capture: trace every rank of an unmodified training script.
+
+``ddpscope run -- train.py`` starts the script's ranks with ``bootstrap/`` on
+``PYTHONPATH`` and a ``CaptureConfig`` in ``$DDPSCOPE_CAPTURE``. The bootstrap's
+``sitecustomize`` calls ``install_from_env()``, which waits for torch's DDP module to be
+imported (no torch import of its own) and then patches, in place:
+
+- ``DistributedDataParallel.__init__``: the arguments are bound to DDP's real
+  signature, ``bucket_cap_mb`` is overridden when asked, and once DDP is built the
+  model is traced (``DDPTracer`` with ``optimizer="auto"``). The class itself stays
+  the same object, so frameworks that import it by name and check ``isinstance``
+  (Lightning, Accelerate) build and see the traced model;
+- ``torch.distributed.destroy_process_group``: the trace is finished while the process
+  group still works (its end clock offsets are a collective);
+- FSDP's constructors: FSDP is said to be untraced.
+
+The user's training comes first: whatever goes wrong in here is said in one line on
+stderr (rank 0) and in ``run.json`` (``notes``), and the script goes on, untraced.
+With ``steps``, the job ends cleanly after that many traced optimizer steps: the
+trace is closed (complete), then ``SystemExit(0)`` unwinds the script; a timer ends
+the process after ``exit_grace_s`` should the script swallow it or hang in teardown.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib.abc
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from tracer import format as fmt
+from tracer.options import BUCKET_CAP_MB, STEPS, check_fields
+from tracer.progress import emit_progress
+
+CAPTURE_ENV = "DDPSCOPE_CAPTURE"
+DDP_MODULE = "torch.nn.parallel.distributed"
+FSDP_MODULES = {  # module -> class whose construction means FSDP is in use
+    "torch.distributed.fsdp.fully_sharded_data_parallel": "FullyShardedDataParallel",
+    "torch.distributed.fsdp._fully_shard._fsdp_state": "FSDPState",
+}
+
+
+@dataclass(kw_only=True)
+class CaptureConfig:
+    """What a rank of a ``ddpscope run`` job traces (sent through ``$DDPSCOPE_CAPTURE``).
+
+    out: the run folder. bucket_cap_mb: overrides the script's (MiB; None keeps it).
+    steps: end the job after this many traced optimizer steps (None: run to the end).
+    progress: rank 0 prints a progress line per step for the launcher.
+    exit_grace_s: after ``steps``, how long the script may take to unwind (seconds).
+    """
+
+    out: str
+    bucket_cap_mb: float | None = BUCKET_CAP_MB.field()
+    steps: int | None = STEPS.field()
+    progress: bool = True
+    exit_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.out:
+            raise ValueError("--out must name the run folder")
+        check_fields(self)
+
+    def to_env(self) -> dict[str, str]:
+        return {CAPTURE_ENV: json.dumps(asdict(self))}
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "CaptureConfig | None":
+        raw = environ.get(CAPTURE_ENV)
+        if not raw:
+            return None
+        return cls(**json.loads(raw))
+
+
+class Session:
+    """This process's capture: which DDP model is traced, what could not be, and the end."""
+
+    def __init__(self, config: CaptureConfig) -> None:
+        self.config = config
+        self.tracer = None
+        self.models = 0  # DistributedDataParallel models built in this process
+        self.notes: list[str] = []
+        self.error: str | None = None  # an uncaught exception, seen by the excepthook
+        self._last = time.perf_counter()
+        self._lock = threading.Lock()
+
+    # -- what the patches call ------------------------------------------------------
+    def on_ddp_built(self, ddp, script_cap: Any, overridden: bool) -> None:
+        self.models += 1
+        if self.tracer is not None:
+            self.note(f"a second DistributedDataParallel model ({type(ddp.module).__name__}) was built; "
+                      f"only the first ({type(self.tracer.model.module).__name__}) is traced")
+            return
+        reason = untraceable(ddp)
+        if reason:
+            self.note(f"{reason}; the script runs untraced")
+            return
+        from tracer.capture.tracer import DDPTracer, TracerConfig
+
+        facts = {"capture": "ddpscope run", "bucket_cap_mb_script": script_cap,
+                 "bucket_cap_mb_requested": self.config.bucket_cap_mb if overridden else None,
+                 "steps_requested": self.config.steps, "notes": self.notes}
+        tracer = DDPTracer(ddp, "auto", TracerConfig(out_dir=self.config.out, run_meta=facts), on_step=self.on_step)
+        try:
+            tracer.__enter__()
+        except Exception as e:  # noqa: BLE001 - training goes on, untraced
+            self.note(f"tracing could not start ({type(e).__name__}: {e}); the script runs untraced")
+            return
+        self.tracer = tracer
+        self._last = time.perf_counter()
+
+    def on_step(self, step_record) -> None:
+        """After each closed step (training thread): progress, and the step limit."""
+        tracer = self.tracer
+        if tracer is None:  # the trace is being finished (its open step closes)
+            return
+        now = time.perf_counter()
+        done = tracer.steps
+        if self.config.progress and tracer.rank == 0:
+            emit_progress(event="step", step=done, steps=self.config.steps, ms=round((now - self._last) * 1e3, 1))
+        self._last = now
+        if self.config.steps is not None and done >= self.config.steps:
+            self.finish()
+            _exit_soon(self.config.exit_grace_s)
+            raise SystemExit(0)  # unwinds the script; its finally blocks still run
+
+    def on_fsdp(self) -> None:
+        if not any("FSDP" in n for n in self.notes):
+            self.note("FSDP is not traced (ddpscope traces DistributedDataParallel); the script runs untraced")
+
+    # -- the end --------------------------------------------------------------------
+    def finish(self, error: str | None = None) -> None:
+        """Close the trace once (never raises: the script's own ending comes first)."""
+        with self._lock:
+            tracer, self.tracer = self.tracer, None
+        if tracer is None:
+            return
+        try:
+            tracer.close(error or self.error)
+        except Exception as e:  # noqa: BLE001
+            _say(f"could not finish the trace: {type(e).__name__}: {e}")
+
+    def note(self, text: str) -> None:
+        """Say something once on stderr (rank 0) and keep it in run.json's notes."""
+        self.notes.append(text)
+        if _rank() == 0:
+            _say(text)
+            try:
+                _update_run_json(Path(self.config.out), {"notes": self.notes})
+            except OSError:
+                pass
+
+
+def is_worker(environ=os.environ) -> bool:
+    """A rank of a launched job (torchrun, or a framework's launcher, sets these), not
+    the launcher itself nor an unrelated Python process that inherited the environment."""
+    return "RANK" in environ or "LOCAL_RANK" in environ
+
+
+def untraceable(ddp) -> str | None:
+    """Why this DDP model cannot be traced, or None."""
+    if getattr(ddp, "_use_python_reducer", False):
+        return ("DDP runs under compiled autograd's Python reducer (torch._dynamo.config.optimize_ddp="
+                "'python_reducer'): gradients are reduced outside DDP's reducer, which ddpscope times")
+    if getattr(ddp, "_delay_all_reduce_all_params", False):
+        return "every parameter is in delay_all_reduce_named_params: DDP builds no reducer to time"
+    if getattr(ddp, "reducer", None) is None:
+        return "this DDP model has no reducer"
+    return None
+
+
+# -- installing -------------------------------------------------------------------------
+_session: Session | None = None
+
+
+def install_from_env() -> Session | None:
+    """Install the capture if ``$DDPSCOPE_CAPTURE`` asks for it (the bootstrap calls this)."""
+    global _session
+    if _session is not None:
+        return _session
+    config = CaptureConfig.from_env()
+    if config is None or not is_worker():
+        return None
+    _session = Session(config)
+    after_import(DDP_MODULE, functools.partial(_patch_ddp, _session))
+    for module, cls in FSDP_MODULES.items():
+        after_import(module, functools.partial(_patch_fsdp, _session, cls))
+    _chain_excepthook(_session)
+    atexit.register(_session.finish)
+    return _session
+
+
+def _patch_ddp(session: Session, module) -> None:
+    ddp_cls = module.DistributedDataParallel
+    original = ddp_cls.__init__
+    if getattr(original, "_ddpscope", False):
+        return
+    signature = inspect.signature(original)
+    cap = session.config.bucket_cap_mb
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:  # DDP's own error, as the script would have had it
+            return original(self, *args, **kwargs)
+        script_cap = bound.arguments.get("bucket_cap_mb")
+        if cap is not None:
+            bound.arguments["bucket_cap_mb"] = cap
+            if bound.arguments.get("bucket_cap_mb_list"):
+                bound.arguments["bucket_cap_mb_list"] = None  # it would win over bucket_cap_mb
+                session.note(f"the script's bucket_cap_mb_list is replaced by --bucket-cap-mb {cap:g}")
+        original(*bound.args, **bound.kwargs)
+        try:
+            session.on_ddp_built(self, script_cap, cap is not None)
+        except Exception as e:  # noqa: BLE001 - training goes on, untraced
+            session.note(f"tracing could not start ({type(e).__name__}: {e}); the script runs untraced")
+
+    __init__._ddpscope = True
+    ddp_cls.__init__ = __init__
+    _patch_destroy(session)
+
+
+def _patch_destroy(session: Session) -> None:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d.destroy_process_group
+    if getattr(original, "_ddpscope", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group=None):
+        if group is None or group is c10d.GroupMember.WORLD:
+            exc = sys.exc_info()[1]  # inside a finally while an exception unwinds: a failed run
+            session.finish(None if exc is None or isinstance(exc, SystemExit) and not exc.code
+                           else f"{type(exc).__name__}: {exc}")
+        return original(group)
+
+    destroy_process_group._ddpscope = True
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
+
+
+def _patch_fsdp(session: Session, cls_name: str, module) -> None:
+    cls = getattr(module, cls_name, None)
+    if cls is None or getattr(cls.__init__, "_ddpscope", False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        session.on_fsdp()
+
+    __init__._ddpscope = True
+    cls.__init__ = __init__
+
+
+def _chain_excepthook(session: Session) -> None:
+    previous = sys.excepthook
+
+    def excepthook(exc_type, exc, tb):
+        session.error = f"{exc_type.__name__}: {exc}"
+        session.finish(session.error)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = excepthook
+
+
+class _PatchAfterExec(importlib.abc.Loader):
+    """Runs the real loader, then ``callback(module)``."""
+
+    def __init__(self, loader, callback: Callable) -> None:
+        self._loader, self._callback = loader, callback
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        try:
+            self._callback(module)
+        except Exception as e:  # noqa: BLE001 - never break the import of torch
+            _say(f"tracing disabled: could not patch {module.__name__}: {type(e).__name__}: {e}")
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """A one-shot finder that wraps one module's loader."""
+
+    def __init__(self, name: str, callback: Callable) -> None:
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchAfterExec(spec.loader, self.callback)
+        return spec
+
+
+def after_import(name: str, callback: Callable) -> None:
+    """``callback(module)`` once ``name`` is imported (at once if it already is)."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+def _exit_soon(grace_s: float) -> None:
+    """End the process after ``grace_s`` even if the script catches ``SystemExit`` or
+    hangs in its teardown (the trace is already closed and complete)."""
+    def end():
+        time.sleep(grace_s)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(0)
+
+    threading.Thread(target=end, name="ddpscope-exit", daemon=True).start()
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # noqa: BLE001
+        pass
+    return int(os.environ.get("RANK", 0))
+
+
+def _say(text: str) -> None:
+    try:
+        print(f"ddpscope: {text}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _update_run_json(out: Path, fields: dict) -> None:
+    from tracer.writer import read_json, write_json_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / fmt.RUN_FILE
+    run = read_json(path) if path.exists() else {"format": fmt.FORMAT, "version": fmt.VERSION}
+    run.update(fields)
+    write_json_atomic(path, run)

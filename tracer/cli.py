@@ -1,0 +1,208 @@
+"""The ``ddpscope`` command (also ``python -m tracer``):
+
+    ddpscope run [--nproc N] [--bucket-cap-mb X] [--steps S] --out DIR -- train.py [args]
+    ddpscope run ... --out DIR -- -m package.module [args]
+    ddpscope run --demo gpt --out DIR
+    ddpscope ring | zero ...            ddpscope's own workloads
+    ddpscope summary RUN | perfetto RUN --out FILE
+    ddpscope dashboard [RUNS_DIR]
+
+Parse -> build (a config; ``ValueError`` names the flag) -> run -> report. Exit codes:
+0 success, 1 the job failed (one-line reason and the failing rank's stderr tail on
+stderr), 2 bad arguments (one line, nothing written), 130 interrupted. Torch-free: the
+parent never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tracer import options as o
+
+PROG = "ddpscope"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints the usage too)
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tracer.launch.runner import RingConfig, RunConfig, ZeroConfig
+
+    p = _Parser(prog=PROG, description="See distributed data-parallel training: trace real DDP runs, "
+                                       "read them, open the dashboard.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    r = sub.add_parser(
+        "run", help="run a training script under torchrun and trace every rank (no change to the script)",
+        description="Run a training script (or the bundled demo) under torchrun and trace every DDP model it "
+                    "builds, bucket by bucket. Everything after -- is the script and its arguments.",
+        epilog="examples: ddpscope run --nproc 2 --bucket-cap-mb 4 --steps 20 --out runs/mine -- train.py --lr 3e-4"
+               " | ddpscope run --out runs/m -- -m mypkg.train | ddpscope run --demo gpt --out runs/demo")
+    o.add_arguments(r, RunConfig, required=())
+    o.add_arguments(r, _Verbose)
+    r.add_argument("script", nargs=argparse.REMAINDER, help="the script and its arguments (after --)")
+    g = sub.add_parser("ring", help="run a traced ring all-reduce beside dist.all_reduce",
+                       description="Run a ring all-reduce built from send/recv on N local ranks, step by step "
+                                   "traced, and PyTorch's dist.all_reduce on the same tensor for comparison.")
+    o.add_arguments(g, RingConfig, required=())
+    o.add_arguments(g, _Verbose)
+    z = sub.add_parser("zero", help="measure memory and communication per ZeRO stage",
+                       description="Train the demo model a few steps under each ZeRO stage (0: DDP + Adam, "
+                                   "1: ZeroRedundancyOptimizer, 2: FSDP without resharding after forward, "
+                                   "3: FSDP full sharding) and measure what each rank holds and sends.")
+    o.add_arguments(z, ZeroConfig, required=())
+    o.add_arguments(z, _Verbose)
+    d = sub.add_parser("dashboard", help="open the dashboard on a runs folder",
+                       description="Open the ddpscope dashboard (Streamlit) on a runs folder.")
+    d.add_argument("runs_dir", nargs="?", default="runs",
+                   help="where runs started from the page go and are listed (default ./runs)")
+    d.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    d.add_argument("--port", type=int, default=8501, help="port (default 8501)")
+    d.add_argument("--allow-commands", action="store_true",
+                   help="let the page start new training commands even when it listens beyond this machine")
+    from viz.cli import add_viz_commands  # light: argparse only
+
+    add_viz_commands(sub)
+    return p
+
+
+@dataclass
+class _Verbose:
+    verbose: bool = o.VERBOSE.field()
+
+
+def run_progress(rec: dict, cfg) -> str | None:
+    """The line to print for a progress record of ``ddpscope run`` (None: nothing)."""
+    if rec.get("event") == "step":
+        total = f"/{rec['steps']}" if rec.get("steps") else ""
+        return f"step {rec['step']}{total}  {rec['ms']:.0f} ms"
+    return None
+
+
+def ring_progress(rec: dict, cfg) -> str | None:
+    if rec.get("event") == "start":
+        return (f"ring all-reduce of {rec['bytes'] / 2**20:g} MiB ({rec['dtype']}) on {rec['world_size']} ranks, "
+                f"{rec['repeat']} rounds")
+    if rec.get("event") == "round":
+        return f"round {rec['round']}/{rec['repeat']}  ring {rec['ring_ms']:.2f} ms  dist.all_reduce {rec['ref_ms']:.2f} ms"
+    return None
+
+
+def zero_progress(rec: dict, cfg) -> str | None:
+    if rec.get("event") == "start":
+        return f"ZeRO stages {','.join(map(str, rec['stages']))} of {rec['model']} on {rec['world_size']} ranks"
+    if rec.get("event") == "stage":
+        return (f"stage {rec['stage']} ({rec['name']}): model states {rec['model_state_mib']:.2f} MiB, "
+                f"peak {rec['peak_mib']:.2f} MiB, sent {rec['comm_mib']:.2f} MiB per step (rank 0)")
+    return None
+
+
+def launch_command(args: argparse.Namespace) -> int:
+    """parse (config) -> run (the job, through its runner) -> report, for run/ring/zero."""
+    from tracer.launch import runner
+
+    config_cls, run, describe = {
+        "run": (runner.RunConfig, runner.run_job, run_progress),
+        "ring": (runner.RingConfig, runner.run_ring, ring_progress),
+        "zero": (runner.ZeroConfig, runner.run_zero, zero_progress),
+    }[args.command]
+    prog = f"{PROG} {args.command}"
+    settings = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
+    if settings.get("script", [])[:1] == ["--"]:  # argparse keeps the separator
+        settings["script"] = settings["script"][1:]
+    try:
+        cfg = config_cls(**settings)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+    def progress(rec: dict) -> None:
+        line = describe(rec, cfg)
+        if line:
+            print(line, file=sys.stderr)
+
+    def output(rank, line) -> None:
+        if args.verbose:
+            print(f"[rank {rank}] {line}" if rank is not None else line, file=sys.stderr)
+
+    if args.command == "run":
+        what = cfg.demo or " ".join(cfg.script)
+        cap = "the script's" if cfg.bucket_cap_mb is None else f"{cfg.bucket_cap_mb:g} MiB"
+        print(f"tracing {what} on {cfg.nproc * cfg.nnodes} ranks, bucket_cap_mb: {cap}", file=sys.stderr)
+    # SIGTERM (a scheduler, `kill`) ends the job like Ctrl-C does: stopped and reaped.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        result = run(cfg, progress, output)
+    except ValueError as e:  # the run folder could not be made: nothing was launched
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if not result.ok:
+        print(f"{prog}: run failed: {result.reason}", file=sys.stderr)
+        if result.stderr_tail:
+            print(f"--- rank {result.failed_rank} stderr (last lines) ---\n{result.stderr_tail}", file=sys.stderr)
+        print(f"partial trace kept in {cfg.out} (run.json says failed)", file=sys.stderr)
+        return 130 if result.interrupted else 1
+    if getattr(result, "untraced", None):
+        print(f"{prog}: {result.untraced}", file=sys.stderr)
+        return result.returncode
+    print(cfg.out)
+    return 0
+
+
+def dashboard_command(args: argparse.Namespace) -> int:
+    """Replace this process with ``streamlit run app.py`` on ``runs_dir``."""
+    app = app_path()
+    if app is None:
+        print(f"{PROG} dashboard: error: cannot find ddpscope's app.py next to the tracer package", file=sys.stderr)
+        return 2
+    runs = Path(args.runs_dir).resolve()
+    if runs.exists() and not runs.is_dir():
+        print(f"{PROG} dashboard: error: {runs} is not a folder", file=sys.stderr)
+        return 2
+    if not 1 <= args.port <= 65535:
+        print(f"{PROG} dashboard: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
+        return 2
+    env = {**os.environ, "DDPSCOPE_RUNS_DIR": str(runs)}
+    if args.allow_commands:
+        env["DDPSCOPE_ALLOW_COMMANDS"] = "1"
+    cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", args.host,
+           "--server.port", str(args.port), "--browser.gatherUsageStats", "false",
+           "--server.maxUploadSize", "200", "--server.showEmailPrompt", "false"]
+    print(f"ddpscope dashboard on http://{args.host}:{args.port} (runs in {runs})", file=sys.stderr)
+    os.execve(sys.executable, cmd, env)
+    return 0  # not reached
+
+
+def app_path() -> Path | None:
+    """``app.py``: beside the packages (a source checkout or ``pip install -e``), or in
+    ``<prefix>/share/ddpscope`` (``pip install .``)."""
+    for candidate in (Path(__file__).resolve().parents[1] / "app.py", Path(sys.prefix) / "share" / "ddpscope" / "app.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command in ("run", "ring", "zero"):
+        return launch_command(args)
+    if args.command == "dashboard":
+        return dashboard_command(args)
+    from viz.cli import run_viz_command
+
+    return run_viz_command(args, prog=f"{PROG} {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Every command-line option of ddpscope, declared once.
+
+An ``Option`` holds a setting's flag, help, default and check. Config dataclasses (the
+launch side's ``RunConfig`` & co., the capture side's ``CaptureConfig``) declare their
+fields with ``Option.field()``; ``add_arguments`` builds an argparse parser from those
+fields and ``check_fields`` (called from ``__post_init__``) validates them, raising a
+``ValueError`` that names the flag. Torch-free: the dashboard and the CLI import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+MAX_NPROC = 64
+MAX_BUCKET_CAP_MB = 10240.0  # 10 GiB: more than any real gradient bucket
+MAX_STEPS = 100_000
+WEEK_S = 7 * 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting. ``check(value)`` returns an error text (without the flag) or None."""
+
+    flag: str
+    help: str
+    default: Any = None
+    type: Callable | None = None
+    check: Callable[[Any], str | None] | None = None
+    action: str | None = None  # "store_true" / "store_false" for switches
+    metavar: str | None = None
+
+    def field(self, default: Any = dataclasses.MISSING, **kw) -> Any:
+        """A dataclass field for this option (``default`` overrides the option's own)."""
+        value = self.default if default is dataclasses.MISSING else default
+        if isinstance(value, (list, dict)):
+            return dataclasses.field(default_factory=lambda: type(value)(value), metadata={"option": self}, **kw)
+        return dataclasses.field(default=value, metadata={"option": self}, **kw)
+
+    def validate(self, value: Any) -> None:
+        if self.check is not None and value is not None:
+            problem = self.check(value)
+            if problem:
+                raise ValueError(f"{self.flag} {problem}")
+
+
+def in_range(lo: float, hi: float, what: str = "", lo_open: bool = False) -> Callable[[Any], str | None]:
+    """A check that ``lo <= value <= hi`` (``lo < value`` with ``lo_open``), finite."""
+    def check(v):
+        ok = isinstance(v, (int, float)) and math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
+        if ok:
+            return None
+        bound = f"> {lo:g}" if lo_open else f">= {lo:g}"
+        return f"must be {bound} and <= {hi:g}{what}, got {v!r}"
+    return check
+
+
+def one_of(choices) -> Callable[[Any], str | None]:
+    return lambda v: None if v in choices else f"must be one of {', '.join(map(str, choices))}, got {v!r}"
+
+
+# -- the options ---------------------------------------------------------------------
+OUT = Option("--out", "new or empty folder for the trace (never overwritten)", metavar="DIR")
+NPROC = Option("--nproc", "processes (ranks) on this node", 2, int, in_range(1, MAX_NPROC))
+BUCKET_CAP_MB = Option(
+    "--bucket-cap-mb", "DDP bucket_cap_mb in MiB, overriding the script's own (default: the script's value)",
+    None, float, in_range(0, MAX_BUCKET_CAP_MB, " (MiB)", lo_open=True))
+STEPS = Option("--steps", "end the job cleanly after this many traced optimizer steps (default: run to the end)",
+               None, int, in_range(1, MAX_STEPS))
+TIMEOUT = Option("--timeout", "watchdog: stop the job after this many seconds", 900.0, float,
+                 in_range(0, WEEK_S, " seconds (at most a week)", lo_open=True))
+NNODES = Option("--nnodes", "torchrun --nnodes (multi-node)", 1, int, in_range(1, 10_000))
+NODE_RANK = Option("--node-rank", "torchrun --node-rank", 0, int, in_range(0, 9_999))
+RDZV_ENDPOINT = Option("--rdzv-endpoint", "torchrun --rdzv-endpoint HOST:PORT (node 0 hosts it)", None, str,
+                       metavar="HOST:PORT")
+DEMO_MODELS = ("mlp", "gpt")  # tracer/workloads/demo/models.py builds them
+DEMO = Option("--demo", "run the bundled demo training script instead of your own: mlp or gpt", None, str,
+              one_of(DEMO_MODELS), metavar="MODEL")
+MODEL = Option("--model", "demo model: mlp or gpt", "mlp", str, one_of(DEMO_MODELS))
+VERBOSE = Option("--verbose", "also show the workers' own output", False, action="store_true")
+# ring
+RING_NPROC = Option("--nproc", "ranks in the ring", 4, int, in_range(2, MAX_NPROC, " (a ring needs two ranks)"))
+RING_MB = Option("--mb", "tensor size per rank, in MiB", 4.0, float, in_range(0, 4096.0, " (MiB)", lo_open=True))
+RING_REPEAT = Option("--repeat", "timed rounds after one warm-up", 5, int, in_range(1, 1000))
+RING_DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32")
+RING_DTYPE = Option("--dtype", "element type", "float32", str, one_of(RING_DTYPES))
+RING_CALIBRATION = Option("--no-calibration", "skip the two small sizes used to fit latency and bandwidth",
+                          True, action="store_false")
+# zero
+ZERO_NPROC = Option("--nproc", "ranks", 2, int, in_range(2, MAX_NPROC, " (sharding needs two ranks)"))
+ZERO_STEPS = Option("--steps", "steps per stage; the last is measured", 3, int,
+                    in_range(2, 100, " (the last step is measured after warm-up)"))
+ZERO_STAGES = Option("--stages", "comma-separated ZeRO stages", "0,1,2,3", str)
+
+
+def option_fields(cls) -> list[tuple[dataclasses.Field, Option]]:
+    return [(f, f.metadata["option"]) for f in dataclasses.fields(cls) if "option" in f.metadata]
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, *, required: tuple[str, ...] = ("out",)) -> None:
+    """One flag per ``Option`` field of the dataclass ``cls`` (dest = the field's name)."""
+    for f, o in option_fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kw: dict[str, Any] = {"dest": f.name, "help": o.help + (f" (default {default})" if default not in
+                                                                (None, False, True) else "")}
+        if o.action:
+            kw["action"] = o.action
+        else:
+            kw.update(type=o.type or str, default=default, metavar=o.metavar)
+            if f.name in required:
+                kw["required"] = True
+        flags = [o.flag, "-v"] if o.flag == "--verbose" else [o.flag]
+        parser.add_argument(*flags, **kw)
+
+
+def check_fields(obj) -> None:
+    """Run every option's check on ``obj``'s values (``ValueError`` names the flag)."""
+    for f, o in option_fields(type(obj)):
+        o.validate(getattr(obj, f.name))
