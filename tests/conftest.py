@@ -49,7 +49,7 @@ def processes_mentioning(text: str) -> list[str]:
 def mlp_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """A real 2-rank traced run of the demo MLP at bucket_cap_mb=1 (6 steps)."""
     out = tmp_path_factory.mktemp("runs") / "mlp-cap1"
-    proc = run_cli("run", "--nproc", "2", "--model", "mlp", "--steps", "6", "--bucket-cap-mb", "1", "--out", str(out))
+    proc = run_cli("run", "--nproc", "2", "--demo", "mlp", "--steps", "6", "--bucket-cap-mb", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     return out, proc
 

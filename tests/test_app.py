@@ -8,6 +8,7 @@ import time
 import zipfile
 
 import pytest
+from streamlit import config as st_config
 from streamlit.testing.v1 import AppTest
 
 from tests.conftest import ROOT, SAMPLES
@@ -19,6 +20,7 @@ MEDIANS, PER_STEP, BUCKETS, COMPARISON = 0, 1, 2, 3
 @pytest.fixture
 def app(tmp_path, monkeypatch):
     monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(tmp_path / "runs"))
+    st_config.set_option("server.address", "127.0.0.1")  # as .streamlit/config.toml and `ddpscope dashboard`
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
     assert not at.exception and not at.error
     return at
@@ -118,36 +120,108 @@ def _wait_for_job(app, timeout=150):
     raise AssertionError("the run did not finish")
 
 
+def _charts(app) -> list[dict]:
+    return [json.loads(c.proto.spec) for c in app.get("plotly_chart")]
+
+
+def _script_run(folder, argv, cwd="/tmp", nproc=2):
+    """A copy of a sample that says it came from ``ddpscope run -- argv`` (no run needed)."""
+    folder.mkdir(parents=True)
+    for p in (SAMPLES / "gpt-2rank-cap1mb").iterdir():
+        (folder / p.name).write_bytes(p.read_bytes())
+    run = json.loads((folder / "run.json").read_text())
+    run.pop("model", None)
+    run.update(script={"argv": argv, "module": False, "path": str(ROOT / argv[0]), "cwd": cwd, "sha256": None},
+               nproc_per_node=nproc, demo=None)
+    (folder / "run.json").write_text(json.dumps(run))
+
+
 @pytest.mark.ddp
-def test_run_flow_starts_a_real_run_once_and_lists_it(app, tmp_path):
-    app.select_slider(key="run_cap").set_value(1.0)
-    app.slider(key="run_nproc").set_value(2)
-    app.selectbox(key="run_model").set_value("mlp")
+def test_rerun_of_the_open_trace_shows_it_beside_its_source(app, tmp_path):
+    """The open trace (the 1 MiB demo sample) rerun at 25 MiB from the Run page: progress
+    where the user clicked, then both runs side by side with no picking."""
+    assert app.sidebar.selectbox(key="trace").value == "sample: gpt-2rank-cap1mb"
+    app.select_slider(key="run_cap").set_value(25.0)
     app.slider(key="run_steps").set_value(4)
     app.button(key="run_button").click().run()
     assert app.get("progress"), "no progress shown"
     assert app.button(key="run_button").disabled  # a second click cannot start a second job
     _wait_for_job(app)
-    assert "finished" in app.success[0].value
     runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
-    assert len(runs) == 1
-    label = f"run: {runs[0].name}"
-    assert label in app.sidebar.selectbox(key="trace").options
-    app.sidebar.selectbox(key="trace").set_value(label).run()
-    assert _metric(app, "bucket_cap_mb (MiB)") == "1" and int(_metric(app, "buckets")) >= 10
-    assert _metric(app, "status") == "complete"
+    assert len(runs) == 1 and f"run: {runs[0].name}" in app.sidebar.selectbox(key="trace").options
+    table = [d.value for d in app.dataframe if "step_ms_vs_first" in d.value.columns][-1]  # after Compare's
+    assert list(table["run"]) == ["sample: gpt-2rank-cap1mb", f"run: {runs[0].name}"]
+    assert list(table["bucket_cap_mb"]) == [1.0, 25.0] and table["buckets"].iloc[0] > table["buckets"].iloc[1]
+    pair = [c for c in _charts(app) if "gpt-2rank-cap1mb (step" in json.dumps(c["layout"].get("title"))
+            or f"{runs[0].name} (step" in json.dumps(c["layout"].get("title"))]
+    assert len(pair) >= 2 and pair[-1]["layout"]["xaxis"]["range"] == pair[-2]["layout"]["xaxis"]["range"]
+    layouts = [d.value for d in app.dataframe if list(d.value.columns)[:3] == ["bucket", "mib", "num_params"]
+               and "launch_offset_ms" not in d.value.columns]
+    assert sorted(len(t) for t in layouts[-2:]) == [table["buckets"].iloc[1], table["buckets"].iloc[0]]
+    run = json.loads((runs[0] / "run.json").read_text())
+    assert run["demo"] == "gpt" and run["bucket_cap_mb"] == 25.0 and run["status"] == "complete"
 
 
 @pytest.mark.ddp
-def test_a_failed_run_shows_the_reason_not_a_traceback(app, monkeypatch):
+def test_a_failed_rerun_shows_the_rank_and_reason_not_a_traceback(app, monkeypatch):
     monkeypatch.setenv("DDPSCOPE_TEST_FAIL", "1:1")
     app.slider(key="run_steps").set_value(3)
     app.button(key="run_button").click().run()
     _wait_for_job(app)
     assert not app.exception
-    err = app.error[0].value
-    assert "failed: rank 1 failed: RuntimeError: injected failure" in err
-    assert "Traceback" in app.code[0].value  # the rank's stderr tail, shown as text
+    assert any("failed: rank 1 failed: RuntimeError: injected failure" in e.value for e in app.error)
+    assert "Traceback" in app.code[-1].value  # the rank's stderr tail, shown as text
+    app.sidebar.selectbox(key="trace").set_value("sample: mlp-2rank-cap1mb").run()  # the page keeps working
+    assert not app.exception
+
+
+@pytest.mark.ddp
+def test_a_new_command_is_checked_before_it_starts_then_runs(app, tmp_path):
+    app.text_input(key="new_cmd").set_value("missing.py --lr 3")
+    app.text_input(key="new_cwd").set_value(str(tmp_path))
+    app.button(key="new_button").click().run()
+    assert not app.exception and not app.get("progress")
+    assert any(e.value == f"script missing.py does not exist (in {tmp_path})" for e in app.error)
+    assert not [p for p in (tmp_path / "runs").glob("*") if p.name != "uploads"]
+    script = ROOT / "tests" / "workers" / "user_train.py"
+    app.text_input(key="new_cmd").set_value(f"{script} --steps 4 --report {tmp_path / 'report'}")
+    app.button(key="new_button").click().run()
+    _wait_for_job(app)
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    assert len(runs) == 1 and runs[0].name.split("-")[2] == "user_train"
+    run = json.loads((runs[0] / "run.json").read_text())
+    assert run["status"] == "complete" and run["script"]["cwd"] == str(tmp_path) and run["steps"] == 4
+    assert (tmp_path / "report" / "check-rank1.json").exists()
+
+
+def test_commands_are_off_when_the_page_is_reachable_from_other_machines(app, tmp_path, monkeypatch):
+    _script_run(tmp_path / "runs" / "mine", ["tests/workers/user_train.py", "--steps", "3"])
+    app.run()
+    app.sidebar.selectbox(key="trace").set_value("run: mine").run()
+    assert not app.button(key="run_button").disabled and not app.button(key="new_button").disabled
+    assert "user_train.py --steps 3" in app.code[0].value
+    st_config.set_option("server.address", "0.0.0.0")
+    try:
+        app.run()
+        assert any("reachable from other machines" in i.value for i in app.info)
+        assert app.button(key="run_button").disabled and app.button(key="new_button").disabled
+        assert app.text_input(key="new_cmd").disabled
+        app.sidebar.selectbox(key="trace").set_value("sample: gpt-2rank-cap1mb").run()
+        assert not app.button(key="run_button").disabled  # the demo is not an arbitrary command
+        monkeypatch.setenv("DDPSCOPE_ALLOW_COMMANDS", "1")
+        app.run()
+        assert not app.button(key="new_button").disabled
+        assert any("--allow-commands" in w.value for w in app.warning)
+    finally:
+        st_config.set_option("server.address", "127.0.0.1")
+
+
+def test_an_uploaded_script_run_is_not_rerun(app, tmp_path):
+    _script_run(tmp_path / "runs" / "uploads" / "theirs", ["train.py"])
+    app.run()
+    app.sidebar.selectbox(key="trace").set_value("upload: theirs").run()
+    assert app.button(key="run_button").disabled
+    assert any("uploaded" in i.value for i in app.info)
 
 
 def _ring_specs(app) -> dict[str, dict]:

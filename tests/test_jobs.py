@@ -11,9 +11,9 @@ pytestmark = pytest.mark.ddp
 
 def test_a_second_start_while_running_does_nothing_and_the_first_finishes(tmp_path):
     jobs = JobManager(tmp_path / "runs")
-    first = jobs.start(model="mlp", nproc=2, bucket_cap_mb=5.0, steps=3)
+    first = jobs.start(demo="mlp", nproc=2, bucket_cap_mb=5.0, steps=3)
     assert first is not None and first.running
-    assert jobs.start(model="gpt", nproc=2, bucket_cap_mb=1.0, steps=3) is None
+    assert jobs.start(demo="gpt", nproc=2, bucket_cap_mb=1.0, steps=3) is None
     deadline = time.monotonic() + 120
     while first.running and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -21,7 +21,7 @@ def test_a_second_start_while_running_does_nothing_and_the_first_finishes(tmp_pa
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [first.out.name]
     assert (first.out / "rank-1.json").exists()
     with pytest.raises(ValueError, match="--bucket-cap-mb"):
-        jobs.start(model="mlp", nproc=2, bucket_cap_mb=0.0, steps=3)
+        jobs.start(demo="mlp", nproc=2, bucket_cap_mb=0.0, steps=3)
 
 
 def test_one_job_at_a_time_across_kinds_and_ring_progress(tmp_path):

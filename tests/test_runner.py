@@ -1,4 +1,4 @@
-"""``python -m tracer run`` end to end: real torchrun jobs, failures, watchdog, bad input."""
+"""``ddpscope run --demo`` end to end: real torchrun jobs, failures, watchdog, bad input."""
 
 from __future__ import annotations
 
@@ -42,45 +42,53 @@ def test_run_writes_a_complete_trace_per_rank(mlp_run):
     assert (trace.memory.optimizer_state_bytes == 2 * trace.memory.params_bytes + 4 * 34).all()  # AdamW: 2 moments + a float32 step, 34 tensors
 
 
-def test_default_cap_gives_one_or_two_buckets(tmp_path):
-    proc = run_cli("run", "--nproc", "2", "--model", "gpt", "--steps", "3", "--out", str(tmp_path / "r"))
+def test_no_cap_given_records_what_ddp_used(tmp_path):
+    """No --bucket-cap-mb and none in the script: DDP's default, which is not the same as
+    an explicit 25 (its first bucket is capped at 1 MiB)."""
+    proc = run_cli("run", "--nproc", "2", "--demo", "gpt", "--steps", "3", "--out", str(tmp_path / "r"))
     assert proc.returncode == 0, proc.stderr
     trace = load_run(tmp_path / "r")
-    assert 1 <= len(trace.run["bucket_layout"]) <= 2
+    run = trace.run
+    assert run["bucket_cap_bytes"] == 25 * 2**20 and run["bucket_cap_default"] is True
+    assert run["first_bucket_cap_bytes"] == 2**20 and run["bucket_cap_mb_requested"] is None
+    assert 1 <= len(run["bucket_layout"]) <= 3
+    first = trace.buckets[(trace.buckets.step == 2) & (trace.buckets.bucket == 0)]["bytes"]
+    assert (first <= 2 * 2**20 + 1).all()  # the first bucket closes once past 1 MiB (lm_head.weight: 2 MiB)
 
 
 @pytest.mark.parametrize("args, message", [
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be > 0"),
     (["--bucket-cap-mb", "-3"], "--bucket-cap-mb must be > 0"),
     (["--bucket-cap-mb", "1e9"], "--bucket-cap-mb must be > 0 and <= 10240"),
+    (["--bucket-cap-mb", "nan"], "--bucket-cap-mb must be > 0"),
     (["--nproc", "0"], "--nproc must be in 1..64"),
     (["--nproc", "500"], "--nproc must be in 1..64"),
-    (["--model", "resnet"], "--model must be one of mlp, gpt"),
-    (["--steps", "0"], "--steps must be in"),
+    (["--demo", "resnet"], "--demo must be one of mlp, gpt"),
+    (["--steps", "0"], "--steps must be"),
     (["--steps", "many"], "invalid int value"),
     (["--timeout", "-1"], "--timeout must be > 0"),
 ])
 def test_bad_arguments_exit_2_with_one_line_and_write_nothing(tmp_path, args, message):
-    assert_refused("run", args, message, tmp_path / "never")
+    assert_refused("run", ["--demo", "mlp", *args], message, tmp_path / "never")
 
 
 def test_unusable_out_folder_is_refused(tmp_path):
     (tmp_path / "file").write_text("x")
-    proc = run_cli("run", "--out", str(tmp_path / "file" / "sub"), timeout=60)
+    proc = run_cli("run", "--demo", "mlp", "--out", str(tmp_path / "file" / "sub"), timeout=60)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "not a folder" in proc.stderr
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
-    proc = run_cli("run", "--out", str(busy), timeout=60)
+    proc = run_cli("run", "--demo", "mlp", "--out", str(busy), timeout=60)
     assert proc.returncode == 2 and "not empty" in proc.stderr
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
-    proc = run_cli("run", "--out", "/proc/ddpscope-cannot-exist", timeout=60)
+    proc = run_cli("run", "--demo", "mlp", "--out", "/proc/ddpscope-cannot-exist", timeout=60)
     assert proc.returncode == 2 and "not writable" in proc.stderr
 
 
 def test_failing_rank_reports_reason_keeps_finished_steps_and_leaves_nothing_behind(tmp_path):
     out = tmp_path / "fails"
-    proc = run_cli("run", "--nproc", "2", "--steps", "8", "--bucket-cap-mb", "1", "--out", str(out),
+    proc = run_cli("run", "--nproc", "2", "--demo", "mlp", "--steps", "8", "--bucket-cap-mb", "1", "--out", str(out),
                    env={"DDPSCOPE_TEST_FAIL": "1:3"})
     assert proc.returncode == 1
     assert "run failed: rank 1 failed: RuntimeError: injected failure on rank 1 at step 3" in proc.stderr
@@ -97,7 +105,7 @@ def test_failing_rank_reports_reason_keeps_finished_steps_and_leaves_nothing_beh
 def test_watchdog_stops_a_hung_run(tmp_path):
     out = tmp_path / "hangs"
     t0 = time.monotonic()
-    proc = run_cli("run", "--nproc", "2", "--steps", "50", "--out", str(out), "--timeout", "25",
+    proc = run_cli("run", "--nproc", "2", "--demo", "mlp", "--steps", "50", "--out", str(out), "--timeout", "25",
                    env={"DDPSCOPE_TEST_HANG": "1:2"})
     assert proc.returncode == 1
     assert time.monotonic() - t0 < 90
@@ -119,7 +127,7 @@ def test_two_nodes_with_a_skewed_clock_align(tmp_path):
     from tests.conftest import ROOT
 
     port = free_port()
-    common = ["--nnodes", "2", "--nproc", "1", "--model", "mlp", "--steps", "6", "--bucket-cap-mb", "1",
+    common = ["--nnodes", "2", "--nproc", "1", "--demo", "mlp", "--steps", "6", "--bucket-cap-mb", "1",
               "--rdzv-endpoint", f"127.0.0.1:{port}"]
     # both "nodes" share this machine's cores: one compute thread each, as torchrun sets for nproc > 1
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -162,7 +170,7 @@ def test_stopping_the_runner_stops_and_reaps_the_job(tmp_path, sig):
     from tests.conftest import ROOT
 
     out = tmp_path / "stopped"
-    proc = subprocess.Popen([sys.executable, "-m", "tracer", "run", "--nproc", "2", "--steps", "500", "--out", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "tracer", "run", "--nproc", "2", "--demo", "mlp", "--steps", "500", "--out", str(out)],
                             cwd="/", env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60

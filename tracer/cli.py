@@ -131,6 +131,8 @@ def launch_command(args: argparse.Namespace) -> int:
     def output(rank, line) -> None:
         if args.verbose:
             print(f"[rank {rank}] {line}" if rank is not None else line, file=sys.stderr)
+        elif line.startswith("ddpscope: "):  # what the capture says inside a rank (rank 0 only)
+            print(line, file=sys.stderr)
 
     if args.command == "run":
         what = cfg.demo or " ".join(cfg.script)

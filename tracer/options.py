@@ -53,8 +53,9 @@ def in_range(lo: float, hi: float, what: str = "", lo_open: bool = False) -> Cal
         ok = isinstance(v, (int, float)) and math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
         if ok:
             return None
-        bound = f"> {lo:g}" if lo_open else f">= {lo:g}"
-        return f"must be {bound} and <= {hi:g}{what}, got {v!r}"
+        if lo_open:
+            return f"must be > {lo:g} and <= {hi:g}{what}, got {v!r}"
+        return f"must be in {lo:g}..{hi:g}{what}, got {v!r}"
     return check
 
 

@@ -272,6 +272,7 @@ def _chain_excepthook(session: Session) -> None:
     def excepthook(exc_type, exc, tb):
         session.error = f"{exc_type.__name__}: {exc}"
         session.finish(session.error)
+        _record_error(exc_type, exc, tb)
         previous(exc_type, exc, tb)
 
     sys.excepthook = excepthook
@@ -316,6 +317,24 @@ def after_import(name: str, callback: Callable) -> None:
         callback(sys.modules[name])
     else:
         sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+def _record_error(exc_type, exc, tb) -> None:
+    """What torch's ``@record`` writes for an uncaught exception (torchrun's error file),
+    for scripts without it: the launcher names the rank that failed first from these."""
+    import traceback
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):  # the script's own @record wrote it already
+        return
+    data = {"message": {"message": f"{exc_type.__name__}: {exc}", "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
+        "timestamp": str(int(time.time())), "time_ns": time.time_ns()}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
 
 
 def _exit_soon(grace_s: float) -> None:

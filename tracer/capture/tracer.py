@@ -36,6 +36,7 @@ from tracer.capture.recorder import StepRecorder, header_events
 from tracer.writer import TraceWriter, read_json, write_json_atomic
 
 NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
+TEST_FAIL_ENV = "DDPSCOPE_TEST_TRACER_FAIL"  # test-only: this rank's tracer cannot start
 
 
 @dataclass(kw_only=True)
@@ -106,8 +107,12 @@ class DDPTracer:
             self._handles.remove()
             if self._comm_state is not None:
                 self._comm_state.recorder = None
-            if self._writer is not None:
-                self._writer.close(status=fmt.FAILED, error="the tracer could not start")
+            if self._writer is not None:  # it holds no step: leave no file that says otherwise
+                try:
+                    self._writer.close(status=fmt.FAILED, error="the tracer could not start")
+                except OSError:
+                    pass
+                self._writer.path.unlink(missing_ok=True)
             raise
 
     def _attach(self) -> "DDPTracer":
@@ -142,6 +147,8 @@ class DDPTracer:
         }
         problem = None
         try:  # local set-up; every rank must succeed, or none traces (see below)
+            if os.environ.get(TEST_FAIL_ENV) == str(self.rank):
+                raise OSError(f"injected by {TEST_FAIL_ENV}")
             cfg.out_dir.mkdir(parents=True, exist_ok=True)
             self._writer = TraceWriter(cfg.out_dir / fmt.rank_file(self.rank), self._meta, cfg.flush_interval_s)
             self._writer.add(header_events(self.rank, hosts[self.rank]))

@@ -1,20 +1,23 @@
 """Runs started from the dashboard: one at a time, in a background thread, with progress.
 
-``JobManager.start`` (a DDP training run), ``start_ring`` and ``start_zero`` launch the
-same runners as the command line unless a job is already going (a second click neither
-starts a second job nor disturbs the first; one job at a time because every job wants
-all the cores). Each run gets its own new folder under ``runs_dir``, named by the
-manager, never by the user.
+``JobManager.start`` (a traced training run: a script, or the demo), ``start_ring`` and
+``start_zero`` launch the same runners as the command line unless a job is already
+going (a second click neither starts a second job nor disturbs the first; one job at a
+time because every job wants all the cores). Each run gets its own new folder under
+``runs_dir``, named by the manager, never by the user. ``Job.source`` remembers the run
+a rerun came from, so the page can show the two side by side.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from tracer.launch import torchrun
 from tracer.launch.torchrun import LaunchResult
 from tracer.launch.runner import RingConfig, RunConfig, ZeroConfig, run_job, run_ring, run_zero
 
@@ -31,10 +34,12 @@ class Job:
     total: int = 1  # steps, rounds or stages to do
     done: int = 0
     last_ms: float | None = None
-    last_loss: float | None = None
     lines: list[str] = field(default_factory=list)
     result: LaunchResult | None = None
     error: str | None = None  # the run could not even start
+    source: Path | None = None  # the run this one reruns (with other settings)
+    notes: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def steps_done(self) -> int:  # the name the DDP page uses
@@ -59,23 +64,39 @@ def run_name(cfg: Config, now: _dt.datetime | None = None) -> str:
         return f"{now:%Y%m%d-%H%M%S}-ring-{cfg.nproc}r-{cfg.mb:g}mb"
     if isinstance(cfg, ZeroConfig):
         return f"{now:%Y%m%d-%H%M%S}-zero-{cfg.model}-{cfg.nproc}r"
-    return f"{now:%Y%m%d-%H%M%S}-{cfg.model}-{cfg.nproc}r-cap{cfg.bucket_cap_mb:g}mb"
+    cap = "script" if cfg.bucket_cap_mb is None else f"{cfg.bucket_cap_mb:g}mb"
+    return f"{now:%Y%m%d-%H%M%S}-{safe_label(cfg.label())}-{cfg.nproc}r-cap{cap}"
+
+
+def safe_label(text: str) -> str:
+    """A folder-name-safe version of a script's name."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[:40] or "run"
 
 
 _RUNNERS: dict[type, Callable] = {RunConfig: run_job, RingConfig: run_ring, ZeroConfig: run_zero}
 
 
 class JobManager:
-    def __init__(self, runs_dir: Path) -> None:
+    """``launcher``: how jobs start (``tracer.launch.torchrun.launch`` by default; the
+    dashboard passes a warm launcher's ``launch``)."""
+
+    def __init__(self, runs_dir: Path, launcher: Callable | None = None) -> None:
         self.runs_dir = Path(runs_dir)
+        self.launcher = launcher or torchrun.launch
         self._lock = threading.Lock()
         self.current: Job | None = None
 
-    def start(self, *, model: str, nproc: int, bucket_cap_mb: float, steps: int,
-              timeout_s: float = 600.0) -> Job | None:
-        """Start a DDP training run; None if a job is already going. ValueError on bad settings."""
-        return self._start(lambda out: RunConfig(out=out, model=model, nproc=nproc, bucket_cap_mb=bucket_cap_mb,
-                                                 steps=steps, timeout_s=timeout_s), "ddp", steps)
+    def start(self, *, nproc: int, bucket_cap_mb: float | None, steps: int, demo: str | None = None,
+              script: list[str] | None = None, cwd: str | Path | None = None, timeout_s: float = 600.0,
+              source: Path | None = None) -> Job | None:
+        """Start a traced training run (``demo``, or ``script`` run in ``cwd``); None if a
+        job is already going. ``ValueError`` (naming the setting) on bad settings, before
+        anything starts. ``source``: the run this one reruns."""
+        def make(out: Path) -> RunConfig:
+            return RunConfig(out=out, demo=demo, script=list(script or []), cwd=cwd or Path.cwd(), nproc=nproc,
+                             bucket_cap_mb=bucket_cap_mb, steps=steps, timeout_s=timeout_s)
+
+        return self._start(make, "ddp", steps, source)
 
     def start_ring(self, *, nproc: int, mb: float, repeat: int, timeout_s: float = 600.0) -> Job | None:
         """Start a ring all-reduce run (``python -m tracer ring``); as ``start``."""
@@ -88,7 +109,8 @@ class JobManager:
         return self._start(lambda out: ZeroConfig(out=out, model=model, nproc=nproc, stages=stages,
                                                   timeout_s=timeout_s), "zero", len(stages.split(",")))
 
-    def _start(self, make: Callable[[Path], Config], kind: str, total: int) -> Job | None:
+    def _start(self, make: Callable[[Path], Config], kind: str, total: int, source: Path | None = None
+               ) -> Job | None:
         with self._lock:
             if self.current is not None and self.current.running:
                 return None
@@ -98,7 +120,7 @@ class JobManager:
             while out.exists():
                 out = self.runs_dir / f"{run_name(base)}-{n}"
                 n += 1
-            job = Job(out=out, config=replace(base, out=out), kind=kind, total=total)
+            job = Job(out=out, config=replace(base, out=out), kind=kind, total=total, source=source)
             self.current = job
         threading.Thread(target=self._run, args=(job,), name="ddpscope-job", daemon=True).start()
         return job
@@ -108,7 +130,7 @@ class JobManager:
             event = rec.get("event")
             if event == "step":
                 job.done = int(rec["step"])
-                job.last_loss, job.last_ms = rec.get("loss"), rec.get("ms")
+                job.last_ms = rec.get("ms")
             elif event == "round":
                 job.done, job.last_ms = int(rec["round"]), rec.get("ring_ms")
             elif event == "stage":
@@ -116,8 +138,10 @@ class JobManager:
 
         def output(rank, line: str) -> None:
             job.lines = (job.lines + [line])[-50:]
+            if line.startswith("ddpscope: "):  # what the capture says (rank 0): shown on the page
+                job.notes.append(line[len("ddpscope: "):])
 
         try:
-            job.result = _RUNNERS[type(job.config)](job.config, progress, output)
+            job.result = _RUNNERS[type(job.config)](job.config, progress, output, launcher=self.launcher)
         except Exception as e:  # never lose the reason; the page shows it
             job.error = f"{type(e).__name__}: {e}"

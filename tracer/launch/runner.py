@@ -26,6 +26,8 @@ from tracer import format as fmt
 from tracer import options as o
 from tracer.capture.autotrace import CaptureConfig
 from tracer.launch.torchrun import LaunchConfig, LaunchResult, launch
+
+Launcher = Callable[[LaunchConfig, Callable[[int | None, str], None]], LaunchResult]
 from tracer.progress import parse_progress
 from tracer.writer import read_json, write_json_atomic
 
@@ -61,11 +63,9 @@ class RunConfig:
         self.cwd = Path(self.cwd).resolve()
         self.script = [str(a) for a in self.script]
         o.check_fields(self)
-        if self.demo is not None:
-            if self.script:
-                raise ValueError("give either --demo MODEL or a script after --, not both")
-            self.script = ["-m", DEMO_SCRIPT, "--model", self.demo, "--steps", str(self.steps or DEMO_STEPS)]
-        if not self.script:
+        if self.demo is not None and self.script:
+            raise ValueError("give either --demo MODEL or a script after --, not both")
+        if not self.argv:
             raise ValueError("nothing to run: give the training script after -- (e.g. -- train.py --lr 3e-4) "
                              "or --demo gpt")
         if not self.cwd.is_dir():
@@ -78,21 +78,28 @@ class RunConfig:
         _check_out_dir(self.out)
 
     @property
+    def argv(self) -> list[str]:
+        """What runs on every rank: the script (or ``-m module``) and its arguments."""
+        if self.demo is not None:
+            return ["-m", DEMO_SCRIPT, "--model", self.demo, "--steps", str(self.steps or DEMO_STEPS)]
+        return self.script
+
+    @property
     def module(self) -> bool:
-        return self.script[0] == "-m"
+        return self.argv[0] == "-m"
 
     @property
     def program(self) -> str:
         """The script path or module name."""
         if self.module:
-            if len(self.script) < 2 or self.script[1].startswith("-"):
+            if len(self.argv) < 2 or self.argv[1].startswith("-"):
                 raise ValueError("-m needs a module name (e.g. -m package.train)")
-            return self.script[1]
-        return self.script[0]
+            return self.argv[1]
+        return self.argv[0]
 
     @property
     def program_args(self) -> list[str]:
-        return self.script[2:] if self.module else self.script[1:]
+        return self.argv[2:] if self.module else self.argv[1:]
 
     def program_path(self) -> Path:
         """The file that runs: the script, or the module's file (``ValueError`` if none)."""
@@ -125,7 +132,7 @@ class RunConfig:
         path = self.program_path()
         return {
             "kind": fmt.KIND_DDP, "model": self.label(), "demo": self.demo,
-            "script": {"argv": self.script, "module": self.module, "path": str(path),
+            "script": {"argv": self.argv, "module": self.module, "path": str(path),
                        "sha256": file_sha256(path), "cwd": str(self.cwd)},
             "nproc_per_node": self.nproc, "nnodes": self.nnodes,
             "bucket_cap_mb_requested": self.bucket_cap_mb, "steps_requested": self.steps,
@@ -282,12 +289,14 @@ def create_out_dir(out: Path) -> None:
 
 
 def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None,
-            on_output: Callable[[int | None, str], None] = lambda r, l: None) -> LaunchResult:
+            on_output: Callable[[int | None, str], None] = lambda r, l: None, launcher: Launcher = launch
+            ) -> LaunchResult:
     """Run the traced script to its end and leave the run folder consistent.
+    ``launcher``: torchrun (default) or a warm launcher (``tracer.launch.warm``).
 
     Raises ``ValueError`` if the run folder cannot be created (nothing is launched)."""
     result = _launch_traced(cfg.launch_config(), cfg.out, {**cfg.facts(), "command": shlex.join(cfg.command())},
-                            cfg.node_rank, on_progress, on_output)
+                            cfg.node_rank, on_progress, on_output, launcher)
     if not any(fmt.RANK_FILE_RE.match(p.name) for p in cfg.out.iterdir()):
         run_path = cfg.out / fmt.RUN_FILE
         run = read_json(run_path) if run_path.exists() else {}
@@ -300,41 +309,61 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
 
 
 def run_ring(cfg: RingConfig, on_progress: Callable[[dict], None] = lambda p: None,
-             on_output: Callable[[int | None, str], None] = lambda r, l: None) -> LaunchResult:
-    """Run the traced ring job (``tracer/ring_job.py``) to its end; as ``run_job``."""
+             on_output: Callable[[int | None, str], None] = lambda r, l: None, launcher: Launcher = launch
+             ) -> LaunchResult:
+    """Run the traced ring job (``tracer/workloads/ring_job.py``) to its end; as ``run_job``."""
     return _launch_traced(cfg.launch_config(), cfg.out, {
         "kind": fmt.KIND_RING, "mb": cfg.mb, "repeat": cfg.repeat, "dtype": cfg.dtype,
-        "nproc_per_node": cfg.nproc, "nnodes": 1}, 0, on_progress, on_output)
+        "nproc_per_node": cfg.nproc, "nnodes": 1}, 0, on_progress, on_output, launcher)
 
 
 def run_zero(cfg: ZeroConfig, on_progress: Callable[[dict], None] = lambda p: None,
-             on_output: Callable[[int | None, str], None] = lambda r, l: None) -> LaunchResult:
-    """Run the ZeRO memory job (``tracer/zero_job.py``) to its end; as ``run_job``."""
+             on_output: Callable[[int | None, str], None] = lambda r, l: None, launcher: Launcher = launch
+             ) -> LaunchResult:
+    """Run the ZeRO memory job (``tracer/workloads/zero_job.py``) to its end; as ``run_job``."""
     return _launch_traced(cfg.launch_config(), cfg.out, {
         "kind": fmt.KIND_ZERO, "model": cfg.model, "steps": cfg.steps, "nproc_per_node": cfg.nproc,
-        "nnodes": 1}, 0, on_progress, on_output)
+        "nnodes": 1}, 0, on_progress, on_output, launcher)
 
 
-def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int,
-                   on_progress: Callable[[dict], None], on_output: Callable[[int | None, str], None]) -> LaunchResult:
+def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int, on_progress: Callable[[dict], None],
+                   on_output: Callable[[int | None, str], None], launcher: Launcher) -> LaunchResult:
     create_out_dir(out)
     run_path = out / fmt.RUN_FILE
     write_json_atomic(run_path, {"format": fmt.FORMAT, "version": fmt.VERSION, "status": fmt.RUNNING, **facts})
+    seen = [0]
 
     def _line(local_rank: int | None, text: str) -> None:
         rec = parse_progress(text)
         if rec is not None:
+            seen[0] += 1
             on_progress(rec)
         else:
             on_output(local_rank, text)
 
-    result = launch(lc, _line)
+    result = launcher(lc, _line)
+    # torchrun's console copy of the ranks' output can lose its last lines when a rank
+    # exits; rank 0's own log holds them all: hand on the progress records not yet seen
+    for rec in _logged_progress(lc.log_dir)[seen[0]:]:
+        on_progress(rec)
     run = read_json(run_path) if run_path.exists() else {}
     if not result.ok or result.interrupted:
         run.update({"status": fmt.FAILED, "error": result.reason, "failed_rank": result.failed_rank})
         write_json_atomic(run_path, run)
-    elif run.get("status") == fmt.RUNNING:  # a node other than 0: rank 0 wrote the run's metadata elsewhere
+    elif node_rank != 0 and run.get("status") == fmt.RUNNING:  # rank 0 wrote the run's metadata elsewhere
         run.update({"status": fmt.COMPLETE, "node_rank": node_rank,
                     "note": "ranks of one node; the run's metadata is in node 0's run.json"})
         write_json_atomic(run_path, run)
     return result
+
+
+def _logged_progress(log_dir: Path) -> list[dict]:
+    """Every progress record in local rank 0's stdout log (torchrun's layout)."""
+    records = []
+    for log in sorted(log_dir.glob("*/attempt_*/0/stdout.log")):
+        try:
+            text = log.read_text(errors="replace")
+        except OSError:
+            continue
+        records += [r for r in map(parse_progress, text.splitlines()) if r is not None]
+    return records

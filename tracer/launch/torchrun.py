@@ -135,7 +135,7 @@ def launch(cfg: LaunchConfig, on_line: Callable[[int | None, str], None] = lambd
     elif interrupted:
         result.reason = "interrupted: the job was stopped"
     if not result.ok or interrupted:
-        _explain_failure(cfg, result)
+        explain_failure(cfg, result)
     return result
 
 
@@ -198,39 +198,51 @@ def _terminate(proc: subprocess.Popen, workers: set[int], grace_s: float = 10.0)
     proc.wait()
 
 
-def _explain_failure(cfg: LaunchConfig, result: LaunchResult) -> None:
-    """Find the root-cause rank from torchrun's per-rank error files and logs."""
+def explain_failure(cfg: LaunchConfig, result: LaunchResult) -> None:
+    """Find the root-cause rank from torchrun's per-rank error files (written by
+    ``@record``, or by ddpscope's capture for scripts without it) and, failing those,
+    from the ranks' stderr. A rank that failed only because a peer died comes last."""
     failures = []  # (is_secondary, timestamp, local_rank, message)
     for err in cfg.log_dir.glob("*/attempt_*/*/error.json"):
         try:
             data = json.loads(err.read_text())
             msg = data["message"]
             if isinstance(msg, dict):
-                ts, text = int(msg.get("extraInfo", {}).get("timestamp", 0)), str(msg.get("message", ""))
+                extra = msg.get("extraInfo", {})
+                ts, text = int(extra.get("time_ns") or int(extra.get("timestamp", 0)) * 10**9), str(msg.get("message", ""))
             else:
-                ts, text = int(data.get("timestamp", 0)), str(msg)
+                ts, text = int(data.get("timestamp", 0)) * 10**9, str(msg)
             failures.append((bool(_PEER_FAILURE.search(text)), ts, int(err.parent.name), text))
         except (OSError, ValueError, KeyError, TypeError):
             continue
+    if not failures:
+        for log in cfg.log_dir.glob("*/attempt_*/*/stderr.log"):
+            line = _exception_line(_tail(log, 200))
+            if line is not None:
+                failures.append((bool(_PEER_FAILURE.search(line)), 0, int(log.parent.name), line))
     base = cfg.node_rank * cfg.nproc
     if failures:
         _, _, local, text = min(failures)
         result.failed_rank = base + local
         if result.reason is None:
             result.reason = f"rank {base + local} failed: {_last_error_line(text)}"
-    else:
-        for log in sorted(cfg.log_dir.glob("*/attempt_*/*/stderr.log")):
-            tail = _tail(log)
-            if "Traceback" in tail or "Error" in tail:
-                result.failed_rank = base + int(log.parent.name)
-                break
-        if result.reason is None:
-            who = f"rank {result.failed_rank}" if result.failed_rank is not None else "the job"
-            result.reason = f"{who} exited with code {result.returncode} (killed or crashed without a Python error)"
+    elif result.reason is None:
+        result.reason = f"the job exited with code {result.returncode} (killed or crashed without a Python error)"
     if result.failed_rank is not None:
         logs = list(cfg.log_dir.glob(f"*/attempt_*/{result.failed_rank - base}/stderr.log"))
         if logs:
             result.stderr_tail = _tail(logs[0])
+
+
+def _exception_line(text: str) -> str | None:
+    """The last ``SomeError: message`` line of a traceback in ``text`` (rank prefixes off)."""
+    found = None
+    for line in text.splitlines():
+        m = _RANK_PREFIX.match(line)
+        line = (m.group(2) if m else line).strip()
+        if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", line):
+            found = line
+    return found
 
 
 def _last_error_line(text: str) -> str:

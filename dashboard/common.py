@@ -1,0 +1,222 @@
+"""What every page of the dashboard shares: where runs are, cached loaders (which take
+everything they depend on as arguments), run pickers, the job manager, uploads, and
+whether this page may start commands."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import streamlit as st
+
+from tracer.launch.jobs import JobManager
+from viz.archive import extract_run_archive, safe_name
+from viz.perfetto import merge_run
+from viz.ring_trace import load_ring
+from viz.trace import TraceError, load_run, run_kind
+from viz.zero_trace import load_zero
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "samples"
+ALLOW_COMMANDS_ENV = "DDPSCOPE_ALLOW_COMMANDS"
+
+
+def runs_dir() -> Path:
+    """Where runs started here go (``$DDPSCOPE_RUNS_DIR``, set by ``ddpscope dashboard``)."""
+    return Path(os.environ.get("DDPSCOPE_RUNS_DIR", ROOT / "runs"))
+
+
+def uploads_dir() -> Path:
+    return runs_dir() / "uploads"
+
+
+def list_runs() -> dict[str, tuple[Path, str]]:
+    """Every run folder the page can show, by label, with its kind ("ddp", "ring" or
+    "zero"): samples, runs made here, uploads. Read once per page run."""
+    found = {}
+    for prefix, folder in (("sample", SAMPLES), ("run", runs_dir()), ("upload", uploads_dir())):
+        if folder.is_dir():
+            for p in sorted(folder.iterdir(), reverse=prefix != "sample"):
+                kind = run_kind(p)
+                if kind is not None:
+                    found[f"{prefix}: {p.name}"] = (p, kind)
+    return found
+
+
+def of_kind(runs: dict[str, tuple[Path, str]], kind: str) -> dict[str, Path]:
+    return {label: path for label, (path, k) in runs.items() if k == kind}
+
+
+def label_of(path: Path) -> str:
+    """The picker label of a run folder."""
+    for prefix, folder in (("upload", uploads_dir()), ("run", runs_dir()), ("sample", SAMPLES)):
+        if path.parent == folder:
+            return f"{prefix}: {path.name}"
+    return str(path)
+
+
+def pick_run(runs: dict[str, Path], label: str, key: str, loader, hint: str):
+    """A picker over ``runs`` that keeps a valid selection; ``(path, loaded run)``, the
+    run None (with the message on the page) if there is none or it cannot be read."""
+    if not runs:
+        st.info(hint)
+        return None, None
+    if st.session_state.get(key) not in runs:
+        st.session_state[key] = next(iter(runs))
+    path = runs[st.selectbox(label, list(runs), key=key)]
+    try:
+        return path, loader(str(path), stamp_of(path))
+    except TraceError as e:
+        st.error(str(e))
+        return path, None
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def load_trace(path: str, stamp: float):
+    """The trace in a run folder (``stamp``, the newest file time there, renews the cache)."""
+    return load_run(path)
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def load_ring_trace(path: str, stamp: float):
+    """The ring trace in a folder made by ``ddpscope ring`` (cached as ``load_trace``)."""
+    return load_ring(path)
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def load_zero_trace(path: str, stamp: float):
+    """The ZeRO run in a folder made by ``ddpscope zero`` (cached as ``load_trace``)."""
+    return load_zero(path)
+
+
+def merged_trace_bytes(path: str) -> bytes:
+    """Every rank of the run in one Chrome trace on rank 0's clock, for Perfetto."""
+    return json.dumps(merge_run(path), separators=(",", ":")).encode()
+
+
+def stamp_of(path: Path) -> float:
+    return max((p.stat().st_mtime for p in path.iterdir()), default=0.0)
+
+
+@st.cache_resource
+def job_manager(runs_dir: str, warm: bool) -> JobManager:
+    """Runs started from the page; with ``warm``, through a launcher kept warm (torch
+    imported once, ranks forked from it: the rerun loop does not pay a cold start)."""
+    if not warm:
+        return JobManager(Path(runs_dir))
+    from tracer.launch.warm import shared_launcher
+
+    return JobManager(Path(runs_dir), launcher=shared_launcher().launch)
+
+
+def first_real_step(trace) -> int:
+    s = trace.steps
+    ok = s[~s["warmup"] & ~s["incomplete"]]
+    return int(ok["step"].min()) if len(ok) else int(s["step"].min())
+
+
+def handle_upload(upload) -> None:
+    """Unpack an uploaded archive into its own folder; one-line error, nothing kept, if bad."""
+    if upload is None or st.session_state.get("upload_done") == upload.file_id:
+        return
+    st.session_state["upload_done"] = upload.file_id
+    dest = uploads_dir() / f"{safe_name(Path(upload.name).stem)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        extract_run_archive(upload.getvalue(), upload.name, dest)
+        kind = run_kind(dest) or "ddp"
+        {"ring": load_ring, "zero": load_zero}.get(kind, load_run)(dest)
+    except TraceError as e:
+        shutil.rmtree(dest, ignore_errors=True)
+        st.session_state["upload_error"] = f"{upload.name}: {e}"
+        return
+    st.session_state.pop("upload_error", None)
+    st.session_state[{"ring": "ring_trace", "zero": "zero_trace"}.get(kind, "trace")] = f"upload: {dest.name}"
+
+
+@dataclass(frozen=True)
+class CommandPolicy:
+    """Whether this page may start commands (a script's, or a new one): starting a
+    command from a web page is code execution. ``note``: what the page says about it."""
+
+    allowed: bool
+    note: str | None
+
+
+def command_policy() -> CommandPolicy:
+    """Commands are on when the server listens on this machine only (loopback), or when
+    it was started with ``ddpscope dashboard --allow-commands``."""
+    address = (st.get_option("server.address") or "").strip()
+    if _is_loopback(address):
+        return CommandPolicy(True, None)
+    where = address or "every interface"
+    if os.environ.get(ALLOW_COMMANDS_ENV) == "1":
+        return CommandPolicy(True, f"This dashboard listens on {where} and was started with --allow-commands: "
+                                   "anyone who can reach it can run commands on this machine.")
+    return CommandPolicy(False, f"This dashboard listens on {where}, reachable from other machines, so starting "
+                                "commands from the page is off (the demo still runs). To allow it, restart with "
+                                "`ddpscope dashboard --allow-commands`, or listen on 127.0.0.1 only.")
+
+
+def _is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+@st.fragment(run_every=0.5)
+def job_status(jobs: JobManager, runs_dir: Path) -> None:
+    """The current job's progress, then its outcome (refreshes itself twice a second)."""
+    job = jobs.current
+    if job is None:
+        st.caption(f"Runs started here are kept in {runs_dir}.")
+        return
+    if job.running:
+        show_progress(job)
+        st.session_state["job_was_running"] = True
+        return
+    if st.session_state.pop("job_was_running", False):
+        st.rerun(scope="app")  # list the new run everywhere, and show it beside its source
+    show_outcome(job, where={"ddp": "on the Run tab", "ring": "on the Ring all-reduce tab",
+                             "zero": "on the Memory (ZeRO) tab"}[job.kind])
+
+
+def show_progress(job) -> None:
+    total = job.total or 0
+    text = f"{job.out.name}: {job.unit} {job.done}" + (f"/{total}" if total else "")
+    if job.last_ms and job.kind == "ddp":
+        text += f" · {job.last_ms:.0f} ms"
+    st.progress(min(job.done / total, 1.0) if total else 0.0, text=text)
+
+
+def show_outcome(job, where: str) -> None:
+    """A finished job: success, or its failing rank, one-line reason and stderr tail."""
+    if job.ok and job.result is not None and job.result.untraced:
+        st.warning(f"{job.out.name}: {job.result.untraced}")
+    elif job.ok:
+        st.success(f"{job.out.name} finished: see it {where}.")
+    else:
+        reason = job.error or (job.result.reason if job.result else "unknown")
+        st.error(f"{job.out.name} failed: {reason}")
+        if job.result is not None and job.result.stderr_tail:
+            st.code(job.result.stderr_tail, language=None)
+
+
+def start_job(start, **settings) -> None:
+    """Start a run from a button (``start``: a ``JobManager`` method); messages on the page."""
+    try:
+        started = start(**settings)
+    except ValueError as e:
+        st.error(str(e))
+        return
+    if started is None:
+        st.info("A run is already going; it continues.")
+    else:
+        st.rerun()  # show the buttons disabled and the progress at once

@@ -1,0 +1,109 @@
+"""The Memory (ZeRO) page: measured memory per ZeRO stage beside the ZeRO model, and a
+projection to any model size, N and precision."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard.common import runs_dir, load_zero_trace, of_kind, pick_run, start_job
+from tracer.launch.jobs import JobManager
+from viz.zero_figures import UNITS, make_zero_projection_figure, make_zero_run_figure
+from viz.zero_model import (PRECISIONS, PRESETS, Precision, compute_zero_memory, largest_model,
+                            transformer_activation_bytes)
+from viz.zero_trace import compute_zero_comparison
+
+# 0.1 to 1000 billion parameters, 8 steps a decade, and every preset's own size
+PARAM_OPTIONS_B = sorted({float(f"{10 ** (i / 8):.3g}") for i in range(-8, 25)} | {v / 1e9 for v in PRESETS.values()})
+
+
+def set_preset() -> None:
+    """A preset fills in the parameter count (billions)."""
+    st.session_state["proj_params_b"] = PRESETS[st.session_state["proj_preset"]] / 1e9
+
+
+def set_precision_k() -> None:
+    """A precision brings its usual K (12 for mixed-precision Adam, 8 for fp32 Adam)."""
+    st.session_state["proj_k"] = int(PRECISIONS[st.session_state["proj_precision"]].k)
+
+
+def render_memory(all_runs: dict, jobs: JobManager, busy: bool) -> None:
+    unit = st.radio("Units", list(UNITS), horizontal=True, key="zero_unit",
+                    help="GB and MB are 10^9 and 10^6 bytes (the ZeRO paper's unit); GiB and MiB 2^30 and 2^20.")
+    scale = UNITS[unit]
+    st.subheader("Measured: one model trained under each ZeRO stage")
+    with st.expander("Run the ZeRO stages here", expanded=False):
+        c = st.columns(3)
+        z_model = c[0].selectbox("model", ["gpt", "mlp"], key="zero_run_model")
+        z_nproc = c[1].slider("ranks", 2, 4, 2, key="zero_run_nproc")
+        if c[2].button("Run ZeRO stages 0-3", key="zero_run_button", disabled=busy):
+            start_job(jobs.start_zero, model=z_model, nproc=z_nproc)
+    _, zt = pick_run(of_kind(all_runs, "zero"), "ZeRO run", "zero_trace", load_zero_trace,
+                     f"No ZeRO runs yet. Make one with: ddpscope zero --nproc 2 --model gpt "
+                     f"--out {runs_dir() / 'zero'}")
+    if zt is not None:
+        if zt.run.get("status") != "complete":
+            st.warning(f"This run did not complete ({zt.run.get('error') or zt.run.get('status')}); "
+                       "finished stages are shown.")
+        cmp = compute_zero_comparison(zt)
+        c = st.columns(3)
+        c[0].metric("model", str(zt.run.get("model", "?")))
+        c[1].metric("parameters", f"{zt.params / 1e6:.2f} M")
+        c[2].metric("ranks", zt.world_size)
+        zrank = st.selectbox("Rank", sorted(int(r) for r in cmp["rank"].unique()), key="zero_rank")
+        st.plotly_chart(make_zero_run_figure(cmp, unit, zrank), key="zero_run")
+        st.caption("Measured: tensor accounting of what the rank holds (parameters after forward: FSDP's "
+                   "unsharded copy in stage 2), and the step's peak from torch.profiler's memory events. "
+                   "Predicted: the ZeRO model with the run's fp32 Adam (K = 8; 12 in stage 2, where the fp32 "
+                   "shard is a master copy beside the unsharded one).")
+        table = cmp[cmp["rank"] == zrank].copy()
+        for col in ("model_state_bytes", "predicted_model_state_bytes", "peak_bytes", "comm_volume_bytes"):
+            table[col.replace("bytes", unit)] = table.pop(col) / scale
+        st.dataframe(table[["stage", "name"] + [c for c in table.columns if c.endswith(unit)]
+                           + ["measured/predicted"]].round(4), hide_index=True, key="zero_table")
+        comm = zt.comm[zt.comm["rank"] == zrank].copy()
+        comm[f"message ({unit})"] = comm.pop("message_bytes") / scale
+        comm[f"sent per rank, ring ({unit})"] = comm.pop("volume_bytes") / scale
+        st.dataframe(comm.drop(columns="rank").round(4), hide_index=True, key="zero_comm")
+        st.caption(f"Collectives of the measured step as the backend ran them. The model: 2P for stages 0-2, "
+                   f"3P for stage 3 (x (N-1)/N with rings; P = {zt.params * 4 / scale:.4g} {unit} of fp32 "
+                   "gradients). PyTorch's ZeRO-1 all-reduces gradients and then broadcasts parameters (3P, not "
+                   "2P), and gloo runs a reduce-scatter as an all-reduce.")
+
+    st.subheader("Projected: any model size, N and precision")
+    c = st.columns(4)
+    c[0].selectbox("Preset", list(PRESETS), index=1, key="proj_preset", on_change=set_preset)
+    if "proj_params_b" not in st.session_state:
+        set_preset()
+    params_b = c[1].select_slider("parameters (billions, log scale)", options=PARAM_OPTIONS_B, key="proj_params_b",
+                                  format_func=lambda b: f"{b:g}")
+    n_dev = c[2].select_slider("N (data-parallel ranks)", options=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
+                               value=64, key="proj_n")
+    prec_name = c[3].radio("Precision", list(PRECISIONS), key="proj_precision",
+                           format_func=lambda k: PRECISIONS[k].name, on_change=set_precision_k)
+    if "proj_k" not in st.session_state:
+        set_precision_k()
+    c = st.columns(4)
+    k_bytes = c[0].slider("K (optimizer bytes / parameter)", 0, 32, key="proj_k")
+    device_gib = c[1].number_input("device memory (GiB)", min_value=1.0, max_value=4096.0, value=80.0, key="proj_device")
+    with_act = c[2].checkbox("add transformer activations", key="proj_act")
+    act = 0.0
+    if with_act:
+        a = st.columns(4)
+        act = transformer_activation_bytes(
+            layers=a[0].number_input("layers", 1, 1000, 32, key="act_layers"),
+            hidden=a[1].number_input("hidden", 64, 65536, 4096, key="act_hidden"),
+            seq=a[2].number_input("sequence", 1, 1_000_000, 2048, key="act_seq"),
+            micro_batch=a[3].number_input("micro-batch", 1, 1024, 1, key="act_mb"),
+            bytes_per_value=PRECISIONS[prec_name].param)
+        st.caption("Activations: s·b·h·(34 + 5·a·s/h) bytes per layer with 16-bit values (Korthikanti et al. 2022), "
+                   "no recomputation, a = hidden/64 heads; doubled for fp32.")
+    base = PRECISIONS[prec_name]
+    prec = Precision(name=base.name, param=base.param, grad=base.grad, k=k_bytes)
+    mem = compute_zero_memory(params_b * 1e9, n_dev, prec, act)
+    st.plotly_chart(make_zero_projection_figure(mem, unit, device_gib * 2**30), key="zero_projection")
+    fits = largest_model(device_gib * 2**30, n_dev, prec, act)
+    view_mem = mem[["stage", "name"]].copy()
+    view_mem[f"per device ({unit})"] = mem["total_bytes"] / scale
+    view_mem[f"comm per rank and step ({unit})"] = mem["comm_bytes"] / scale
+    view_mem["largest model that fits (B params)"] = fits["max_params"] / 1e9
+    st.dataframe(view_mem.round(3), hide_index=True, key="zero_projection_table")

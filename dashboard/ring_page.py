@@ -1,0 +1,76 @@
+"""The Ring all-reduce page: one traced round animated, step times, the ring beside
+``dist.all_reduce``, and a what-if to N = 64 ranks."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard.common import runs_dir, load_ring_trace, of_kind, pick_run, start_job
+from tracer.launch.jobs import JobManager
+from viz.ring import compute_ring_step_times, compute_ring_summary, default_round
+from viz.ring_anim import make_ring_animation_figure, make_ring_step_figure
+from viz.ring_cost import MAX_WHATIF_N, RingCostModel, compute_ring_whatif, fit_ring_cost, make_ring_whatif_figure
+
+
+def render_ring(all_runs: dict, jobs: JobManager, busy: bool) -> None:
+    with st.expander("Run a ring all-reduce here", expanded=False):
+        c = st.columns(4)
+        r_nproc = c[0].slider("ranks", 2, 4, 4, key="ring_run_nproc")
+        r_mb = c[1].select_slider("tensor (MiB)", options=[0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0],
+                                  value=4.0, key="ring_run_mb")
+        r_repeat = c[2].slider("rounds", 1, 20, 5, key="ring_run_repeat")
+        if c[3].button("Run ring", key="ring_run_button", disabled=busy):
+            start_job(jobs.start_ring, nproc=r_nproc, mb=r_mb, repeat=r_repeat)
+    ring_path, ring = pick_run(of_kind(all_runs, "ring"), "Ring trace", "ring_trace", load_ring_trace,
+                               f"No ring traces yet. Make one with: ddpscope ring --nproc 4 --mb 4 "
+                               f"--out {runs_dir() / 'ring'}")
+    if ring is not None:
+        n = ring.world_size
+        summary = compute_ring_summary(ring).set_index("bytes")
+        main = summary.loc[ring.size_bytes] if ring.size_bytes in summary.index else None
+        cols = st.columns(5)
+        cols[0].metric("ranks", n)
+        cols[1].metric("tensor (MiB)", f"{ring.size_bytes / 2**20:.4g}")
+        cols[2].metric("ring, median (ms)", "-" if main is None else f"{main['ring_ms']:.2f}")
+        cols[3].metric("dist.all_reduce, median (ms)", "-" if main is None else f"{main['ref_ms']:.2f}")
+        cols[4].metric("ring busbw (GB/s)", "-" if main is None else f"{main['ring_busbw_GBps']:.3f}")
+        if ring.run.get("status") != "complete":
+            st.warning(f"This ring run did not complete ({ring.run.get('error') or ring.run.get('status')}); "
+                       "finished rounds are shown.")
+        rounds = ring.main_rounds() or ring.complete_rounds()
+    if ring is not None and not rounds:
+        st.error(f"{ring_path.name}: no ring round finished on every rank; nothing to animate.")
+        ring = None
+    if ring is not None:
+        if st.session_state.get("ring_round") not in rounds:
+            st.session_state["ring_round"] = default_round(ring)
+        rnd = st.select_slider("Round (the median one first)", options=rounds, key="ring_round")
+        st.plotly_chart(make_ring_animation_figure(ring, rnd), key="ring_animation")
+        st.caption("Play steps through the ring: each frame lasts in proportion to the step's measured time "
+                   "(median over ranks). Slots: a rank's N chunks, with how many ranks' data each holds.")
+        st.plotly_chart(make_ring_step_figure(compute_ring_step_times(ring, rnd)), key="ring_steps")
+        st.subheader("Ring vs dist.all_reduce (medians over timed rounds; GB/s = 10^9 bytes/s)")
+        st.dataframe(summary.reset_index().round(4), hide_index=True, key="ring_summary")
+
+        st.subheader(f"What if: N = 2 .. {MAX_WHATIF_N} ranks")
+        try:
+            fitted = fit_ring_cost(ring)
+        except ValueError as e:
+            st.warning(f"Cannot fit the cost model: {e}; enter latency and bandwidth by hand.")
+            fitted = RingCostModel(alpha_us=10.0, bandwidth_GBps=1.0, latency_fitted=False)
+        if st.session_state.get("whatif_for") != str(ring_path):  # new trace: start from its fit
+            st.session_state.update(whatif_for=str(ring_path), whatif_mb=ring.size_bytes / 2**20,
+                                    whatif_alpha=round(fitted.alpha_us, 2),
+                                    whatif_bw=float(f"{fitted.bandwidth_GBps:.4g}"))
+        c = st.columns(3)
+        mb = c[0].number_input("tensor M (MiB)", min_value=0.001, max_value=1e6, key="whatif_mb", format="%.3f")
+        alpha = c[1].number_input("latency a per step (µs)", min_value=0.0, max_value=1e7, key="whatif_alpha")
+        bw = c[2].number_input("bandwidth B (GB/s)", min_value=1e-4, max_value=1e5, key="whatif_bw", format="%.4f")
+        model = RingCostModel(alpha_us=alpha, bandwidth_GBps=bw)
+        size = mb * 2**20
+        measured = ([(n, float(main["ring_ms"]))] if main is not None and abs(size - ring.size_bytes) < 1 else None)
+        st.plotly_chart(make_ring_whatif_figure(compute_ring_whatif(model, size), size, measured), key="ring_whatif")
+        st.caption(f"T(N) = 2(N-1)·a + 2(N-1)/N·M/B. Fitted to this trace's {fitted.sizes} tensor sizes: "
+                   f"a = {fitted.alpha_us:.1f} µs, B = {fitted.bandwidth_GBps:.3g} GB/s"
+                   + ("" if fitted.latency_fitted else " (latency not separable from this trace; set to 0)")
+                   + ". The model leaves out the time to add chunks; on CPU that is folded into the fit.")

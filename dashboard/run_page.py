@@ -1,0 +1,127 @@
+"""The Run page: the live loop. Rerun what the open trace came from (the same script
+command, or the demo) with another ``bucket_cap_mb``, watch it, and see it beside the
+run it came from; or enter a new command (validated before anything starts)."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import streamlit as st
+
+from dashboard.common import CommandPolicy, label_of, load_trace, show_outcome, show_progress, stamp_of, \
+    start_job, uploads_dir
+from dashboard.timeline_page import show_comparison
+from tracer.launch.jobs import JobManager
+from tracer.launch.runner import file_sha256
+from tracer.options import DEMO_MODELS
+from viz.trace import TraceError
+
+CAP_OPTIONS = [0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 5.0, 8.0, 10.0, 16.0, 25.0, 32.0, 50.0, 64.0, 100.0, 250.0, 500.0]  # MiB
+
+
+def rerun_source(path: Path, run: dict) -> dict | None:
+    """What a run came from, for a rerun: ``{"demo": model}`` or ``{"script": argv,
+    "cwd": folder, "path": file, "sha256": ...}`` with its world size; None if unknown."""
+    nproc = int(run.get("nproc_per_node") or run.get("world_size") or 2)
+    script = run.get("script")
+    if run.get("demo") in DEMO_MODELS or (script is None and run.get("model") in DEMO_MODELS):
+        return {"demo": run.get("demo") or run["model"], "nproc": nproc}
+    if isinstance(script, dict) and isinstance(script.get("argv"), list) and script.get("cwd"):
+        return {"script": [str(a) for a in script["argv"]], "cwd": str(script["cwd"]), "path": script.get("path"),
+                "sha256": script.get("sha256"), "nproc": nproc, "upload": path.parent == uploads_dir()}
+    return None
+
+
+def render_run(path: Path | None, trace, jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
+    if policy.note:
+        (st.info if not policy.allowed else st.warning)(policy.note)
+    source = rerun_source(path, trace.run) if trace is not None else None
+    st.subheader("Rerun the open trace with another bucket_cap_mb")
+    if source is None:
+        st.info("The open trace does not say how it was made (no script or demo in its run.json); "
+                "enter a command below.")
+    else:
+        _rerun_controls(path, trace, source, jobs, busy, policy)
+    with st.expander("Run a new command", expanded=source is None):
+        _new_command(jobs, busy, policy)
+    _live(jobs)
+
+
+def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
+    if "demo" in source:
+        st.caption(f"The demo model `{source['demo']}` on {source['nproc']} ranks.")
+        blocked = None
+    else:
+        st.code(shlex.join(source["script"]), language="bash")
+        st.caption(f"in {source['cwd']} on {source['nproc']} ranks")
+        blocked = ("this trace was uploaded: its command came from another machine and is not run here"
+                   if source["upload"] else None if policy.allowed else "starting commands is off (see above)")
+        if source.get("path") and source.get("sha256") and file_sha256(Path(source["path"])) != source["sha256"]:
+            st.warning(f"{source['path']} changed since this trace was taken: the rerun runs the file as it is now.")
+    run = trace.run
+    cap_now = float(run.get("bucket_cap_mb") or 25.0)
+    if st.session_state.get("rerun_for") != str(path):  # a new trace: start from its own settings
+        st.session_state.update(rerun_for=str(path), run_cap=min(CAP_OPTIONS, key=lambda c: abs(c - cap_now)),
+                                run_steps=int(min(max(run.get("steps") or 10, 3), 50)),
+                                run_nproc=int(min(max(source["nproc"], 1), 4)))
+    c = st.columns(3)
+    cap = c[0].select_slider("bucket_cap_mb (MiB, log scale)", options=CAP_OPTIONS, key="run_cap")
+    steps = c[1].slider("steps", 3, 50, key="run_steps")
+    nproc = c[2].slider("world size", 1, 4, key="run_nproc")
+    if blocked:
+        st.info(f"Rerun is off: {blocked}.")
+    if st.button(f"Rerun with bucket_cap_mb = {cap:g}", key="run_button", disabled=busy or bool(blocked),
+                 type="primary"):
+        settings = {"demo": source["demo"]} if "demo" in source else {"script": source["script"],
+                                                                         "cwd": source["cwd"]}
+        start_job(jobs.start, nproc=nproc, bucket_cap_mb=cap, steps=steps, source=path, **settings)
+
+
+def _new_command(jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
+    st.caption("The script and its arguments, as after `ddpscope run --` (e.g. `train.py --lr 3e-4` or "
+               "`-m mypkg.train`), run through torchrun on this machine and traced; checked before it starts.")
+    command = st.text_input("command", key="new_cmd", placeholder="train.py --epochs 1", disabled=not policy.allowed)
+    c = st.columns(4)
+    cwd = c[0].text_input("working folder", value=str(Path.cwd()), key="new_cwd", disabled=not policy.allowed)
+    nproc = c[1].slider("world size", 1, 4, 2, key="new_nproc", disabled=not policy.allowed)
+    cap = c[2].select_slider("bucket_cap_mb (MiB)", options=["script's own", *CAP_OPTIONS], key="new_cap",
+                             disabled=not policy.allowed)
+    steps = c[3].slider("steps", 3, 50, 10, key="new_steps", disabled=not policy.allowed)
+    if st.button("Start", key="new_button", disabled=busy or not policy.allowed):
+        try:
+            argv = shlex.split(command)
+        except ValueError as e:
+            st.error(f"cannot read the command: {e}")
+            return
+        start_job(jobs.start, script=argv, cwd=cwd, nproc=nproc, steps=steps,
+                  bucket_cap_mb=None if cap == "script's own" else float(cap))
+
+
+@st.fragment(run_every=0.5)
+def _live(jobs: JobManager) -> None:
+    """Where the user clicked: the job's progress, then the rerun beside its source."""
+    job = jobs.current
+    if job is None or job.kind != "ddp":
+        return
+    st.subheader(f"{'Running' if job.running else 'Last run'}: {job.out.name}")
+    for note in job.notes:
+        st.info(f"ddpscope: {note}")
+    if job.running:
+        show_progress(job)
+        st.session_state["run_was_running"] = True
+        return
+    if st.session_state.pop("run_was_running", False):
+        st.rerun(scope="app")  # everything else learns of the new run
+    show_outcome(job, where="below")
+    if not job.ok or (job.result is not None and job.result.untraced):
+        return
+    loaded = {}
+    for p in ([job.source] if job.source is not None else []) + [job.out]:
+        try:
+            loaded[label_of(p)] = load_trace(str(p), stamp_of(p))
+        except TraceError as e:
+            st.error(f"{p.name}: {e}")
+    if len(loaded) == 2:
+        st.subheader("The rerun beside the run it came from (one time scale; deltas against the first)")
+        show_comparison(loaded, key="rerun", layouts=True)

@@ -1,0 +1,78 @@
+"""The Timeline page (one run: Gantt of backward vs all-reduce, medians, buckets) and
+the Compare page (several runs on one time scale)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+
+from dashboard.common import first_real_step, load_trace, merged_trace_bytes, stamp_of
+from viz.buckets import compute_bucket_table
+from viz.gantt import make_timeline_figure, timeline_extent_ms
+from viz.overlap import compute_rank_medians, compute_run_comparison, compute_step_breakdown
+from viz.trace import TraceError
+
+
+def render_timeline(path: Path, trace) -> None:
+    run = trace.run
+    cols = st.columns(5)
+    cols[0].metric("model", str(run.get("model", "?")))
+    cols[1].metric("ranks", run.get("world_size", "?"))
+    cols[2].metric("bucket_cap_mb (MiB)", f"{run.get('bucket_cap_mb', float('nan')):g}")
+    cols[3].metric("buckets", len(run.get("bucket_layout") or []))
+    cols[4].metric("status", str(run.get("status", "?")))
+    if run.get("status") == "failed":
+        st.warning(f"This run failed: {run.get('error')}. Finished steps are shown.")
+    for note in run.get("notes") or []:
+        st.info(f"ddpscope: {note}")
+    steps = sorted(int(s) for s in trace.steps["step"].unique())
+    start = first_real_step(trace)
+    lo, hi = st.select_slider("Steps", options=steps, value=(start, start), key="steps")
+    ranks = st.multiselect("Ranks", sorted(trace.ranks), default=sorted(trace.ranks), key="ranks")
+    st.plotly_chart(make_timeline_figure(trace, steps=range(lo, hi + 1), ranks=ranks or None), key="timeline")
+    st.subheader("Per rank, medians over non-warm-up steps (ms)")
+    st.dataframe(compute_rank_medians(trace).round(2), hide_index=True, key="medians")
+    with st.expander("Every step"):
+        st.dataframe(compute_step_breakdown(trace, include_warmup=True).round(2), hide_index=True, key="per_step")
+    st.subheader("Buckets (medians over non-warm-up steps and ranks)")
+    st.dataframe(compute_bucket_table(trace).round(3), hide_index=True, key="buckets")
+    st.download_button("Download all ranks as one Perfetto trace (rank 0's clock)",
+                       data=lambda p=str(path): merged_trace_bytes(p),  # built on click only
+                       file_name=f"{path.name}-merged.json", mime="application/json", key="perfetto_download",
+                       help="Open it at ui.perfetto.dev; the same as ddpscope perfetto.")
+
+
+def render_compare(traces: dict[str, Path]) -> None:
+    picked = st.multiselect("Runs to compare (the first is the reference)", list(traces),
+                            default=list(traces)[:2], key="compare_runs")
+    loaded = {}
+    for label in picked:
+        try:
+            loaded[label] = load_trace(str(traces[label]), stamp_of(traces[label]))
+        except TraceError as e:
+            st.error(f"{label}: {e}")
+    if len(loaded) >= 2:
+        show_comparison(loaded, key="compare")
+    else:
+        st.info("Pick at least two runs.")
+
+
+def show_comparison(loaded: dict, key: str, layouts: bool = False) -> None:
+    """Runs side by side: the differences table, one timeline each on one time scale
+    (their first non-warm-up step) and, with ``layouts``, their bucket tables."""
+    table = compute_run_comparison(loaded)
+    st.dataframe(table.round(2), hide_index=True, key=f"{key}_table")
+    width = max(timeline_extent_ms(t, [first_real_step(t)]) for t in loaded.values())
+    for n, (label, t) in enumerate(loaded.items()):
+        fig = make_timeline_figure(t, steps=[first_real_step(t)], title=f"{label} (step {first_real_step(t)})")
+        fig.update_xaxes(range=[0, width * 1.02])  # one time scale for all runs
+        st.plotly_chart(fig, key=f"{key}_{n}")
+    if layouts:
+        st.subheader("Bucket layouts")
+        cols = st.columns(len(loaded))
+        for n, (col, (label, t)) in enumerate(zip(cols, loaded.items())):
+            col.caption(f"{label}: {len(t.run.get('bucket_layout') or [])} buckets, "
+                        f"bucket_cap_mb {t.run.get('bucket_cap_mb', float('nan')):g}")
+            col.dataframe(compute_bucket_table(t)[["bucket", "mib", "num_params", "duration_ms", "params"]].round(3),
+                          hide_index=True, key=f"{key}_layout_{n}")

@@ -1,0 +1,41 @@
+"""A plain FSDP2 training script (``fully_shard``, CPU, gloo): ddpscope says it cannot
+trace it, and the script must train to its end regardless."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--report", required=True)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(3):
+            model(torch.randn(8, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        os.makedirs(args.report, exist_ok=True)
+        with open(os.path.join(args.report, f"check-rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"done": True}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

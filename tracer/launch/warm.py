@@ -1,0 +1,207 @@
+"""A launcher kept warm: single-node jobs started from a zygote with torch imported.
+
+A cold ``torchrun`` launch on a 2-core machine spends seconds before the script's first
+line: torchrun's own start, then every rank's interpreter start and ``import torch``.
+``WarmLauncher`` starts one zygote (``tracer.capture.zygote``) ahead of time and forks
+the ranks from it, so the dashboard's rerun loop pays that once. It offers the same
+``launch(cfg, on_line) -> LaunchResult`` as ``tracer.launch.torchrun`` with the same
+guarantees: the same log layout (so failures are explained the same way), a watchdog,
+Ctrl-C, every rank reaped. Multi-node jobs, and anything the zygote cannot start, go to
+torchrun. Torch-free (the zygote imports torch, this process does not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from tracer.launch import torchrun
+from tracer.launch.torchrun import LaunchConfig, LaunchResult
+
+
+class WarmLauncher:
+    """One zygote, one job at a time. ``start()`` begins warming in the background."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self._env = env or {}
+        self._proc: subprocess.Popen | None = None
+        self._events: queue.Queue[dict | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self.ready_s: float | None = None  # seconds the zygote took to import torch
+        self.error: str | None = None
+
+    # -- the zygote ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the zygote if it is not running (returns at once; it warms up alone)."""
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                return
+            root = str(Path(__file__).resolve().parents[2])
+            path = os.environ.get("PYTHONPATH")
+            env = {**os.environ, **self._env, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+            self._events = queue.Queue()
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "tracer.capture.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, env=env, start_new_session=True, bufsize=0)
+            threading.Thread(target=self._read, args=(self._proc, self._events), daemon=True,
+                             name="ddpscope-zygote").start()
+
+    def _read(self, proc: subprocess.Popen, events: queue.Queue) -> None:
+        for raw in proc.stdout:
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                continue
+            if msg.get("event") == "ready":
+                self.ready_s = msg.get("import_s")
+            events.put(msg)
+        events.put(None)  # the zygote is gone
+
+    def _wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.ready_s is None:
+            if self._proc is None or self._proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def close(self) -> None:
+        """Stop the zygote (it kills any rank still running)."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+
+    # -- a job ---------------------------------------------------------------------------
+    def launch(self, cfg: LaunchConfig, on_line: Callable[[int | None, str], None] = lambda r, l: None
+               ) -> LaunchResult:
+        """Run the job to its end (like ``torchrun.launch``); through torchrun when it
+        spans nodes or the zygote cannot be had."""
+        self.start()
+        if cfg.nnodes != 1 or not self._wait_ready(120.0):
+            return torchrun.launch(cfg, on_line)
+        run_id = f"warm-{uuid.uuid4().hex[:8]}"
+        cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        job_id = uuid.uuid4().hex
+        # the ranks get this process's environment as it is now (as torchrun's would), not the
+        # one the zygote started with
+        request = {"op": "launch", "id": job_id, "target": cfg.target, "args": cfg.args, "module": cfg.module,
+                   "cwd": str(cfg.cwd or Path.cwd()), "nproc": cfg.nproc, "env": {**os.environ, **cfg.env},
+                   "log_dir": str(cfg.log_dir), "run_id": run_id, "master_port": torchrun.free_port()}
+        proc, events = self._proc, self._events
+        proc.stdin.write((json.dumps(request) + "\n").encode())
+        tails = _Tails(cfg.log_dir / run_id / "attempt_0", cfg.nproc, on_line)
+        deadline = time.monotonic() + cfg.timeout_s
+        pids: list[int] = []
+        codes: list[int] | None = None
+        timed_out = interrupted = False
+        try:
+            while codes is None:
+                try:
+                    msg = events.get(timeout=0.05)
+                except queue.Empty:
+                    msg = {}
+                if msg is None:  # the zygote died under the job
+                    codes = [1] * cfg.nproc
+                    break
+                if msg.get("event") == "started" and msg.get("id") == job_id:
+                    pids = list(msg["pids"])
+                elif msg.get("event") == "exited" and msg.get("id") == job_id:
+                    codes = list(msg["codes"])
+                tails.poll()
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            if codes is None:
+                _kill_all(pids)
+                codes = self._wait_exit(events, job_id, cfg.nproc)
+            tails.poll()
+        failed = [c for c in codes if c != 0]
+        result = LaunchResult(returncode=failed[0] if failed else 0, timed_out=timed_out, interrupted=interrupted)
+        if timed_out:
+            result.reason = f"watchdog: the job ran past --timeout {cfg.timeout_s:g} s and was stopped"
+        elif interrupted:
+            result.reason = "interrupted: the job was stopped"
+        if not result.ok or interrupted:
+            torchrun.explain_failure(cfg, result)
+        return result
+
+    def _wait_exit(self, events: queue.Queue, job_id: str, nproc: int) -> list[int]:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                msg = events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if msg is None:
+                break
+            if msg.get("event") == "exited" and msg.get("id") == job_id:
+                return list(msg["codes"])
+        self.close()  # a rank that will not die: the zygote goes with it, a new one warms up next time
+        return [-signal.SIGKILL] * nproc
+
+
+_shared: WarmLauncher | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_launcher() -> WarmLauncher:
+    """This process's warm launcher (one zygote however many pages use it), warming up."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = WarmLauncher()
+        _shared.start()
+        return _shared
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+            try:
+                kill()
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+class _Tails:
+    """Follows every rank's stdout.log and stderr.log, line by line."""
+
+    def __init__(self, folder: Path, nproc: int, on_line: Callable[[int | None, str], None]) -> None:
+        self._files = [(rank, folder / str(rank) / name) for rank in range(nproc) for name in ("stdout.log", "stderr.log")]
+        self._pos = {p: 0 for _, p in self._files}
+        self._rest = {p: b"" for _, p in self._files}
+        self._on_line = on_line
+
+    def poll(self) -> None:
+        for rank, path in self._files:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._pos[path])
+                    data = f.read()
+            except OSError:
+                continue
+            if not data:
+                continue
+            self._pos[path] += len(data)
+            lines = (self._rest[path] + data).split(b"\n")
+            self._rest[path] = lines.pop()
+            for line in lines:
+                self._on_line(rank, line.decode(errors="replace"))
