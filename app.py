@@ -53,13 +53,13 @@ except TraceError as e:
 # -- the pages ------------------------------------------------------------------------------
 timeline_tab, compare_tab, run_tab, ring_tab, memory_tab = st.tabs(
     ["Timeline", "Compare runs", "Run", "Ring all-reduce", "Memory (ZeRO)"])
+with run_tab:  # laid out first (it shows third): a click on Run starts the job before the other pages draw
+    render_run(path, trace, jobs, busy, command_policy())
 with timeline_tab:
     if trace is not None:
         render_timeline(path, trace)
 with compare_tab:
     render_compare(traces)
-with run_tab:
-    render_run(path, trace, jobs, busy, command_policy())
 with ring_tab:
     render_ring(all_runs, jobs, busy)
 with memory_tab:

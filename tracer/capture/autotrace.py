@@ -91,6 +91,9 @@ class Session:
         self.notes: list[str] = []
         self.error: str | None = None  # an uncaught exception, seen by the excepthook
         self._last = time.perf_counter()
+        # when this rank's script started (the bootstrap ran), torch's DDP was importable,
+        # and the traced model was built: µs on the host monotonic clock (the trace's)
+        self.times_us: dict[str, float] = {"bootstrap": _now_us()}
         self._lock = threading.Lock()
 
     # -- what the patches call ------------------------------------------------------
@@ -106,7 +109,8 @@ class Session:
             return
         from tracer.capture.tracer import DDPTracer, TracerConfig
 
-        facts = {"capture": "ddpscope run", "bucket_cap_mb_script": script_cap,
+        self.times_us["ddp_built"] = _now_us()
+        facts = {"capture_times_us": self.times_us, "capture": "ddpscope run", "bucket_cap_mb_script": script_cap,
                  "bucket_cap_mb_requested": self.config.bucket_cap_mb if overridden else None,
                  "steps_requested": self.config.steps, "notes": self.notes}
         tracer = DDPTracer(ddp, "auto", TracerConfig(out_dir=self.config.out, run_meta=facts), on_step=self.on_step)
@@ -200,6 +204,7 @@ def install_from_env() -> Session | None:
 
 
 def _patch_ddp(session: Session, module) -> None:
+    session.times_us.setdefault("torch_imported", _now_us())
     ddp_cls = module.DistributedDataParallel
     original = ddp_cls.__init__
     if getattr(original, "_ddpscope", False):
@@ -350,6 +355,10 @@ def _exit_soon(grace_s: float) -> None:
         os._exit(0)
 
     threading.Thread(target=end, name="ddpscope-exit", daemon=True).start()
+
+
+def _now_us() -> float:
+    return time.perf_counter_ns() / 1000.0  # the clock the trace uses on CPU (tracer.capture.clock)
 
 
 def _rank() -> int:

@@ -18,6 +18,7 @@ import importlib.machinery
 import os
 import shlex
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -330,7 +331,11 @@ def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int, on_
                    on_output: Callable[[int | None, str], None], launcher: Launcher) -> LaunchResult:
     create_out_dir(out)
     run_path = out / fmt.RUN_FILE
-    write_json_atomic(run_path, {"format": fmt.FORMAT, "version": fmt.VERSION, "status": fmt.RUNNING, **facts})
+    # when the launcher started the job and saw it end: µs on the host monotonic clock,
+    # the ranks' own (time.perf_counter), so launch and teardown show beside the steps
+    launched_us = time.perf_counter_ns() / 1000.0
+    write_json_atomic(run_path, {"format": fmt.FORMAT, "version": fmt.VERSION, "status": fmt.RUNNING, **facts,
+                                 "launcher_us": {"launched": launched_us}})
     seen = [0]
 
     def _line(local_rank: int | None, text: str) -> None:
@@ -347,6 +352,8 @@ def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int, on_
     for rec in _logged_progress(lc.log_dir)[seen[0]:]:
         on_progress(rec)
     run = read_json(run_path) if run_path.exists() else {}
+    run["launcher_us"] = {"launched": launched_us, "ended": time.perf_counter_ns() / 1000.0}
+    write_json_atomic(run_path, run)
     if not result.ok or result.interrupted:
         run.update({"status": fmt.FAILED, "error": result.reason, "failed_rank": result.failed_rank})
         write_json_atomic(run_path, run)
