@@ -8,6 +8,7 @@ import ipaddress
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,9 @@ from viz.trace import TraceError, load_run, run_kind
 from viz.zero_trace import load_zero
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLES = ROOT / "samples"
+# a checkout (or pip install -e): beside the packages; pip install .: <prefix>/share/ddpscope
+SAMPLES = next((p for p in (ROOT / "samples", Path(sys.prefix) / "share" / "ddpscope" / "samples") if p.is_dir()),
+               ROOT / "samples")
 ALLOW_COMMANDS_ENV = "DDPSCOPE_ALLOW_COMMANDS"
 
 

@@ -63,7 +63,7 @@ def test_the_sitecustomize_it_shadows_still_runs(tmp_path):
     ({"bucket_cap_mb": 0}, "--bucket-cap-mb must be > 0"),
     ({"bucket_cap_mb": float("inf")}, "--bucket-cap-mb must be > 0"),
     ({"steps": 0}, "--steps must be in 1..100000"),
-    ({"out": ""}, "--out must name the run folder"),
+    ({"out": ""}, "--out DIR is required"),
 ])
 def test_capture_config_names_the_flag(fields, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):

@@ -19,6 +19,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,19 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "builds, bucket by bucket. Everything after -- is the script and its arguments.",
         epilog="examples: ddpscope run --nproc 2 --bucket-cap-mb 4 --steps 20 --out runs/mine -- train.py --lr 3e-4"
                " | ddpscope run --out runs/m -- -m mypkg.train | ddpscope run --demo gpt --out runs/demo")
-    o.add_arguments(r, RunConfig, required=())
+    o.add_arguments(r, RunConfig)
     o.add_arguments(r, _Verbose)
     r.add_argument("script", nargs=argparse.REMAINDER, help="the script and its arguments (after --)")
     g = sub.add_parser("ring", help="run a traced ring all-reduce beside dist.all_reduce",
                        description="Run a ring all-reduce built from send/recv on N local ranks, step by step "
                                    "traced, and PyTorch's dist.all_reduce on the same tensor for comparison.")
-    o.add_arguments(g, RingConfig, required=())
+    o.add_arguments(g, RingConfig)
     o.add_arguments(g, _Verbose)
     z = sub.add_parser("zero", help="measure memory and communication per ZeRO stage",
                        description="Train the demo model a few steps under each ZeRO stage (0: DDP + Adam, "
                                    "1: ZeroRedundancyOptimizer, 2: FSDP without resharding after forward, "
                                    "3: FSDP full sharding) and measure what each rank holds and sends.")
-    o.add_arguments(z, ZeroConfig, required=())
+    o.add_arguments(z, ZeroConfig)
     o.add_arguments(z, _Verbose)
     d = sub.add_parser("dashboard", help="open the dashboard on a runs folder",
                        description="Open the ddpscope dashboard (Streamlit) on a runs folder.")
@@ -123,10 +124,18 @@ def launch_command(args: argparse.Namespace) -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
+    last, unsaid = [0.0], [None]
+
     def progress(rec: dict) -> None:
         line = describe(rec, cfg)
-        if line:
+        now = time.monotonic()
+        # a fast script makes hundreds of steps a second: a line per half second, and the last
+        final = rec.get("event") != "step" or rec.get("step") == rec.get("steps")
+        if line and (final or now - last[0] >= 0.5):
+            last[0], unsaid[0] = now, None
             print(line, file=sys.stderr)
+        elif line:
+            unsaid[0] = line
 
     def output(rank, line) -> None:
         if args.verbose:
@@ -145,6 +154,8 @@ def launch_command(args: argparse.Namespace) -> int:
     except ValueError as e:  # the run folder could not be made: nothing was launched
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    if unsaid[0]:
+        print(unsaid[0], file=sys.stderr)
     if not result.ok:
         print(f"{prog}: run failed: {result.reason}", file=sys.stderr)
         if result.stderr_tail:

@@ -32,6 +32,7 @@ class Option:
     check: Callable[[Any], str | None] | None = None
     action: str | None = None  # "store_true" / "store_false" for switches
     metavar: str | None = None
+    required: bool = False
 
     def field(self, default: Any = dataclasses.MISSING, **kw) -> Any:
         """A dataclass field for this option (``default`` overrides the option's own)."""
@@ -41,6 +42,8 @@ class Option:
         return dataclasses.field(default=value, metadata={"option": self}, **kw)
 
     def validate(self, value: Any) -> None:
+        if self.required and not value:
+            raise ValueError(f"{self.flag} {self.metavar or 'VALUE'} is required")
         if self.check is not None and value is not None:
             problem = self.check(value)
             if problem:
@@ -64,7 +67,7 @@ def one_of(choices) -> Callable[[Any], str | None]:
 
 
 # -- the options ---------------------------------------------------------------------
-OUT = Option("--out", "new or empty folder for the trace (never overwritten)", metavar="DIR")
+OUT = Option("--out", "new or empty folder for the trace (never overwritten)", metavar="DIR", required=True)
 NPROC = Option("--nproc", "processes (ranks) on this node", 2, int, in_range(1, MAX_NPROC))
 BUCKET_CAP_MB = Option(
     "--bucket-cap-mb", "DDP bucket_cap_mb in MiB, overriding the script's own (default: the script's value)",
@@ -101,8 +104,9 @@ def option_fields(cls) -> list[tuple[dataclasses.Field, Option]]:
     return [(f, f.metadata["option"]) for f in dataclasses.fields(cls) if "option" in f.metadata]
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls, *, required: tuple[str, ...] = ("out",)) -> None:
-    """One flag per ``Option`` field of the dataclass ``cls`` (dest = the field's name)."""
+def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
+    """One flag per ``Option`` field of the dataclass ``cls`` (dest = the field's name).
+    Required options are checked by the config (one message for the CLI and the page)."""
     for f, o in option_fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else None
         kw: dict[str, Any] = {"dest": f.name, "help": o.help + (f" (default {default})" if default not in
@@ -111,8 +115,6 @@ def add_arguments(parser: argparse.ArgumentParser, cls, *, required: tuple[str, 
             kw["action"] = o.action
         else:
             kw.update(type=o.type or str, default=default, metavar=o.metavar)
-            if f.name in required:
-                kw["required"] = True
         flags = [o.flag, "-v"] if o.flag == "--verbose" else [o.flag]
         parser.add_argument(*flags, **kw)
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tracer import format as fmt
-from tracer.options import BUCKET_CAP_MB, STEPS, check_fields
+from tracer.options import BUCKET_CAP_MB, OUT, STEPS, check_fields
 from tracer.progress import emit_progress
 
 CAPTURE_ENV = "DDPSCOPE_CAPTURE"
@@ -59,15 +59,13 @@ class CaptureConfig:
     exit_grace_s: after ``steps``, how long the script may take to unwind (seconds).
     """
 
-    out: str
+    out: str = OUT.field()
     bucket_cap_mb: float | None = BUCKET_CAP_MB.field()
     steps: int | None = STEPS.field()
     progress: bool = True
     exit_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if not self.out:
-            raise ValueError("--out must name the run folder")
         check_fields(self)
 
     def to_env(self) -> dict[str, str]:

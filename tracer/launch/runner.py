@@ -58,12 +58,10 @@ class RunConfig:
     cwd: Path | str = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
-        if not self.out:
-            raise ValueError("--out DIR is required")
+        o.check_fields(self)
         self.out = Path(self.out)
         self.cwd = Path(self.cwd).resolve()
         self.script = [str(a) for a in self.script]
-        o.check_fields(self)
         if self.demo is not None and self.script:
             raise ValueError("give either --demo MODEL or a script after --, not both")
         if not self.argv:
@@ -198,10 +196,8 @@ class RingConfig:
     timeout_s: float = o.TIMEOUT.field(600.0)
 
     def __post_init__(self) -> None:
-        if not self.out:
-            raise ValueError("--out DIR is required")
-        self.out = Path(self.out)
         o.check_fields(self)
+        self.out = Path(self.out)
         need = 3.5 * self.mb * 2**20 * self.nproc
         total = _physical_memory_bytes()
         if total and need > 0.8 * total:
@@ -230,10 +226,8 @@ class ZeroConfig:
     timeout_s: float = o.TIMEOUT.field(600.0)
 
     def __post_init__(self) -> None:
-        if not self.out:
-            raise ValueError("--out DIR is required")
-        self.out = Path(self.out)
         o.check_fields(self)
+        self.out = Path(self.out)
         parts = [p.strip() for p in str(self.stages).split(",")]
         if not parts or any(p not in ("0", "1", "2", "3") for p in parts) or len(set(parts)) != len(parts):
             raise ValueError(f"--stages must list distinct stages from 0,1,2,3 (e.g. 0,3), got {self.stages!r}")
