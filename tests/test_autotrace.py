@@ -236,6 +236,26 @@ def test_fsdp_is_said_to_be_untraced_and_the_script_still_runs(tmp_path):
     assert (tmp_path / "run-report" / "check-rank1.json").exists()  # it trained to its end
 
 
+def test_ddp_under_the_python_reducer_is_said_to_be_untraced(tmp_path):
+    proc, out, report = trace_script(tmp_path, USER, "--python-reducer", "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "compiled autograd's Python reducer" in proc.stderr
+    assert json.loads((out / "run.json").read_text())["status"] == "untraced"
+    assert checks(report)[1]["params_sha256"]
+
+
+def test_ranks_a_script_spawns_itself_are_traced(tmp_path):
+    """``ddpscope run --nproc 1`` of a script that spawns its own 2 ranks
+    (``torch.multiprocessing.spawn``): the capture reaches them through the environment."""
+    out = tmp_path / "spawned"
+    proc = run_cli("run", "--nproc", "1", "--out", str(out), "--", str(WORKERS / "spawn_train.py"), "--steps", "4")
+    assert proc.returncode == 0, proc.stderr
+    trace = load_run(out)
+    assert trace.world_size == 2 and trace.steps.groupby("rank").size().to_dict() == {0: 4, 1: 4}
+    assert trace.run["bucket_cap_bytes"] == int(0.1 * 2**20)
+    assert sorted(i for b in trace.run["bucket_layout"] for i in b) == [0, 1, 2, 3]
+
+
 def test_two_ddp_models_the_first_is_traced_and_the_second_is_named(tmp_path):
     proc, out, report = trace_script(tmp_path, USER, "--two-models", "--steps", "3")
     assert proc.returncode == 0, proc.stderr

@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--two-models", action="store_true")
     p.add_argument("--no-ddp", action="store_true")
+    p.add_argument("--python-reducer", action="store_true", help="compiled autograd's Python reducer for DDP")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=-1)
     args = p.parse_args()
@@ -90,6 +91,8 @@ def main() -> None:
                 model(torch.randn(4, args.width)).sum().backward()
             return
         kw = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+        if args.python_reducer:
+            torch._dynamo.config.optimize_ddp = "python_reducer"
         ddp = DDP(model, **kw)
         ddp._set_ddp_runtime_logging_sample_rate(1)
         if args.hook != "none":

@@ -1,0 +1,48 @@
+"""A script that launches its own ranks (``torch.multiprocessing.spawn``, as frameworks
+that relaunch themselves do): ``ddpscope run --nproc 1`` starts it once, and the ranks
+it spawns must be traced (the capture reaches them through the environment)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def rank_main(rank: int, world: int, port: int, steps: int) -> None:
+    # under torchrun (as `ddpscope run` starts it) the store belongs to torchrun's agent;
+    # ranks this script makes itself host their own, like those of a plain `python script.py`
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        ddp = DDP(nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 4)), bucket_cap_mb=0.1)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        for _ in range(steps):
+            ddp(torch.randn(32, 256)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--report", default=None)  # accepted like the other test scripts
+    args = p.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from tracer.launch.torchrun import free_port
+
+    mp.spawn(rank_main, args=(args.world, free_port(), args.steps), nprocs=args.world, join=True)
+
+
+if __name__ == "__main__":
+    main()
