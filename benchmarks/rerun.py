@@ -192,11 +192,11 @@ def main() -> None:
     cols = ["total", "page -> launcher", "launch", "import", "set-up", "steps", "finish", "page draws it",
             "added by the loop"]
     print(f"click -> new timeline on screen, {args.steps} steps, 2 ranks, median of {args.repeat} (ms)")
-    print(f"{'':34}" + "".join(f"{c:>17}" for c in cols))
+    print(f"{'':34}" + "".join(f"{c:>19}" for c in cols))
     for mode, per_trace in results.items():
         for name, runs_ in per_trace.items():
             med = {c: statistics.median(r[c] for r in runs_) for c in cols}
-            print(f"{mode + ', ' + name:34}" + "".join(f"{med[c]:17.0f}" for c in cols))
+            print(f"{mode + ', ' + name:34}" + "".join(f"{med[c]:19.0f}" for c in cols))
     for name in results["warm launcher"]:
         w = statistics.median(r["added by the loop"] for r in results["warm launcher"][name])
         c = statistics.median(r["added by the loop"] for r in results["cold torchrun"][name])
