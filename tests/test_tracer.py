@@ -118,3 +118,41 @@ def test_bad_tracer_input_fails_loudly(tmp_path):
     with pytest.raises(ValueError, match="offset_rounds"):
         TracerConfig(out_dir=tmp_path, offset_rounds=0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_comm_hook_is_wrapped_when_registered_after_the_tracer_and_refused_before(tmp_path):
+    """Library use, one gloo rank in this process: DDP takes one hook, so the tracer can
+    only wrap one registered after it starts; one registered before gets a clear error."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tracer import DDPTracer
+    from tracer.capture.hooks import CommHookTaken
+    from tracer.launch.torchrun import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        before = DDP(nn.Linear(8, 8))
+        before.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        with pytest.raises(CommHookTaken, match="fp16_compress_hook.*registered before the tracer"):
+            DDPTracer(before, out_dir=tmp_path / "before").__enter__()
+        assert not (tmp_path / "before" / "rank-0.json").exists()
+
+        after = DDP(nn.Linear(8, 8))
+        opt = torch.optim.SGD(after.parameters(), lr=0.1)
+        with DDPTracer(after, "auto", out_dir=tmp_path / "after"):
+            after.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            with pytest.raises(RuntimeError, match="can only be called once"):
+                after.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            for _ in range(3):
+                after(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        dist.destroy_process_group()
+    trace = load_run(tmp_path / "after")
+    assert trace.run["comm_hook"] == "fp16_compress_hook" and len(trace.steps) == 3
+    assert len(trace.buckets) == 3 and (trace.buckets.done_us >= trace.buckets.launch_us).all()

@@ -32,6 +32,7 @@ class CommHookState:
         self.recorder = None
         self.keep_work = False
         self.inner: tuple[Callable, Any] | None = None
+        self.user_hook = False  # the script registered a hook (DDP takes one)
 
 
 def _first_tensor(value: Any) -> torch.Tensor:
@@ -93,12 +94,16 @@ def attach_comm_hook(ddp: DDP) -> CommHookState:
     ddp.register_comm_hook(state, traced_allreduce_hook)
     setattr(ddp, _STATE_ATTR, state)
 
+    def claim() -> None:
+        if state.user_hook:  # DDP's own rule and message
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        state.user_hook = True
+
     def register_comm_hook(state_: object, hook: Callable) -> None:
         """DDP's ``register_comm_hook``, for a model ddpscope traces: the hook runs
         inside ddpscope's, which times the future it returns."""
-        if state.inner is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         ddp._check_comm_hook(hook)
+        claim()
         if ddp.logger is not None:
             ddp.logger._set_comm_hook_name(hook.__qualname__)
         ddp._comm_hooks.append((hook, state_))
@@ -111,9 +116,7 @@ def attach_comm_hook(ddp: DDP) -> CommHookState:
         if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
             register_comm_hook(ddp.process_group, default_hooks.fp16_compress_hook)
         elif comm_hook_type == dist.BuiltinCommHookType.ALLREDUCE:
-            if state.inner is not None:
-                raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-            state.inner = None  # DDP's own averaging all-reduce, which ours already is
+            claim()  # DDP's own averaging all-reduce, which ours already is
         else:
             raise ValueError(f"ddpscope cannot trace DDP's built-in hook {comm_hook_type}")
 
