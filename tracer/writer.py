@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 from typing import Iterable
 
+from tracer import format as fmt
+
 _SEP = (",", ":")
 
 
@@ -40,6 +42,16 @@ def write_json_atomic(path: Path, obj: object) -> None:
 def read_json(path: Path) -> dict:
     with open(path, "rb") as f:
         return json.load(f)
+
+
+def update_run_json(out: str | os.PathLike, fields: dict) -> None:
+    """Merge ``fields`` into the run folder's ``run.json`` (others may have written facts),
+    atomically; the folder is made if needed."""
+    os.makedirs(out, exist_ok=True)
+    path = Path(out) / fmt.RUN_FILE
+    run = read_json(path) if path.exists() else {"format": fmt.FORMAT, "version": fmt.VERSION}
+    run.update(fields)
+    write_json_atomic(path, run)
 
 
 class TraceWriter:

@@ -34,12 +34,11 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Callable
 
-from tracer import format as fmt
 from tracer.options import BUCKET_CAP_MB, OUT, STEPS, check_fields
 from tracer.progress import emit_progress
+from tracer.writer import update_run_json
 
 CAPTURE_ENV = "DDPSCOPE_CAPTURE"
 DDP_MODULE = "torch.nn.parallel.distributed"
@@ -85,7 +84,6 @@ class Session:
     def __init__(self, config: CaptureConfig) -> None:
         self.config = config
         self.tracer = None
-        self.models = 0  # DistributedDataParallel models built in this process
         self.notes: list[str] = []
         self.error: str | None = None  # an uncaught exception, seen by the excepthook
         self._last = time.perf_counter()
@@ -96,7 +94,6 @@ class Session:
 
     # -- what the patches call ------------------------------------------------------
     def on_ddp_built(self, ddp, script_cap: Any, overridden: bool) -> None:
-        self.models += 1
         if self.tracer is not None:
             self.note(f"a second DistributedDataParallel model ({type(ddp.module).__name__}) was built; "
                       f"only the first ({type(self.tracer.model.module).__name__}) is traced")
@@ -157,7 +154,7 @@ class Session:
         if _rank() == 0:
             _say(text)
             try:
-                _update_run_json(Path(self.config.out), {"notes": self.notes})
+                update_run_json(self.config.out, {"notes": self.notes})
             except OSError:
                 pass
 
@@ -375,13 +372,3 @@ def _say(text: str) -> None:
         print(f"ddpscope: {text}", file=sys.stderr, flush=True)
     except (OSError, ValueError):
         pass
-
-
-def _update_run_json(out: Path, fields: dict) -> None:
-    from tracer.writer import read_json, write_json_atomic
-
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / fmt.RUN_FILE
-    run = read_json(path) if path.exists() else {"format": fmt.FORMAT, "version": fmt.VERSION}
-    run.update(fields)
-    write_json_atomic(path, run)

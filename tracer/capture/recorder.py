@@ -103,8 +103,8 @@ class StepRecorder:
         self.on_close = on_close  # after a step closed (training thread); may raise to stop
 
     # -- hooks ------------------------------------------------------------------
-    def on_forward_start(self, sync: bool = True) -> int | None:
-        """A training forward begins; returns its pass index within the open step."""
+    def on_forward_start(self, sync: bool = True) -> None:
+        """A training forward begins: a new pass of the open step (a new step if none)."""
         now = self.clock.stamp()
         cur = self.current
         if cur is not None and not self.explicit and self.optimizer is None and _synced(cur):
@@ -119,7 +119,6 @@ class StepRecorder:
         elif cur.optimizer is not None and cur.optimizer[1] is None:
             cur.optimizer = None  # a forward inside optimizer.step(closure): not the update
         cur.passes.append(PassRecord(sync=sync, forward=[now, None]))
-        return len(cur.passes) - 1
 
     def on_forward_end(self, warmup: bool) -> None:
         cur = self.current
@@ -127,10 +126,10 @@ class StepRecorder:
             cur.passes[-1].forward[1] = self.clock.stamp()
             cur.warmup = cur.warmup or warmup
 
-    def on_output_grad(self, step: StepRecord | None, k: int | None) -> None:
+    def on_output_grad(self, step: StepRecord, k: int) -> None:
         """The first gradient w.r.t. pass ``k``'s output: its backward has begun."""
         cur = self.current
-        if cur is None or step is not cur or k is None:
+        if step is not cur:  # a step closed since that forward
             return
         cur.active = k
         p = cur.passes[k]
@@ -147,13 +146,11 @@ class StepRecorder:
             # Runs when the autograd engine finishes this backward, *before* DDP's own
             # end-of-backward callback (queued later), which waits for all buckets.
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-        cur.grads.append((index, now, len(cur.passes) - 1 if cur.active is None else cur.active))
+        cur.grads.append((index, now, _active_index(cur)))
 
     def _active_pass(self) -> PassRecord | None:
         cur = self.current
-        if cur is None or not cur.passes:
-            return None
-        return cur.passes[len(cur.passes) - 1 if cur.active is None else cur.active]
+        return cur.passes[_active_index(cur)] if cur is not None and cur.passes else None
 
     def _on_backward_end(self) -> None:
         p = self._active_pass()
@@ -298,12 +295,15 @@ class StepRecorder:
             flags["incomplete"] = True
         ev = span(fmt.CAT_STEP, f"step {s.step}", start, end, memory=s.memory, micro_batches=len(passes), **flags)
         many = len(passes) > 1
+        last_grad: dict[int, float] = {}  # per pass: where its backward ended if not recorded
+        for _, t, k in grads:
+            if t is not None:
+                last_grad[k] = max(t, last_grad.get(k, t))
         for k, (rec, (fs, fe, bs, be, sync_e)) in enumerate(zip(s.passes, passes)):
             tag = {"micro": k, "sync": rec.sync}
             suffix = f" (micro-batch {k}{'' if rec.sync else ', no_sync'})" if many else ""
             ev += span(fmt.CAT_FORWARD, "forward" + suffix, fs, fe, lo=start, hi=end, **tag)
-            last_grad = max((t for _, t, g in grads if g == k and t is not None), default=None)
-            bwd_end = be if be is not None else last_grad
+            bwd_end = be if be is not None else last_grad.get(k)
             if bwd_end is not None:
                 ev += span(fmt.CAT_BACKWARD, "backward" + suffix, bs if bs is not None else (fe or start),
                            bwd_end, lo=start, hi=end, **tag)
@@ -333,6 +333,11 @@ class StepRecorder:
 
     def _name(self, i: int) -> str:
         return self.param_names[i] if 0 <= i < len(self.param_names) else f"param[{i}]"
+
+
+def _active_index(step: StepRecord) -> int:
+    """The pass whose backward is running (the latest pass when no output gradient said)."""
+    return len(step.passes) - 1 if step.active is None else step.active
 
 
 def _synced(step: StepRecord) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -39,7 +38,6 @@ class Job:
     error: str | None = None  # the run could not even start
     source: Path | None = None  # the run this one reruns (with other settings)
     notes: list[str] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
 
     @property
     def steps_done(self) -> int:  # the name the DDP page uses

@@ -347,14 +347,12 @@ def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int, on_
         on_progress(rec)
     run = read_json(run_path) if run_path.exists() else {}
     run["launcher_us"] = {"launched": launched_us, "ended": time.perf_counter_ns() / 1000.0}
-    write_json_atomic(run_path, run)
     if not result.ok or result.interrupted:
         run.update({"status": fmt.FAILED, "error": result.reason, "failed_rank": result.failed_rank})
-        write_json_atomic(run_path, run)
     elif node_rank != 0 and run.get("status") == fmt.RUNNING:  # rank 0 wrote the run's metadata elsewhere
         run.update({"status": fmt.COMPLETE, "node_rank": node_rank,
                     "note": "ranks of one node; the run's metadata is in node 0's run.json"})
-        write_json_atomic(run_path, run)
+    write_json_atomic(run_path, run)
     return result
 
 

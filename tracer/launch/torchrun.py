@@ -129,7 +129,12 @@ def launch(cfg: LaunchConfig, on_line: Callable[[int | None, str], None] = lambd
         workers |= _descendants(proc.pid)
         _terminate(proc, workers)
         reader.join(timeout=5)
-    result = LaunchResult(returncode=proc.returncode, timed_out=timed_out, interrupted=interrupted)
+    return job_result(cfg, proc.returncode, timed_out, interrupted)
+
+
+def job_result(cfg: LaunchConfig, returncode: int, timed_out: bool, interrupted: bool) -> LaunchResult:
+    """How a job ended, with the reason and the failing rank when it did not end well."""
+    result = LaunchResult(returncode=returncode, timed_out=timed_out, interrupted=interrupted)
     if timed_out:
         result.reason = f"watchdog: the job ran past --timeout {cfg.timeout_s:g} s and was stopped"
     elif interrupted:
@@ -190,12 +195,17 @@ def _terminate(proc: subprocess.Popen, workers: set[int], grace_s: float = 10.0)
         if pid == proc.pid and proc.poll() is not None:
             continue
         if _alive(pid):
-            for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-                try:
-                    kill()
-                except (ProcessLookupError, PermissionError):
-                    pass
+            kill_group(pid)
     proc.wait()
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL ``pid``'s process group (a rank leads its own session), else ``pid``."""
+    for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def explain_failure(cfg: LaunchConfig, result: LaunchResult) -> None:

@@ -130,18 +130,12 @@ class WarmLauncher:
             interrupted = True
         finally:
             if codes is None:
-                _kill_all(pids)
+                for pid in pids:
+                    torchrun.kill_group(pid)
                 codes = self._wait_exit(events, job_id, cfg.nproc)
             tails.poll()
         failed = [c for c in codes if c != 0]
-        result = LaunchResult(returncode=failed[0] if failed else 0, timed_out=timed_out, interrupted=interrupted)
-        if timed_out:
-            result.reason = f"watchdog: the job ran past --timeout {cfg.timeout_s:g} s and was stopped"
-        elif interrupted:
-            result.reason = "interrupted: the job was stopped"
-        if not result.ok or interrupted:
-            torchrun.explain_failure(cfg, result)
-        return result
+        return torchrun.job_result(cfg, failed[0] if failed else 0, timed_out, interrupted)
 
     def _wait_exit(self, events: queue.Queue, job_id: str, nproc: int) -> list[int]:
         deadline = time.monotonic() + 15
@@ -171,14 +165,6 @@ def shared_launcher() -> WarmLauncher:
         _shared.start()
         return _shared
 
-
-def _kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-            try:
-                kill()
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 class _Tails:

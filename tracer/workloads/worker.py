@@ -1,12 +1,10 @@
-"""What every workload job that ddpscope starts shares: set-up of the rank, rank 0's
-updates of ``run.json``, and test-only fault injection."""
+"""What every workload job that ddpscope starts shares: set-up of the rank and
+test-only fault injection (``run.json`` updates: ``tracer.writer.update_run_json``)."""
 
 from __future__ import annotations
 
 import os
 
-from tracer import format as fmt
-from tracer.writer import read_json, write_json_atomic
 
 # Test-only failure injection, "RANK:AT": raise (FAIL) or block forever (HANG) when that
 # rank reaches step / round / stage AT (each job says which).
@@ -21,14 +19,6 @@ def injected(env: str, rank: int) -> int | None:
         return None
     r, s = raw.split(":")
     return int(s) if int(r) == rank else None
-
-
-def update_run_json(out: str | os.PathLike, fields: dict) -> None:
-    """Merge ``fields`` into the run folder's ``run.json`` (the runner may have written facts)."""
-    path = os.path.join(out, fmt.RUN_FILE)
-    run = read_json(path) if os.path.exists(path) else {"format": fmt.FORMAT, "version": fmt.VERSION}
-    run.update(fields)
-    write_json_atomic(path, run)
 
 
 def init_worker(pg_timeout_s: float):

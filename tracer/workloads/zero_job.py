@@ -26,8 +26,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from tracer import format as fmt
 from tracer.workloads.demo.models import MODELS, build_model, model_config
 from tracer.progress import emit_progress as progress
-from tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected, update_run_json
-from tracer.writer import TraceWriter
+from tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected
+from tracer.writer import TraceWriter, update_run_json
 from tracer.workloads.zero import STAGES, STEP_MARK, ModelStates, analyze_profile, build_stage
 
 MAX_COUNTER_POINTS = 300  # tensor-memory counter samples written per stage
