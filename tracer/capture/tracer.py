@@ -142,6 +142,8 @@ class DDPTracer:
             "backend": self.backend, "device": str(device), "clock": self.clock.kind,
             "clock_offset": {"start": self.offsets_start[self.rank].to_json(), "end": None},
             "param_names": names, "param_bytes": [p.numel() * p.element_size() for p in params],
+            # DDP buckets each dtype apart: a prediction of its layout needs them
+            "param_dtypes": [str(p.dtype).removeprefix("torch.") for p in params],
             "bucket_layouts": [], "steps": 0,
             "step_boundary": cfg.step_boundary, "torch_version": torch.__version__,
         }
@@ -248,6 +250,7 @@ class DDPTracer:
             "static_graph": bool(ddp.static_graph),
             "find_unused_parameters": bool(ddp.find_unused_parameters),
             "param_names": self._meta["param_names"], "param_bytes": self._meta["param_bytes"],
+            "param_dtypes": self._meta["param_dtypes"],
             # DDP's layout after its rebuild, as the communication hook saw it
             "bucket_layout": layouts[-1]["buckets"] if layouts else None,
             "clock_offsets": {

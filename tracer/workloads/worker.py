@@ -21,10 +21,11 @@ def injected(env: str, rank: int) -> int | None:
     return int(s) if int(r) == rank else None
 
 
-def init_worker(pg_timeout_s: float):
+def init_worker(pg_timeout_s: float, bind: bool = True):
     """Set this rank up and join the job's process group: the local GPU and NCCL where
     CUDA is present, else gloo with the rank bound to its share of the cores (less
-    scheduling noise). Returns this rank's ``torch.device``."""
+    scheduling noise; ``bind=False`` leaves it on every core, as a script that does not
+    bind itself runs). Returns this rank's ``torch.device``."""
     import datetime
 
     import torch
@@ -38,7 +39,8 @@ def init_worker(pg_timeout_s: float):
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        bind_local_rank_to_cores()  # before the process group: its threads inherit it
+        if bind:
+            bind_local_rank_to_cores()  # before the process group: its threads inherit it
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=pg_timeout_s))
     return device

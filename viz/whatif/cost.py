@@ -1,0 +1,134 @@
+"""All-reduce time against message size: ``T(M) = latency + M / bandwidth``, or
+piecewise-linear through a calibration sweep's medians where one was run.
+
+``AllReduceCost.time_us(M)`` is the time of one all-reduce of M bytes running alone
+(nothing else on the process group, no compute beside it). What runs beside it is the
+simulator's business (``viz.whatif.model``). A calibration (``ddpscope calibrate``) is
+``calibration.json`` in the run folder: per size, the median time of ``dist.all_reduce``
+on the same ranks and backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from viz.trace import TraceError, read_json_file
+
+CALIBRATION_FILE = "calibration.json"
+CALIBRATION_FORMAT = "ddpscope-calibration"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllReduceCost:
+    """``latency_us`` (µs) + bytes x ``us_per_byte``; ``points``: (bytes, µs) medians of
+    a calibration, interpolated linearly between them (the line outside them);
+    ``scale``: a factor on everything (the run's own buckets against the calibration);
+    ``source``: where the numbers came from, said to the user."""
+
+    latency_us: float
+    us_per_byte: float
+    points: tuple[tuple[float, float], ...] = ()
+    scale: float = 1.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not (np.isfinite(self.latency_us) and self.latency_us >= 0):
+            raise ValueError(f"all-reduce latency must be >= 0 µs, got {self.latency_us}")
+        if not (np.isfinite(self.us_per_byte) and self.us_per_byte > 0):
+            raise ValueError(f"all-reduce time per byte must be > 0 µs, got {self.us_per_byte}")
+        if not (np.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"cost scale must be > 0, got {self.scale}")
+
+    @property
+    def bandwidth_gbps(self) -> float:
+        """Algorithm bandwidth of the bandwidth term (GB/s, 10^9 bytes/s)."""
+        return 1e-3 / self.us_per_byte
+
+    def time_us(self, nbytes) -> np.ndarray:
+        """µs for all-reduces of ``nbytes`` (array-like, bytes), each alone."""
+        m = np.asarray(nbytes, dtype=float)
+        line = self.latency_us + m * self.us_per_byte
+        if len(self.points) >= 2:
+            xs, ys = np.array(self.points, dtype=float).T
+            inside = (m >= xs[0]) & (m <= xs[-1])
+            line = np.where(inside, np.interp(m, xs, ys), line)
+        return self.scale * line
+
+    def with_scale(self, scale: float, source: str) -> AllReduceCost:
+        return AllReduceCost(latency_us=self.latency_us, us_per_byte=self.us_per_byte, points=self.points,
+                             scale=float(scale), source=source)
+
+
+def fit_line(nbytes, us, source: str) -> AllReduceCost:
+    """Least squares ``us = latency + bytes x us_per_byte`` with latency >= 0; with one
+    distinct size (or a fit that says negative latency) the line goes through the origin.
+    Raises ``ValueError`` with no positive sample."""
+    m, t = np.asarray(nbytes, float), np.asarray(us, float)
+    ok = np.isfinite(m) & np.isfinite(t) & (m > 0) & (t > 0)
+    m, t = m[ok], t[ok]
+    if not len(m):
+        raise ValueError("no all-reduce to fit the cost to")
+    if len(np.unique(m)) >= 2:
+        (lat, per_byte), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(m), m]), t, rcond=None)
+        if lat >= 0 and per_byte > 0:
+            return AllReduceCost(latency_us=float(lat), us_per_byte=float(per_byte), source=source)
+    per_byte = float(np.sum(m * t) / np.sum(m * m))
+    return AllReduceCost(latency_us=0.0, us_per_byte=per_byte, source=f"{source}, one size: no latency term")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A calibration sweep: ``sizes`` (bytes) and ``us`` (median µs of each), and the
+    contention it measured (``compute_slowdown``, ``comm_slowdown``: extra time as a
+    fraction, e.g. 0.5 = 1.5x as long; None if not measured)."""
+
+    sizes: tuple[float, ...]
+    us: tuple[float, ...]
+    world_size: int
+    backend: str
+    compute_slowdown: float | None = None
+    comm_slowdown: float | None = None
+    meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def steal_us_per_mib(self) -> float | None:
+        """Compute lost per MiB all-reduced beside it (µs/MiB): the slowdown the contention
+        phase measured, over the all-reduce time per MiB it ran with."""
+        m, s, k = self.meta.get("contention") or {}, self.compute_slowdown, self.comm_slowdown
+        try:
+            per_mib = float(m["comm_alone_us"]) * (1.0 + (k or 0.0)) / (float(m["message_bytes"]) / 2**20)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            return None
+        return None if s is None else s / (1.0 + s) * per_mib
+
+    def cost(self) -> AllReduceCost:
+        line = fit_line(self.sizes, self.us, "calibration")
+        return AllReduceCost(latency_us=line.latency_us, us_per_byte=line.us_per_byte,
+                             points=tuple(zip(self.sizes, self.us)), source="calibration")
+
+
+def read_calibration(run_dir: str | Path) -> Calibration | None:
+    """The run's ``calibration.json``, checked; None if the run has none. A file that is
+    there but unreadable raises ``TraceError``."""
+    path = Path(run_dir) / CALIBRATION_FILE
+    if not path.exists():
+        return None
+    data = read_json_file(path, "calibration")
+    if data.get("format") != CALIBRATION_FORMAT:
+        raise TraceError(f"{path.name} in {path.parent} is not a ddpscope calibration")
+    try:
+        rows = sorted((float(r["bytes"]), float(r["us"])) for r in data["sizes"])
+        sizes, us = zip(*rows) if rows else ((), ())
+        if not rows or not all(np.isfinite(x) and x > 0 for x in (*sizes, *us)):
+            raise ValueError("sizes and times must be > 0")
+        cont = data.get("contention") or {}
+        slow = {k: (None if cont.get(k) is None else float(cont[k])) for k in ("compute_slowdown", "comm_slowdown")}
+        if any(v is not None and not (np.isfinite(v) and v >= 0) for v in slow.values()):
+            raise ValueError("slowdowns must be >= 0")
+        return Calibration(sizes=tuple(sizes), us=tuple(us), world_size=int(data["world_size"]),
+                           backend=str(data["backend"]), meta=data, **slow)
+    except (KeyError, TypeError, ValueError) as e:
+        raise TraceError(f"{path.name} in {path.parent} is malformed ({type(e).__name__}: {e})") from None

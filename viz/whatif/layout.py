@@ -1,0 +1,91 @@
+"""The gradient buckets DDP builds for a cap, from the order gradients became ready.
+
+After its first iteration DDP rebuilds its buckets (``Reducer::rebuild_buckets``): the
+parameters in the order their gradients became ready, cut by
+``compute_bucket_assignment_by_size`` with the limits ``[first_bucket_bytes_cap,
+bucket_bytes_cap]``: a bucket closes on the gradient that takes it to or past its limit
+(so buckets overshoot the cap by up to one gradient), every (dtype, device) fills its
+own bucket, and what is left open at the end closes last. Bucket 0 is the first to be
+ready. ``bucket_cap_mb`` given explicitly makes the first bucket's cap the same as the
+others' (``_BucketCapacityConfig``); only the default (25 MiB) keeps a 1 MiB first bucket.
+
+The assignment is DDP's own C++ function when torch is importable (called on ``meta``
+tensors: sizes and dtypes only, no memory), else a line-by-line port of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MIB = 2**20
+DEFAULT_CAP_MB = 25.0  # torch's _DEFAULT_BUCKET_CAP_MB
+DEFAULT_FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+             "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def cap_limits(cap_mb: float | None) -> tuple[int, int]:
+    """``(first_bucket_bytes_cap, bucket_bytes_cap)`` DDP uses for ``bucket_cap_mb``
+    (MiB; None: DDP's default 25 MiB with its 1 MiB first bucket)."""
+    if cap_mb is None:
+        return DEFAULT_FIRST_BUCKET_BYTES, int(DEFAULT_CAP_MB * MIB)
+    if not cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {cap_mb}")
+    cap = int(cap_mb * MIB)  # DDP truncates the same way
+    return cap, cap
+
+
+def assign_buckets(param_bytes: Sequence[int], param_dtypes: Sequence[str], ready_order: Sequence[int],
+                   limits: Sequence[int]) -> list[list[int]]:
+    """Buckets (lists of parameter indices, bucket 0 first to be ready) for parameters of
+    ``param_bytes`` (bytes) and ``param_dtypes`` (``"float32"``...) whose gradients become
+    ready in ``ready_order``, under byte ``limits`` (first bucket's, then every other's)."""
+    if sorted(ready_order) != list(range(len(param_bytes))):
+        raise ValueError("the ready order must name every parameter once")
+    if len(param_dtypes) != len(param_bytes):
+        raise ValueError("one dtype per parameter is needed")
+    try:
+        return _assign_with_torch(param_bytes, param_dtypes, ready_order, limits)
+    except ImportError:
+        return assign_buckets_python(param_bytes, param_dtypes, ready_order, limits)
+
+
+def _assign_with_torch(param_bytes, param_dtypes, ready_order, limits) -> list[list[int]]:
+    import torch
+    import torch.distributed as dist
+
+    tensors = []
+    for i in ready_order:
+        dtype = getattr(torch, str(param_dtypes[i]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"parameter {i} has an unknown dtype {param_dtypes[i]!r}")
+        itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+        tensors.append(torch.empty(int(param_bytes[i]) // itemsize, dtype=dtype, device="meta"))
+    indices, _ = dist._compute_bucket_assignment_by_size(tensors, [int(x) for x in limits],
+                                                         [False] * len(tensors), list(ready_order))
+    return [list(map(int, b)) for b in indices]
+
+
+def assign_buckets_python(param_bytes, param_dtypes, ready_order, limits) -> list[list[int]]:
+    """``compute_bucket_assignment_by_size`` (reducer.cpp) in Python, for a reader
+    without torch. Open buckets left at the end close in first-seen dtype order (C++
+    walks a hash map there: the order differs only with several dtypes)."""
+    open_: dict[str, list[int]] = {}
+    size: dict[str, int] = {}
+    limit_at: dict[str, int] = {}
+    out: list[list[int]] = []
+    for i in ready_order:
+        key = str(param_dtypes[i])
+        if key not in _ITEMSIZE:
+            raise ValueError(f"parameter {i} has an unknown dtype {key!r}")
+        open_.setdefault(key, []).append(int(i))
+        size[key] = size.get(key, 0) + int(param_bytes[i])
+        k = limit_at.setdefault(key, 0)
+        if size[key] >= limits[k]:
+            out.append(open_.pop(key))
+            size[key] = 0
+            limit_at[key] = min(k + 1, len(limits) - 1)
+    out.extend(b for b in open_.values() if b)
+    return out

@@ -1,0 +1,336 @@
+"""What the simulator takes from a trace, and the parameters it fits there.
+
+Per finished, non-warm-up step and rank (``StepInputs``): the backward start, each
+gradient's ready time and the end of backward compute as *work* (µs of backward compute
+with the slowdown under communication taken out), and the measured rest of the step
+around the syncing backward (before it, after DDP has every averaged gradient).
+
+``fit_model`` fits (``WhatIfModel``):
+- the all-reduce cost of one bucket alone against its size (``viz.whatif.cost``): from a
+  calibration sweep when the run has one, scaled to the run's own buckets, else a line
+  through the run's own buckets;
+- ``comm_slowdown``: how much longer an all-reduce takes while backward computes (on CPU
+  gloo's threads share the cores with autograd), fitted to the run's buckets: each
+  bucket's time in flight, in slices with and without backward compute beside it;
+- ``steal_us_per_mib``: backward compute lost per MiB all-reduced beside it (µs/MiB). On
+  CPU an all-reduce's reductions and copies take cores from autograd in proportion to the
+  bytes, not to the time it is in flight (a small bucket waiting on its peer costs
+  nothing). Measured by the calibration (compute beside a train of all-reduces); without
+  one, fitted to the trace's gradients: segments of backward between two ready gradients
+  of the same kind (same name but for layer numbers, same size) cost the same work, so
+  their overlapped and non-overlapped durations give a slowdown, turned into µs/MiB with
+  the run's own time in flight per MiB; else 0 (``notes`` say which);
+- ``launch_us``: bucket ready (its last gradient) -> DDP hands it to the hook (median).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from viz.overlap import covered, merge_intervals
+from viz.trace import RunTrace, TraceError
+from viz.whatif.cost import AllReduceCost, Calibration, fit_line, read_calibration
+
+#: all-reduces one process group runs at once: gloo's two worker threads, NCCL's one stream
+LANES = {"gloo": 2, "nccl": 1}
+MIB = 2**20
+_SLOWDOWN_GRID = np.linspace(0.0, 4.0, 81)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WhatIfModel:
+    cost: AllReduceCost
+    lanes: int = 1
+    comm_slowdown: float = 0.0
+    steal_us_per_mib: float = 0.0
+    launch_us: float = 0.0
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.lanes < 1:
+            raise ValueError(f"lanes must be >= 1, got {self.lanes}")
+        for name in ("comm_slowdown", "steal_us_per_mib", "launch_us"):
+            v = getattr(self, name)
+            if not (np.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be >= 0, got {v}")
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One rank's syncing backward in one step. Times µs on rank 0's clock; work µs."""
+
+    b0: float  # backward start
+    work: dict[int, float]  # parameter -> work done when its gradient was ready
+    work_end: float  # work at the end of backward compute
+    head: float  # step start -> backward start
+    finalize: float  # last all-reduce done (or backward end) -> DDP has every averaged gradient
+    tail: float  # every averaged gradient -> step end
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    step: int
+    ranks: dict[int, RankStep]
+
+
+def check_predictable(trace: RunTrace) -> None:
+    """Raise ``TraceError`` (one line) when a trace cannot be the base of a prediction."""
+    if trace.run.get("kind") not in (None, "ddp"):
+        raise TraceError(f"{trace.path.name} is a {trace.run.get('kind')} run: what-if needs a DDP training run")
+    if not trace.run.get("param_bytes"):
+        raise TraceError(f"{trace.path.name} has no parameter sizes in run.json (an unfinished or too old run)")
+    if len(trace.buckets) == 0 or len(trace.grads) == 0:
+        raise TraceError(f"{trace.path.name} has no traced all-reduce or gradient: nothing to predict from")
+    if not len(usable_steps(trace)):
+        raise TraceError(f"{trace.path.name} has no finished step after DDP's bucket rebuild on every rank: "
+                         "trace more steps")
+
+
+def usable_steps(trace: RunTrace) -> list[int]:
+    """Steps finished, past warm-up, and with a backward on every rank."""
+    s = trace.steps
+    if not len(s) or "backward_start_us" not in s:
+        return []
+    s = s[~s["warmup"] & ~s["incomplete"] & s["backward_start_us"].notna() & s["backward_end_us"].notna()]
+    counts = s.groupby("step")["rank"].nunique()
+    return sorted(int(k) for k, n in counts.items() if n == len(trace.ranks))
+
+
+def _comm_union(b: pd.DataFrame, start_all: pd.Series | None = None) -> np.ndarray:
+    """The rank's time with an all-reduce in flight: from the moment the collective could
+    start (every rank launched it; ``start_all``: the last launch per bucket) to done."""
+    launch = b["launch_us"].to_numpy(float)
+    if start_all is not None:
+        launch = np.maximum(launch, b["bucket"].map(start_all).to_numpy(float))
+    done = b["done_us"].to_numpy(float)
+    return merge_intervals(np.minimum(launch, done), done)
+
+
+def _flights(b: pd.DataFrame, start_all: pd.Series | None) -> np.ndarray:
+    """Per bucket (rows of ``b``): [start, done, MiB], start when every rank had launched it."""
+    launch = b["launch_us"].to_numpy(float)
+    if start_all is not None:
+        launch = np.maximum(launch, b["bucket"].map(start_all).to_numpy(float))
+    done = b["done_us"].to_numpy(float)
+    return np.column_stack([np.minimum(launch, done), done, b["bytes"].to_numpy(float) / MIB])
+
+
+def _work_at(t: float, b0: float, flights: np.ndarray, steal: float) -> float:
+    """Backward work done by ``t`` (µs): the time since ``b0`` less what all-reduces took
+    (``steal`` µs per MiB, spread over each one's flight)."""
+    lo, hi, mib = flights.T
+    inside = np.clip(np.minimum(hi, t) - np.maximum(lo, b0), 0, None)
+    frac = np.divide(inside, hi - lo, out=np.ones_like(inside) * (inside > 0), where=hi > lo)
+    return (t - b0) - steal * float(np.sum(frac * mib))
+
+
+def step_inputs(trace: RunTrace, steal_us_per_mib: float) -> list[StepInputs]:
+    """``StepInputs`` of every usable step (see ``usable_steps``)."""
+    steps = trace.steps.set_index(["rank", "step"])
+    grads = trace.grads
+    sync_micro = _syncing_micro(trace)
+    g_by = {k: g for k, g in grads.groupby(["rank", "step"])}
+    b_by = {k: g for k, g in trace.buckets.groupby(["rank", "step"])}
+    last_launch = {k: g.groupby("bucket")["launch_us"].max() for k, g in trace.buckets.groupby("step")}
+    out = []
+    for step in usable_steps(trace):
+        ranks = {}
+        for rank in sorted(trace.ranks):
+            s = steps.loc[(rank, step)]
+            g = g_by.get((rank, step))
+            b = b_by.get((rank, step))
+            if g is None or b is None:
+                break
+            g = g[g["micro"] == sync_micro.get((rank, step), g["micro"].max())]
+            flights = _flights(b, last_launch.get(step))
+            b0, b1 = float(s["backward_start_us"]), float(s["backward_end_us"])
+            sync_end = float(s["sync_end_us"]) if pd.notna(s.get("sync_end_us")) else max(b1, b["done_us"].max())
+            work = {int(p): max(0.0, _work_at(float(t), b0, flights, steal_us_per_mib))
+                    for p, t in zip(g["param"], g["ready_us"])}
+            ranks[rank] = RankStep(
+                b0=b0, work=work, work_end=max(_work_at(b1, b0, flights, steal_us_per_mib), max(work.values())),
+                head=b0 - float(s["start_us"]),
+                finalize=max(0.0, sync_end - max(b1, float(b["done_us"].max()))),
+                tail=max(0.0, float(s["end_us"]) - sync_end))
+        else:
+            out.append(StepInputs(step=step, ranks=ranks))
+    return out
+
+
+def _syncing_micro(trace: RunTrace) -> dict[tuple[int, int], int]:
+    p = trace.passes
+    if not len(p) or "sync" not in p:
+        return {}
+    synced = p[p["sync"].astype(bool)]
+    return {(int(r), int(s)): int(m) for r, s, m in zip(synced["rank"], synced["step"], synced["micro"])}
+
+
+# -- fitting ---------------------------------------------------------------------------------
+
+
+def fit_model(trace: RunTrace, calibration: Calibration | None | str = "auto") -> WhatIfModel:
+    """Fit every parameter of the model to ``trace`` (and its calibration: ``"auto"``
+    reads the run folder's ``calibration.json`` if there is one). Raises ``TraceError``."""
+    check_predictable(trace)
+    if calibration == "auto":
+        calibration = read_calibration(trace.path)
+    notes = []
+    if calibration is not None and calibration.world_size != trace.world_size:
+        notes.append(f"the calibration ran on {calibration.world_size} ranks, the run on {trace.world_size}: not used")
+        calibration = None
+    backend = str(trace.run.get("backend") or next(iter(trace.ranks.values())).get("backend") or "gloo")
+    lanes = LANES.get(backend, 1)
+    cost, kappa, c_note = fit_comm(trace, lanes, calibration)
+    if calibration is not None and calibration.steal_us_per_mib is not None:
+        steal, s_note = calibration.steal_us_per_mib, "backward compute lost beside all-reduces: the calibration's"
+    else:
+        s, s_note = fit_compute_slowdown(trace)
+        if s is None:
+            steal, s_note = 0.0, f"{s_note}; taken as 0 (run `ddpscope calibrate` to measure it)"
+        else:
+            steal = s / (1.0 + s) * flight_us_per_mib(trace)
+    notes += [f"{s_note}: {steal:.0f} µs per MiB", c_note]
+    return WhatIfModel(cost=cost, lanes=lanes, comm_slowdown=kappa, steal_us_per_mib=float(steal),
+                       launch_us=launch_delay_us(trace), notes=tuple(notes))
+
+
+def flight_us_per_mib(trace: RunTrace) -> float:
+    """Median time in flight per MiB of the all-reduces that ran during backward (µs)."""
+    keep = set(usable_steps(trace))
+    b = trace.buckets[trace.buckets["step"].isin(keep)]
+    steps = trace.steps.set_index(["rank", "step"])
+    b0 = steps["backward_start_us"].reindex(pd.MultiIndex.from_frame(b[["rank", "step"]])).to_numpy()
+    b1 = steps["backward_end_us"].reindex(pd.MultiIndex.from_frame(b[["rank", "step"]])).to_numpy()
+    during = (b["launch_us"].to_numpy() >= b0) & (b["done_us"].to_numpy() <= b1)
+    per = (b["done_us"] - b["launch_us"]).to_numpy()[during] / (b["bytes"].to_numpy()[during] / MIB)
+    return float(np.median(per)) if len(per) else 0.0
+
+
+def launch_delay_us(trace: RunTrace) -> float:
+    """Median of bucket launch - its last gradient ready (µs), over usable steps and ranks."""
+    names = {n: i for i, n in enumerate(trace.run.get("param_names") or [])}
+    ready = trace.grads.groupby(["rank", "step", "param"])["ready_us"].max()
+    keep = set(usable_steps(trace))
+    delays = []
+    for b in trace.buckets.itertuples(index=False):
+        if b.step not in keep:
+            continue
+        times = [ready.get((b.rank, b.step, names.get(p, -1))) for p in b.params]
+        times = [t for t in times if t is not None]
+        if times:
+            delays.append(b.launch_us - max(times))
+    return float(max(0.0, np.median(delays))) if delays else 0.0
+
+
+def _role(name: str) -> str:
+    return re.sub(r"\d+", "#", str(name))
+
+
+def fit_compute_slowdown(trace: RunTrace) -> tuple[float | None, str]:
+    """Backward's slowdown under communication from the trace's own segments (see the
+    module's docstring), or ``(None, why not)``."""
+    sizes = trace.run.get("param_bytes") or []
+    rows = []
+    steps = trace.steps.set_index(["rank", "step"])
+    b_by = {k: g for k, g in trace.buckets.groupby(["rank", "step"])}
+    last_launch = {k: g.groupby("bucket")["launch_us"].max() for k, g in trace.buckets.groupby("step")}
+    for (rank, step), g in trace.grads.groupby(["rank", "step"]):
+        if step not in set(usable_steps(trace)) or (rank, step) not in b_by:
+            continue
+        s = steps.loc[(rank, step)]
+        comm = _comm_union(b_by[(rank, step)], last_launch.get(step))
+        g = g.sort_values("ready_us")
+        prev = float(s["backward_start_us"])
+        for p, name, t in zip(g["param"], g["name"], g["ready_us"]):
+            d = float(t) - prev
+            if d > 0:
+                size = sizes[int(p)] if 0 <= int(p) < len(sizes) else -1
+                rows.append((rank, int(p), f"{_role(name)}/{size}", d, covered(comm, prev, float(t)) / d))
+            prev = float(t)
+    if not rows:
+        return None, "no backward segments to fit the compute slowdown to"
+    df = pd.DataFrame(rows, columns=["rank", "param", "role", "d", "f"])
+    df = df.groupby(["rank", "param", "role"], as_index=False)[["d", "f"]].median()
+    spread = df.groupby("role")["f"].agg(lambda f: f.max() - f.min())
+    roles = spread[spread >= 0.5].index  # kinds seen both mostly overlapped and mostly not
+    if len(roles) < 2:
+        return None, "the trace has too few gradients of one kind both with and without communication beside " \
+                     "them to fit backward's slowdown"
+    df = df[df["role"].isin(roles)]
+    best, best_s = np.inf, 0.0
+    for s in _SLOWDOWN_GRID:
+        w = 1.0 + s * df["f"]
+        c = (df["d"] * w).groupby(df["role"]).sum() / (w * w).groupby(df["role"]).sum()
+        res = float(((df["d"] - df["role"].map(c) * w) ** 2).sum())
+        if res < best:
+            best, best_s = res, float(s)
+    return best_s, f"backward's slowdown under communication fitted to {len(roles)} kinds of gradient: {best_s:.2f}"
+
+
+def fit_comm(trace: RunTrace, lanes: int, calibration: Calibration | None) -> tuple[AllReduceCost, float, str]:
+    """All-reduce cost alone and its slowdown beside backward compute, from every bucket
+    of the usable steps (with the calibration's curve when there is one)."""
+    samples = _comm_samples(trace, lanes)
+    if not len(samples["bytes"]):
+        raise TraceError(f"{trace.path.name}: no finished all-reduce to fit the communication cost to")
+    nbytes = np.asarray(samples["bytes"], float)
+    base = calibration.cost() if calibration is not None else None
+    best = None
+    for kappa in _SLOWDOWN_GRID:
+        work = samples["flight"] / (1.0 + kappa * samples["computing"])  # µs each, uncontended
+        work = work.sum(axis=1)
+        if base is not None:
+            scale = float(np.median(work / base.time_us(nbytes)))
+            cost = base.with_scale(scale, f"calibration x {scale:.2f} (the run's own buckets)")
+        else:
+            cost = fit_line(nbytes, work, "the run's own buckets")
+        err = float(np.sum(np.log(np.maximum(work, 1.0) / cost.time_us(nbytes)) ** 2))
+        if best is None or err < best[0] - 1e-9:
+            best = (err, cost, float(kappa))
+    _, cost, kappa = best
+    sizes = len(np.unique(nbytes))
+    note = (f"all-reduce cost from {cost.source} ({sizes} sizes): {cost.latency_us * cost.scale:.0f} µs + "
+            f"{cost.bandwidth_gbps / cost.scale:.2f} GB/s; {kappa:.2f} slower beside backward compute")
+    return cost, kappa, note
+
+
+def _comm_samples(trace: RunTrace, lanes: int) -> dict:
+    """Per bucket all-reduce (usable steps, per rank): its bytes, and its time in flight
+    cut into slices: each slice's duration (``flight``, µs) and whether backward computed
+    then on any rank (``computing``, 0/1), as arrays of equal shape (buckets x slices,
+    padded with zeros). Lanes run side by side without sharing: on gloo most of a small
+    all-reduce is waiting on the peer, and what is shared shows in the fitted cost."""
+    steps = trace.steps.set_index(["rank", "step"])
+    keep = set(usable_steps(trace))
+    nbytes, flight, computing = [], [], []
+    for (rank, step), b in trace.buckets.groupby(["rank", "step"]):
+        if step not in keep:
+            continue
+        others = trace.buckets[trace.buckets["step"] == step]
+        start_all = others.groupby("bucket")["launch_us"].max()  # the collective waits for the last rank
+        spans = [(float(steps.loc[(r, step)]["backward_start_us"]), float(steps.loc[(r, step)]["backward_end_us"]))
+                 for r in trace.ranks]
+        b = b.sort_values("bucket")
+        starts = np.maximum(b["bucket"].map(start_all).to_numpy(float), b["launch_us"].to_numpy(float))
+        done = b["done_us"].to_numpy(float)
+        # FIFO with ``lanes`` workers: a bucket starts no earlier than the lanes-th one before it ended
+        for j in range(lanes, len(starts)):
+            starts[j] = max(starts[j], np.sort(done[:j])[-lanes] if j >= lanes else starts[j])
+        starts = np.minimum(starts, done)
+        cuts = np.unique(np.concatenate([starts, done, np.ravel(spans)]))
+        for j, nb in enumerate(b["bytes"].to_numpy()):
+            lo, hi = starts[j], done[j]
+            edges = cuts[(cuts >= lo) & (cuts <= hi)]
+            if len(edges) < 2:
+                continue
+            mid = (edges[:-1] + edges[1:]) / 2
+            nbytes.append(float(nb))
+            flight.append(np.diff(edges))
+            computing.append(np.any([(mid >= lo_) & (mid < hi_) for lo_, hi_ in spans], axis=0).astype(float))
+    width = max((len(x) for x in flight), default=0)
+    pad = lambda rows: np.array([np.pad(r, (0, width - len(r))) for r in rows]) if rows else np.zeros((0, 0))
+    return {"bytes": nbytes, "flight": pad(flight), "computing": pad(computing)}

@@ -1,0 +1,255 @@
+"""Replay a traced run's steps with another bucket layout: the prediction.
+
+Each step is simulated on every rank at once, event by event (times µs):
+- backward compute advances each rank's work from its measured start at rate 1, less
+  what the all-reduces in flight take: each takes ``steal_us_per_mib`` x its MiB,
+  spread over the time it is in flight beside compute;
+- bucket j is ready on a rank when its last gradient's work is done; DDP launches buckets
+  in index order, ``launch_us`` after ready;
+- the process group runs all-reduces in bucket order, at most ``lanes`` at once; one
+  starts when every rank has launched it and a lane is free, takes the fitted cost of its
+  size, and goes 1 + comm_slowdown times slower while any rank computes;
+- after backward, each rank waits for its last all-reduce, then DDP's finalize and the
+  rest of the step (optimizer, data) take what they took in the trace.
+
+``predict_run`` returns a ``RunTrace`` whose tables (steps, passes, buckets, grads) are
+built like a measured trace's, so every metric and figure takes a prediction as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+import numpy as np
+import pandas as pd
+
+from viz.trace import RunTrace, TraceError, frame_of
+from viz.whatif.layout import assign_buckets, cap_limits
+from viz.whatif.model import StepInputs, WhatIfModel, fit_model, step_inputs
+
+_EPS = 1e-6
+
+
+def ready_order(trace: RunTrace) -> list[int]:
+    """Parameters in the order DDP's rebuild sees their gradients: rank 0's first traced
+    backward (every parameter that has a gradient; any missing go last, in reverse
+    registration order, as DDP's initial buckets have them)."""
+    n = len(trace.run.get("param_bytes") or [])
+    g = trace.grads
+    first = g[(g["rank"] == g["rank"].min())]
+    first = first[first["step"] == first["step"].min()]
+    first = first[first["micro"] == first["micro"].min()].sort_values("ready_us", kind="stable")
+    seen = [int(p) for p in dict.fromkeys(first["param"]) if 0 <= int(p) < n]
+    rest = [p for p in reversed(range(n)) if p not in set(seen)]
+    return seen + rest
+
+
+def predict_layout(trace: RunTrace, cap_mb: float | None) -> list[list[int]]:
+    """The buckets DDP builds for ``cap_mb`` (MiB) from this trace's ready order."""
+    run = trace.run
+    sizes = run.get("param_bytes") or []
+    dtypes = run.get("param_dtypes") or ["float32"] * len(sizes)
+    return assign_buckets(sizes, dtypes, ready_order(trace), cap_limits(cap_mb))
+
+
+def simulate_step(inputs: StepInputs, layout: list[list[int]], bucket_bytes: list[float],
+                  model: WhatIfModel) -> dict:
+    """One step on every rank. Returns ``{"ranks": {r: {"backward_end", "sync_end",
+    "ready": [per bucket], "launch": [per bucket]}}, "start": [...], "done": [...]}``
+    (µs, rank 0's clock)."""
+    ranks = sorted(inputs.ranks)
+    nb = len(layout)
+    kappa, lanes = model.comm_slowdown, model.lanes
+    cost = np.asarray(model.cost.time_us(bucket_bytes), float) if nb else np.zeros(0)
+    # share of a core an all-reduce takes from compute while it runs beside it
+    steal = np.minimum(model.steal_us_per_mib * np.asarray(bucket_bytes, float) / 2**20
+                       / np.maximum(cost * (1.0 + kappa), 1e-9), 0.95) if nb else np.zeros(0)
+    rs = inputs.ranks
+    thresh = {r: np.array([max(rs[r].work.get(p, 0.0) for p in b) for b in layout]) for r in ranks}
+    # per rank: (work, kind, bucket) milestones in work order; kind 0 = bucket ready, 1 = backward end
+    miles = {r: sorted([(float(w), 0, j) for j, w in enumerate(thresh[r])] + [(rs[r].work_end, 1, -1)])
+             for r in ranks}
+    pos = {r: 0 for r in ranks}
+    work = {r: 0.0 for r in ranks}
+    bwd_end: dict[int, float] = {}
+    ready = {r: [np.nan] * nb for r in ranks}
+    launch = {r: [np.nan] * nb for r in ranks}
+    next_launch = {r: 0 for r in ranks}  # DDP launches buckets in index order
+    start, done = [np.nan] * nb, [np.nan] * nb
+    remaining = cost.copy()
+    in_flight: list[int] = []
+    next_start = 0
+    t = min(rs[r].b0 for r in ranks)
+    launches: list[tuple[float, int, int]] = []  # heap of pending (time, rank, bucket)
+
+    def computing(r: int) -> bool:
+        return r not in bwd_end and t >= rs[r].b0 - _EPS
+
+    for _ in range(100 * (nb + 2) * len(ranks) + 1000):
+        # settle everything due at t
+        changed = True
+        while changed:
+            changed = False
+            for r in ranks:
+                while computing(r) and pos[r] < len(miles[r]) and miles[r][pos[r]][0] <= work[r] + _EPS:
+                    _, kind, j = miles[r][pos[r]]
+                    pos[r] += 1
+                    if kind == 1:
+                        bwd_end[r] = t
+                    else:
+                        ready[r][j] = t
+                    changed = True
+                while next_launch[r] < nb and not np.isnan(ready[r][next_launch[r]]):
+                    j = next_launch[r]
+                    prev = launch[r][j - 1] if j else -np.inf
+                    heapq.heappush(launches, (max(t + model.launch_us, prev), r, j))
+                    launch[r][j] = max(t + model.launch_us, prev)
+                    next_launch[r] += 1
+                    changed = True
+            for j in list(in_flight):
+                if remaining[j] <= _EPS:
+                    in_flight.remove(j)
+                    done[j] = t
+                    changed = True
+            while (next_start < nb and len(in_flight) < lanes
+                   and all(not np.isnan(launch[r][next_start]) and launch[r][next_start] <= t + _EPS for r in ranks)):
+                start[next_start] = t
+                in_flight.append(next_start)
+                next_start += 1
+                changed = True
+        if len(bwd_end) == len(ranks) and next_start == nb and not in_flight:
+            break
+        # rates until the next event
+        any_compute = any(computing(r) for r in ranks)
+        taken = min(0.95, float(sum(steal[j] for j in in_flight)))
+        c_rate = {r: 1.0 - taken if computing(r) else 0.0 for r in ranks}
+        m_rate = 1.0 / (1.0 + kappa) if any_compute else 1.0
+        horizon = [np.inf]
+        for r in ranks:
+            if r in bwd_end:
+                continue
+            if t < rs[r].b0 - _EPS:
+                horizon.append(rs[r].b0)
+            elif pos[r] < len(miles[r]):
+                horizon.append(t + (miles[r][pos[r]][0] - work[r]) / c_rate[r])
+        horizon += [t + remaining[j] / m_rate for j in in_flight]
+        if next_start < nb and len(in_flight) < lanes:
+            due = [launch[r][next_start] for r in ranks]
+            if not any(np.isnan(due)):
+                horizon.append(max(due))
+        t_next = max(min(horizon), t)
+        if not np.isfinite(t_next):
+            raise RuntimeError("the simulation cannot make progress (a bucket never becomes ready)")
+        dt = t_next - t
+        for r in ranks:
+            work[r] += c_rate[r] * dt
+        for j in in_flight:
+            remaining[j] -= m_rate * dt
+        t = t_next
+    else:
+        raise RuntimeError("the simulation did not finish")
+    out = {}
+    for r in ranks:
+        last = max([bwd_end[r], *[d for d in done if not np.isnan(d)]])
+        out[r] = {"backward_end": bwd_end[r], "sync_end": last + rs[r].finalize, "ready": ready[r],
+                  "launch": launch[r]}
+    return {"ranks": out, "start": start, "done": done}
+
+
+def predict_run(trace: RunTrace, cap_mb: float | None, model: WhatIfModel | None = None) -> RunTrace:
+    """``trace``'s usable steps replayed at ``bucket_cap_mb`` = ``cap_mb`` (MiB; None:
+    DDP's default) with ``model`` (fitted to ``trace`` when not given). The result's
+    ``run`` says ``"status": "predicted"`` and holds the layout and the model's notes."""
+    if cap_mb is not None and not (np.isfinite(cap_mb) and cap_mb > 0):
+        raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {cap_mb}")
+    model = model or fit_model(trace)
+    layout = predict_layout(trace, cap_mb)
+    sizes = trace.run["param_bytes"]
+    names = trace.run.get("param_names") or [f"param[{i}]" for i in range(len(sizes))]
+    bucket_bytes = [float(sum(sizes[p] for p in b)) for b in layout]
+    inputs = step_inputs(trace, model.steal_us_per_mib)
+    if not inputs:
+        raise TraceError(f"{trace.path.name}: no step to replay")
+    measured = trace.steps.set_index(["rank", "step"])
+    rows: dict[str, list] = {"steps": [], "passes": [], "buckets": [], "grads": []}
+    keep = set()
+    for inp in inputs:
+        sim = simulate_step(inp, layout, bucket_bytes, model)
+        for r, res in sim["ranks"].items():
+            keep.add((r, inp.step))
+            _emit_rank_step(rows, measured.loc[(r, inp.step)], r, inp, res, sim, layout, bucket_bytes, names)
+    passes = trace.passes
+    if len(passes):
+        rp = passes.set_index(["rank", "step"]).index
+        others = passes[[k in keep for k in rp]]
+        rows["passes"] += _shift_passes(others, rows["steps"])
+    first, cap_bytes = cap_limits(cap_mb)
+    run = {**trace.run, "status": "predicted", "bucket_cap_mb": cap_bytes / 2**20, "bucket_cap_bytes": cap_bytes,
+           "first_bucket_cap_bytes": first, "bucket_layout": layout,
+           "prediction": {"from": str(trace.path), "from_bucket_cap_mb": trace.run.get("bucket_cap_mb"),
+                          "model": _model_json(model)}}
+    memory = trace.memory
+    if len(memory):
+        memory = memory[[k in keep for k in memory.set_index(["rank", "step"]).index]].reset_index(drop=True)
+    return RunTrace(path=trace.path, run=run, ranks=trace.ranks,
+                    steps=frame_of(rows["steps"], ["rank", "step"]),
+                    buckets=frame_of(rows["buckets"], ["rank", "step", "bucket"]),
+                    grads=frame_of(rows["grads"], ["rank", "step", "ready_us"]),
+                    memory=memory, passes=frame_of(rows["passes"], ["rank", "step", "micro"]))
+
+
+def _emit_rank_step(rows, m, r, inp: StepInputs, res, sim, layout, bucket_bytes, names) -> None:
+    rs = inp.ranks[r]
+    shift = res["sync_end"] - float(m["sync_end_us"]) if pd.notna(m.get("sync_end_us")) else 0.0
+    row = {k: m[k] for k in m.index if not k.startswith("optimizer") and k not in ("end_us",)}
+    row.update(rank=r, step=inp.step, warmup=False, incomplete=False,
+               backward_end_us=res["backward_end"], sync_start_us=res["backward_end"], sync_end_us=res["sync_end"],
+               end_us=float(m["end_us"]) + shift)
+    row["backward_us"] = float(m["backward_us"]) - (float(m["backward_end_us"]) - float(m["backward_start_us"])) \
+        + (res["backward_end"] - rs.b0)
+    for k in ("optimizer_start_us", "optimizer_end_us"):
+        if k in m.index and pd.notna(m[k]):
+            row[k] = float(m[k]) + shift
+    rows["steps"].append(row)
+    rows["passes"].append({"rank": r, "step": inp.step, "micro": int(m.get("micro_batches", 1) or 1) - 1,
+                           "sync": True, "forward_start_us": m["forward_start_us"],
+                           "forward_end_us": m["forward_end_us"], "backward_start_us": rs.b0,
+                           "backward_end_us": res["backward_end"], "sync_start_us": res["backward_end"],
+                           "sync_end_us": res["sync_end"]})
+    for j, params in enumerate(layout):
+        rows["buckets"].append({"rank": r, "step": inp.step, "bucket": j, "bytes": int(bucket_bytes[j]),
+                                "num_params": len(params), "params": [names[p] for p in params],
+                                "launch_us": res["launch"][j], "done_us": sim["done"][j], "incomplete": False})
+    for p, w in rs.work.items():
+        rows["grads"].append({"rank": r, "step": inp.step, "micro": int(m.get("micro_batches", 1) or 1) - 1,
+                              "param": p, "name": names[p] if p < len(names) else str(p),
+                              "ready_us": _time_of_work(res, layout, rs, p)})
+
+
+def _time_of_work(res, layout, rs, p) -> float:
+    """A gradient's predicted ready time: its bucket's, for the bucket's last gradient;
+    others placed by work between the backward start and that (approximate)."""
+    for j, params in enumerate(layout):
+        if p in params:
+            last = max(rs.work.get(q, 0.0) for q in params)
+            t_ready = res["ready"][j]
+            frac = rs.work.get(p, 0.0) / last if last > 0 else 1.0
+            return rs.b0 + frac * (t_ready - rs.b0)
+    return rs.b0
+
+
+def _shift_passes(passes: pd.DataFrame, steps: list[dict]) -> list[dict]:
+    """Non-syncing passes (gradient accumulation) as measured; the syncing one is predicted."""
+    syncing = {(s["rank"], s["step"]): int(s.get("micro_batches", 1) or 1) - 1 for s in steps}
+    out = []
+    for p in passes.to_dict("records"):
+        if p["micro"] != syncing.get((p["rank"], p["step"])):
+            out.append(p)
+    return out
+
+
+def _model_json(model: WhatIfModel) -> dict:
+    d = dataclasses.asdict(model)
+    d["cost"] = {k: v for k, v in d["cost"].items() if k != "points"}
+    return d

@@ -1,0 +1,74 @@
+"""Many caps from one trace: predicted step time and exposed communication per cap, the
+recommended cap, and the measured runs of the same script placed on the same axes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from viz.overlap import compute_step_breakdown
+from viz.trace import RunTrace
+from viz.whatif.model import WhatIfModel, fit_model
+from viz.whatif.simulate import predict_run
+
+DEFAULT_CAPS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 32.0, 64.0, 128.0, 256.0)
+#: a cap must beat the traced one by this much (fraction of step time) to be recommended
+MIN_GAIN = 0.02
+
+
+def _medians(trace: RunTrace) -> dict:
+    b = compute_step_breakdown(trace)
+    return {k: float(b[k].median()) if len(b) else np.nan
+            for k in ("step_ms", "backward_ms", "comm_ms", "exposed_ms", "overlap_pct")}
+
+
+def compute_cap_sweep(trace: RunTrace, caps=DEFAULT_CAPS, model: WhatIfModel | None = None) -> pd.DataFrame:
+    """One row per cap (MiB): buckets, and the predicted medians over steps and ranks of
+    step, backward compute, communication and exposed communication (ms), overlap %;
+    plus ``traced`` (the trace's own cap, replayed) and ``predictions`` (RunTrace per
+    cap, in ``df.attrs``, for figures). Caps must be > 0."""
+    model = model or fit_model(trace)
+    traced = trace.run.get("bucket_cap_mb")
+    caps = sorted({float(c) for c in caps} | ({float(traced)} if traced else set()))
+    rows, preds = [], {}
+    for cap in caps:
+        pred = predict_run(trace, cap, model)
+        preds[cap] = pred
+        rows.append({"bucket_cap_mb": cap, "buckets": len(pred.run["bucket_layout"]), **_medians(pred),
+                     "traced": traced is not None and np.isclose(cap, float(traced))})
+    df = pd.DataFrame(rows)
+    df.attrs["predictions"] = preds
+    df.attrs["model"] = model
+    return df
+
+
+def recommend_cap(sweep: pd.DataFrame) -> dict:
+    """The cap with the lowest predicted step time, with its gain over the traced cap
+    (ms and %). When no cap beats the traced one by ``MIN_GAIN``, the traced cap stays."""
+    best = sweep.loc[sweep["step_ms"].idxmin()]
+    base = sweep[sweep["traced"]]
+    base_ms = float(base["step_ms"].iloc[0]) if len(base) else float("nan")
+    gain = base_ms - float(best["step_ms"])
+    if len(base) and gain < MIN_GAIN * base_ms:
+        best = base.iloc[0]
+        gain = 0.0
+    return {"bucket_cap_mb": float(best["bucket_cap_mb"]), "step_ms": float(best["step_ms"]),
+            "exposed_ms": float(best["exposed_ms"]), "traced_step_ms": base_ms, "gain_ms": gain,
+            "gain_pct": 100.0 * gain / base_ms if base_ms > 0 else float("nan")}
+
+
+def compute_measured_points(traces: dict[str, RunTrace]) -> pd.DataFrame:
+    """Measured runs as points for the sweep's axes: run, bucket_cap_mb and medians (ms)."""
+    rows = [{"run": name, "bucket_cap_mb": t.run.get("bucket_cap_mb"), **_medians(t)} for name, t in traces.items()]
+    return pd.DataFrame(rows, columns=["run", "bucket_cap_mb", "step_ms", "backward_ms", "comm_ms", "exposed_ms",
+                                       "overlap_pct"])
+
+
+def same_job(a: RunTrace, b: RunTrace) -> bool:
+    """Whether two runs are the same training at (perhaps) another cap: same world size,
+    same parameters, same script or demo."""
+    def key(r: dict) -> tuple:
+        script = r.get("script") if isinstance(r.get("script"), dict) else {}
+        return (r.get("world_size"), tuple(r.get("param_bytes") or ()), r.get("model"), script.get("path"))
+
+    return key(a.run) == key(b.run)
