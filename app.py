@@ -1,4 +1,5 @@
-"""ddpscope dashboard: trace a DDP run, look at it, change bucket_cap_mb, rerun, compare;
+"""ddpscope dashboard: trace a DDP run, look at it, predict and try another bucket_cap_mb,
+rerun, compare;
 watch a traced ring all-reduce step by step; see what each ZeRO stage does to memory.
 
 Run: ``ddpscope dashboard [RUNS_DIR]`` or ``streamlit run app.py``. This file is the
@@ -17,6 +18,7 @@ from dashboard.memory_page import render_memory
 from dashboard.ring_page import render_ring
 from dashboard.run_page import render_run
 from dashboard.timeline_page import render_compare, render_timeline
+from dashboard.whatif_page import render_whatif
 from viz.trace import TraceError
 
 st.set_page_config(page_title="ddpscope", layout="wide")
@@ -51,8 +53,8 @@ except TraceError as e:
     trace = None
 
 # -- the pages ------------------------------------------------------------------------------
-timeline_tab, compare_tab, run_tab, ring_tab, memory_tab = st.tabs(
-    ["Timeline", "Compare runs", "Run", "Ring all-reduce", "Memory (ZeRO)"])
+timeline_tab, compare_tab, whatif_tab, run_tab, ring_tab, memory_tab = st.tabs(
+    ["Timeline", "Compare runs", "What-if", "Run", "Ring all-reduce", "Memory (ZeRO)"])
 with run_tab:  # laid out first (it shows third): a click on Run starts the job before the other pages draw
     render_run(path, trace, jobs, busy, command_policy())
 with timeline_tab:
@@ -60,6 +62,9 @@ with timeline_tab:
         render_timeline(path, trace)
 with compare_tab:
     render_compare(traces)
+with whatif_tab:
+    if trace is not None:
+        render_whatif(path, trace, traces, jobs, busy, command_policy())
 with ring_tab:
     render_ring(all_runs, jobs, busy)
 with memory_tab:

@@ -4,6 +4,8 @@
     ddpscope run ... --out DIR -- -m package.module [args]
     ddpscope run --demo gpt --out DIR
     ddpscope ring | zero ...            ddpscope's own workloads
+    ddpscope calibrate RUN               all-reduce sweep + contention, stored with the run
+    ddpscope whatif RUN [--caps ...]     predicted step time at other bucket_cap_mb
     ddpscope summary RUN | perfetto RUN --out FILE
     ddpscope dashboard [RUNS_DIR]
 
@@ -34,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tracer.launch.runner import RingConfig, RunConfig, ZeroConfig
+    from tracer.launch.runner import CalibrateConfig, RingConfig, RunConfig, ZeroConfig
 
     p = _Parser(prog=PROG, description="See distributed data-parallel training: trace real DDP runs, "
                                        "read them, open the dashboard.")
@@ -59,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "3: FSDP full sharding) and measure what each rank holds and sends.")
     o.add_arguments(z, ZeroConfig)
     o.add_arguments(z, _Verbose)
+    c = sub.add_parser("calibrate", help="measure all-reduce times and contention for a run's what-if",
+                       description="On as many local ranks as a traced run had: dist.all_reduce of 4 KiB .. "
+                                   "--max-mb, then compute and all-reduces side by side. Stored as "
+                                   "calibration.json in the run's folder; `ddpscope whatif` uses it.")
+    c.add_argument("run", help="a traced DDP run folder")
+    o.add_arguments(c, CalibrateConfig)
+    o.add_arguments(c, _Verbose)
     d = sub.add_parser("dashboard", help="open the dashboard on a runs folder",
                        description="Open the ddpscope dashboard (Streamlit) on a runs folder.")
     d.add_argument("runs_dir", nargs="?", default="runs",
@@ -105,14 +114,26 @@ def zero_progress(rec: dict, cfg) -> str | None:
     return None
 
 
+def calibrate_progress(rec: dict, cfg) -> str | None:
+    if rec.get("phase") == "start":
+        return f"calibrating on {rec['world_size']} ranks ({rec['backend']})"
+    if rec.get("phase") == "calibrate":
+        return f"all-reduce {rec['bytes'] / 2**20:g} MiB: {rec['us'] / 1e3:.2f} ms"
+    if rec.get("phase") == "done":
+        return (f"contention: compute {1 + rec['compute_slowdown']:.2f}x as long beside all-reduces, "
+                f"all-reduces {1 + rec['comm_slowdown']:.2f}x beside compute")
+    return None
+
+
 def launch_command(args: argparse.Namespace) -> int:
-    """parse (config) -> run (the job, through its runner) -> report, for run/ring/zero."""
+    """parse (config) -> run (the job, through its runner) -> report, for run/ring/zero/calibrate."""
     from tracer.launch import runner
 
     config_cls, run, describe = {
         "run": (runner.RunConfig, runner.run_job, run_progress),
         "ring": (runner.RingConfig, runner.run_ring, ring_progress),
         "zero": (runner.ZeroConfig, runner.run_zero, zero_progress),
+        "calibrate": (runner.CalibrateConfig, runner.run_calibrate, calibrate_progress),
     }[args.command]
     prog = f"{PROG} {args.command}"
     settings = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
@@ -160,12 +181,13 @@ def launch_command(args: argparse.Namespace) -> int:
         print(f"{prog}: run failed: {result.reason}", file=sys.stderr)
         if result.stderr_tail:
             print(f"--- rank {result.failed_rank} stderr (last lines) ---\n{result.stderr_tail}", file=sys.stderr)
-        print(f"partial trace kept in {cfg.out} (run.json says failed)", file=sys.stderr)
+        if args.command != "calibrate":
+            print(f"partial trace kept in {cfg.out} (run.json says failed)", file=sys.stderr)
         return 130 if result.interrupted else 1
     if getattr(result, "untraced", None):
         print(f"{prog}: {result.untraced}", file=sys.stderr)
         return result.returncode
-    print(cfg.out)
+    print(cfg.run / "calibration.json" if args.command == "calibrate" else cfg.out)
     return 0
 
 
@@ -208,7 +230,7 @@ def _raise_interrupt(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("run", "ring", "zero"):
+    if args.command in ("run", "ring", "zero", "calibrate"):
         return launch_command(args)
     if args.command == "dashboard":
         return dashboard_command(args)

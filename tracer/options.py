@@ -98,6 +98,23 @@ ZERO_NPROC = Option("--nproc", "ranks", 2, int, in_range(2, MAX_NPROC, " (shardi
 ZERO_STEPS = Option("--steps", "steps per stage; the last is measured", 3, int,
                     in_range(2, 100, " (the last step is measured after warm-up)"))
 ZERO_STAGES = Option("--stages", "comma-separated ZeRO stages", "0,1,2,3", str)
+# calibrate / whatif
+CALIBRATE_MAX_MB = Option("--max-mb", "largest all-reduce of the sweep, in MiB (4 KiB x4 up to it)", 256.0, float,
+                          in_range(0.01, 4096.0, " (MiB)"))
+WHATIF_CAPS = Option("--caps", "bucket_cap_mb values to predict, in MiB, comma-separated "
+                     "(default 0.25,0.5,1,2,4,8,16,25,32,64,128,256)", None, str, metavar="MB,MB,...")
+
+
+def parse_caps(text: str) -> list[float]:
+    """``"1,4,25"`` -> [1.0, 4.0, 25.0]; ``ValueError`` naming --caps on anything else."""
+    try:
+        caps = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--caps must be numbers in MiB separated by commas (e.g. 1,4,25), got {text!r}") from None
+    bad = [c for c in caps if not (math.isfinite(c) and 0 < c <= MAX_BUCKET_CAP_MB)]
+    if not caps or bad:
+        raise ValueError(f"--caps must each be > 0 and <= {MAX_BUCKET_CAP_MB:g} MiB, got {text!r}")
+    return caps
 
 
 def option_fields(cls) -> list[tuple[dataclasses.Field, Option]]:

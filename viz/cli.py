@@ -31,6 +31,16 @@ def add_viz_commands(sub) -> None:
                                    "run's summary table.")
     s.add_argument("path", help="a run folder (run.json + rank-<r>.json)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    w = sub.add_parser("whatif", help="predict step time and exposed communication at other bucket_cap_mb",
+                       description="Replay a traced DDP run's steps with the buckets DDP would build at other "
+                                   "bucket_cap_mb values (MiB) and print predicted step time and exposed "
+                                   "communication per cap, and the recommended cap. Uses the run's "
+                                   "calibration.json when `ddpscope calibrate` made one.")
+    w.add_argument("path", help="a traced DDP run folder")
+    from tracer.options import WHATIF_CAPS
+
+    w.add_argument(WHATIF_CAPS.flag, dest="caps", help=WHATIF_CAPS.help, metavar=WHATIF_CAPS.metavar)
+    w.add_argument("--json", action="store_true", help="print JSON instead of a table")
     m = sub.add_parser("perfetto", help="merge a run's rank files into one Perfetto trace on rank 0's clock")
     m.add_argument("path", help="a run folder (run.json + rank-<r>.json)")
     m.add_argument("--out", required=True, help="the merged trace to write (a new .json file)")
@@ -47,8 +57,10 @@ def run_viz_command(args, prog: str) -> int:
             size = write_merged(args.path, args.out)
             print(f"{args.out} ({size / 2**20:.2f} MiB): open it at https://ui.perfetto.dev")
             return 0
+        if args.command == "whatif":
+            return _whatif(args.path, args.caps, args.json)
         return _summary(args.path, args.json)
-    except TraceError as e:
+    except (TraceError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
@@ -72,6 +84,44 @@ def _summary(path: str, as_json: bool) -> int:
         print(f"{trace.path}  status={trace.status}  ranks={trace.world_size}  "
               f"bucket_cap_mb={trace.run.get('bucket_cap_mb')}  (medians over non-warm-up steps, ms)")
         print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
+    return 0
+
+
+def _whatif(path: str, caps: str | None, as_json: bool) -> int:
+    from tracer.options import parse_caps
+    from viz.trace import TraceError, load_run, run_kind
+    from viz.whatif.cost import read_calibration
+    from viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, recommend_cap
+
+    wanted = parse_caps(caps) if caps is not None else list(DEFAULT_CAPS)
+    kind = run_kind(path)
+    if kind not in (None, "ddp"):
+        raise TraceError(f"{path} is a {kind} run; what-if needs a DDP training run")
+    trace = load_run(path)
+    sweep = compute_cap_sweep(trace, wanted)
+    best = recommend_cap(sweep)
+    model = sweep.attrs["model"]
+    cols = ["bucket_cap_mb", "buckets", "step_ms", "exposed_ms", "comm_ms", "backward_ms", "overlap_pct", "traced"]
+    if as_json:
+        print(json.dumps({"path": str(trace.path), "world_size": trace.world_size,
+                          "traced_bucket_cap_mb": trace.run.get("bucket_cap_mb"),
+                          "caps": sweep[cols].astype(object).to_dict("records"), "recommended": best,
+                          "model_notes": list(model.notes)}, indent=1, default=float))
+        return 0
+    print(f"{trace.path}  ranks={trace.world_size}  traced at bucket_cap_mb={trace.run.get('bucket_cap_mb')}  "
+          "(predicted medians over steps and ranks, ms)")
+    print(sweep[cols].round(2).to_string(index=False))
+    for note in model.notes:
+        print(f"  model: {note}")
+    if read_calibration(trace.path) is None:
+        print(f"  hint: `ddpscope calibrate {path}` measures all-reduce times and contention on these ranks; "
+              "without it they are fitted to this trace's buckets alone")
+    if best["gain_ms"] > 0:
+        print(f"recommended: bucket_cap_mb={best['bucket_cap_mb']:g}  predicted step {best['step_ms']:.1f} ms, "
+              f"{best['gain_ms']:.1f} ms ({best['gain_pct']:.1f}%) faster than the traced cap")
+    else:
+        print(f"recommended: keep bucket_cap_mb={best['bucket_cap_mb']:g} (no cap is predicted to be "
+              f"{100 * 0.02:.0f}% faster)")
     return 0
 
 

@@ -251,6 +251,8 @@ class DDPTracer:
             "find_unused_parameters": bool(ddp.find_unused_parameters),
             "param_names": self._meta["param_names"], "param_bytes": self._meta["param_bytes"],
             "param_dtypes": self._meta["param_dtypes"],
+            # a calibration binds its ranks to cores as the run's were (contention differs)
+            "ranks_bound_to_cores": _bound_to_cores(),
             # DDP's layout after its rebuild, as the communication hook saw it
             "bucket_layout": layouts[-1]["buckets"] if layouts else None,
             "clock_offsets": {
@@ -265,6 +267,14 @@ class DDPTracer:
         if error:
             run["error"] = error
         write_json_atomic(path, run)
+
+
+def _bound_to_cores() -> bool:
+    """Whether this process may run on fewer cores than the machine has."""
+    try:
+        return len(os.sched_getaffinity(0)) < (os.cpu_count() or 0)
+    except (AttributeError, OSError):
+        return False
 
 
 def bucket_caps(ddp: DDP) -> dict:

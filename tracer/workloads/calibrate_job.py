@@ -2,11 +2,14 @@
 same ranks and backend (started by torchrun; see ``runner.run_calibrate``).
 
 1. ``dist.all_reduce`` of 4 KiB, 16 KiB, ... up to ``--max-mb`` (x4 each), one warm-up
-   then repeats (as many as fit ``--budget-s`` per size, 3 to 50), every repeat started
-   together (a barrier) and timed on rank 0: median µs per size;
-2. contention: a compute loop (matmuls) alone, a train of 1 MiB all-reduces alone, and
-   both at once (the all-reduces from a second thread, as DDP's reducer issues them
-   during backward): the extra time each takes beside the other, as a fraction.
+   each, then three passes through every size (repeats per pass: what fits
+   ``--budget-s`` per size, 2 to 20), every repeat started together (a barrier): the
+   median µs per size;
+2. contention, for 64 KiB and 16 MiB all-reduces, three times each: a compute loop
+   (forward + backward of a small MLP) alone, a train of all-reduces alone, and both at
+   once (the all-reduces from a second thread, as DDP's reducer issues them during
+   backward): the median extra time each takes beside the other, as a fraction, and the
+   compute time lost per all-reduce (``compute_lost_us``).
 
 Rank 0 writes ``calibration.json`` (atomically) in ``--out``, the traced run's folder;
 nothing else there changes. Rank 0 prints ``ddpscope-progress {json}`` lines.
@@ -31,14 +34,14 @@ from tracer.writer import write_json_atomic
 FORMAT = "ddpscope-calibration"
 FILE = "calibration.json"
 MIN_BYTES = 4096
-CONTENTION_MSG_BYTES = 2**20
+CONTENTION_BYTES = (64 * 2**10, 16 * 2**20)  # latency-bound, bandwidth-bound
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True, help="the run folder to store calibration.json in")
     p.add_argument("--max-mb", type=float, default=256.0)
-    p.add_argument("--budget-s", type=float, default=0.4, help="time per size (repeats: 3 to 50)")
+    p.add_argument("--budget-s", type=float, default=0.6, help="time per size, over all passes")
     p.add_argument("--bind", action="store_true", help="bind each rank to its share of the cores, as the run did")
     p.add_argument("--pg-timeout-s", type=float, default=300.0)
     return p.parse_args(argv)
@@ -69,29 +72,42 @@ def _agreed(value: int) -> int:
     return int(t.item())
 
 
-def sweep(device: torch.device, max_bytes: int, budget_s: float, rank: int) -> list[dict]:
-    rows = []
-    for nbytes in sizes(max_bytes):
-        t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        first = _timed_all_reduce(t, device)  # warm-up: buffers, connections
-        reps = _agreed(max(3, min(50, int(budget_s * 1e6 / max(first, 1.0)))))
-        us = [_timed_all_reduce(t, device) for _ in range(reps)]
-        rows.append({"bytes": nbytes, "us": statistics.median(us), "repeats": reps,
-                     "min_us": min(us), "max_us": max(us)})
-        if rank == 0:
-            progress(phase="calibrate", bytes=nbytes, us=rows[-1]["us"])
-        del t
-    return rows
+def sweep(device: torch.device, max_bytes: int, budget_s: float, rank: int, passes: int = 3) -> list[dict]:
+    """Median µs per size over ``passes`` passes through every size (a slow spell of the
+    machine then touches one pass of each size, not every repeat of one)."""
+    tensors = {n: torch.ones(n // 4, dtype=torch.float32, device=device) for n in sizes(max_bytes)}
+    reps = {}
+    for nbytes, t in tensors.items():  # warm-up: buffers, connections; and how many repeats fit
+        first = _timed_all_reduce(t, device)
+        reps[nbytes] = _agreed(max(2, min(20, int(budget_s * 1e6 / passes / max(first, 1.0)))))
+    times: dict[int, list[float]] = {n: [] for n in tensors}
+    for p in range(passes):
+        for nbytes, t in tensors.items():
+            times[nbytes] += [_timed_all_reduce(t, device) for _ in range(reps[nbytes])]
+            if rank == 0 and p == passes - 1:
+                progress(phase="calibrate", bytes=nbytes, us=statistics.median(times[nbytes]))
+    return [{"bytes": n, "us": statistics.median(us), "repeats": len(us), "min_us": min(us), "max_us": max(us)}
+            for n, us in times.items()]
 
 
-def _compute(iters: int, a: torch.Tensor) -> float:
-    """µs for ``iters`` matmuls of ``a`` (the compute a backward pass does)."""
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        a @ a
-    if a.is_cuda:
-        torch.cuda.synchronize(a.device)  # CPU-GPU sync: the kernels' end
-    return (time.perf_counter() - t0) * 1e6
+class _Backward:
+    """The compute of a training step: forward and backward of a small MLP through
+    autograd (matmuls, element-wise kernels, the engine's own overhead)."""
+
+    def __init__(self, device: torch.device) -> None:
+        torch.manual_seed(0)
+        layers = [m for _ in range(4) for m in (torch.nn.Linear(512, 512), torch.nn.GELU())]
+        self.model = torch.nn.Sequential(*layers).to(device)
+        self.x = torch.randn(64, 512, device=device)
+
+    def __call__(self, iters: int) -> float:
+        """µs for ``iters`` forward + backward passes."""
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            self.model(self.x).sum().backward()
+        if self.x.is_cuda:
+            torch.cuda.synchronize(self.x.device)  # CPU-GPU sync: the kernels' end
+        return (time.perf_counter() - t0) * 1e6
 
 
 def _comm_train(count: int, t: torch.Tensor) -> float:
@@ -103,38 +119,44 @@ def _comm_train(count: int, t: torch.Tensor) -> float:
     return (time.perf_counter() - t0) * 1e6
 
 
-def contention(device: torch.device) -> dict:
-    """Compute alone, all-reduces alone, then both at once: the slowdown of each (extra
-    time as a fraction of its time alone)."""
-    a = torch.randn(256, 256, device=device)
-    msg = torch.ones(CONTENTION_MSG_BYTES // 4, device=device)
-    _compute(20, a)
-    iters = _agreed(max(20, int(20 * 50e3 / max(_compute(20, a), 1.0))))  # ~50 ms of compute
-    count = 8
+def contention(device: torch.device, nbytes: int, repeats: int = 3) -> dict:
+    """Compute alone, all-reduces of ``nbytes`` alone, then both at once, ``repeats``
+    times: the median slowdown of each (extra time as a fraction of its time alone) and
+    the compute time lost per all-reduce beside it (µs)."""
+    compute = _Backward(device)
+    msg = torch.ones(nbytes // 4, device=device)
+    compute(5)
+    iters = _agreed(max(10, int(10 * 100e3 / max(compute(10), 1.0))))  # ~100 ms of compute
     dist.barrier()
-    comm_alone = _comm_train(count, msg)
-    count = _agreed(max(4, int(count * 50e3 / max(comm_alone, 1.0))))  # ~50 ms of all-reduces
-    compute_alone = statistics.median(_compute(iters, a) for _ in range(3))
-    dist.barrier()
-    comm_alone = statistics.median(_comm_train(count, msg) for _ in range(3))
-    both: dict[str, float] = {}
+    first = _comm_train(2, msg)
+    count = _agreed(max(2, int(2 * 150e3 / max(first, 1.0))))  # ~150 ms of all-reduces
+    compute_slow, comm_slow, alone_us, lost_us = [], [], [], []
+    for _ in range(repeats):
+        compute_alone = compute(iters)
+        dist.barrier()
+        comm_alone = _comm_train(count, msg)
+        both: dict[str, float] = {}
 
-    def comm() -> None:
-        both["comm"] = _comm_train(count, msg)
+        def comm() -> None:
+            both["comm"] = _comm_train(count, msg)
 
-    dist.barrier()
-    th = threading.Thread(target=comm)
-    th.start()
-    laps = []
-    while th.is_alive() or not laps:  # compute for as long as the all-reduces run
-        laps.append(_compute(max(1, iters // 10), a) / max(1, iters // 10))
-    th.join()
-    per_iter_alone = compute_alone / iters
-    busy = laps[:-1] or laps  # the last lap may have run partly alone
-    return {"compute_slowdown": max(0.0, statistics.median(busy) / per_iter_alone - 1.0),
-            "comm_slowdown": max(0.0, both["comm"] / comm_alone - 1.0),
-            "compute_alone_us_per_matmul": per_iter_alone, "comm_alone_us": comm_alone / count,
-            "message_bytes": CONTENTION_MSG_BYTES}
+        dist.barrier()
+        th = threading.Thread(target=comm)
+        th.start()
+        laps = []
+        lap = max(1, iters // 10)
+        while th.is_alive() or not laps:  # compute for as long as the all-reduces run
+            laps.append(compute(lap) / lap)
+        th.join()
+        busy = laps[:-1] or laps  # the last lap may have run partly alone
+        slow = max(0.0, statistics.median(busy) / (compute_alone / iters) - 1.0)
+        compute_slow.append(slow)
+        comm_slow.append(max(0.0, both["comm"] / comm_alone - 1.0))
+        alone_us.append(comm_alone / count)
+        lost_us.append(both["comm"] * slow / (1.0 + slow) / count)  # compute lost while they ran
+    return {"bytes": nbytes, "compute_slowdown": statistics.median(compute_slow),
+            "comm_slowdown": statistics.median(comm_slow), "comm_alone_us": statistics.median(alone_us),
+            "compute_lost_us": statistics.median(lost_us), "count": count, "repeats": repeats}
 
 
 @record
@@ -146,7 +168,9 @@ def main(argv=None) -> None:
         if rank == 0:
             progress(phase="start", world_size=dist.get_world_size(), backend=dist.get_backend())
         rows = sweep(device, int(args.max_mb * 2**20), args.budget_s, rank)
-        cont = contention(device)
+        small, large = (contention(device, n) for n in CONTENTION_BYTES)
+        cont = {"compute_slowdown": large["compute_slowdown"], "comm_slowdown": large["comm_slowdown"],
+                "sizes": [small, large]}
         if rank == 0:
             write_json_atomic(Path(args.out) / FILE, {
                 "format": FORMAT, "version": 1, "world_size": dist.get_world_size(),

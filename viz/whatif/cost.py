@@ -93,16 +93,19 @@ class Calibration:
     comm_slowdown: float | None = None
     meta: dict = field(default_factory=dict, compare=False)
 
-    @property
-    def steal_us_per_mib(self) -> float | None:
-        """Compute lost per MiB all-reduced beside it (µs/MiB): the slowdown the contention
-        phase measured, over the all-reduce time per MiB it ran with."""
-        m, s, k = self.meta.get("contention") or {}, self.compute_slowdown, self.comm_slowdown
+    def steal(self) -> tuple[float, float] | None:
+        """Compute lost beside an all-reduce as ``(µs per all-reduce, µs per MiB)``, a line
+        through the contention phase's two sizes; None if it has not both."""
         try:
-            per_mib = float(m["comm_alone_us"]) * (1.0 + (k or 0.0)) / (float(m["message_bytes"]) / 2**20)
-        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            pts = sorted((float(c["bytes"]) / 2**20, float(c["compute_lost_us"]))
+                         for c in (self.meta.get("contention") or {})["sizes"])
+        except (KeyError, TypeError, ValueError):
             return None
-        return None if s is None else s / (1.0 + s) * per_mib
+        if len(pts) < 2 or pts[-1][0] <= pts[0][0] or not all(np.isfinite(v) for p in pts for v in p):
+            return None
+        (m0, l0), (m1, l1) = pts[0], pts[-1]
+        per_mib = max(0.0, (l1 - l0) / (m1 - m0))
+        return max(0.0, l0 - per_mib * m0), per_mib
 
     def cost(self) -> AllReduceCost:
         line = fit_line(self.sizes, self.us, "calibration")

@@ -6,20 +6,23 @@ with the slowdown under communication taken out), and the measured rest of the s
 around the syncing backward (before it, after DDP has every averaged gradient).
 
 ``fit_model`` fits (``WhatIfModel``):
-- the all-reduce cost of one bucket alone against its size (``viz.whatif.cost``): from a
-  calibration sweep when the run has one, scaled to the run's own buckets, else a line
-  through the run's own buckets;
+- the all-reduce cost of one bucket alone against its size (``viz.whatif.cost``): the
+  calibration sweep's curve when the run has one, scaled to the run's own buckets where
+  at least 30 % of their time in flight was outside backward (in a training step an
+  all-reduce runs slower than the same one alone: fresh gradients, the hook's callbacks),
+  else as measured; without a calibration, a line through the run's own buckets;
 - ``comm_slowdown``: how much longer an all-reduce takes while backward computes (on CPU
   gloo's threads share the cores with autograd), fitted to the run's buckets: each
   bucket's time in flight, in slices with and without backward compute beside it;
-- ``steal_us_per_mib``: backward compute lost per MiB all-reduced beside it (µs/MiB). On
-  CPU an all-reduce's reductions and copies take cores from autograd in proportion to the
-  bytes, not to the time it is in flight (a small bucket waiting on its peer costs
-  nothing). Measured by the calibration (compute beside a train of all-reduces); without
-  one, fitted to the trace's gradients: segments of backward between two ready gradients
-  of the same kind (same name but for layer numbers, same size) cost the same work, so
-  their overlapped and non-overlapped durations give a slowdown, turned into µs/MiB with
-  the run's own time in flight per MiB; else 0 (``notes`` say which);
+- ``steal_us_per_allreduce`` + ``steal_us_per_mib`` x MiB: backward compute lost beside
+  one all-reduce (µs). On CPU an all-reduce's reductions, copies and thread hand-offs take
+  the cores autograd needs, by the bucket and by the byte, not by the time it is in
+  flight (a bucket waiting on its peer costs nothing). Measured by the calibration
+  (compute beside trains of small and of large all-reduces); without one, fitted to the
+  trace's gradients: segments of backward between two ready gradients of the same kind
+  (same name but for layer numbers, same size) cost the same work, so their overlapped
+  and non-overlapped durations give a slowdown, turned into µs/MiB with the run's own
+  time in flight per MiB; else 0 (``notes`` say which);
 - ``launch_us``: bucket ready (its last gradient) -> DDP hands it to the hook (median).
 """
 
@@ -46,6 +49,7 @@ class WhatIfModel:
     cost: AllReduceCost
     lanes: int = 1
     comm_slowdown: float = 0.0
+    steal_us_per_allreduce: float = 0.0
     steal_us_per_mib: float = 0.0
     launch_us: float = 0.0
     notes: tuple[str, ...] = ()
@@ -53,10 +57,14 @@ class WhatIfModel:
     def __post_init__(self) -> None:
         if self.lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {self.lanes}")
-        for name in ("comm_slowdown", "steal_us_per_mib", "launch_us"):
+        for name in ("comm_slowdown", "steal_us_per_allreduce", "steal_us_per_mib", "launch_us"):
             v = getattr(self, name)
             if not (np.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be >= 0, got {v}")
+
+    def steal_us(self, mib) -> np.ndarray:
+        """Backward compute lost beside all-reduces of ``mib`` MiB each (µs)."""
+        return self.steal_us_per_allreduce + self.steal_us_per_mib * np.asarray(mib, float)
 
 
 @dataclass(frozen=True)
@@ -119,16 +127,16 @@ def _flights(b: pd.DataFrame, start_all: pd.Series | None) -> np.ndarray:
     return np.column_stack([np.minimum(launch, done), done, b["bytes"].to_numpy(float) / MIB])
 
 
-def _work_at(t: float, b0: float, flights: np.ndarray, steal: float) -> float:
-    """Backward work done by ``t`` (µs): the time since ``b0`` less what all-reduces took
-    (``steal`` µs per MiB, spread over each one's flight)."""
+def _work_at(t: float, b0: float, flights: np.ndarray, model: WhatIfModel) -> float:
+    """Backward work done by ``t`` (µs): the time since ``b0`` less what the all-reduces
+    took from it (``model.steal_us``, spread over each one's flight)."""
     lo, hi, mib = flights.T
     inside = np.clip(np.minimum(hi, t) - np.maximum(lo, b0), 0, None)
     frac = np.divide(inside, hi - lo, out=np.ones_like(inside) * (inside > 0), where=hi > lo)
-    return (t - b0) - steal * float(np.sum(frac * mib))
+    return (t - b0) - float(np.sum(frac * model.steal_us(mib)))
 
 
-def step_inputs(trace: RunTrace, steal_us_per_mib: float) -> list[StepInputs]:
+def step_inputs(trace: RunTrace, model: WhatIfModel) -> list[StepInputs]:
     """``StepInputs`` of every usable step (see ``usable_steps``)."""
     steps = trace.steps.set_index(["rank", "step"])
     grads = trace.grads
@@ -149,10 +157,10 @@ def step_inputs(trace: RunTrace, steal_us_per_mib: float) -> list[StepInputs]:
             flights = _flights(b, last_launch.get(step))
             b0, b1 = float(s["backward_start_us"]), float(s["backward_end_us"])
             sync_end = float(s["sync_end_us"]) if pd.notna(s.get("sync_end_us")) else max(b1, b["done_us"].max())
-            work = {int(p): max(0.0, _work_at(float(t), b0, flights, steal_us_per_mib))
+            work = {int(p): max(0.0, _work_at(float(t), b0, flights, model))
                     for p, t in zip(g["param"], g["ready_us"])}
             ranks[rank] = RankStep(
-                b0=b0, work=work, work_end=max(_work_at(b1, b0, flights, steal_us_per_mib), max(work.values())),
+                b0=b0, work=work, work_end=max(_work_at(b1, b0, flights, model), max(work.values())),
                 head=b0 - float(s["start_us"]),
                 finalize=max(0.0, sync_end - max(b1, float(b["done_us"].max()))),
                 tail=max(0.0, float(s["end_us"]) - sync_end))
@@ -185,16 +193,18 @@ def fit_model(trace: RunTrace, calibration: Calibration | None | str = "auto") -
     backend = str(trace.run.get("backend") or next(iter(trace.ranks.values())).get("backend") or "gloo")
     lanes = LANES.get(backend, 1)
     cost, kappa, c_note = fit_comm(trace, lanes, calibration)
-    if calibration is not None and calibration.steal_us_per_mib is not None:
-        steal, s_note = calibration.steal_us_per_mib, "backward compute lost beside all-reduces: the calibration's"
+    steal = calibration.steal() if calibration is not None else None
+    if steal is not None:
+        s_note = "backward compute lost beside all-reduces (calibration)"
     else:
         s, s_note = fit_compute_slowdown(trace)
         if s is None:
-            steal, s_note = 0.0, f"{s_note}; taken as 0 (run `ddpscope calibrate` to measure it)"
+            steal, s_note = (0.0, 0.0), f"{s_note}; taken as 0 (run `ddpscope calibrate` to measure it)"
         else:
-            steal = s / (1.0 + s) * flight_us_per_mib(trace)
-    notes += [f"{s_note}: {steal:.0f} µs per MiB", c_note]
-    return WhatIfModel(cost=cost, lanes=lanes, comm_slowdown=kappa, steal_us_per_mib=float(steal),
+            steal = (0.0, s / (1.0 + s) * flight_us_per_mib(trace))
+    notes += [f"{s_note}: {steal[0]:.0f} µs per all-reduce + {steal[1]:.0f} µs per MiB", c_note]
+    return WhatIfModel(cost=cost, lanes=lanes, comm_slowdown=kappa, steal_us_per_allreduce=float(steal[0]),
+                       steal_us_per_mib=float(steal[1]),
                        launch_us=launch_delay_us(trace), notes=tuple(notes))
 
 
@@ -279,13 +289,20 @@ def fit_comm(trace: RunTrace, lanes: int, calibration: Calibration | None) -> tu
         raise TraceError(f"{trace.path.name}: no finished all-reduce to fit the communication cost to")
     nbytes = np.asarray(samples["bytes"], float)
     base = calibration.cost() if calibration is not None else None
+    flight, busy = samples["flight"], samples["computing"]
+    # With enough all-reduce time outside backward, the run's own level (relative to the
+    # calibration) and the slowdown beside compute can be told apart; else the level is
+    # the calibration's and only the slowdown is fitted.
+    free_share = float((flight * (1 - busy)).sum() / max(flight.sum(), 1e-9))
+    rescale = base is not None and free_share >= 0.3
     best = None
     for kappa in _SLOWDOWN_GRID:
-        work = samples["flight"] / (1.0 + kappa * samples["computing"])  # µs each, uncontended
-        work = work.sum(axis=1)
+        work = (flight / (1.0 + kappa * busy)).sum(axis=1)  # µs each, uncontended
         if base is not None:
-            scale = float(np.median(work / base.time_us(nbytes)))
-            cost = base.with_scale(scale, f"calibration x {scale:.2f} (the run's own buckets)")
+            cost = base
+            if rescale:
+                scale = float(np.median(work / base.time_us(nbytes)))
+                cost = base.with_scale(scale, f"calibration x {scale:.2f} (this run's own buckets)")
         else:
             cost = fit_line(nbytes, work, "the run's own buckets")
         err = float(np.sum(np.log(np.maximum(work, 1.0) / cost.time_us(nbytes)) ** 2))
@@ -302,8 +319,7 @@ def _comm_samples(trace: RunTrace, lanes: int) -> dict:
     """Per bucket all-reduce (usable steps, per rank): its bytes, and its time in flight
     cut into slices: each slice's duration (``flight``, µs) and whether backward computed
     then on any rank (``computing``, 0/1), as arrays of equal shape (buckets x slices,
-    padded with zeros). Lanes run side by side without sharing: on gloo most of a small
-    all-reduce is waiting on the peer, and what is shared shows in the fitted cost."""
+    padded with zeros)."""
     steps = trace.steps.set_index(["rank", "step"])
     keep = set(usable_steps(trace))
     nbytes, flight, computing = [], [], []

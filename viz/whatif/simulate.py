@@ -2,13 +2,15 @@
 
 Each step is simulated on every rank at once, event by event (times µs):
 - backward compute advances each rank's work from its measured start at rate 1, less
-  what the all-reduces in flight take: each takes ``steal_us_per_mib`` x its MiB,
-  spread over the time it is in flight beside compute;
+  what the all-reduces in flight take: each takes ``model.steal_us(its MiB)``, spread
+  over the time it is in flight beside compute;
 - bucket j is ready on a rank when its last gradient's work is done; DDP launches buckets
   in index order, ``launch_us`` after ready;
 - the process group runs all-reduces in bucket order, at most ``lanes`` at once; one
   starts when every rank has launched it and a lane is free, takes the fitted cost of its
-  size, and goes 1 + comm_slowdown times slower while any rank computes;
+  size, and goes 1 + comm_slowdown times slower while any rank computes (lanes do not
+  share the link: on gloo a small all-reduce is mostly waiting on its peer, and what
+  sharing there is shows in the fitted cost);
 - after backward, each rank waits for its last all-reduce, then DDP's finalize and the
   rest of the step (optimizer, data) take what they took in the trace.
 
@@ -19,7 +21,6 @@ built like a measured trace's, so every metric and figure takes a prediction as 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 
 import numpy as np
 import pandas as pd
@@ -63,7 +64,7 @@ def simulate_step(inputs: StepInputs, layout: list[list[int]], bucket_bytes: lis
     kappa, lanes = model.comm_slowdown, model.lanes
     cost = np.asarray(model.cost.time_us(bucket_bytes), float) if nb else np.zeros(0)
     # share of a core an all-reduce takes from compute while it runs beside it
-    steal = np.minimum(model.steal_us_per_mib * np.asarray(bucket_bytes, float) / 2**20
+    steal = np.minimum(model.steal_us(np.asarray(bucket_bytes, float) / 2**20)
                        / np.maximum(cost * (1.0 + kappa), 1e-9), 0.95) if nb else np.zeros(0)
     rs = inputs.ranks
     thresh = {r: np.array([max(rs[r].work.get(p, 0.0) for p in b) for b in layout]) for r in ranks}
@@ -81,7 +82,6 @@ def simulate_step(inputs: StepInputs, layout: list[list[int]], bucket_bytes: lis
     in_flight: list[int] = []
     next_start = 0
     t = min(rs[r].b0 for r in ranks)
-    launches: list[tuple[float, int, int]] = []  # heap of pending (time, rank, bucket)
 
     def computing(r: int) -> bool:
         return r not in bwd_end and t >= rs[r].b0 - _EPS
@@ -103,7 +103,6 @@ def simulate_step(inputs: StepInputs, layout: list[list[int]], bucket_bytes: lis
                 while next_launch[r] < nb and not np.isnan(ready[r][next_launch[r]]):
                     j = next_launch[r]
                     prev = launch[r][j - 1] if j else -np.inf
-                    heapq.heappush(launches, (max(t + model.launch_us, prev), r, j))
                     launch[r][j] = max(t + model.launch_us, prev)
                     next_launch[r] += 1
                     changed = True
@@ -157,10 +156,13 @@ def simulate_step(inputs: StepInputs, layout: list[list[int]], bucket_bytes: lis
     return {"ranks": out, "start": start, "done": done}
 
 
-def predict_run(trace: RunTrace, cap_mb: float | None, model: WhatIfModel | None = None) -> RunTrace:
+def predict_run(trace: RunTrace, cap_mb: float | None, model: WhatIfModel | None = None,
+                fitted: WhatIfModel | None = None) -> RunTrace:
     """``trace``'s usable steps replayed at ``bucket_cap_mb`` = ``cap_mb`` (MiB; None:
-    DDP's default) with ``model`` (fitted to ``trace`` when not given). The result's
-    ``run`` says ``"status": "predicted"`` and holds the layout and the model's notes."""
+    DDP's default) with ``model`` (fitted to ``trace`` when not given). ``fitted``: the
+    model fitted to the trace, when ``model`` is another (a projection): the trace's
+    compute is read with it. The result's ``run`` says ``"status": "predicted"`` and
+    holds the layout and the model's notes."""
     if cap_mb is not None and not (np.isfinite(cap_mb) and cap_mb > 0):
         raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {cap_mb}")
     model = model or fit_model(trace)
@@ -168,7 +170,7 @@ def predict_run(trace: RunTrace, cap_mb: float | None, model: WhatIfModel | None
     sizes = trace.run["param_bytes"]
     names = trace.run.get("param_names") or [f"param[{i}]" for i in range(len(sizes))]
     bucket_bytes = [float(sum(sizes[p] for p in b)) for b in layout]
-    inputs = step_inputs(trace, model.steal_us_per_mib)
+    inputs = step_inputs(trace, fitted or model)
     if not inputs:
         raise TraceError(f"{trace.path.name}: no step to replay")
     measured = trace.steps.set_index(["rank", "step"])

@@ -22,17 +22,18 @@ def _medians(trace: RunTrace) -> dict:
             for k in ("step_ms", "backward_ms", "comm_ms", "exposed_ms", "overlap_pct")}
 
 
-def compute_cap_sweep(trace: RunTrace, caps=DEFAULT_CAPS, model: WhatIfModel | None = None) -> pd.DataFrame:
+def compute_cap_sweep(trace: RunTrace, caps=DEFAULT_CAPS, model: WhatIfModel | None = None,
+                      fitted: WhatIfModel | None = None) -> pd.DataFrame:
     """One row per cap (MiB): buckets, and the predicted medians over steps and ranks of
     step, backward compute, communication and exposed communication (ms), overlap %;
     plus ``traced`` (the trace's own cap, replayed) and ``predictions`` (RunTrace per
-    cap, in ``df.attrs``, for figures). Caps must be > 0."""
+    cap, in ``df.attrs``, for figures). Caps must be > 0. ``fitted``: see ``predict_run``."""
     model = model or fit_model(trace)
     traced = trace.run.get("bucket_cap_mb")
     caps = sorted({float(c) for c in caps} | ({float(traced)} if traced else set()))
     rows, preds = [], {}
     for cap in caps:
-        pred = predict_run(trace, cap, model)
+        pred = predict_run(trace, cap, model, fitted)
         preds[cap] = pred
         rows.append({"bucket_cap_mb": cap, "buckets": len(pred.run["bucket_layout"]), **_medians(pred),
                      "traced": traced is not None and np.isclose(cap, float(traced))})

@@ -1,0 +1,155 @@
+"""The What-if page: predicted step time against bucket_cap_mb from the open trace, the
+real runs of the same job on the same axes, a predicted timeline beside a measured one,
+"Run at this cap" (the live loop), and a projection to another world size and link."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from dashboard.common import CommandPolicy, first_real_step, label_of, load_trace, stamp_of, start_job
+from dashboard.run_page import rerun_source
+from tracer.launch.jobs import JobManager
+from viz.gantt import make_timeline_figure, timeline_extent_ms
+from viz.overlap import compute_run_comparison
+from viz.trace import TraceError
+from viz.whatif.figures import make_cap_sweep_figure
+from viz.whatif.model import fit_model
+from viz.whatif.projection import LINK_PRESETS, Link, project_model
+from viz.whatif.simulate import predict_run
+from viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, compute_measured_points, recommend_cap, same_job
+
+
+@st.cache_data(show_spinner="Predicting every cap...", max_entries=8)
+def cap_sweep(path: str, stamp: float, caps: tuple[float, ...], world_size: int | None = None,
+              bandwidth_gbps: float | None = None, latency_us: float | None = None):
+    """(sweep table, recommendation, model notes) for the trace at ``path``; with a world
+    size and link, the projection instead."""
+    trace = load_trace(path, stamp)
+    fitted = fit_model(trace)
+    model = fitted
+    if world_size is not None:
+        model = project_model(fitted, world_size, Link(bandwidth_gbps=bandwidth_gbps, latency_us=latency_us))
+    sweep = compute_cap_sweep(trace, caps, model, fitted)
+    table = pd.DataFrame(sweep)
+    table.attrs = {}  # the predicted traces stay out of the cache
+    return table, recommend_cap(sweep), list(model.notes)
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def predicted_trace(path: str, stamp: float, cap: float):
+    trace = load_trace(path, stamp)
+    return predict_run(trace, cap, fit_model(trace))
+
+
+def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, busy: bool,
+                  policy: CommandPolicy) -> None:
+    st.caption("Every step of the open trace replayed with the buckets DDP would build at another bucket_cap_mb: "
+               "gradients ready when they were, all-reduces costing what this run's cost, compute slowed by "
+               "communication as measured. Predictions, not measurements: the crosses are real runs.")
+    stamp = stamp_of(path)
+    try:
+        sweep, best, notes = cap_sweep(str(path), stamp, tuple(DEFAULT_CAPS))
+    except (TraceError, ValueError) as e:
+        st.info(f"No prediction for this trace: {e}")
+        return
+    measured = _measured_runs(trace, traces)
+    points = compute_measured_points(measured)
+    st.plotly_chart(make_cap_sweep_figure(sweep, points, best["bucket_cap_mb"]), key="whatif_curve")
+    if best["gain_ms"] > 0:
+        st.success(f"Predicted best: bucket_cap_mb = {best['bucket_cap_mb']:g} MiB, step {best['step_ms']:.1f} ms, "
+                   f"{best['gain_ms']:.1f} ms ({best['gain_pct']:.1f}%) faster than the traced cap.")
+    else:
+        st.info(f"No cap is predicted to be clearly faster than the traced {best['bucket_cap_mb']:g} MiB.")
+    with st.expander("Predicted table and how the model was fitted"):
+        st.dataframe(sweep.round(2), hide_index=True, key="whatif_table")
+        for note in notes:
+            st.caption(note)
+        st.caption("`ddpscope calibrate RUN` measures all-reduce times and contention on these ranks; the "
+                   "prediction uses it when the run folder has one.")
+    caps = sweep["bucket_cap_mb"].tolist()
+    if st.session_state.get("whatif_for") != str(path):
+        st.session_state.update(whatif_for=str(path), whatif_cap=best["bucket_cap_mb"])
+    cap = st.select_slider("A cap to look at (MiB)", options=caps, key="whatif_cap")
+    _predicted_beside_measured(path, stamp, trace, cap, measured)
+    _run_at_cap(path, trace, cap, jobs, busy, policy)
+    with st.expander("Projection: another world size and link"):
+        _projection(path, stamp, trace)
+
+
+def _measured_runs(trace, traces: dict[str, Path]) -> dict:
+    """Runs of the same job (same world size, parameters, script or demo), loaded."""
+    out = {}
+    for label, p in traces.items():
+        try:
+            t = load_trace(str(p), stamp_of(p))
+        except TraceError:
+            continue
+        if same_job(trace, t) and t.run.get("bucket_cap_mb"):
+            out[label] = t
+    return out
+
+
+def _predicted_beside_measured(path: Path, stamp: float, trace, cap: float, measured: dict) -> None:
+    pred = predicted_trace(str(path), stamp, float(cap))
+    real = {k: t for k, t in measured.items() if abs(float(t.run["bucket_cap_mb"]) - cap) < 1e-9}
+    label, real_t = next(iter(real.items()), (None, None))
+    if real_t is None:
+        label, real_t = label_of(path), trace
+        st.caption(f"No real run at {cap:g} MiB yet: the predicted timeline is shown beside the traced run.")
+    shown = {f"predicted at {cap:g} MiB": pred, f"{label} (measured)": real_t}
+    st.dataframe(compute_run_comparison(shown).round(2), hide_index=True, key="whatif_vs")
+    width = max(timeline_extent_ms(t, [first_real_step(t)]) for t in shown.values())
+    cols = st.columns(2)
+    for n, (col, (name, t)) in enumerate(zip(cols, shown.items())):
+        fig = make_timeline_figure(t, steps=[first_real_step(t)], title=name)
+        fig.update_xaxes(range=[0, width * 1.02])
+        col.plotly_chart(fig, key=f"whatif_timeline_{n}")
+
+
+def _run_at_cap(path: Path, trace, cap: float, jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
+    source = rerun_source(path, trace.run)
+    if source is None:
+        st.info("This trace does not say how it was made: it cannot be rerun from here.")
+        return
+    blocked = None
+    if "script" in source:
+        blocked = ("this trace was uploaded: its command is not run here" if source["upload"] else
+                   None if policy.allowed else "starting commands is off (see the Run tab)")
+    if blocked:
+        st.info(f"Run at this cap is off: {blocked}.")
+    if st.button(f"Run at bucket_cap_mb = {cap:g}", key="whatif_run", disabled=busy or bool(blocked),
+                 type="primary", help="Runs it for real (the live loop); when it ends it shows on the curve "
+                                      "and beside the prediction."):
+        settings = {"demo": source["demo"]} if "demo" in source else {"script": source["script"],
+                                                                         "cwd": source["cwd"]}
+        steps = int(min(max(trace.run.get("steps") or 10, 3), 50))
+        start_job(jobs.start, nproc=source["nproc"], bucket_cap_mb=float(cap), steps=steps, source=path, **settings)
+
+
+def _projection(path: Path, stamp: float, trace) -> None:
+    st.caption("Projection, not prediction: this trace's compute with a ring all-reduce of another world size "
+               "over another link, 2(N-1)/N x M / B + 2(N-1) x latency, one all-reduce at a time (NCCL), "
+               "nothing taken from compute. Would this bucket size still be right there?")
+    c = st.columns(4)
+    preset = c[0].selectbox("link", list(LINK_PRESETS), index=1, key="proj_link")
+    if st.session_state.get("proj_preset_for") != preset:  # a new preset: its numbers, still editable
+        st.session_state.update(proj_preset_for=preset, proj_bw=LINK_PRESETS[preset].bandwidth_gbps,
+                                proj_lat=LINK_PRESETS[preset].latency_us)
+    n = c[1].number_input("world size N", min_value=2, max_value=100_000, value=64, step=1, key="proj_n")
+    bw = c[2].number_input("bandwidth B (GB/s)", min_value=0.001, max_value=10_000.0, key="proj_bw")
+    lat = c[3].number_input("latency per ring step (µs)", min_value=0.0, max_value=100_000.0, key="proj_lat")
+    try:
+        sweep, best, _ = cap_sweep(str(path), stamp, tuple(DEFAULT_CAPS), int(n), float(bw), float(lat))
+    except (TraceError, ValueError) as e:
+        st.error(str(e))
+        return
+    fig = make_cap_sweep_figure(sweep, None, best["bucket_cap_mb"],
+                                title=f"Projection: {int(n)} ranks over {preset} ({bw:g} GB/s, {lat:g} µs)")
+    st.plotly_chart(fig, key="proj_curve")
+    here = sweep[sweep["traced"]]
+    st.write(f"Projected best: **{best['bucket_cap_mb']:g} MiB** (step {best['step_ms']:.1f} ms"
+             + (f"; the traced cap: {float(here['step_ms'].iloc[0]):.1f} ms" if len(here) else "") + ").")
+    st.dataframe(pd.DataFrame(sweep).round(2), hide_index=True, key="proj_table")

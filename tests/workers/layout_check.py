@@ -1,0 +1,64 @@
+"""One real DDP process (gloo, world size 1) per cap: the order gradients became ready
+in the first backward (post-accumulate-grad hooks, as the tracer sees it) and the layout
+DDP rebuilt, from its own runtime logging. Prints one JSON line per cap.
+
+    python tests/workers/layout_check.py CAP[,CAP...]   ("default" = no bucket_cap_mb)
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tracer.workloads.demo.models import build_model  # noqa: E402
+
+
+class Mixed(nn.Module):
+    """The demo GPT plus a float64 head: DDP buckets each dtype apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = build_model("gpt")
+        self.head = nn.Linear(64, 300).double()
+
+    def forward(self, x):
+        return self.gpt(x).mean() + self.head(torch.ones(3, 64, dtype=torch.float64)).sum().float()
+
+
+def main() -> None:
+    caps = sys.argv[1].split(",")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", sys.argv[2] if len(sys.argv) > 2 else "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    for cap in caps:
+        torch.manual_seed(0)
+        model = Mixed()
+        kw = {} if cap == "default" else {"bucket_cap_mb": float(cap)}
+        ddp = DDP(model, **kw)
+        params = [p for p in ddp.parameters() if p.requires_grad]
+        order = []
+        hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i)) for i, p in enumerate(params)]
+        for step in range(2):
+            x, _ = model.gpt.batch(torch.Generator().manual_seed(step))
+            ddp(x).backward()
+            if step == 0:
+                first = list(order)
+        for h in hooks:
+            h.remove()
+        data = ddp._get_ddp_logging_data()
+        print(json.dumps({
+            "cap": cap, "order": first, "param_bytes": [p.numel() * p.element_size() for p in params],
+            "param_dtypes": [str(p.dtype).removeprefix("torch.") for p in params],
+            "rebuilt_indices": data.get("rebuilt_per_bucket_param_indices"),
+            "rebuilt_sizes": data.get("rebuilt_bucket_sizes"),
+        }), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

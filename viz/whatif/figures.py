@@ -1,0 +1,46 @@
+"""The what-if figure: step time and exposed communication against bucket_cap_mb."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+
+
+def make_cap_sweep_figure(sweep: pd.DataFrame, measured: pd.DataFrame | None = None,
+                          best_cap: float | None = None, title: str = "Predicted step time against bucket_cap_mb"
+                          ) -> go.Figure:
+    """Predicted step time and exposed communication (ms) per cap (MiB, log axis) as
+    curves, measured runs as points on them, the traced cap and ``best_cap`` marked."""
+    fig = go.Figure()
+    x = sweep["bucket_cap_mb"].tolist()
+    fig.add_trace(go.Scatter(x=x, y=sweep["step_ms"].tolist(), mode="lines+markers", name="step (predicted)",
+                             line=dict(color="#1f77b4"), hovertemplate="%{x:g} MiB: %{y:.1f} ms<extra></extra>"))
+    fig.add_trace(go.Scatter(x=x, y=sweep["exposed_ms"].tolist(), mode="lines+markers",
+                             name="exposed communication (predicted)", line=dict(color="#d62728", dash="dash"),
+                             hovertemplate="%{x:g} MiB: %{y:.1f} ms exposed<extra></extra>"))
+    traced = sweep[sweep["traced"]] if "traced" in sweep else sweep.iloc[0:0]
+    if len(traced):
+        fig.add_trace(go.Scatter(x=traced["bucket_cap_mb"].tolist(), y=traced["step_ms"].tolist(), mode="markers",
+                                 name="traced cap (replayed)",
+                                 marker=dict(symbol="circle-open", size=16, color="#1f77b4", line=dict(width=2))))
+    if measured is not None and len(measured):
+        m = measured.dropna(subset=["bucket_cap_mb", "step_ms"])
+        fig.add_trace(go.Scatter(x=m["bucket_cap_mb"].tolist(), y=m["step_ms"].tolist(), mode="markers",
+                                 name="step (measured runs)", text=m["run"].tolist(),
+                                 marker=dict(symbol="x", size=11, color="black"),
+                                 hovertemplate="%{text}: %{x:g} MiB, %{y:.1f} ms<extra></extra>"))
+        fig.add_trace(go.Scatter(x=m["bucket_cap_mb"].tolist(), y=m["exposed_ms"].tolist(), mode="markers",
+                                 name="exposed (measured runs)", text=m["run"].tolist(),
+                                 marker=dict(symbol="x-thin", size=11, color="#d62728", line=dict(width=2)),
+                                 hovertemplate="%{text}: %{x:g} MiB, %{y:.1f} ms exposed<extra></extra>"))
+    if best_cap is not None:
+        row = sweep.loc[(sweep["bucket_cap_mb"] - best_cap).abs().idxmin()]
+        fig.add_trace(go.Scatter(x=[float(row["bucket_cap_mb"])], y=[float(row["step_ms"])], mode="markers+text",
+                                 name="best cap (predicted)", text=[f"best: {row['bucket_cap_mb']:g} MiB"],
+                                 textposition="top center",
+                                 marker=dict(symbol="star", size=18, color="#2ca02c")))
+    fig.update_xaxes(type="log", title_text="bucket_cap_mb (MiB, log scale)")
+    fig.update_yaxes(title_text="ms", rangemode="tozero")
+    fig.update_layout(title=title, height=430, margin=dict(t=50, b=90, l=50, r=20),
+                      legend=dict(orientation="h", y=-0.25))
+    return fig
