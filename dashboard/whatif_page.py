@@ -57,22 +57,22 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
         return
     measured = _measured_runs(trace, traces)
     points = compute_measured_points(measured)
-    st.plotly_chart(make_cap_sweep_figure(sweep, points, best["bucket_cap_mb"]), key="whatif_curve")
+    st.plotly_chart(make_cap_sweep_figure(sweep, points, best["bucket_cap_mb"]), key="predict_curve")
     if best["gain_ms"] > 0:
         st.success(f"Predicted best: bucket_cap_mb = {best['bucket_cap_mb']:g} MiB, step {best['step_ms']:.1f} ms, "
                    f"{best['gain_ms']:.1f} ms ({best['gain_pct']:.1f}%) faster than the traced cap.")
     else:
         st.info(f"No cap is predicted to be clearly faster than the traced {best['bucket_cap_mb']:g} MiB.")
     with st.expander("Predicted table and how the model was fitted"):
-        st.dataframe(sweep.round(2), hide_index=True, key="whatif_table")
+        st.dataframe(sweep.round(2), hide_index=True, key="predict_table")
         for note in notes:
             st.caption(note)
         st.caption("`ddpscope calibrate RUN` measures all-reduce times and contention on these ranks; the "
                    "prediction uses it when the run folder has one.")
     caps = sweep["bucket_cap_mb"].tolist()
-    if st.session_state.get("whatif_for") != str(path):
-        st.session_state.update(whatif_for=str(path), whatif_cap=best["bucket_cap_mb"])
-    cap = st.select_slider("A cap to look at (MiB)", options=caps, key="whatif_cap")
+    if st.session_state.get("predict_for") != str(path):
+        st.session_state.update(predict_for=str(path), predict_cap=best["bucket_cap_mb"])
+    cap = st.select_slider("A cap to look at (MiB)", options=caps, key="predict_cap")
     _predicted_beside_measured(path, stamp, trace, cap, measured)
     _run_at_cap(path, trace, cap, jobs, busy, policy)
     with st.expander("Projection: another world size and link"):
@@ -100,13 +100,13 @@ def _predicted_beside_measured(path: Path, stamp: float, trace, cap: float, meas
         label, real_t = label_of(path), trace
         st.caption(f"No real run at {cap:g} MiB yet: the predicted timeline is shown beside the traced run.")
     shown = {f"predicted at {cap:g} MiB": pred, f"{label} (measured)": real_t}
-    st.dataframe(compute_run_comparison(shown).round(2), hide_index=True, key="whatif_vs")
+    st.dataframe(compute_run_comparison(shown).round(2), hide_index=True, key="predict_vs")
     width = max(timeline_extent_ms(t, [first_real_step(t)]) for t in shown.values())
     cols = st.columns(2)
     for n, (col, (name, t)) in enumerate(zip(cols, shown.items())):
         fig = make_timeline_figure(t, steps=[first_real_step(t)], title=name)
         fig.update_xaxes(range=[0, width * 1.02])
-        col.plotly_chart(fig, key=f"whatif_timeline_{n}")
+        col.plotly_chart(fig, key=f"predict_timeline_{n}")
 
 
 def _run_at_cap(path: Path, trace, cap: float, jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
@@ -120,7 +120,7 @@ def _run_at_cap(path: Path, trace, cap: float, jobs: JobManager, busy: bool, pol
                    None if policy.allowed else "starting commands is off (see the Run tab)")
     if blocked:
         st.info(f"Run at this cap is off: {blocked}.")
-    if st.button(f"Run at bucket_cap_mb = {cap:g}", key="whatif_run", disabled=busy or bool(blocked),
+    if st.button(f"Run at bucket_cap_mb = {cap:g}", key="predict_run", disabled=busy or bool(blocked),
                  type="primary", help="Runs it for real (the live loop); when it ends it shows on the curve "
                                       "and beside the prediction."):
         settings = {"demo": source["demo"]} if "demo" in source else {"script": source["script"],
@@ -134,13 +134,13 @@ def _projection(path: Path, stamp: float, trace) -> None:
                "over another link, 2(N-1)/N x M / B + 2(N-1) x latency, one all-reduce at a time (NCCL), "
                "nothing taken from compute. Would this bucket size still be right there?")
     c = st.columns(4)
-    preset = c[0].selectbox("link", list(LINK_PRESETS), index=1, key="proj_link")
-    if st.session_state.get("proj_preset_for") != preset:  # a new preset: its numbers, still editable
-        st.session_state.update(proj_preset_for=preset, proj_bw=LINK_PRESETS[preset].bandwidth_gbps,
-                                proj_lat=LINK_PRESETS[preset].latency_us)
-    n = c[1].number_input("world size N", min_value=2, max_value=100_000, value=64, step=1, key="proj_n")
-    bw = c[2].number_input("bandwidth B (GB/s)", min_value=0.001, max_value=10_000.0, key="proj_bw")
-    lat = c[3].number_input("latency per ring step (µs)", min_value=0.0, max_value=100_000.0, key="proj_lat")
+    preset = c[0].selectbox("link", list(LINK_PRESETS), index=1, key="predict_proj_link")
+    if st.session_state.get("predict_proj_preset_for") != preset:  # a new preset: its numbers, still editable
+        st.session_state.update(predict_proj_preset_for=preset, predict_proj_bw=LINK_PRESETS[preset].bandwidth_gbps,
+                                predict_proj_lat=LINK_PRESETS[preset].latency_us)
+    n = c[1].number_input("world size N", min_value=2, max_value=100_000, value=64, step=1, key="predict_proj_n")
+    bw = c[2].number_input("bandwidth B (GB/s)", min_value=0.001, max_value=10_000.0, key="predict_proj_bw")
+    lat = c[3].number_input("latency per ring step (µs)", min_value=0.0, max_value=100_000.0, key="predict_proj_lat")
     try:
         sweep, best, _ = cap_sweep(str(path), stamp, tuple(DEFAULT_CAPS), int(n), float(bw), float(lat))
     except (TraceError, ValueError) as e:
@@ -148,8 +148,8 @@ def _projection(path: Path, stamp: float, trace) -> None:
         return
     fig = make_cap_sweep_figure(sweep, None, best["bucket_cap_mb"],
                                 title=f"Projection: {int(n)} ranks over {preset} ({bw:g} GB/s, {lat:g} µs)")
-    st.plotly_chart(fig, key="proj_curve")
+    st.plotly_chart(fig, key="predict_proj_curve")
     here = sweep[sweep["traced"]]
     st.write(f"Projected best: **{best['bucket_cap_mb']:g} MiB** (step {best['step_ms']:.1f} ms"
              + (f"; the traced cap: {float(here['step_ms'].iloc[0]):.1f} ms" if len(here) else "") + ").")
-    st.dataframe(pd.DataFrame(sweep).round(2), hide_index=True, key="proj_table")
+    st.dataframe(pd.DataFrame(sweep).round(2), hide_index=True, key="predict_proj_table")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import time
 import zipfile
 
@@ -246,7 +247,7 @@ def test_ring_page_animates_the_sample(app):
     specs = _ring_specs(app)
     assert len(specs["animation"]["frames"]) == 2 * 3 + 1
     assert len(specs["steps"]["data"]) == 4
-    summary = app.dataframe[4].value
+    summary = _table(app, "ring_ms")  # the ring summary (no other table has that column)
     assert list(summary["bytes"]) == [4096, 2**18, 2**22]
 
 
@@ -391,3 +392,81 @@ def test_a_ring_run_with_no_complete_round_says_so(app, tmp_path):
     app.selectbox(key="ring_trace").set_value("run: no-rounds").run()
     assert not app.exception
     assert any("no ring round finished on every rank" in e.value for e in app.error)
+
+
+def _predict_chart(app, title_part="Predicted step time against bucket_cap_mb") -> dict:
+    return _chart(app, title_part)
+
+
+def _vs_table(app):
+    """The What-if page's predicted-beside-measured table (dataframes carry no key)."""
+    return next(d.value for d in app.dataframe if "run" in d.value.columns
+                and any(str(r).startswith("predicted at") for r in d.value["run"]))
+
+
+def _proj_table(app):
+    """The projection's table: the last cap sweep on the page (the first is the prediction's)."""
+    return [d.value for d in app.dataframe if "traced" in d.value.columns][-1]
+
+
+def test_whatif_page_draws_the_predicted_curve_with_the_measured_runs_on_it(app):
+    """The open sample (GPT, 1 MiB) predicted at every cap; the other GPT sample (25 MiB,
+    same job) is a measured point; the best cap is starred; a predicted timeline shows
+    beside the measured run at the chosen cap."""
+    spec = _predict_chart(app)
+    traces = {t["name"]: t for t in spec["data"]}
+    assert {"step (predicted)", "exposed communication (predicted)", "step (measured runs)",
+            "best cap (predicted)", "traced cap (replayed)"} <= set(traces)
+    assert spec["layout"]["xaxis"]["type"] == "log"
+    assert sorted(traces["step (measured runs)"]["x"]) == [1.0, 25.0]
+    assert traces["traced cap (replayed)"]["x"] == [1.0]
+    app.select_slider(key="predict_cap").set_value(25.0).run()
+    assert not app.exception
+    vs = _vs_table(app)
+    assert list(vs["run"]) == ["predicted at 25 MiB", "sample: gpt-2rank-cap25mb (measured)"]
+    assert list(vs["buckets"]) == [1, 1]  # as DDP built it: an explicit 25 MiB caps the first bucket too
+    titles = [json.dumps(c["layout"].get("title")) for c in _charts(app)]
+    assert any("predicted at 25 MiB" in t for t in titles) and any("(measured)" in t for t in titles)
+
+
+def test_whatif_projection_reacts_to_world_size_and_link(app):
+    assert "64 ranks" in json.dumps(_predict_chart(app, "Projection:")["layout"]["title"])
+    app.selectbox(key="predict_proj_link").set_value("NVLink (H100 SXM, one node)").run()
+    fast = _proj_table(app)
+    assert app.number_input(key="predict_proj_bw").value == 360.0
+    app.selectbox(key="predict_proj_link").set_value("Ethernet 25 Gb/s (TCP)").run()
+    app.number_input(key="predict_proj_n").set_value(1024).run()
+    assert not app.exception
+    slow = _proj_table(app)
+    assert "1024 ranks" in json.dumps(_predict_chart(app, "Projection:")["layout"]["title"])
+    assert (slow["exposed_ms"].to_numpy() > fast["exposed_ms"].to_numpy()).all()
+    app.number_input(key="predict_proj_bw").set_value(1e4).run()  # edited by hand
+    app.number_input(key="predict_proj_lat").set_value(0.0).run()
+    assert (_proj_table(app)["exposed_ms"] < slow["exposed_ms"]).all()
+
+
+def test_whatif_refuses_a_trace_it_cannot_predict_in_one_line(app, tmp_path):
+    bad = tmp_path / "runs" / "no-sizes"
+    shutil.copytree(SAMPLES / "gpt-2rank-cap1mb", bad)
+    run = json.loads((bad / "run.json").read_text())
+    run.pop("param_bytes")
+    (bad / "run.json").write_text(json.dumps(run))
+    app.run()  # lists the new folder
+    app.sidebar.selectbox(key="trace").set_value("run: no-sizes").run()
+    assert not app.exception
+    assert any("No prediction for this trace" in i.value and "param" in i.value for i in app.info)
+
+
+@pytest.mark.ddp
+def test_run_at_the_predicted_cap_puts_the_real_run_on_the_curve(app, tmp_path):
+    app.select_slider(key="predict_cap").set_value(4.0).run()
+    app.button(key="predict_run").click().run()
+    assert app.get("progress")
+    _wait_for_job(app)
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    assert len(runs) == 1 and json.loads((runs[0] / "run.json").read_text())["bucket_cap_mb"] == 4.0
+    app.select_slider(key="predict_cap").set_value(4.0).run()
+    measured = {t["name"]: t for t in _predict_chart(app)["data"]}["step (measured runs)"]
+    assert 4.0 in measured["x"] and f"run: {runs[0].name}" in measured["text"]
+    vs = _vs_table(app)
+    assert list(vs["run"]) == ["predicted at 4 MiB", f"run: {runs[0].name} (measured)"]

@@ -75,8 +75,7 @@ def _summary(path: str, as_json: bool) -> int:
     trace = load_run(path)
     med = compute_rank_medians(trace)
     if as_json:
-        ranks = {str(int(r["rank"])): {k: (None if isinstance(v, float) and math.isnan(v) else v)
-                                       for k, v in r.items() if k != "rank"}
+        ranks = {str(int(r["rank"])): _json_safe({k: v for k, v in r.items() if k != "rank"})
                  for r in med.astype(object).to_dict("records")}
         print(json.dumps({"path": str(trace.path), "status": trace.status, "world_size": trace.world_size,
                           "bucket_cap_mb": trace.run.get("bucket_cap_mb"), "ranks": ranks}, indent=1, default=float))
@@ -85,6 +84,11 @@ def _summary(path: str, as_json: bool) -> int:
               f"bucket_cap_mb={trace.run.get('bucket_cap_mb')}  (medians over non-warm-up steps, ms)")
         print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
     return 0
+
+
+def _json_safe(row: dict) -> dict:
+    """NaN (no communication: no overlap %) as null: JSON has no NaN."""
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
 
 
 def _whatif(path: str, caps: str | None, as_json: bool) -> int:
@@ -105,7 +109,8 @@ def _whatif(path: str, caps: str | None, as_json: bool) -> int:
     if as_json:
         print(json.dumps({"path": str(trace.path), "world_size": trace.world_size,
                           "traced_bucket_cap_mb": trace.run.get("bucket_cap_mb"),
-                          "caps": sweep[cols].astype(object).to_dict("records"), "recommended": best,
+                          "caps": [_json_safe(r) for r in sweep[cols].astype(object).to_dict("records")],
+                          "recommended": _json_safe(best),
                           "model_notes": list(model.notes)}, indent=1, default=float))
         return 0
     print(f"{trace.path}  ranks={trace.world_size}  traced at bucket_cap_mb={trace.run.get('bucket_cap_mb')}  "

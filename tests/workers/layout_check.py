@@ -1,8 +1,9 @@
-"""One real DDP process (gloo, world size 1) per cap: the order gradients became ready
-in the first backward (post-accumulate-grad hooks, as the tracer sees it) and the layout
-DDP rebuilt, from its own runtime logging. Prints one JSON line per cap.
+"""Real DDP (gloo, two ranks: with one, DDP keeps a single bucket) per cap: the order
+gradients became ready in the first backward (post-accumulate-grad hooks, as the tracer
+sees it) and the layout DDP rebuilt, from its own runtime logging (written at the
+forward after the rebuild). Rank 0 prints one JSON line per cap.
 
-    python tests/workers/layout_check.py CAP[,CAP...]   ("default" = no bucket_cap_mb)
+    torchrun --nproc-per-node 2 tests/workers/layout_check.py CAP[,CAP...]   ("default": no bucket_cap_mb)
 """
 
 import json
@@ -32,9 +33,7 @@ class Mixed(nn.Module):
 
 def main() -> None:
     caps = sys.argv[1].split(",")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", sys.argv[2] if len(sys.argv) > 2 else "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo")
     for cap in caps:
         torch.manual_seed(0)
         model = Mixed()
@@ -43,7 +42,7 @@ def main() -> None:
         params = [p for p in ddp.parameters() if p.requires_grad]
         order = []
         hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i)) for i, p in enumerate(params)]
-        for step in range(2):
+        for step in range(3):
             x, _ = model.gpt.batch(torch.Generator().manual_seed(step))
             ddp(x).backward()
             if step == 0:
@@ -51,6 +50,8 @@ def main() -> None:
         for h in hooks:
             h.remove()
         data = ddp._get_ddp_logging_data()
+        if dist.get_rank() != 0:
+            continue
         print(json.dumps({
             "cap": cap, "order": first, "param_bytes": [p.numel() * p.element_size() for p in params],
             "param_dtypes": [str(p.dtype).removeprefix("torch.") for p in params],

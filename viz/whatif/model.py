@@ -7,10 +7,11 @@ around the syncing backward (before it, after DDP has every averaged gradient).
 
 ``fit_model`` fits (``WhatIfModel``):
 - the all-reduce cost of one bucket alone against its size (``viz.whatif.cost``): the
-  calibration sweep's curve when the run has one, scaled to the run's own buckets where
-  at least 30 % of their time in flight was outside backward (in a training step an
-  all-reduce runs slower than the same one alone: fresh gradients, the hook's callbacks),
-  else as measured; without a calibration, a line through the run's own buckets;
+  calibration sweep's curve when the run has one, scaled to the run's own buckets that
+  ran alone after backward (in a training step an all-reduce can run slower or faster
+  than the same one in the calibration: fresh gradients, the hook's callbacks, the
+  machine's mood), else as measured; without a calibration, a line through the run's
+  own buckets;
 - ``comm_slowdown``: how much longer an all-reduce takes while backward computes (on CPU
   gloo's threads share the cores with autograd), fitted to the run's buckets: each
   bucket's time in flight, in slices with and without backward compute beside it;
@@ -108,16 +109,6 @@ def usable_steps(trace: RunTrace) -> list[int]:
     return sorted(int(k) for k, n in counts.items() if n == len(trace.ranks))
 
 
-def _comm_union(b: pd.DataFrame, start_all: pd.Series | None = None) -> np.ndarray:
-    """The rank's time with an all-reduce in flight: from the moment the collective could
-    start (every rank launched it; ``start_all``: the last launch per bucket) to done."""
-    launch = b["launch_us"].to_numpy(float)
-    if start_all is not None:
-        launch = np.maximum(launch, b["bucket"].map(start_all).to_numpy(float))
-    done = b["done_us"].to_numpy(float)
-    return merge_intervals(np.minimum(launch, done), done)
-
-
 def _flights(b: pd.DataFrame, start_all: pd.Series | None) -> np.ndarray:
     """Per bucket (rows of ``b``): [start, done, MiB], start when every rank had launched it."""
     launch = b["launch_us"].to_numpy(float)
@@ -125,6 +116,12 @@ def _flights(b: pd.DataFrame, start_all: pd.Series | None) -> np.ndarray:
         launch = np.maximum(launch, b["bucket"].map(start_all).to_numpy(float))
     done = b["done_us"].to_numpy(float)
     return np.column_stack([np.minimum(launch, done), done, b["bytes"].to_numpy(float) / MIB])
+
+
+def _comm_union(b: pd.DataFrame, start_all: pd.Series | None) -> np.ndarray:
+    """The rank's time with an all-reduce in flight, as disjoint [start, end]."""
+    f = _flights(b, start_all)
+    return merge_intervals(f[:, 0], f[:, 1])
 
 
 def _work_at(t: float, b0: float, flights: np.ndarray, model: WhatIfModel) -> float:
@@ -290,21 +287,20 @@ def fit_comm(trace: RunTrace, lanes: int, calibration: Calibration | None) -> tu
     nbytes = np.asarray(samples["bytes"], float)
     base = calibration.cost() if calibration is not None else None
     flight, busy = samples["flight"], samples["computing"]
-    # With enough all-reduce time outside backward, the run's own level (relative to the
-    # calibration) and the slowdown beside compute can be told apart; else the level is
-    # the calibration's and only the slowdown is fitted.
-    free_share = float((flight * (1 - busy)).sum() / max(flight.sum(), 1e-9))
-    rescale = base is not None and free_share >= 0.3
+    if base is not None:
+        # The run's own level against the calibration, from the buckets that ran alone and
+        # outside backward (>= 70 % of their flight): a bucket beside another or beside
+        # compute is slower for reasons the model has separately (lanes, the slowdown).
+        alone = (flight * (1 - busy) * (samples["in_flight"] <= 1)).sum(axis=1) / np.maximum(flight.sum(axis=1), 1e-9)
+        clean = alone >= 0.7
+        if clean.any():
+            scale = float(np.median(flight.sum(axis=1)[clean] / base.time_us(nbytes[clean])))
+            base = base.with_scale(scale, f"calibration x {scale:.2f} (this run's {int(clean.sum())} "
+                                          "buckets that ran alone after backward)")
     best = None
     for kappa in _SLOWDOWN_GRID:
         work = (flight / (1.0 + kappa * busy)).sum(axis=1)  # µs each, uncontended
-        if base is not None:
-            cost = base
-            if rescale:
-                scale = float(np.median(work / base.time_us(nbytes)))
-                cost = base.with_scale(scale, f"calibration x {scale:.2f} (this run's own buckets)")
-        else:
-            cost = fit_line(nbytes, work, "the run's own buckets")
+        cost = base if base is not None else fit_line(nbytes, work, "the run's own buckets")
         err = float(np.sum(np.log(np.maximum(work, 1.0) / cost.time_us(nbytes)) ** 2))
         if best is None or err < best[0] - 1e-9:
             best = (err, cost, float(kappa))
@@ -317,12 +313,12 @@ def fit_comm(trace: RunTrace, lanes: int, calibration: Calibration | None) -> tu
 
 def _comm_samples(trace: RunTrace, lanes: int) -> dict:
     """Per bucket all-reduce (usable steps, per rank): its bytes, and its time in flight
-    cut into slices: each slice's duration (``flight``, µs) and whether backward computed
-    then on any rank (``computing``, 0/1), as arrays of equal shape (buckets x slices,
-    padded with zeros)."""
+    cut into slices: each slice's duration (``flight``, µs), whether backward computed
+    then on any rank (``computing``, 0/1) and how many of this rank's all-reduces were in
+    flight (``in_flight``), as arrays of equal shape (buckets x slices, padded with zeros)."""
     steps = trace.steps.set_index(["rank", "step"])
     keep = set(usable_steps(trace))
-    nbytes, flight, computing = [], [], []
+    nbytes, flight, computing, in_flight = [], [], [], []
     for (rank, step), b in trace.buckets.groupby(["rank", "step"]):
         if step not in keep:
             continue
@@ -346,7 +342,8 @@ def _comm_samples(trace: RunTrace, lanes: int) -> dict:
             mid = (edges[:-1] + edges[1:]) / 2
             nbytes.append(float(nb))
             flight.append(np.diff(edges))
+            in_flight.append(((starts[:, None] <= mid) & (done[:, None] > mid)).sum(axis=0))
             computing.append(np.any([(mid >= lo_) & (mid < hi_) for lo_, hi_ in spans], axis=0).astype(float))
     width = max((len(x) for x in flight), default=0)
     pad = lambda rows: np.array([np.pad(r, (0, width - len(r))) for r in rows]) if rows else np.zeros((0, 0))
-    return {"bytes": nbytes, "flight": pad(flight), "computing": pad(computing)}
+    return {"bytes": nbytes, "flight": pad(flight), "computing": pad(computing), "in_flight": pad(in_flight)}
