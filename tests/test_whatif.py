@@ -323,3 +323,24 @@ def test_fit_on_a_sample_names_its_sources():
     assert m.lanes == 2 and m.cost.us_per_byte > 0 and len(m.notes) == 2
     assert predict_layout(load_run(SAMPLES / "gpt-2rank-cap1mb"), 1.0) == \
         load_run(SAMPLES / "gpt-2rank-cap1mb").run["bucket_layout"]
+
+
+def test_runs_of_the_same_job_are_recognised():
+    from viz.whatif.sweep import same_job
+
+    t = load_run(SAMPLES / "gpt-2rank-cap1mb")
+    other = load_run(SAMPLES / "gpt-2rank-cap25mb")
+    assert same_job(t, other)  # the demo at another cap
+    rerun = dataclass_replace_run(other, demo="gpt", script={"path": "/x/tracer/workloads/demo/train.py"})
+    assert same_job(t, rerun)  # a demo run made by `ddpscope run --demo` names its script too
+    assert not same_job(t, load_run(SAMPLES / "mlp-2rank-cap1mb"))
+    script_a = dataclass_replace_run(t, model="train", script={"path": "/p/train.py"})
+    assert same_job(script_a, dataclass_replace_run(other, model="train", script={"path": "/p/train.py"}))
+    assert not same_job(script_a, dataclass_replace_run(other, model="train", script={"path": "/q/train.py"}))
+    assert not same_job(t, dataclass_replace_run(other, world_size=4))
+
+
+def dataclass_replace_run(t: RunTrace, **run) -> RunTrace:
+    import dataclasses
+
+    return dataclasses.replace(t, run={**t.run, **run})

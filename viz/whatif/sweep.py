@@ -70,6 +70,8 @@ def same_job(a: RunTrace, b: RunTrace) -> bool:
     same parameters, same script or demo."""
     def key(r: dict) -> tuple:
         script = r.get("script") if isinstance(r.get("script"), dict) else {}
-        return (r.get("world_size"), tuple(r.get("param_bytes") or ()), r.get("model"), script.get("path"))
+        demo = r.get("demo") or (r.get("model") if not script else None)  # older demo runs name only the model
+        what = ("demo", demo) if demo else ("script", script.get("path"))
+        return (r.get("world_size"), tuple(r.get("param_bytes") or ()), what)
 
     return key(a.run) == key(b.run)
