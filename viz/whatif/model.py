@@ -19,7 +19,9 @@ around the syncing backward (before it, after DDP has every averaged gradient).
   one all-reduce (µs). On CPU an all-reduce's reductions, copies and thread hand-offs take
   the cores autograd needs, by the bucket and by the byte, not by the time it is in
   flight (a bucket waiting on its peer costs nothing). Measured by the calibration
-  (compute beside trains of small and of large all-reduces); without one, fitted to the
+  (compute beside trains of small and of large all-reduces), times the run's own level
+  against the calibration (an all-reduce that takes longer in the run does more work on
+  the cores, e.g. on cold gradients); without one, fitted to the
   trace's gradients: segments of backward between two ready gradients of the same kind
   (same name but for layer numbers, same size) cost the same work, so their overlapped
   and non-overlapped durations give a slowdown, turned into µs/MiB with the run's own
@@ -192,7 +194,10 @@ def fit_model(trace: RunTrace, calibration: Calibration | None | str = "auto") -
     cost, kappa, c_note = fit_comm(trace, lanes, calibration)
     steal = calibration.steal() if calibration is not None else None
     if steal is not None:
-        s_note = "backward compute lost beside all-reduces (calibration)"
+        # the run's all-reduces took ``scale`` x the calibration's: their work on the cores too
+        steal = (steal[0] * cost.scale, steal[1] * cost.scale)
+        s_note = (f"backward compute lost beside all-reduces: the calibration's x {cost.scale:.2f} (the run's "
+                  "all-reduces against the calibration's)")
     else:
         s, s_note = fit_compute_slowdown(trace)
         if s is None:
