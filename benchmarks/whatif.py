@@ -97,7 +97,7 @@ def main() -> None:
     args = p.parse_args()
     from viz.trace import load_run
     from viz.whatif.model import fit_model
-    from viz.whatif.simulate import predict_run
+    from viz.whatif.simulate import predict_run, traced_cap
 
     work = Path(tempfile.mkdtemp(prefix="ddpscope-whatif-"))
     script = work / "wide_train.py"
@@ -121,7 +121,7 @@ def main() -> None:
             m = fit_model(t)
             traced = medians(t)
             preds = {c: medians(predict_run(t, c, m)) for c in CAPS}
-            rows["replay"].append((medians(predict_run(t, float(t.run["bucket_cap_mb"]), m)), traced, 1.0))
+            rows["replay"].append((medians(predict_run(t, traced_cap(t), m)), traced, 1.0))
             predict_s += time.perf_counter() - t0
             notes = list(m.notes)
             for cap in CAPS:

@@ -18,7 +18,7 @@ from viz.trace import TraceError
 from viz.whatif.figures import make_cap_sweep_figure
 from viz.whatif.model import fit_model
 from viz.whatif.projection import LINK_PRESETS, Link, project_model
-from viz.whatif.simulate import predict_run
+from viz.whatif.simulate import predict_run, traced_cap
 from viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, compute_measured_points, recommend_cap, same_job
 
 
@@ -40,7 +40,12 @@ def cap_sweep(path: str, stamp: float, caps: tuple[float, ...], world_size: int 
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def predicted_trace(path: str, stamp: float, cap: float):
+    """The trace predicted at ``cap`` MiB (at its own cap: replayed as it ran, DDP's
+    default first bucket included)."""
     trace = load_trace(path, stamp)
+    own = traced_cap(trace)
+    if own is None and cap == float(trace.run.get("bucket_cap_mb") or 25.0):
+        return predict_run(trace, None, fit_model(trace))
     return predict_run(trace, cap, fit_model(trace))
 
 
@@ -69,7 +74,7 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
             st.caption(note)
         st.caption("`ddpscope calibrate RUN` measures all-reduce times and contention on these ranks; the "
                    "prediction uses it when the run folder has one.")
-    caps = sweep["bucket_cap_mb"].tolist()
+    caps = sorted(set(sweep["bucket_cap_mb"].tolist()))
     if st.session_state.get("predict_for") != str(path):
         st.session_state.update(predict_for=str(path), predict_cap=best["bucket_cap_mb"])
     cap = st.select_slider("A cap to look at (MiB)", options=caps, key="predict_cap")

@@ -14,14 +14,13 @@ import pandas as pd
 import pytest
 
 from tests.conftest import ROOT, SAMPLES, run_cli
-from tracer.workloads.demo.models import build_model  # noqa: F401  (the layout worker's model)
 from viz.overlap import compute_step_breakdown
 from viz.trace import RunTrace, TraceError, load_run
 from viz.whatif.cost import AllReduceCost, fit_line, read_calibration
 from viz.whatif.layout import assign_buckets, assign_buckets_python, cap_limits
 from viz.whatif.model import WhatIfModel, check_predictable, fit_model
 from viz.whatif.projection import LINK_PRESETS, Link, project_model, ring_cost
-from viz.whatif.simulate import predict_layout, predict_run
+from viz.whatif.simulate import predict_layout, predict_run, traced_cap
 from viz.whatif.sweep import compute_cap_sweep, recommend_cap
 
 MIB = 2**20
@@ -215,18 +214,22 @@ def test_sweep_recommends_the_fastest_cap_and_keeps_the_traced_one_on_a_tie():
 
 @pytest.mark.ddp
 def test_replay_of_the_traced_cap_reproduces_a_real_run(mlp_run):
-    """The traced cap replayed on a real 2-rank run: same layout as DDP's, buckets launched
-    when they were (the launch delay is a median: 2 ms), done within 5 ms or 30 % of their
-    measured time in flight (the cost is fitted to all buckets), step time within 10 %."""
+    """The traced cap replayed on a real 2-rank run: same layout as DDP's; buckets launched
+    when they were, to 2 ms or a tenth of backward (a gradient's ready time gets back the
+    compute the *simulated* all-reduces take, which moves it where they differ from the
+    measured ones); done as they were to within the measured flight times' own
+    step-to-step spread (their interquartile range: one cost per size cannot follow a
+    machine that varies more than that); step time within 10 %."""
     t = load_run(mlp_run[0])
-    pred = predict_run(t, t.run["bucket_cap_mb"])
+    pred = predict_run(t, traced_cap(t))
     assert pred.run["bucket_layout"] == t.run["bucket_layout"]
     both = t.buckets.merge(pred.buckets, on=["rank", "step", "bucket"], suffixes=("", "_pred"))
     assert len(both) == len(pred.buckets) > 0
-    assert (both["launch_us_pred"] - both["launch_us"]).abs().median() < 2e3
+    backward_us = 1e3 * medians(t)["backward_ms"]
+    assert (both["launch_us_pred"] - both["launch_us"]).abs().median() <= max(2e3, 0.1 * backward_us)
     flight = both["done_us"] - both["launch_us"]
-    miss = (both["done_us_pred"] - both["done_us"]).abs()
-    assert (miss <= np.maximum(5e3, 0.3 * flight)).mean() >= 0.8
+    spread = float(flight.quantile(0.75) - flight.quantile(0.25))
+    assert (both["done_us_pred"] - both["done_us"]).abs().median() <= max(3e3, spread)
     assert medians(pred)["step_ms"] == pytest.approx(medians(t)["step_ms"], rel=0.10)
 
 
@@ -344,3 +347,14 @@ def dataclass_replace_run(t: RunTrace, **run) -> RunTrace:
     import dataclasses
 
     return dataclasses.replace(t, run={**t.run, **run})
+
+
+def test_ddps_default_cap_is_replayed_as_it_ran_beside_an_explicit_25():
+    """DDP's default (25 MiB, first bucket 1 MiB) is not bucket_cap_mb=25 (every bucket
+    25 MiB): the traced default is its own row, with the trace's layout."""
+    t = synthetic(bucket_of=[0, 1, 1, 1])  # as DDP's default builds 1 MiB parameters: 1 MiB first, then the rest
+    t.run.update(bucket_cap_mb=25.0, bucket_cap_default=True)
+    assert traced_cap(t) is None and predict_layout(t, None) == [[0], [1, 2, 3]] == t.run["bucket_layout"]
+    sweep = compute_cap_sweep(t, [1, 25], model(latency_us=1e3))
+    assert sweep[["bucket_cap_mb", "first_bucket_mb", "buckets", "traced"]].values.tolist() == [
+        [1.0, 1.0, 4, False], [25.0, 1.0, 2, True], [25.0, 25.0, 1, False]]

@@ -105,7 +105,8 @@ def _whatif(path: str, caps: str | None, as_json: bool) -> int:
     sweep = compute_cap_sweep(trace, wanted)
     best = recommend_cap(sweep)
     model = sweep.attrs["model"]
-    cols = ["bucket_cap_mb", "buckets", "step_ms", "exposed_ms", "comm_ms", "backward_ms", "overlap_pct", "traced"]
+    cols = ["bucket_cap_mb", "first_bucket_mb", "buckets", "step_ms", "exposed_ms", "comm_ms", "backward_ms",
+            "overlap_pct", "traced"]
     if as_json:
         print(json.dumps({"path": str(trace.path), "world_size": trace.world_size,
                           "traced_bucket_cap_mb": trace.run.get("bucket_cap_mb"),

@@ -12,10 +12,14 @@ def make_cap_sweep_figure(sweep: pd.DataFrame, measured: pd.DataFrame | None = N
     """Predicted step time and exposed communication (ms) per cap (MiB, log axis) as
     curves, measured runs as points on them, the traced cap and ``best_cap`` marked."""
     fig = go.Figure()
-    x = sweep["bucket_cap_mb"].tolist()
-    fig.add_trace(go.Scatter(x=x, y=sweep["step_ms"].tolist(), mode="lines+markers", name="step (predicted)",
+    if "first_bucket_mb" in sweep:  # the curve is explicit caps; DDP's default (1 MiB first bucket) is a marker
+        curve = sweep[sweep["first_bucket_mb"] == sweep["bucket_cap_mb"]]
+    else:
+        curve = sweep
+    x = curve["bucket_cap_mb"].tolist()
+    fig.add_trace(go.Scatter(x=x, y=curve["step_ms"].tolist(), mode="lines+markers", name="step (predicted)",
                              line=dict(color="#1f77b4"), hovertemplate="%{x:g} MiB: %{y:.1f} ms<extra></extra>"))
-    fig.add_trace(go.Scatter(x=x, y=sweep["exposed_ms"].tolist(), mode="lines+markers",
+    fig.add_trace(go.Scatter(x=x, y=curve["exposed_ms"].tolist(), mode="lines+markers",
                              name="exposed communication (predicted)", line=dict(color="#d62728", dash="dash"),
                              hovertemplate="%{x:g} MiB: %{y:.1f} ms exposed<extra></extra>"))
     traced = sweep[sweep["traced"]] if "traced" in sweep else sweep.iloc[0:0]
@@ -34,7 +38,7 @@ def make_cap_sweep_figure(sweep: pd.DataFrame, measured: pd.DataFrame | None = N
                                  marker=dict(symbol="x-thin", size=11, color="#d62728", line=dict(width=2)),
                                  hovertemplate="%{text}: %{x:g} MiB, %{y:.1f} ms exposed<extra></extra>"))
     if best_cap is not None:
-        row = sweep.loc[(sweep["bucket_cap_mb"] - best_cap).abs().idxmin()]
+        row = sweep.loc[(sweep["bucket_cap_mb"] - best_cap).abs().idxmin()]  # the first: the default, if any
         fig.add_trace(go.Scatter(x=[float(row["bucket_cap_mb"])], y=[float(row["step_ms"])], mode="markers+text",
                                  name="best cap (predicted)", text=[f"best: {row['bucket_cap_mb']:g} MiB"],
                                  textposition="top center",

@@ -46,6 +46,16 @@ def ready_order(trace: RunTrace) -> list[int]:
     return seen + rest
 
 
+def traced_cap(trace: RunTrace) -> float | None:
+    """The cap to replay the trace as it ran: its ``bucket_cap_mb`` (MiB), or None when DDP
+    ran with its default (25 MiB and a 1 MiB first bucket), which an explicit 25 is not."""
+    run = trace.run
+    if run.get("bucket_cap_default"):
+        return None
+    cap = run.get("bucket_cap_mb")
+    return float(cap) if cap else None
+
+
 def predict_layout(trace: RunTrace, cap_mb: float | None) -> list[list[int]]:
     """The buckets DDP builds for ``cap_mb`` (MiB) from this trace's ready order."""
     run = trace.run
@@ -188,7 +198,7 @@ def predict_run(trace: RunTrace, cap_mb: float | None, model: WhatIfModel | None
         rows["passes"] += _shift_passes(others, rows["steps"])
     first, cap_bytes = cap_limits(cap_mb)
     run = {**trace.run, "status": "predicted", "bucket_cap_mb": cap_bytes / 2**20, "bucket_cap_bytes": cap_bytes,
-           "first_bucket_cap_bytes": first, "bucket_layout": layout,
+           "first_bucket_cap_bytes": first, "bucket_cap_default": cap_mb is None, "bucket_layout": layout,
            "prediction": {"from": str(trace.path), "from_bucket_cap_mb": trace.run.get("bucket_cap_mb"),
                           "model": _model_json(model)}}
     memory = trace.memory

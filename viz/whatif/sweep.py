@@ -9,7 +9,7 @@ import pandas as pd
 from viz.overlap import compute_step_breakdown
 from viz.trace import RunTrace
 from viz.whatif.model import WhatIfModel, fit_model
-from viz.whatif.simulate import predict_run
+from viz.whatif.simulate import predict_run, traced_cap
 
 DEFAULT_CAPS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 32.0, 64.0, 128.0, 256.0)
 #: a cap must beat the traced one by this much (fraction of step time) to be recommended
@@ -24,19 +24,23 @@ def _medians(trace: RunTrace) -> dict:
 
 def compute_cap_sweep(trace: RunTrace, caps=DEFAULT_CAPS, model: WhatIfModel | None = None,
                       fitted: WhatIfModel | None = None) -> pd.DataFrame:
-    """One row per cap (MiB): buckets, and the predicted medians over steps and ranks of
-    step, backward compute, communication and exposed communication (ms), overlap %;
-    plus ``traced`` (the trace's own cap, replayed) and ``predictions`` (RunTrace per
-    cap, in ``df.attrs``, for figures). Caps must be > 0. ``fitted``: see ``predict_run``."""
+    """One row per cap (MiB): buckets, first bucket's cap (MiB), and the predicted medians
+    over steps and ranks of step, backward compute, communication and exposed
+    communication (ms), overlap %; ``traced`` marks the trace's own setting, replayed
+    (added when not among ``caps``; DDP's default, 25 MiB with a 1 MiB first bucket, is a
+    row of its own beside an explicit 25). ``df.attrs``: ``predictions`` (RunTrace per
+    row) and ``model``. Caps must be > 0. ``fitted``: see ``predict_run``."""
     model = model or fit_model(trace)
-    traced = trace.run.get("bucket_cap_mb")
-    caps = sorted({float(c) for c in caps} | ({float(traced)} if traced else set()))
-    rows, preds = [], {}
-    for cap in caps:
+    own = traced_cap(trace)
+    label = float(trace.run.get("bucket_cap_mb") or 25.0) if own is None else own
+    settings = {(float(c), float(c)) for c in caps} | {(label, own)}
+    rows, preds = [], []
+    for shown, cap in sorted(settings, key=lambda s: (s[0], s[1] is not None)):
         pred = predict_run(trace, cap, model, fitted)
-        preds[cap] = pred
-        rows.append({"bucket_cap_mb": cap, "buckets": len(pred.run["bucket_layout"]), **_medians(pred),
-                     "traced": traced is not None and np.isclose(cap, float(traced))})
+        preds.append(pred)
+        rows.append({"bucket_cap_mb": shown, "buckets": len(pred.run["bucket_layout"]),
+                     "first_bucket_mb": pred.run["first_bucket_cap_bytes"] / 2**20, **_medians(pred),
+                     "traced": cap == own})
     df = pd.DataFrame(rows)
     df.attrs["predictions"] = preds
     df.attrs["model"] = model
