@@ -115,11 +115,11 @@ def zero_progress(rec: dict, cfg) -> str | None:
 
 
 def calibrate_progress(rec: dict, cfg) -> str | None:
-    if rec.get("phase") == "start":
+    if rec.get("event") == "start":
         return f"calibrating on {rec['world_size']} ranks ({rec['backend']})"
-    if rec.get("phase") == "calibrate":
+    if rec.get("event") == "size":
         return f"all-reduce {rec['bytes'] / 2**20:g} MiB: {rec['us'] / 1e3:.2f} ms"
-    if rec.get("phase") == "done":
+    if rec.get("event") == "done":
         return (f"contention: compute {1 + rec['compute_slowdown']:.2f}x as long beside all-reduces, "
                 f"all-reduces {1 + rec['comm_slowdown']:.2f}x beside compute")
     return None

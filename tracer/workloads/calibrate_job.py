@@ -85,7 +85,7 @@ def sweep(device: torch.device, max_bytes: int, budget_s: float, rank: int, pass
         for nbytes, t in tensors.items():
             times[nbytes] += [_timed_all_reduce(t, device) for _ in range(reps[nbytes])]
             if rank == 0 and p == passes - 1:
-                progress(phase="calibrate", bytes=nbytes, us=statistics.median(times[nbytes]))
+                progress(event="size", bytes=nbytes, us=statistics.median(times[nbytes]))
     return [{"bytes": n, "us": statistics.median(us), "repeats": len(us), "min_us": min(us), "max_us": max(us)}
             for n, us in times.items()]
 
@@ -166,7 +166,7 @@ def main(argv=None) -> None:
     try:
         rank = dist.get_rank()
         if rank == 0:
-            progress(phase="start", world_size=dist.get_world_size(), backend=dist.get_backend())
+            progress(event="start", world_size=dist.get_world_size(), backend=dist.get_backend())
         rows = sweep(device, int(args.max_mb * 2**20), args.budget_s, rank)
         small, large = (contention(device, n) for n in CONTENTION_BYTES)
         cont = {"compute_slowdown": large["compute_slowdown"], "comm_slowdown": large["comm_slowdown"],
@@ -178,7 +178,7 @@ def main(argv=None) -> None:
                 "torch_version": torch.__version__, "created_unix_s": time.time(),
                 "sizes": rows, "contention": cont,
             })
-            progress(phase="done", **{k: cont[k] for k in ("compute_slowdown", "comm_slowdown")})
+            progress(event="done", **{k: cont[k] for k in ("compute_slowdown", "comm_slowdown")})
     finally:
         dist.destroy_process_group()
 
