@@ -215,20 +215,18 @@ def test_sweep_recommends_the_fastest_cap_and_keeps_the_traced_one_on_a_tie():
 @pytest.mark.ddp
 def test_replay_of_the_traced_cap_reproduces_a_real_run(mlp_run):
     """The traced cap replayed on a real 2-rank run: same layout as DDP's; buckets launched
-    when they were, to 2 ms or a tenth of backward (a gradient's ready time gets back the
-    compute the *simulated* all-reduces take, which moves it where they differ from the
-    measured ones); done as they were to within the measured flight times' own
-    step-to-step spread (their interquartile range: one cost per size cannot follow a
-    machine that varies more than that); step time within 10 %."""
+    and done when they were, to within the measured flight times' own step-to-step spread
+    (their interquartile range; 2-3 ms at least). One cost per size cannot follow a
+    machine that varies more than that, and a gradient's ready time gets back the compute
+    the *simulated* all-reduces take, so it moves with them. Step time within 10 %."""
     t = load_run(mlp_run[0])
     pred = predict_run(t, traced_cap(t))
     assert pred.run["bucket_layout"] == t.run["bucket_layout"]
     both = t.buckets.merge(pred.buckets, on=["rank", "step", "bucket"], suffixes=("", "_pred"))
     assert len(both) == len(pred.buckets) > 0
-    backward_us = 1e3 * medians(t)["backward_ms"]
-    assert (both["launch_us_pred"] - both["launch_us"]).abs().median() <= max(2e3, 0.1 * backward_us)
     flight = both["done_us"] - both["launch_us"]
     spread = float(flight.quantile(0.75) - flight.quantile(0.25))
+    assert (both["launch_us_pred"] - both["launch_us"]).abs().median() <= max(2e3, spread)
     assert (both["done_us_pred"] - both["done_us"]).abs().median() <= max(3e3, spread)
     assert medians(pred)["step_ms"] == pytest.approx(medians(t)["step_ms"], rel=0.10)
 
