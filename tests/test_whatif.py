@@ -356,3 +356,13 @@ def test_ddps_default_cap_is_replayed_as_it_ran_beside_an_explicit_25():
     sweep = compute_cap_sweep(t, [1, 25], model(latency_us=1e3))
     assert sweep[["bucket_cap_mb", "first_bucket_mb", "buckets", "traced"]].values.tolist() == [
         [1.0, 1.0, 4, False], [25.0, 1.0, 2, True], [25.0, 25.0, 1, False]]
+
+
+def test_output_cut_short_by_a_pipe_is_not_an_error():
+    """``ddpscope whatif RUN | true``: the reader leaves before a line is written; no
+    traceback, exit 0 (``PIPESTATUS``)."""
+    proc = subprocess.run(f"{sys.executable} -m tracer whatif {SAMPLES / 'gpt-2rank-cap1mb'} | true; "
+                          "echo rc=${PIPESTATUS[0]} >&2", shell=True, executable="/bin/bash",
+                          capture_output=True, text=True, timeout=120, cwd="/",
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert "rc=0" in proc.stderr and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 
@@ -47,7 +48,7 @@ def add_viz_commands(sub) -> None:
 
 
 def run_viz_command(args, prog: str) -> int:
-    """Run ``summary`` or ``perfetto``; one line and exit 2 on bad input."""
+    """Run ``summary``, ``whatif`` or ``perfetto``; one line and exit 2 on bad input."""
     from viz.trace import TraceError
 
     try:
@@ -56,13 +57,19 @@ def run_viz_command(args, prog: str) -> int:
 
             size = write_merged(args.path, args.out)
             print(f"{args.out} ({size / 2**20:.2f} MiB): open it at https://ui.perfetto.dev")
-            return 0
-        if args.command == "whatif":
-            return _whatif(args.path, args.caps, args.json)
-        return _summary(args.path, args.json)
+            code = 0
+        elif args.command == "whatif":
+            code = _whatif(args.path, args.caps, args.json)
+        else:
+            code = _summary(args.path, args.json)
+        sys.stdout.flush()  # here, where a reader that left (a pipe) is caught, not at exit
+        return code
     except (TraceError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `ddpscope whatif RUN | head`: the reader left early; nothing went wrong here
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 def _summary(path: str, as_json: bool) -> int:
