@@ -22,13 +22,19 @@ from viz.whatif.simulate import predict_run, traced_cap
 from viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, compute_measured_points, recommend_cap, same_job
 
 
+@st.cache_data(show_spinner="Fitting the model to the trace...", max_entries=8)
+def whatif_model(path: str, stamp: float):
+    """The model fitted to the trace at ``path`` (and its calibration), once per trace."""
+    return fit_model(load_trace(path, stamp))
+
+
 @st.cache_data(show_spinner="Predicting every cap...", max_entries=8)
 def cap_sweep(path: str, stamp: float, caps: tuple[float, ...], world_size: int | None = None,
               bandwidth_gbps: float | None = None, latency_us: float | None = None):
     """(sweep table, recommendation, model notes) for the trace at ``path``; with a world
     size and link, the projection instead."""
     trace = load_trace(path, stamp)
-    fitted = fit_model(trace)
+    fitted = whatif_model(path, stamp)
     model = fitted
     if world_size is not None:
         model = project_model(fitted, world_size, Link(bandwidth_gbps=bandwidth_gbps, latency_us=latency_us))
@@ -45,8 +51,8 @@ def predicted_trace(path: str, stamp: float, cap: float):
     trace = load_trace(path, stamp)
     own = traced_cap(trace)
     if own is None and cap == float(trace.run.get("bucket_cap_mb") or 25.0):
-        return predict_run(trace, None, fit_model(trace))
-    return predict_run(trace, cap, fit_model(trace))
+        cap = None  # DDP's default, as it ran
+    return predict_run(trace, cap, whatif_model(path, stamp))
 
 
 def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, busy: bool,

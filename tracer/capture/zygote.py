@@ -31,6 +31,8 @@ import torch.distributed.elastic.multiprocessing.errors  # noqa: E402,F401  (scr
 import torch.nn.parallel  # noqa: E402,F401
 import torch._dynamo  # noqa: E402,F401  (DDP's constructor imports it: ~1.7 s on 2 cores, once here)
 
+from tracer.launch.torchrun import kill_group  # noqa: E402  (stdlib only: the launcher's own reaping)
+
 IMPORT_S = time.perf_counter() - _T0
 
 
@@ -80,7 +82,7 @@ def _handle(req: dict, jobs: dict) -> None:
         _send({"event": "started", "id": req["id"], "pids": sorted(pids, key=pids.get)})
     elif req.get("op") == "kill":
         for pid in jobs.get(req["id"], {}).get("pids", {}):
-            _kill(pid)
+            kill_group(pid)
 
 
 def _reap(jobs: dict) -> None:
@@ -99,18 +101,10 @@ def _reap(jobs: dict) -> None:
             del jobs[job_id]
 
 
-def _kill(pid: int) -> None:
-    for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-        try:
-            kill()
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 def _shutdown(jobs: dict) -> None:
     for job in jobs.values():
         for pid in job["pids"]:
-            _kill(pid)
+            kill_group(pid)
             try:
                 os.waitpid(pid, 0)
             except ChildProcessError:

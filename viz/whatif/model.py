@@ -111,6 +111,11 @@ def usable_steps(trace: RunTrace) -> list[int]:
     return sorted(int(k) for k, n in counts.items() if n == len(trace.ranks))
 
 
+def _last_launch(trace: RunTrace) -> dict[int, pd.Series]:
+    """Per step, each bucket's last launch over ranks (µs): the collective cannot start earlier."""
+    return {int(k): g.groupby("bucket")["launch_us"].max() for k, g in trace.buckets.groupby("step")}
+
+
 def _flights(b: pd.DataFrame, start_all: pd.Series | None) -> np.ndarray:
     """Per bucket (rows of ``b``): [start, done, MiB], start when every rank had launched it."""
     launch = b["launch_us"].to_numpy(float)
@@ -142,7 +147,7 @@ def step_inputs(trace: RunTrace, model: WhatIfModel) -> list[StepInputs]:
     sync_micro = _syncing_micro(trace)
     g_by = {k: g for k, g in grads.groupby(["rank", "step"])}
     b_by = {k: g for k, g in trace.buckets.groupby(["rank", "step"])}
-    last_launch = {k: g.groupby("bucket")["launch_us"].max() for k, g in trace.buckets.groupby("step")}
+    last_launch = _last_launch(trace)
     out = []
     for step in usable_steps(trace):
         ranks = {}
@@ -249,9 +254,10 @@ def fit_compute_slowdown(trace: RunTrace) -> tuple[float | None, str]:
     rows = []
     steps = trace.steps.set_index(["rank", "step"])
     b_by = {k: g for k, g in trace.buckets.groupby(["rank", "step"])}
-    last_launch = {k: g.groupby("bucket")["launch_us"].max() for k, g in trace.buckets.groupby("step")}
+    last_launch = _last_launch(trace)
+    keep = set(usable_steps(trace))
     for (rank, step), g in trace.grads.groupby(["rank", "step"]):
-        if step not in set(usable_steps(trace)) or (rank, step) not in b_by:
+        if step not in keep or (rank, step) not in b_by:
             continue
         s = steps.loc[(rank, step)]
         comm = _comm_union(b_by[(rank, step)], last_launch.get(step))
@@ -321,22 +327,21 @@ def _comm_samples(trace: RunTrace, lanes: int) -> dict:
     cut into slices: each slice's duration (``flight``, µs), whether backward computed
     then on any rank (``computing``, 0/1) and how many of this rank's all-reduces were in
     flight (``in_flight``), as arrays of equal shape (buckets x slices, padded with zeros)."""
-    steps = trace.steps.set_index(["rank", "step"])
     keep = set(usable_steps(trace))
+    last_launch = _last_launch(trace)
+    s = trace.steps[trace.steps["step"].isin(keep)]
+    spans_of = {int(k): g[["backward_start_us", "backward_end_us"]].to_numpy(float) for k, g in s.groupby("step")}
     nbytes, flight, computing, in_flight = [], [], [], []
     for (rank, step), b in trace.buckets.groupby(["rank", "step"]):
         if step not in keep:
             continue
-        others = trace.buckets[trace.buckets["step"] == step]
-        start_all = others.groupby("bucket")["launch_us"].max()  # the collective waits for the last rank
-        spans = [(float(steps.loc[(r, step)]["backward_start_us"]), float(steps.loc[(r, step)]["backward_end_us"]))
-                 for r in trace.ranks]
+        spans = spans_of[int(step)]  # every rank's backward compute
         b = b.sort_values("bucket")
-        starts = np.maximum(b["bucket"].map(start_all).to_numpy(float), b["launch_us"].to_numpy(float))
+        starts = np.maximum(b["bucket"].map(last_launch[int(step)]).to_numpy(float), b["launch_us"].to_numpy(float))
         done = b["done_us"].to_numpy(float)
         # FIFO with ``lanes`` workers: a bucket starts no earlier than the lanes-th one before it ended
         for j in range(lanes, len(starts)):
-            starts[j] = max(starts[j], np.sort(done[:j])[-lanes] if j >= lanes else starts[j])
+            starts[j] = max(starts[j], np.sort(done[:j])[-lanes])
         starts = np.minimum(starts, done)
         cuts = np.unique(np.concatenate([starts, done, np.ravel(spans)]))
         for j, nb in enumerate(b["bytes"].to_numpy()):

@@ -180,7 +180,9 @@ def predict_run(trace: RunTrace, cap_mb: float | None, model: WhatIfModel | None
     sizes = trace.run["param_bytes"]
     names = trace.run.get("param_names") or [f"param[{i}]" for i in range(len(sizes))]
     bucket_bytes = [float(sum(sizes[p] for p in b)) for b in layout]
-    inputs = step_inputs(trace, fitted or model)
+    reader = fitted or model  # reads the trace's compute: the same for every cap of a sweep
+    key = ("whatif_inputs", reader.steal_us_per_allreduce, reader.steal_us_per_mib)
+    inputs = trace.cache.get(key) or trace.cache.setdefault(key, step_inputs(trace, reader))
     if not inputs:
         raise TraceError(f"{trace.path.name}: no step to replay")
     measured = trace.steps.set_index(["rank", "step"])
@@ -195,7 +197,7 @@ def predict_run(trace: RunTrace, cap_mb: float | None, model: WhatIfModel | None
     if len(passes):
         rp = passes.set_index(["rank", "step"]).index
         others = passes[[k in keep for k in rp]]
-        rows["passes"] += _shift_passes(others, rows["steps"])
+        rows["passes"] += _unsynced_passes(others, rows["steps"])
     first, cap_bytes = cap_limits(cap_mb)
     run = {**trace.run, "status": "predicted", "bucket_cap_mb": cap_bytes / 2**20, "bucket_cap_bytes": cap_bytes,
            "first_bucket_cap_bytes": first, "bucket_cap_default": cap_mb is None, "bucket_layout": layout,
@@ -213,6 +215,7 @@ def predict_run(trace: RunTrace, cap_mb: float | None, model: WhatIfModel | None
 
 def _emit_rank_step(rows, m, r, inp: StepInputs, res, sim, layout, bucket_bytes, names) -> None:
     rs = inp.ranks[r]
+    micro = int(m.get("micro_batches", 1) or 1) - 1  # the syncing pass is the step's last
     shift = res["sync_end"] - float(m["sync_end_us"]) if pd.notna(m.get("sync_end_us")) else 0.0
     row = {k: m[k] for k in m.index if not k.startswith("optimizer") and k not in ("end_us",)}
     row.update(rank=r, step=inp.step, warmup=False, incomplete=False,
@@ -224,7 +227,7 @@ def _emit_rank_step(rows, m, r, inp: StepInputs, res, sim, layout, bucket_bytes,
         if k in m.index and pd.notna(m[k]):
             row[k] = float(m[k]) + shift
     rows["steps"].append(row)
-    rows["passes"].append({"rank": r, "step": inp.step, "micro": int(m.get("micro_batches", 1) or 1) - 1,
+    rows["passes"].append({"rank": r, "step": inp.step, "micro": micro,
                            "sync": True, "forward_start_us": m["forward_start_us"],
                            "forward_end_us": m["forward_end_us"], "backward_start_us": rs.b0,
                            "backward_end_us": res["backward_end"], "sync_start_us": res["backward_end"],
@@ -233,25 +236,19 @@ def _emit_rank_step(rows, m, r, inp: StepInputs, res, sim, layout, bucket_bytes,
         rows["buckets"].append({"rank": r, "step": inp.step, "bucket": j, "bytes": int(bucket_bytes[j]),
                                 "num_params": len(params), "params": [names[p] for p in params],
                                 "launch_us": res["launch"][j], "done_us": sim["done"][j], "incomplete": False})
-    for p, w in rs.work.items():
-        rows["grads"].append({"rank": r, "step": inp.step, "micro": int(m.get("micro_batches", 1) or 1) - 1,
-                              "param": p, "name": names[p] if p < len(names) else str(p),
-                              "ready_us": _time_of_work(res, layout, rs, p)})
-
-
-def _time_of_work(res, layout, rs, p) -> float:
-    """A gradient's predicted ready time: its bucket's, for the bucket's last gradient;
-    others placed by work between the backward start and that (approximate)."""
+    # A gradient's predicted ready time: its bucket's for the bucket's last gradient; the
+    # others placed by work between the backward start and that (approximate).
     for j, params in enumerate(layout):
-        if p in params:
-            last = max(rs.work.get(q, 0.0) for q in params)
-            t_ready = res["ready"][j]
-            frac = rs.work.get(p, 0.0) / last if last > 0 else 1.0
-            return rs.b0 + frac * (t_ready - rs.b0)
-    return rs.b0
+        last = max(rs.work.get(q, 0.0) for q in params)
+        for p in params:
+            if p in rs.work:
+                frac = rs.work[p] / last if last > 0 else 1.0
+                rows["grads"].append({"rank": r, "step": inp.step, "micro": micro, "param": p,
+                                      "name": names[p] if p < len(names) else str(p),
+                                      "ready_us": rs.b0 + frac * (res["ready"][j] - rs.b0)})
 
 
-def _shift_passes(passes: pd.DataFrame, steps: list[dict]) -> list[dict]:
+def _unsynced_passes(passes: pd.DataFrame, steps: list[dict]) -> list[dict]:
     """Non-syncing passes (gradient accumulation) as measured; the syncing one is predicted."""
     syncing = {(s["rank"], s["step"]): int(s.get("micro_batches", 1) or 1) - 1 for s in steps}
     out = []
