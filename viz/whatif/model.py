@@ -216,15 +216,24 @@ def fit_model(trace: RunTrace, calibration: Calibration | None | str = "auto") -
 
 
 def flight_us_per_mib(trace: RunTrace) -> float:
-    """Median time in flight per MiB of the all-reduces that ran during backward (µs)."""
-    keep = set(usable_steps(trace))
-    b = trace.buckets[trace.buckets["step"].isin(keep)]
+    """Time with an all-reduce in flight during backward per MiB of the all-reduces there
+    (µs/MiB), summed over usable steps and ranks: the conversion from a slowdown in time
+    to compute lost per MiB that removes, on this trace, what the slowdown says (all-reduces
+    in flight at once count once in the time, each in the MiB)."""
     steps = trace.steps.set_index(["rank", "step"])
-    b0 = steps["backward_start_us"].reindex(pd.MultiIndex.from_frame(b[["rank", "step"]])).to_numpy()
-    b1 = steps["backward_end_us"].reindex(pd.MultiIndex.from_frame(b[["rank", "step"]])).to_numpy()
-    during = (b["launch_us"].to_numpy() >= b0) & (b["done_us"].to_numpy() <= b1)
-    per = (b["done_us"] - b["launch_us"]).to_numpy()[during] / (b["bytes"].to_numpy()[during] / MIB)
-    return float(np.median(per)) if len(per) else 0.0
+    last_launch = _last_launch(trace)
+    keep = set(usable_steps(trace))
+    time_us = mib = 0.0
+    for (rank, step), b in trace.buckets.groupby(["rank", "step"]):
+        if step not in keep:
+            continue
+        b0, b1 = (float(steps.loc[(rank, step)][k]) for k in ("backward_start_us", "backward_end_us"))
+        flights = _flights(b, last_launch.get(step))
+        time_us += covered(merge_intervals(flights[:, 0], flights[:, 1]), b0, b1)
+        lo, hi, size = flights.T
+        inside = np.clip(np.minimum(hi, b1) - np.maximum(lo, b0), 0, None)
+        mib += float(np.sum(np.divide(inside, hi - lo, out=np.zeros_like(inside), where=hi > lo) * size))
+    return time_us / mib if mib > 0 else 0.0
 
 
 def launch_delay_us(trace: RunTrace) -> float:
