@@ -134,30 +134,34 @@ def simulate_step(inputs: StepInputs, layout: list[list[int]], bucket_bytes: lis
         taken = min(0.95, float(sum(steal[j] for j in in_flight)))
         c_rate = {r: 1.0 - taken if computing(r) else 0.0 for r in ranks}
         m_rate = 1.0 / (1.0 + kappa) if any_compute else 1.0
-        horizon = [np.inf]
-        for r in ranks:
-            if r in bwd_end:
-                continue
-            if t < rs[r].b0 - _EPS:
-                horizon.append(rs[r].b0)
-            elif pos[r] < len(miles[r]):
-                horizon.append(t + (miles[r][pos[r]][0] - work[r]) / c_rate[r])
-        horizon += [t + remaining[j] / m_rate for j in in_flight]
+        compute_eta = {r: t + (miles[r][pos[r]][0] - work[r]) / c_rate[r] for r in ranks
+                       if r not in bwd_end and t >= rs[r].b0 - _EPS and pos[r] < len(miles[r])}
+        comm_eta = {j: t + remaining[j] / m_rate for j in in_flight}
+        horizon = [np.inf, *compute_eta.values(), *comm_eta.values()]
+        horizon += [rs[r].b0 for r in ranks if r not in bwd_end and t < rs[r].b0 - _EPS]
         if next_start < nb and len(in_flight) < lanes:
             due = [launch[r][next_start] for r in ranks]
             if not any(np.isnan(due)):
                 horizon.append(max(due))
         t_next = max(min(horizon), t)
         if not np.isfinite(t_next):
-            raise RuntimeError("the simulation cannot make progress (a bucket never becomes ready)")
+            raise TraceError("the what-if simulation cannot make progress (a bucket never becomes ready)")
         dt = t_next - t
         for r in ranks:
             work[r] += c_rate[r] * dt
         for j in in_flight:
             remaining[j] -= m_rate * dt
+        # what was due now is done: times are ~1e10 µs, where rounding would leave a
+        # milestone a hair short and the loop creeping towards it
+        for r, eta in compute_eta.items():
+            if eta <= t_next:
+                work[r] = max(work[r], miles[r][pos[r]][0])
+        for j, eta in comm_eta.items():
+            if eta <= t_next:
+                remaining[j] = 0.0
         t = t_next
     else:
-        raise RuntimeError("the simulation did not finish")
+        raise TraceError("the what-if simulation did not finish (a bug: please report it with the run folder)")
     out = {}
     for r in ranks:
         last = max([bwd_end[r], *[d for d in done if not np.isnan(d)]])
