@@ -52,6 +52,12 @@ class RunTrace:
     grads: pd.DataFrame
     memory: pd.DataFrame
     passes: pd.DataFrame = field(default_factory=pd.DataFrame)
+    #: GPU (or, in a CPU-only profile, CPU) events of a profiler trace: rank, step, stream,
+    #: name, kind (compute / comm / memory / other), start_us, end_us, launch_us,
+    #: collective, bytes, dtype, group_size (see ``viz.sources.kineto``); empty for ours
+    kernels: pd.DataFrame = field(default_factory=pd.DataFrame)
+    #: where the trace came from: "ddpscope" (the tracer) or "kineto" (torch.profiler)
+    source: str = "ddpscope"
     #: derived tables that figures reuse across selections (filled by viz functions)
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 

@@ -1,0 +1,327 @@
+"""A folder of PyTorch profiler (Kineto) traces, one file per rank, as a ``RunTrace``.
+
+What is read (HTA's definitions, so the figures agree with Holistic Trace Analysis):
+
+- **steps**: the CPU spans ``ProfilerStep#N``; a GPU event belongs to the step whose span
+  holds its launch (the runtime call with the same ``correlation``);
+- **kernels** (``RunTrace.kernels``): every event on a GPU stream with a correlation id,
+  classed by name: communication (``(^nccl.*)|(^hip)|(^hccl)|(.*ncclKernel.*)``), memory
+  (``^Memcpy|^Memset|^dma``), compute (anything not matching HTA's
+  ``(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)``), other. A collective's kind, bytes,
+  dtype and group size come from the kernel's args when Kineto recorded them, else its
+  kind from the kernel name (``ncclDevKernel_AllReduce_...``);
+- a **CPU-only** profile (gloo, no GPU events) reads CPU ops as compute and the CPU-side
+  collective spans (``gloo:all_reduce``, run on gloo's worker threads) as communication;
+- **buckets**: for DDP, each all-reduce of a step, in start order, is a bucket.
+
+Ranks come from each file's ``distributedInfo`` (else the file name). They are put on one
+time axis by Kineto's per-rank base time (``baseTimeNanoseconds``), then by the ends of the
+collectives every rank ran (a collective ends at about the same moment on every rank):
+the median difference is each rank's shift, and what is left is reported as residual skew.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from viz.sources.kineto_file import COMM_PREFIXES, FILE_RE, KinetoFile, rank_from_name, read_kineto_file
+from viz.trace import RunTrace, TraceError, frame_of
+
+KIND = "kineto"
+COMM_RE = re.compile(r"(^nccl.*)|(^hip)|(^hccl)|(.*ncclKernel.*)")
+MEMORY_RE = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
+NOT_COMPUTE_RE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
+STEP_RE = re.compile(r"^ProfilerStep\s*#\s*(\d+)$")
+KERNEL_COLLECTIVE_RE = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+?)(?:_|\(|$)")
+DTYPE_BYTES = {"float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "double": 8, "float64": 8,
+               "long": 8, "int64": 8, "int": 4, "int32": 4, "short": 2, "int16": 2, "byte": 1, "uint8": 1,
+               "char": 1, "int8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+ALLREDUCE = "allreduce"
+#: collectives that end together on every rank (no rank finishes before all contributed);
+#: send/recv and all-to-all do not, so they never set the clock
+SYNCHRONISING = {"allreduce", "allgather", "allgatherintocoalesced", "reducescatter", "barrier"}
+
+
+def kernel_kind(name: str) -> str:
+    """HTA's kernel classes: ``comm``, ``memory``, ``compute`` or ``other``."""
+    if COMM_RE.match(name):
+        return "comm"
+    if MEMORY_RE.match(name):
+        return "memory"
+    if not NOT_COMPUTE_RE.match(name):
+        return "compute"
+    return "other"
+
+
+def collective_kind(label: str) -> str:
+    """``allreduce``, ``allgather``, ``sendrecv``... from ``AllReduce``, ``all_reduce``,
+    ``_allgather_base``; empty if unknown."""
+    return re.sub(r"[^a-z0-9]", "", label.lower()).removesuffix("base")
+
+
+def kineto_files(path: Path) -> list[Path]:
+    """The candidate trace files of a folder: regular files named ``*.json[.gz]`` (links,
+    FIFOs and devices are never opened)."""
+    return sorted(p for p in path.iterdir() if FILE_RE.match(p.name) and not p.is_symlink() and p.is_file())
+
+
+def load_kineto(path: str | Path) -> RunTrace:
+    """Load a folder of Kineto traces (one per rank). Bad input: ``TraceError``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise TraceError(f"{path} is not a folder")
+    files = kineto_files(path)
+    if not files:
+        raise TraceError(f"{path} holds no profiler traces (*.json, *.json.gz)")
+    by_rank = _ranks(files)
+    world = _world_size(by_rank)
+    tables = {r: _rank_tables(r, f) for r, f in by_rank.items()}
+    shifts, clock = _align(by_rank, tables)
+    cpu_only = all(len(f.gpu["ts"]) == 0 for f in by_rank.values())
+    rows: dict[str, list[pd.DataFrame]] = {"steps": [], "kernels": [], "buckets": []}
+    for r, (steps, kernels) in tables.items():
+        for name, df in (("steps", steps), ("kernels", kernels)):
+            df = df.copy()
+            for c in ("start_us", "end_us", "launch_us"):
+                if c in df:
+                    df[c] += shifts[r]
+            rows[name].append(df)
+    steps = pd.concat(rows["steps"], ignore_index=True)
+    kernels = pd.concat(rows["kernels"], ignore_index=True)
+    buckets = _buckets(kernels)
+    notes = [clock["note"]]
+    if cpu_only:
+        notes.append("CPU-only profile (no GPU events): CPU ops are read as compute and the CPU-side collective "
+                     "spans (gloo:..., nccl:...) as communication.")
+    if not (kernels["kind"] == "comm").any():
+        notes.append("no communication in this profile: overlap is not defined.")
+    if len(by_rank) < world:
+        notes.append(f"{len(by_rank)} of the job's {world} ranks are in this folder: ranks "
+                     f"{', '.join(map(str, sorted(by_rank)))}.")
+    first = next(iter(by_rank.values()))
+    run = {"kind": KIND, "source": "torch.profiler (Kineto)", "status": "complete", "world_size": world,
+           "ranks_present": sorted(by_rank), "backend": first.backend, "model": "profiler trace",
+           "cpu_only": cpu_only, "clock": clock, "notes": notes, "bucket_layout": []}
+    ranks = {r: {"rank": r, "file": f.path.name, "world_size": f.world_size, "offset_us": shifts[r],
+                 "float_times": f.float_times, "devices": f.devices} for r, f in by_rank.items()}
+    return RunTrace(path=path, run=run, ranks=ranks, steps=frame_of(steps.to_dict("records"), ["rank", "step"]),
+                    buckets=buckets, grads=pd.DataFrame(columns=["rank", "step", "micro", "param", "name", "ready_us"]),
+                    memory=pd.DataFrame(), kernels=kernels, source=KIND)
+
+
+def _ranks(files: list[Path]) -> dict[int, KinetoFile]:
+    out: dict[int, KinetoFile] = {}
+    for p in files:
+        f = read_kineto_file(p)
+        named = rank_from_name(p.name)
+        if f.rank is not None and named is not None and f.rank != named:
+            raise TraceError(f"{p.name} says rank {f.rank} in its distributedInfo but its name says rank {named}")
+        rank = f.rank if f.rank is not None else named
+        if rank is None:
+            if len(files) > 1:
+                raise TraceError(f"cannot tell which rank {p.name} is (no distributedInfo.rank, no rank in its name)")
+            rank = 0
+        if rank < 0:
+            raise TraceError(f"{p.name} says it is rank {rank}")
+        if rank in out:
+            raise TraceError(f"{out[rank].path.name} and {p.name} are both rank {rank}")
+        if not len(f.ops["ts"]) and not len(f.gpu["ts"]):
+            raise TraceError(f"{p.name} holds no timed events")
+        out[rank] = f
+    return dict(sorted(out.items()))
+
+
+def _world_size(by_rank: dict[int, KinetoFile]) -> int:
+    sizes = {f.world_size for f in by_rank.values() if f.world_size is not None}
+    if len(sizes) > 1:
+        raise TraceError(f"the files disagree on the job's world size: {sorted(sizes)}")
+    world = sizes.pop() if sizes else max(by_rank) + 1
+    if world < 1 or max(by_rank) >= world:
+        raise TraceError(f"rank {max(by_rank)} is outside a job of {world} ranks")
+    return world
+
+
+def _rank_tables(rank: int, f: KinetoFile) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(steps, kernels) of one rank on its own clock; kernels carry their raw times
+    (``ts_raw``, ``dur_raw``) for HTA's figures and ``hta`` (inside HTA's window: launched
+    before the last ProfilerStep began)."""
+    ops, gpu = f.ops, f.gpu
+    step_rows = [(int(m.group(1)), ts, ts + dur) for name, ts, dur in zip(ops["name"], ops["ts"], ops["dur"])
+                 if name.startswith("ProfilerStep") and (m := STEP_RE.match(name))]
+    if len({s for s, _, _ in step_rows}) != len(step_rows):
+        raise TraceError(f"{f.path.name} has a ProfilerStep number twice")
+    step_rows.sort(key=lambda r: r[1])
+    steps = pd.DataFrame(step_rows, columns=["step", "start_us", "end_us"])
+    steps.insert(0, "rank", rank)
+    steps = steps.assign(warmup=False, incomplete=False, micro_batches=1)
+    if len(gpu["ts"]):
+        kernels = _gpu_kernels(f, steps)
+    else:
+        kernels = _cpu_as_kernels(f, steps)
+    kernels.insert(0, "rank", rank)
+    if len(steps):
+        last_start = steps["start_us"].max()
+        kernels["hta"] = kernels["launch_us"].to_numpy() < last_start if len(steps) > 1 else True
+    else:
+        kernels["hta"] = True
+    return steps, kernels
+
+
+def _step_of(times: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
+    """The ProfilerStep number whose CPU span holds each time; -1 outside every step."""
+    out = np.full(len(times), -1, np.int64)
+    if len(steps) == 0:
+        return out
+    start, end, num = (steps[c].to_numpy() for c in ("start_us", "end_us", "step"))
+    i = np.searchsorted(start, times, side="right") - 1
+    ok = (i >= 0) & ~np.isnan(times)
+    ok[ok] &= times[ok] < end[i[ok]]
+    out[ok] = num[i[ok]]
+    return out
+
+
+def _gpu_kernels(f: KinetoFile, steps: pd.DataFrame) -> pd.DataFrame:
+    ops, gpu = f.ops, f.gpu
+    # each GPU event's launch: the CPU event (a runtime call) with the same correlation id
+    has = ops["correlation"] >= 0
+    corr, when = ops["correlation"][has], ops["ts"][has]
+    order = np.argsort(corr, kind="stable")
+    corr, when = corr[order], when[order]
+    i = np.clip(np.searchsorted(corr, gpu["correlation"]), 0, max(len(corr) - 1, 0))
+    found = (len(corr) > 0) & (corr[i] == gpu["correlation"]) if len(corr) else np.zeros(len(i), bool)
+    launch = np.where(found, when[i] if len(corr) else np.nan, np.nan)
+    names = gpu["name"]
+    kinds = {n: kernel_kind(n) for n in pd.unique(names)}
+    kind = np.array([kinds[n] for n in names], dtype=object)
+    coll = gpu["collective"]
+    from_name = {n: _collective_from_kernel(n) for n in pd.unique(names[kind == "comm"])}
+    collective = np.array([collective_kind(c) if c else (from_name.get(n, "") if k == "comm" else "")
+                           for c, n, k in zip(coll, names, kind)], dtype=object)
+    size = np.array([DTYPE_BYTES.get(d.lower(), np.nan) if d else np.nan for d in gpu["dtype"]], float)
+    return pd.DataFrame({
+        "step": _step_of(launch, steps), "stream": gpu["stream"], "name": pd.Categorical(names),
+        "kind": pd.Categorical(kind), "start_us": gpu["ts"], "end_us": gpu["ts"] + gpu["dur"], "launch_us": launch,
+        "collective": collective, "bytes": gpu["nelems"] * size, "dtype": gpu["dtype"],
+        "group_size": gpu["group_size"], "pg": gpu["pg"], "ts_raw": gpu["ts"], "dur_raw": gpu["dur"],
+    })
+
+
+def _collective_from_kernel(name: str) -> str:
+    m = KERNEL_COLLECTIVE_RE.search(name)
+    return collective_kind(m.group(1)) if m else "nccl"
+
+
+def _cpu_as_kernels(f: KinetoFile, steps: pd.DataFrame) -> pd.DataFrame:
+    """A CPU-only profile: CPU ops (``cpu_op``) are compute, CPU-side collective spans
+    communication; their "stream" is the thread (negative ids, one per thread)."""
+    ops = f.ops
+    names = ops["name"]
+    comm = np.array([n.startswith(COMM_PREFIXES) for n in names], bool)
+    compute = (ops["cat"] == "cpu_op") & ~comm
+    keep = comm | compute
+    tids = {t: -(n + 1) for n, t in enumerate(pd.unique(ops["tid"][keep]))}
+    rows_bytes, dtypes = [], []
+    for s in ops["shapes"][comm]:
+        b, d = _bytes_of(s)
+        rows_bytes.append(b)
+        dtypes.append(d)
+    nbytes = np.full(len(names), np.nan)
+    nbytes[comm] = rows_bytes
+    dtype = np.full(len(names), "", dtype=object)
+    dtype[comm] = dtypes
+    kind = np.where(comm, "comm", "compute")
+    collective = np.array([collective_kind(n.split(":", 1)[1]) if c else "" for n, c in zip(names, comm)], object)
+    df = pd.DataFrame({
+        "step": _step_of(ops["ts"], steps), "stream": [tids[t] for t in ops["tid"][keep]],
+        "name": pd.Categorical(names[keep]), "kind": pd.Categorical(kind[keep]), "start_us": ops["ts"][keep],
+        "end_us": ops["ts"][keep] + ops["dur"][keep], "launch_us": ops["ts"][keep], "collective": collective[keep],
+        "bytes": nbytes[keep], "dtype": dtype[keep], "group_size": np.nan, "pg": "",
+        "ts_raw": ops["ts"][keep], "dur_raw": ops["dur"][keep],
+    })
+    return df
+
+
+def _bytes_of(shapes) -> tuple[float, str]:
+    """Bytes of a CPU-side collective's first tensor input, from its dims and type."""
+    if not shapes:
+        return np.nan, ""
+    dims, types = shapes
+    for d, t in zip(dims, types):
+        if isinstance(d, list) and t and t.lower() in DTYPE_BYTES:
+            return float(np.prod(d, dtype=float)) * DTYPE_BYTES[t.lower()], t
+    return np.nan, ""
+
+
+def _buckets(kernels: pd.DataFrame) -> pd.DataFrame:
+    """DDP's buckets as the profile shows them: each all-reduce of a step, in start order."""
+    cols = ["rank", "step", "bucket", "bytes", "num_params", "params", "launch_us", "done_us", "incomplete",
+            "dtype", "group_size"]
+    ar = kernels[(kernels["collective"] == ALLREDUCE) & (kernels["step"] >= 0)]
+    if len(ar) == 0:
+        return pd.DataFrame(columns=cols)
+    ar = ar.sort_values(["rank", "step", "start_us"], kind="stable")
+    return pd.DataFrame({
+        "rank": ar["rank"].to_numpy(), "step": ar["step"].to_numpy(),
+        "bucket": ar.groupby(["rank", "step"]).cumcount().to_numpy(), "bytes": ar["bytes"].to_numpy(),
+        "num_params": 0, "params": [[] for _ in range(len(ar))], "launch_us": ar["start_us"].to_numpy(),
+        "done_us": ar["end_us"].to_numpy(), "incomplete": False, "dtype": ar["dtype"].to_numpy(),
+        "group_size": ar["group_size"].to_numpy(),
+    })
+
+
+def _align(by_rank: dict[int, KinetoFile], tables: dict) -> tuple[dict[int, float], dict]:
+    """Each rank's shift (µs) onto the lowest rank's clock, and how it was found."""
+    ref = min(by_rank)
+    bases = {r: f.base_time_ns for r, f in by_rank.items()}
+    use_base = all(b is not None for b in bases.values())
+    shifts = {r: (bases[r] - bases[ref]) / 1e3 if use_base else 0.0 for r in by_rank}
+    how = ["Kineto's per-rank base time" if use_base else "the files' own timestamps (no base time recorded)"]
+    clock = {"reference_rank": ref, "base_time": use_base}
+    if len(by_rank) > 1:
+        ends = _shared_collective_ends(tables)
+        if ends is not None:
+            before = _skew(ends, shifts)
+            for r in by_rank:
+                shifts[r] += float(np.median(ends[ref] - ends[r]))
+            clock.update(shared_collectives=len(ends[ref]), skew_before_us=before,
+                         residual_skew_us=_skew(ends, shifts))
+            how.append(f"the ends of {len(ends[ref])} collectives all ranks ran (median shift)")
+        else:
+            clock["residual_skew_us"] = None
+            how.append("nothing else: no all-reduce, all-gather or reduce-scatter ran on every rank here, so the "
+                       "residual skew is unknown")
+    clock["offsets_us"] = {str(r): s for r, s in shifts.items()}
+    note = "ranks aligned by " + ", then ".join(how)
+    if clock.get("residual_skew_us") is not None:
+        note += (f"; residual skew at shared collective ends {clock['residual_skew_us']:.1f} µs median "
+                 f"(before that step {clock['skew_before_us']:.1f} µs)")
+    clock["note"] = note + "."
+    return shifts, clock
+
+
+def _shared_collectives_key(k: pd.DataFrame) -> pd.Series:
+    return k["collective"].astype(str) + "|" + k["pg"].astype(str)
+
+
+def _shared_collective_ends(tables: dict) -> dict[int, np.ndarray] | None:
+    """The end times (own clock) of the synchronising collectives every rank ran, matched k-th to k-th
+    per (collective, process group) when each rank ran the same number; None if none."""
+    per_rank: dict[int, dict[str, np.ndarray]] = {}
+    for r, (_, k) in tables.items():
+        c = k[(k["kind"] == "comm") & k["collective"].isin(SYNCHRONISING)].sort_values("start_us", kind="stable")
+        per_rank[r] = {key: g["end_us"].to_numpy() for key, g in c.groupby(_shared_collectives_key(c))}
+    keys = set.intersection(*(set(d) for d in per_rank.values()))
+    keys = sorted(k for k in keys if len({len(d[k]) for d in per_rank.values()}) == 1)
+    if not keys:
+        return None
+    return {r: np.concatenate([d[k] for k in keys]) for r, d in per_rank.items()}
+
+
+def _skew(ends: dict[int, np.ndarray], shifts: dict[int, float]) -> float:
+    """Median over shared collectives of the spread of their ends across ranks (µs)."""
+    m = np.vstack([ends[r] + shifts[r] for r in sorted(ends)])
+    return float(np.median(m.max(axis=0) - m.min(axis=0)))
