@@ -12,8 +12,8 @@ import os
 
 import streamlit as st
 
-from dashboard.common import (command_policy, handle_upload, job_manager, job_status, list_runs, load_trace,
-                              of_kind, runs_dir, stamp_of)
+from dashboard.common import (TRAINING_KINDS, command_policy, handle_upload, job_manager, job_status, list_runs,
+                              load_trace, of_kind, runs_dir, stamp_of)
 from dashboard.memory_page import render_memory
 from dashboard.ring_page import render_ring
 from dashboard.run_page import render_run
@@ -27,12 +27,13 @@ st.caption("What each DDP gradient bucket's all-reduce does against the backward
            "all-reduce moves data, and what each ZeRO stage does to memory.")
 
 # -- sidebar: which trace, uploads, the current job ---------------------------------------
-handle_upload(st.sidebar.file_uploader("Upload a run (.zip / .tar.gz of a run folder)",
-                                       type=["zip", "tar", "gz", "tgz"], key="upload"))
+handle_upload(st.sidebar.file_uploader("Upload a run (.zip / .tar.gz of a run folder) or profiler traces "
+                                       "(a .json / .json.gz, or an archive of one per rank)",
+                                       type=["zip", "tar", "gz", "tgz", "json"], key="upload"))
 if "upload_error" in st.session_state:
     st.sidebar.error(st.session_state["upload_error"])
 all_runs = list_runs()
-traces = of_kind(all_runs, "ddp")
+traces = of_kind(all_runs, *TRAINING_KINDS)
 if not traces:
     st.error(f"No traces found. Make one with: ddpscope run --out {runs_dir() / 'first'} -- train.py")
     st.stop()

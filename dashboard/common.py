@@ -19,8 +19,12 @@ from tracer.launch.jobs import JobManager
 from viz.archive import extract_run_archive, safe_name
 from viz.perfetto import merge_run
 from viz.ring_trace import load_ring
-from viz.trace import TraceError, load_run, run_kind
+from viz.sources import KINETO, MIXED, folder_kind, load_training_trace
+from viz.trace import TraceError
 from viz.zero_trace import load_zero
+
+#: folder kinds the training pages (Timeline, Compare, What-if, Run) list
+TRAINING_KINDS = ("ddp", KINETO, MIXED)
 
 ROOT = Path(__file__).resolve().parents[1]
 # a checkout (or pip install -e): beside the packages; pip install .: <prefix>/share/ddpscope
@@ -39,20 +43,21 @@ def uploads_dir() -> Path:
 
 
 def list_runs() -> dict[str, tuple[Path, str]]:
-    """Every run folder the page can show, by label, with its kind ("ddp", "ring" or
-    "zero"): samples, runs made here, uploads. Read once per page run."""
+    """Every run folder the page can show, by label, with its kind ("ddp", "ring",
+    "zero", "kineto" for profiler traces, "mixed"): samples, runs made here, uploads.
+    Read once per page run."""
     found = {}
     for prefix, folder in (("sample", SAMPLES), ("run", runs_dir()), ("upload", uploads_dir())):
         if folder.is_dir():
             for p in sorted(folder.iterdir(), reverse=prefix != "sample"):
-                kind = run_kind(p)
+                kind = folder_kind(p)
                 if kind is not None:
                     found[f"{prefix}: {p.name}"] = (p, kind)
     return found
 
 
-def of_kind(runs: dict[str, tuple[Path, str]], kind: str) -> dict[str, Path]:
-    return {label: path for label, (path, k) in runs.items() if k == kind}
+def of_kind(runs: dict[str, tuple[Path, str]], *kinds: str) -> dict[str, Path]:
+    return {label: path for label, (path, k) in runs.items() if k in kinds}
 
 
 def label_of(path: Path) -> str:
@@ -81,8 +86,9 @@ def pick_run(runs: dict[str, Path], label: str, key: str, loader, hint: str):
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def load_trace(path: str, stamp: float):
-    """The trace in a run folder (``stamp``, the newest file time there, renews the cache)."""
-    return load_run(path)
+    """The training trace in a folder, ddpscope's or a profiler's (``stamp``, the newest
+    file time there, renews the cache)."""
+    return load_training_trace(path)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
@@ -131,8 +137,8 @@ def handle_upload(upload) -> None:
     dest = uploads_dir() / f"{safe_name(Path(upload.name).stem)}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         extract_run_archive(upload.getvalue(), upload.name, dest)
-        kind = run_kind(dest) or "ddp"
-        {"ring": load_ring, "zero": load_zero}.get(kind, load_run)(dest)
+        kind = folder_kind(dest) or "ddp"
+        {"ring": load_ring, "zero": load_zero}.get(kind, load_training_trace)(dest)
     except TraceError as e:
         shutil.rmtree(dest, ignore_errors=True)
         st.session_state["upload_error"] = f"{upload.name}: {e}"

@@ -38,7 +38,10 @@ def render_run(path: Path | None, trace, jobs: JobManager, busy: bool, policy: C
         (st.info if not policy.allowed else st.warning)(policy.note)
     source = rerun_source(path, trace.run) if trace is not None else None
     st.subheader("Rerun the open trace with another bucket_cap_mb")
-    if source is None:
+    if source is None and trace is not None and trace.source != "ddpscope":
+        st.info("The open trace is a profiler trace: it does not say how to rerun it. Trace the same script with "
+                "`ddpscope run --profile --out RUN -- train.py` (or enter the command below) to rerun it live.")
+    elif source is None:
         st.info("The open trace does not say how it was made (no script or demo in its run.json); "
                 "enter a command below.")
     else:

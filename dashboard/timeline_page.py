@@ -10,11 +10,16 @@ import streamlit as st
 from dashboard.common import first_real_step, load_trace, merged_trace_bytes, stamp_of
 from viz.buckets import compute_bucket_table
 from viz.gantt import make_timeline_figure, timeline_extent_ms
+from viz.kernel_gantt import make_kernel_timeline_figure
+from viz.kernel_overlap import compute_hta_breakdown
 from viz.overlap import compute_rank_medians, compute_run_comparison, compute_step_breakdown
 from viz.trace import TraceError
 
 
 def render_timeline(path: Path, trace) -> None:
+    if trace.source != "ddpscope":
+        render_profile(path, trace)
+        return
     run = trace.run
     cols = st.columns(5)
     cols[0].metric("model", str(run.get("model", "?")))
@@ -41,6 +46,40 @@ def render_timeline(path: Path, trace) -> None:
                        data=lambda p=str(path): merged_trace_bytes(p),  # built on click only
                        file_name=f"{path.name}-merged.json", mime="application/json", key="perfetto_download",
                        help="Open it at ui.perfetto.dev; the same as ddpscope perfetto.")
+
+
+def render_profile(path: Path, trace) -> None:
+    """A folder of profiler (Kineto) traces: kernels instead of DDP's phases."""
+    run = trace.run
+    present = run["ranks_present"]
+    cols = st.columns(4)
+    cols[0].metric("source", "torch.profiler")
+    cols[1].metric("ranks", f"{len(present)} of {trace.world_size}")
+    cols[2].metric("ProfilerSteps", trace.steps["step"].nunique())
+    cols[3].metric("all-reduces per step", int(trace.buckets.groupby(["rank", "step"]).size().median())
+                   if len(trace.buckets) else 0)
+    for note in run["notes"]:
+        st.info(note)
+    steps = sorted(int(s) for s in trace.steps["step"].unique())
+    lo, hi = (st.select_slider("Steps", options=steps, value=(steps[0], steps[0]), key="steps")
+              if len(steps) > 1 else (steps[0], steps[0]))
+    ranks = st.multiselect("Ranks", present, default=present, key="ranks")
+    per_stream = st.toggle("One lane per GPU stream", value=False, key="per_stream")
+    st.plotly_chart(make_kernel_timeline_figure(trace, steps=range(lo, hi + 1), ranks=ranks or None,
+                                                per_stream=per_stream), key="timeline")
+    st.subheader("Per rank, medians over ProfilerSteps (ms)")
+    st.dataframe(compute_rank_medians(trace).round(2), hide_index=True, key="medians")
+    st.subheader("As Holistic Trace Analysis computes them (its last ProfilerStep left out; %)")
+    st.dataframe(compute_hta_breakdown(trace).round(2), hide_index=True, key="hta")
+    with st.expander("Every step"):
+        st.dataframe(compute_step_breakdown(trace).round(2), hide_index=True, key="per_step")
+    if len(trace.buckets):
+        st.subheader("All-reduces by order in the step (DDP's buckets), medians over steps and ranks")
+        st.dataframe(compute_bucket_table(trace).drop(columns=["num_params", "params"]).round(3), hide_index=True,
+                     key="buckets")
+    st.download_button("Download all ranks as one Perfetto trace (lowest rank's clock)",
+                       data=lambda p=str(path): merged_trace_bytes(p), file_name=f"{path.name}-merged.json",
+                       mime="application/json", key="perfetto_download")
 
 
 def render_compare(traces: dict[str, Path]) -> None:

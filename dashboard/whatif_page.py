@@ -60,6 +60,10 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
     st.caption("Every step of the open trace replayed with the buckets DDP would build at another bucket_cap_mb: "
                "gradients ready when they were, all-reduces costing what this run's cost, compute slowed by "
                "communication as measured. Predictions, not measurements: the crosses are real runs.")
+    if trace.source != "ddpscope":
+        st.info("No prediction for a profiler trace: the what-if model needs each gradient's ready time, which "
+                "only a ddpscope trace records. Trace the job with `ddpscope run` to predict other caps.")
+        return
     stamp = stamp_of(path)
     try:
         sweep, best, notes = cap_sweep(str(path), stamp, tuple(DEFAULT_CAPS))

@@ -2,7 +2,9 @@
 
 Nothing escapes the destination: members with absolute paths, ``..``, links or devices
 are refused, as are archives whose contents exceed the size cap. Only trace files are
-kept (``run.json``, ``rank-<r>.json``), from the archive's root or one folder down.
+kept (``run.json``, ``rank-<r>.json``, and profiler traces ``*.json[.gz]``), from the
+archive's root or one folder down. A single profiler trace (``.json``/``.json.gz``, not an
+archive) is kept as a folder of one rank.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import zipfile
 from pathlib import Path, PurePosixPath
 
 from tracer import format as fmt
+from viz.sources.kineto_file import FILE_RE
 from viz.trace import TraceError
 
 MAX_UNPACKED_BYTES = 512 * 2**20
@@ -32,13 +35,19 @@ def _wanted(member: str) -> str | None:
         raise TraceError(f"the archive holds an unsafe path ({member}); refused")
     if len(p.parts) > 2:
         return None
-    return p.name if (p.name == fmt.RUN_FILE or fmt.RANK_FILE_RE.match(p.name)) else None
+    return p.name if (p.name == fmt.RUN_FILE or fmt.RANK_FILE_RE.match(p.name) or FILE_RE.match(p.name)) else None
 
 
 def extract_run_archive(data: bytes, filename: str, dest: Path) -> Path:
     """Unpack an uploaded archive's trace files into the new folder ``dest``."""
     files: dict[str, bytes] = {}
     total = 0
+    if FILE_RE.match(filename) and not zipfile.is_zipfile(io.BytesIO(data)):  # one profiler trace file
+        if len(data) > MAX_UNPACKED_BYTES:
+            raise TraceError(f"{filename} is over {MAX_UNPACKED_BYTES // 2**20} MiB")
+        dest.mkdir(parents=True, exist_ok=False)
+        (dest / safe_name(PurePosixPath(filename).name)).write_bytes(data)
+        return dest
     try:
         if zipfile.is_zipfile(io.BytesIO(data)):
             with zipfile.ZipFile(io.BytesIO(data)) as z:
@@ -64,8 +73,8 @@ def extract_run_archive(data: bytes, filename: str, dest: Path) -> Path:
                     files[name] = t.extractfile(m).read()
     except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError):
         raise TraceError(f"{filename} is not a readable .zip or .tar(.gz) archive") from None
-    if not any(fmt.RANK_FILE_RE.match(n) for n in files):
-        raise TraceError(f"{filename} holds no rank-<r>.json trace files")
+    if not any(fmt.RANK_FILE_RE.match(n) or (FILE_RE.match(n) and n != fmt.RUN_FILE) for n in files):
+        raise TraceError(f"{filename} holds no rank-<r>.json trace files and no profiler traces")
     dest.mkdir(parents=True, exist_ok=False)
     for name, blob in files.items():
         (dest / name).write_bytes(blob)

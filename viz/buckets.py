@@ -14,13 +14,14 @@ def bus_bandwidth_factor(world_size: int) -> float:
 
 def compute_bucket_events(trace: RunTrace) -> pd.DataFrame:
     """Every bucket all-reduce with its timing against its step: ``launch_offset_ms``
-    (from the rank's backward start), ``duration_ms``, ``algbw_gbps`` (bytes / duration,
+    (from the rank's backward start; a profiler trace's: from the ProfilerStep's start), ``duration_ms``, ``algbw_gbps`` (bytes / duration,
     GB/s decimal) and ``busbw_gbps`` (algbw x 2(N-1)/N)."""
     b = trace.buckets
     if len(b) == 0:
         return b.assign(launch_offset_ms=[], duration_ms=[], algbw_gbps=[], busbw_gbps=[])
     s = trace.steps.set_index(["rank", "step"])
-    bwd = s["backward_start_us"].reindex(pd.MultiIndex.from_frame(b[["rank", "step"]])).to_numpy()
+    # a profiler trace has no backward span: offsets are from the step's start there
+    bwd = s["backward_start_us" if "backward_start_us" in s else "start_us"].reindex(pd.MultiIndex.from_frame(b[["rank", "step"]])).to_numpy()
     dur_us = (b["done_us"] - b["launch_us"]).to_numpy()
     algbw = b["bytes"].to_numpy() / (dur_us * 1e-6) / 1e9
     return b.assign(

@@ -74,23 +74,46 @@ def run_viz_command(args, prog: str) -> int:
 
 def _summary(path: str, as_json: bool) -> int:
     from viz.overlap import compute_rank_medians
-    from viz.trace import load_run, run_kind
+    from viz.sources import folder_kind, load_training_trace
 
-    kind = run_kind(path)
+    kind = folder_kind(path)
     if kind in ("ring", "zero"):
         return _summary_table(path, kind, as_json)
-    trace = load_run(path)
+    trace = load_training_trace(path)
     med = compute_rank_medians(trace)
+    hta = None
+    if trace.source == "kineto":
+        from viz.kernel_overlap import compute_hta_breakdown
+
+        hta = compute_hta_breakdown(trace)
     if as_json:
-        ranks = {str(int(r["rank"])): _json_safe({k: v for k, v in r.items() if k != "rank"})
-                 for r in med.astype(object).to_dict("records")}
-        print(json.dumps({"path": str(trace.path), "status": trace.status, "world_size": trace.world_size,
-                          "bucket_cap_mb": trace.run.get("bucket_cap_mb"), "ranks": ranks}, indent=1, default=float))
-    else:
+        out = {"path": str(trace.path), "source": trace.source, "status": trace.status,
+               "world_size": trace.world_size, "bucket_cap_mb": trace.run.get("bucket_cap_mb"),
+               "ranks": _by_rank(med)}
+        if hta is not None:
+            out.update(ranks_present=trace.run["ranks_present"], hta=_by_rank(hta), clock=trace.run["clock"],
+                       notes=trace.run["notes"])
+        print(json.dumps(out, indent=1, default=float))
+        return 0
+    if hta is None:
         print(f"{trace.path}  status={trace.status}  ranks={trace.world_size}  "
               f"bucket_cap_mb={trace.run.get('bucket_cap_mb')}  (medians over non-warm-up steps, ms)")
-        print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
+    else:
+        print(f"{trace.path}  profiler trace, ranks {trace.run['ranks_present']} of {trace.world_size}  "
+              "(medians over ProfilerSteps, ms)")
+    print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
+    if hta is not None:
+        print("as Holistic Trace Analysis computes them (last ProfilerStep left out; %):")
+        print(hta[["rank", "comp_comm_overlap_pct", "idle_pct", "compute_pct", "non_compute_pct"]].round(2)
+              .to_string(index=False))
+        for note in trace.run["notes"]:
+            print(f"  note: {note}")
     return 0
+
+
+def _by_rank(table) -> dict:
+    return {str(int(r["rank"])): _json_safe({k: v for k, v in r.items() if k != "rank"})
+            for r in table.astype(object).to_dict("records")}
 
 
 def _json_safe(row: dict) -> dict:
@@ -100,12 +123,16 @@ def _json_safe(row: dict) -> dict:
 
 def _whatif(path: str, caps: str | None, as_json: bool) -> int:
     from tracer.options import parse_caps
-    from viz.trace import TraceError, load_run, run_kind
+    from viz.sources import KINETO, folder_kind
+    from viz.trace import TraceError, load_run
     from viz.whatif.cost import read_calibration
     from viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, recommend_cap
 
     wanted = parse_caps(caps) if caps is not None else list(DEFAULT_CAPS)
-    kind = run_kind(path)
+    kind = folder_kind(path)
+    if kind == KINETO:
+        raise TraceError(f"{path} holds profiler traces; what-if needs a ddpscope trace (gradient ready times): "
+                         "trace the job with `ddpscope run`")
     if kind not in (None, "ddp"):
         raise TraceError(f"{path} is a {kind} run; what-if needs a DDP training run")
     trace = load_run(path)

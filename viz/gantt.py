@@ -166,7 +166,7 @@ def _exposed_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
                          "start_us": np.maximum(m_start, m_cut)[keep], "end_us": m_end[keep]})
 
 
-def _lane_trace(gl: bool, name: str, y, start_us, end_us, origin_us: float, color, hover: str,
+def lane_bars(gl: bool, name: str, y, start_us, end_us, origin_us: float, color, hover: str,
                 custom: np.ndarray, text: list[str] | None = None, line: float = 0, pattern: dict | None = None,
                 **extra) -> list[dict]:
     """Bars from ``start_us`` to ``end_us`` on lane positions ``y``: SVG bars, or WebGL
@@ -223,6 +223,10 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
     optimizer) and an all-reduce lane (one bar per bucket, coloured by bucket index, with
     the exposed part, after backward compute ended, hatched in red). ``webgl``: draw
     WebGL segments (True), SVG bars (False), or choose by size (None)."""
+    if trace.source != "ddpscope":  # a profiler trace: kernels, not phases (that module builds on this one)
+        from viz.kernel_gantt import make_kernel_timeline_figure
+
+        return make_kernel_timeline_figure(trace, steps, ranks, title=title, webgl=webgl)
     shown = select_steps(trace, steps, ranks, include_warmup)
     if len(shown) == 0:
         return go.Figure(layout=dict(title=title or "no finished steps to show"))
@@ -244,14 +248,14 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
     def phase(name, df, a, b, color, what):
         df = df.dropna(subset=[a, b])
         if len(df):
-            data.extend(_lane_trace(gl, name, lane(df), df[a], df[b], origin, color,
+            data.extend(lane_bars(gl, name, lane(df), df[a], df[b], origin, color,
                                       what + " · step %{customdata[0]}<br>%{customdata[1]:.2f} ms",
                                       np.column_stack([df["step"], dur(df[a], df[b])])))
 
     passes = shown_passes(trace, shown)
     phase("forward", passes, "forward_start_us", "forward_end_us", COLORS["forward"], "forward")
     if len(seg):
-        data.extend(_lane_trace(
+        data.extend(lane_bars(
             gl, "backward (per module)", lane(seg), seg["start_us"], seg["end_us"], origin, COLORS["backward"],
             "backward · %{hovertext}<br>step %{customdata[0]} · %{customdata[1]:.2f} ms",
             np.column_stack([seg["step"], dur(seg["start_us"], seg["end_us"])]),
@@ -271,7 +275,7 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
                  "%{customdata[1]:.2f} ms<br>algbw %{customdata[5]:.3f} GB/s · busbw %{customdata[6]:.3f} GB/s")
         top = max(1, int(ev["bucket"].max()))
         if not gl:
-            data.extend(_lane_trace(
+            data.extend(lane_bars(
                 gl, "bucket all-reduce", comm(ev), ev["launch_us"], ev["done_us"], origin,
                 ev["bucket"].to_numpy(float), hover, custom, text=text, line=0.5, colorscale="Viridis", cmin=0,
                 cmax=top, colorbar=dict(title="bucket", thickness=10, x=1.0, len=0.5, y=0.25)))
@@ -290,7 +294,7 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
                                     None, hover.replace("%{hovertext}", "(show fewer steps for names)")
                                     + "<extra></extra>", "buckets"))
     if len(ex):
-        data.extend(_lane_trace(
+        data.extend(lane_bars(
             gl, "exposed all-reduce (after backward)", comm(ex), ex["start_us"], ex["end_us"], origin,
             COLORS["exposed"], "exposed communication · step %{customdata[0]}<br>%{customdata[1]:.2f} ms",
             np.column_stack([ex["step"], dur(ex["start_us"], ex["end_us"])]),

@@ -60,7 +60,12 @@ def compute_step_breakdown(trace: RunTrace, include_warmup: bool = False) -> pd.
     """Per rank and step: step, forward, backward compute, optimizer, communication,
     overlapped and exposed communication (ms) and overlap % (warm-up steps left out
     unless ``include_warmup``; unfinished steps always left out). Forward and backward
-    are summed over the step's micro-batches (``micro_batches`` of them)."""
+    are summed over the step's micro-batches (``micro_batches`` of them). A profiler
+    trace's steps come from its kernels (``viz.kernel_overlap``), in the same columns."""
+    if trace.source != "ddpscope":
+        from viz.kernel_overlap import compute_kernel_step_breakdown  # it builds on this module
+
+        return compute_kernel_step_breakdown(trace, include_warmup)
     steps = _steps(trace, include_warmup)
     cols = ["rank", "step", "warmup", "step_ms", "forward_ms", "backward_ms", "optimizer_ms",
             "comm_ms", "overlapped_ms", "exposed_ms", "overlap_pct", "buckets", "micro_batches"]
@@ -117,7 +122,7 @@ def compute_ddp_logging_view(trace: RunTrace, include_warmup: bool = False) -> p
     compute), ``backward_comm`` (first bucket launch -> DDP has written every averaged
     gradient, i.e. the end of the grad-sync span; the last bucket completion if absent)
     and ``backward_compute_comm_overlap`` (first bucket launch -> end of backward compute)."""
-    steps = _steps(trace, include_warmup)
+    steps = _steps(trace, include_warmup) if trace.source == "ddpscope" else trace.steps.iloc[:0]
     cols = ["rank", "step", "forward_compute_ms", "backward_compute_ms", "backward_comm_ms",
             "backward_compute_comm_overlap_ms"]
     if len(steps) == 0 or len(trace.buckets) == 0:
@@ -139,6 +144,8 @@ def compute_rank_medians(trace: RunTrace) -> pd.DataFrame:
     b = compute_step_breakdown(trace)
     cols = ["step_ms", "forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "overlapped_ms", "exposed_ms",
             "overlap_pct"]
+    if "compute_ms" in b:  # a profiler trace: compute kernels, not forward / backward / optimizer
+        cols = ["step_ms", "compute_ms", "comm_ms", "overlapped_ms", "exposed_ms", "overlap_pct"]
     if len(b) == 0:
         return pd.DataFrame(columns=["rank", "steps", *cols])
     med = b.groupby("rank")[cols].median()

@@ -11,14 +11,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
+
 from tracer.writer import write_bytes_atomic
-from viz.trace import TraceError, clock_alignment, read_run_folder, run_kind
+from viz.sources import KINETO, MIXED, folder_kind
+from viz.sources.kineto import load_kineto
+from viz.sources.kineto_file import read_bytes
+from viz.trace import TraceError, clock_alignment, read_run_folder
 
 
 def merge_run(path: str | Path) -> dict:
     """The merged Chrome trace (object form) of a run folder of any kind."""
     path = Path(path)
-    kind = run_kind(path)
+    kind = folder_kind(path)
+    if kind == KINETO:
+        return merge_kineto(path)
+    if kind == MIXED:
+        raise TraceError(f"{path.name} mixes ddpscope rank files and profiler traces; put them in separate folders")
     if kind is None:
         raise TraceError(f"{path} holds no readable ddpscope run (no rank-<r>.json, or bad run.json)")
     run, files, world = read_run_folder(path, kind)
@@ -51,3 +60,36 @@ def write_merged(path: str | Path, out: str | Path) -> int:
     except OSError as e:
         raise TraceError(f"cannot write {out}: {e.strerror or e}") from None
     return len(data)
+
+
+def merge_kineto(path: str | Path) -> dict:
+    """Every rank's profiler trace in one Chrome trace, on the lowest rank's clock (the
+    shifts ``load_kineto`` found). Process ids are renumbered per rank (every rank has a
+    "GPU 0") and named ``rank r · ...``; flow ids are made unique per rank."""
+    trace = load_kineto(path)
+    events: list = []
+    pids: dict[tuple[int, object], int] = {}
+    for rank, meta in trace.ranks.items():
+        f = Path(path) / meta["file"]
+        try:
+            data = msgspec.json.decode(read_bytes(f))
+        except msgspec.DecodeError as e:
+            raise TraceError(f"{f.name} is not valid JSON: {e}") from None
+        shift = float(meta["offset_us"])
+        for e in data.get("traceEvents") or [] if isinstance(data, dict) else []:
+            if not isinstance(e, dict):
+                continue
+            e["pid"] = pids.setdefault((rank, e.get("pid")), len(pids))
+            if isinstance(e.get("ts"), (int, float)):
+                e["ts"] = float(e["ts"]) + shift
+            if "id" in e and e.get("ph") in ("s", "t", "f"):
+                e["id"] = f"{rank}:{e['id']}"
+            if e.get("ph") == "M" and e.get("name") == "process_name" and isinstance(e.get("args"), dict):
+                e["args"] = {**e["args"], "name": f"rank {rank} · {e['args'].get('name', '')}"}
+            events.append(e)
+        for (r, pid), new in pids.items():
+            if r == rank and not isinstance(pid, int):
+                events.append({"ph": "M", "name": "process_name", "pid": new, "args": {"name": f"rank {r} · {pid}"}})
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"ddpscope_merged": {
+        "run": str(path), "kind": KINETO, "world_size": trace.world_size, "ranks": sorted(trace.ranks),
+        "clock": trace.run["clock"]["note"], "status": "complete"}}}

@@ -1,0 +1,71 @@
+"""Trace sources: the one place that tells what a folder holds and loads it.
+
+A folder is one of
+- a ddpscope run (``run.json`` + ``rank-<r>.json`` written by the tracer): ``"ddp"``,
+  ``"ring"`` or ``"zero"`` as its ``run.json`` says (``viz.trace``, ``viz.ring_trace``,
+  ``viz.zero_trace``);
+- PyTorch profiler (Kineto) traces, one file per rank (``*.json``, ``*.json.gz``,
+  ``*.pt.trace.json[.gz]``): ``"kineto"`` (``viz.sources.kineto``);
+- both at once: ``"mixed"``, which loads as one readable error.
+
+``load_training_trace`` returns the ``RunTrace`` every DDP metric and figure takes, for
+ddpscope's own runs and profiler traces alike (``trace.source`` says which).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tracer import format as fmt
+from viz.sources.kineto import KIND as KINETO
+from viz.sources.kineto import kineto_files, load_kineto
+from viz.sources.kineto_file import peek_text
+from viz.trace import RunTrace, TraceError, load_run, run_kind
+
+MIXED = "mixed"
+#: JSON files a ddpscope run folder holds besides its rank files
+OWN_FILES = {fmt.RUN_FILE, "calibration.json"}
+#: what the top of a Kineto file shows (torch.profiler writes these first)
+KINETO_MARKERS = ('"schemaVersion"', '"distributedInfo"', '"deviceProperties"', '"traceName"', "ProfilerStep#",
+                  '"cpu_op"', '"kernel"')
+
+
+def is_kineto_file(path: Path) -> bool:
+    head = peek_text(path)
+    return any(m in head for m in KINETO_MARKERS)
+
+
+def folder_kind(path: str | Path) -> str | None:
+    """``"ddp"``, ``"ring"``, ``"zero"``, ``"kineto"``, ``"mixed"``, or None when the
+    folder holds nothing we read. Cheap: peeks at the first bytes of a file at most."""
+    path = Path(path)
+    try:
+        if not path.is_dir():
+            return None
+        candidates = [p for p in kineto_files(path) if p.name not in OWN_FILES]
+    except OSError:
+        return None
+    ours_rank = [p for p in candidates if fmt.RANK_FILE_RE.match(p.name)]
+    others = [p for p in candidates if not fmt.RANK_FILE_RE.match(p.name)]
+    has_run = (path / fmt.RUN_FILE).is_file()
+    if ours_rank and not has_run and is_kineto_file(ours_rank[0]):  # a profiler trace named rank-0.json
+        others, ours_rank = others + ours_rank, []
+    kineto = bool(others) and is_kineto_file(others[0])
+    ours = run_kind(path) if ours_rank else None
+    if ours and kineto:
+        return MIXED
+    return ours or (KINETO if kineto else None)
+
+
+def load_training_trace(path: str | Path) -> RunTrace:
+    """A DDP training trace from a ddpscope run folder or a folder of profiler traces."""
+    path = Path(path)
+    kind = folder_kind(path)
+    if kind == KINETO:
+        return load_kineto(path)
+    if kind == MIXED:
+        raise TraceError(f"{path.name} mixes ddpscope rank files and profiler traces; put them in separate folders")
+    if kind is None and path.is_dir():
+        raise TraceError(f"{path} holds neither a ddpscope run (run.json + rank-<r>.json) nor profiler traces "
+                         "(*.json, *.json.gz)")
+    return load_run(path)
