@@ -236,7 +236,7 @@ def _cpu_as_kernels(f: KinetoFile, steps: pd.DataFrame) -> pd.DataFrame:
     kind = np.where(comm, "comm", "compute")
     collective = np.array([collective_kind(n.split(":", 1)[1]) if c else "" for n, c in zip(names, comm)], object)
     df = pd.DataFrame({
-        "step": _step_of(ops["ts"], steps), "stream": [tids[t] for t in ops["tid"][keep]],
+        "step": _step_of(ops["ts"][keep], steps), "stream": [tids[t] for t in ops["tid"][keep]],
         "name": pd.Categorical(names[keep]), "kind": pd.Categorical(kind[keep]), "start_us": ops["ts"][keep],
         "end_us": ops["ts"][keep] + ops["dur"][keep], "launch_us": ops["ts"][keep], "collective": collective[keep],
         "bytes": nbytes[keep], "dtype": dtype[keep], "group_size": np.nan, "pg": "",

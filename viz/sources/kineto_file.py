@@ -107,9 +107,11 @@ class KinetoFile:
     float_times: bool  # ns-resolution timestamps (HTA rounds these to whole µs)
 
 
-def read_bytes(path: Path, cap: int = MAX_FILE_BYTES) -> bytes:
-    """The file's bytes, gunzipped when it is gzip; more than ``cap`` bytes once
-    decompressed (the bytes actually produced, not a header's claim) is refused."""
+def read_bytes(path: Path, cap: int | None = None) -> bytes:
+    """The file's bytes, gunzipped when it is gzip; more than ``cap`` bytes (default
+    ``MAX_FILE_BYTES``) once decompressed (the bytes actually produced, not a header's
+    claim) is refused."""
+    cap = MAX_FILE_BYTES if cap is None else cap
     try:
         with open(path, "rb") as f:
             head = f.read(2)
@@ -178,7 +180,7 @@ def decode(data: bytes, path: Path) -> KinetoFile:
                       devices=len(f.deviceProperties or []), ops=ops, gpu=gpu, float_times=float_times)
 
 
-def read_kineto_file(path: Path, cap: int = MAX_FILE_BYTES) -> KinetoFile:
+def read_kineto_file(path: Path, cap: int | None = None) -> KinetoFile:
     return decode(read_bytes(path, cap), path)
 
 
@@ -189,12 +191,15 @@ def rank_from_name(name: str) -> int | None:
 
 def peek_text(path: Path, n: int = 16384) -> str:
     """The first ``n`` characters of a (possibly gzipped) file, for telling formats
-    apart; empty if it cannot be read."""
+    apart: as much as can be read of a truncated or corrupt one; empty if unreadable."""
     try:
         with open(path, "rb") as f:
-            head = f.read(2)
-            f.seek(0)
-            raw = gzip.GzipFile(fileobj=f).read(n) if head == b"\x1f\x8b" else f.read(n)
-    except (OSError, EOFError, zlib.error):
+            raw = f.read(n if not path.name.endswith(".gz") else 4 * n)
+    except OSError:
         return ""
-    return raw.decode("utf-8", "replace")
+    if raw[:2] == b"\x1f\x8b":
+        try:  # a decompressor fed what there is: no error for a stream that stops early
+            raw = zlib.decompressobj(wbits=31).decompress(raw, n)
+        except zlib.error:
+            return ""
+    return raw[:n].decode("utf-8", "replace")
