@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from tests.conftest import KINETO, ROOT, SAMPLES
@@ -283,3 +284,37 @@ def test_folder_kind_tells_every_kind_apart(tmp_path):
     write(d, "rank-0.json", (SAMPLES / "mlp-2rank-cap1mb" / "rank-0.json").read_bytes())
     write(d, "trace.json.gz", gpu_profile(0), gz=True)
     assert folder_kind(d) == MIXED
+
+
+def test_decoding_piece_by_piece_reads_what_one_piece_reads(tmp_path, monkeypatch):
+    """Pieces cut between events, and cuts that land inside a string (a kernel name with
+    ``}, {`` in it) wait for the next piece: the columns equal those of one decode."""
+    p = gpu_profile(0)
+    for i in range(300):
+        p["traceEvents"].append(_kernel("void f<{lambda()#1}, {x}>(}, {\"ph\": \"X\"})", 5000 + i, 1, 1000 + i))
+        p["traceEvents"].append({"ph": "f", "id": i, "pid": 0, "tid": 7, "ts": 5000 + i, "cat": "ac2g", "name": "ac2g"})
+    f = write(tmp_path / "a", "rank-0.json.gz", gzip.compress(json.dumps(p, indent=1).encode()))
+    whole = kineto_file.read_kineto_file(f)
+    monkeypatch.setattr(kineto_file, "CHUNK_BYTES", 97)
+    pieces = kineto_file.read_kineto_file(f)
+    for table in ("ops", "gpu"):
+        a, b = getattr(whole, table), getattr(pieces, table)
+        for key in a:
+            if key == "shapes":
+                assert a[key] == b[key]
+            else:
+                x, y = np.asarray(a[key]), np.asarray(b[key])
+                assert x.shape == y.shape and (pd.isna(x) == pd.isna(y)).all(), (table, key)
+                assert (x[~pd.isna(x)] == y[~pd.isna(y)]).all(), (table, key)
+    assert len(pieces.gpu["ts"]) == 2 + 2 + 300 and pieces.rank == 0 and pieces.world_size == 2
+
+
+def test_gzip_members_and_the_cap_on_bytes_really_inflated(tmp_path, monkeypatch):
+    raw = json.dumps(gpu_profile(0)).encode()
+    half = len(raw) // 2
+    f = write(tmp_path / "m", "rank-0.json.gz", gzip.compress(raw[:half]) + gzip.compress(raw[half:]))
+    assert len(kineto_file.read_kineto_file(f).gpu["ts"]) == 4  # `cat a.gz b.gz` is one gzip file
+    bomb = write(tmp_path / "b", "rank-0.json.gz", gzip.compress(raw[:-1] + b" " * (8 * 2**20) + b"}"))
+    monkeypatch.setattr(kineto_file, "MAX_FILE_BYTES", 2**20)  # the header never claims a size here
+    with pytest.raises(TraceError, match="over the 1 MiB limit once decompressed"):
+        kineto_file.read_kineto_file(bomb)

@@ -150,8 +150,10 @@ def _rank_tables(rank: int, f: KinetoFile) -> tuple[pd.DataFrame, pd.DataFrame]:
     (``ts_raw``, ``dur_raw``) for HTA's figures and ``hta`` (inside HTA's window: launched
     before the last ProfilerStep began)."""
     ops, gpu = f.ops, f.gpu
-    step_rows = [(int(m.group(1)), ts, ts + dur) for name, ts, dur in zip(ops["name"], ops["ts"], ops["dur"])
-                 if name.startswith("ProfilerStep") and (m := STEP_RE.match(name))]
+    names = ops["name"]
+    number = np.array([int(m.group(1)) if (m := STEP_RE.match(c)) else -1 for c in names.categories], np.int64)
+    at = np.flatnonzero(number[names.codes] >= 0) if len(number) else np.empty(0, np.int64)
+    step_rows = [(int(number[names.codes[i]]), ops["ts"][i], ops["ts"][i] + ops["dur"][i]) for i in at]
     if len({s for s, _, _ in step_rows}) != len(step_rows):
         raise TraceError(f"{f.path.name} has a ProfilerStep number twice")
     step_rows.sort(key=lambda r: r[1])
@@ -194,19 +196,20 @@ def _gpu_kernels(f: KinetoFile, steps: pd.DataFrame) -> pd.DataFrame:
     i = np.clip(np.searchsorted(corr, gpu["correlation"]), 0, max(len(corr) - 1, 0))
     found = (len(corr) > 0) & (corr[i] == gpu["correlation"]) if len(corr) else np.zeros(len(i), bool)
     launch = np.where(found, when[i] if len(corr) else np.nan, np.nan)
-    names = gpu["name"]
-    kinds = {n: kernel_kind(n) for n in pd.unique(names)}
-    kind = np.array([kinds[n] for n in names], dtype=object)
-    coll = gpu["collective"]
-    from_name = {n: _collective_from_kernel(n) for n in pd.unique(names[kind == "comm"])}
-    collective = np.array([collective_kind(c) if c else (from_name.get(n, "") if k == "comm" else "")
-                           for c, n, k in zip(coll, names, kind)], dtype=object)
-    size = np.array([DTYPE_BYTES.get(d.lower(), np.nan) if d else np.nan for d in gpu["dtype"]], float)
+    names = gpu["name"]  # categorical: classify each distinct name once
+    kind = np.array([kernel_kind(n) for n in names.categories], dtype=object)[names.codes]
+    from_name = np.array([_collective_from_kernel(n) for n in names.categories], dtype=object)[names.codes]
+    given = gpu["collective"]
+    from_args = np.array([collective_kind(c) for c in given.categories], dtype=object)[given.codes]
+    collective = np.where(from_args != "", from_args, np.where(kind == "comm", from_name, ""))
+    dtype = gpu["dtype"]
+    size = np.array([DTYPE_BYTES.get(d.lower(), np.nan) for d in dtype.categories], float)[dtype.codes]
     return pd.DataFrame({
-        "step": _step_of(launch, steps), "stream": gpu["stream"], "name": pd.Categorical(names),
+        "step": _step_of(launch, steps), "stream": gpu["stream"], "name": names,
         "kind": pd.Categorical(kind), "start_us": gpu["ts"], "end_us": gpu["ts"] + gpu["dur"], "launch_us": launch,
-        "collective": collective, "bytes": gpu["nelems"] * size, "dtype": gpu["dtype"],
-        "group_size": gpu["group_size"], "pg": gpu["pg"], "ts_raw": gpu["ts"], "dur_raw": gpu["dur"],
+        "collective": collective, "bytes": gpu["nelems"] * size, "dtype": np.asarray(dtype, dtype=object),
+        "group_size": gpu["group_size"], "pg": np.asarray(gpu["pg"], dtype=object), "ts_raw": gpu["ts"],
+        "dur_raw": gpu["dur"],
     })
 
 
@@ -220,24 +223,21 @@ def _cpu_as_kernels(f: KinetoFile, steps: pd.DataFrame) -> pd.DataFrame:
     communication; their "stream" is the thread (negative ids, one per thread)."""
     ops = f.ops
     names = ops["name"]
-    comm = np.array([n.startswith(COMM_PREFIXES) for n in names], bool)
-    compute = (ops["cat"] == "cpu_op") & ~comm
+    comm_name = np.array([n.startswith(COMM_PREFIXES) for n in names.categories], bool)
+    comm = comm_name[names.codes] if len(names) else np.zeros(0, bool)
+    compute = ops["cpu_op"] & ~comm
     keep = comm | compute
-    tids = {t: -(n + 1) for n, t in enumerate(pd.unique(ops["tid"][keep]))}
-    rows_bytes, dtypes = [], []
-    for s in ops["shapes"][comm]:
-        b, d = _bytes_of(s)
-        rows_bytes.append(b)
-        dtypes.append(d)
     nbytes = np.full(len(names), np.nan)
-    nbytes[comm] = rows_bytes
     dtype = np.full(len(names), "", dtype=object)
-    dtype[comm] = dtypes
+    for i in np.flatnonzero(comm):
+        nbytes[i], dtype[i] = _bytes_of(ops["shapes"].get(int(i)))
     kind = np.where(comm, "comm", "compute")
-    collective = np.array([collective_kind(n.split(":", 1)[1]) if c else "" for n, c in zip(names, comm)], object)
+    coll_name = np.array([collective_kind(n.split(":", 1)[1]) if c else "" for n, c in
+                          zip(names.categories, comm_name)], dtype=object)
+    collective = coll_name[names.codes] if len(names) else np.zeros(0, object)
     df = pd.DataFrame({
-        "step": _step_of(ops["ts"][keep], steps), "stream": [tids[t] for t in ops["tid"][keep]],
-        "name": pd.Categorical(names[keep]), "kind": pd.Categorical(kind[keep]), "start_us": ops["ts"][keep],
+        "step": _step_of(ops["ts"][keep], steps), "stream": -(ops["tid"][keep] + 1),  # threads: negative ids
+        "name": names[keep], "kind": pd.Categorical(kind[keep]), "start_us": ops["ts"][keep],
         "end_us": ops["ts"][keep] + ops["dur"][keep], "launch_us": ops["ts"][keep], "collective": collective[keep],
         "bytes": nbytes[keep], "dtype": dtype[keep], "group_size": np.nan, "pg": "",
         "ts_raw": ops["ts"][keep], "dur_raw": ops["dur"][keep],
