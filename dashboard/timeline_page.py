@@ -13,6 +13,7 @@ from viz.gantt import make_timeline_figure, timeline_extent_ms
 from viz.kernel_gantt import make_kernel_timeline_figure
 from viz.kernel_overlap import compute_hta_breakdown
 from viz.overlap import compute_rank_medians, compute_run_comparison, compute_step_breakdown
+from viz.profile_check import compute_profile_agreement, profile_folder
 from viz.trace import TraceError
 
 
@@ -36,6 +37,9 @@ def render_timeline(path: Path, trace) -> None:
     lo, hi = st.select_slider("Steps", options=steps, value=(start, start), key="steps")
     ranks = st.multiselect("Ranks", sorted(trace.ranks), default=sorted(trace.ranks), key="ranks")
     st.plotly_chart(make_timeline_figure(trace, steps=range(lo, hi + 1), ranks=ranks or None), key="timeline")
+    if profile_folder(trace) is not None:
+        with st.expander("torch.profiler on the same run (ddpscope run --profile), side by side"):
+            show_profile_beside(trace, range(lo, hi + 1), ranks)
     st.subheader("Per rank, medians over non-warm-up steps (ms)")
     st.dataframe(compute_rank_medians(trace).round(2), hide_index=True, key="medians")
     with st.expander("Every step"):
@@ -80,6 +84,30 @@ def render_profile(path: Path, trace) -> None:
     st.download_button("Download all ranks as one Perfetto trace (lowest rank's clock)",
                        data=lambda p=str(path): merged_trace_bytes(p), file_name=f"{path.name}-merged.json",
                        mime="application/json", key="perfetto_download")
+
+
+def show_profile_beside(trace, steps, ranks) -> None:
+    """The profiler's view of the shown steps (ProfilerStep#k is step k) and how its
+    all-reduces agree with the tracer's buckets."""
+    folder = profile_folder(trace)
+    try:
+        profile = load_trace(str(folder), stamp_of(folder))
+    except TraceError as e:
+        st.error(f"The profiler traces of this run cannot be read: {e}")
+        return
+    shown = [s for s in steps if s in set(profile.steps["step"])]
+    if not shown:
+        st.info(f"The profiler recorded steps {sorted(profile.steps['step'].unique())}; pick one of them above.")
+        return
+    st.plotly_chart(make_kernel_timeline_figure(profile, steps=shown, ranks=ranks or None,
+                                                title="torch.profiler: ops and collectives"), key="profile_timeline")
+    table = compute_profile_agreement(trace, profile)
+    table = table[table["step"].isin(shown)]
+    st.caption("Each bucket as the tracer and the profiler saw it (the profiler's times put on the tracer's clock "
+               "with each rank's sampled offset): the profiler's span starts when the all-reduce ran (after it "
+               "waited its turn) and ends about when the tracer saw it complete.")
+    st.dataframe(table.drop(columns=["launch_us", "done_us", "profile_start_us", "profile_end_us"]).round(3),
+                 hide_index=True, key="profile_agreement")
 
 
 def render_compare(traces: dict[str, Path]) -> None:

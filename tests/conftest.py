@@ -70,3 +70,13 @@ def zero_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     proc = run_cli("zero", "--nproc", "2", "--model", "mlp", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     return out, proc
+
+
+@pytest.fixture(scope="session")
+def profiled_run(tmp_path_factory) -> Path:
+    """A real 2-rank traced run of the demo MLP, torch.profiler on its first 4 steps."""
+    out = tmp_path_factory.mktemp("profiled") / "mlp-profile"
+    proc = run_cli("run", "--nproc", "2", "--demo", "mlp", "--steps", "6", "--bucket-cap-mb", "1", "--profile",
+                   "--profile-steps", "4", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import shutil
@@ -12,7 +13,8 @@ import pytest
 from streamlit import config as st_config
 from streamlit.testing.v1 import AppTest
 
-from tests.conftest import ROOT, SAMPLES
+from tests.conftest import KINETO, ROOT, SAMPLES
+from tests.test_kineto import gpu_profile
 
 # element order on the page: dataframes
 MEDIANS, PER_STEP, BUCKETS, COMPARISON = 0, 1, 2, 3
@@ -93,7 +95,9 @@ def test_upload_of_a_run_archive_opens_it(app):
                                 "rank-1.json": (SAMPLES / "mlp-2rank-cap1mb" / "rank-1.json").read_bytes()}),
      "is not valid JSON (truncated?)"),
     ("kineto.zip", lambda: _zip({"rank-0.json": json.dumps({"traceEvents": [], "schemaVersion": 1}).encode()}),
-     "is not a ddpscope trace"),
+     "holds no timed events"),
+    ("trunc.json.gz", lambda: gzip.compress(json.dumps(gpu_profile(0)).encode())[:-100],
+     "truncated or corrupt gzip"),
     ("half.zip", lambda: _zip({"rank-0.json": (SAMPLES / "mlp-2rank-cap1mb" / "rank-0.json").read_bytes(),
                                "run.json": (SAMPLES / "mlp-2rank-cap1mb" / "run.json").read_bytes()}),
      "rank 1 of 2 are missing"),
@@ -470,3 +474,44 @@ def test_run_at_the_predicted_cap_puts_the_real_run_on_the_curve(app, tmp_path):
     assert 4.0 in measured["x"] and f"run: {runs[0].name}" in measured["text"]
     vs = _vs_table(app)
     assert list(vs["run"]) == ["predicted at 4 MiB", f"run: {runs[0].name} (measured)"]
+
+
+def test_upload_of_a_profiler_trace_opens_its_kernel_timeline(app):
+    app.sidebar.file_uploader(key="upload").upload("worker0.pt.trace.json.gz",
+                                                   gzip.compress(json.dumps(gpu_profile(0, world=8)).encode()))
+    app.run()
+    assert not app.exception and not app.sidebar.error
+    assert app.sidebar.selectbox(key="trace").value.startswith("upload: worker0")
+    assert _metric(app, "source") == "torch.profiler" and _metric(app, "ranks") == "1 of 8"
+    lanes = _spec(app)["layout"]["yaxis"]["ticktext"]
+    assert lanes == ["rank 0 · compute", "rank 0 · allreduce", "rank 0 · exposed comm"]
+    hta = next(d.value for d in app.dataframe if "comp_comm_overlap_pct" in d.value.columns)
+    assert hta["comp_comm_overlap_pct"].round(2).tolist() == [33.33]
+    assert any("No prediction for a profiler trace" in i.value for i in app.info)  # What-if says why
+
+
+@pytest.mark.skipif(not KINETO.is_dir(), reason="../shared/data/kineto is absent")
+def test_shared_gpu_traces_open_with_per_stream_lanes(app, tmp_path):
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    (tmp_path / "runs" / "cluster").symlink_to(KINETO / "hta-sampled-2rank")  # read in place, never copied
+    app.run()
+    app.sidebar.selectbox(key="trace").set_value("run: cluster").run()
+    assert not app.exception and not app.error
+    assert _metric(app, "ranks") == "2 of 128"
+    assert any("2 of the job's 128 ranks" in i.value for i in app.info)
+    app.toggle(key="per_stream").set_value(True).run()
+    lanes = _spec(app)["layout"]["yaxis"]["ticktext"]
+    assert "rank 1 · stream 7" in lanes and "rank 1 · sendrecv" in lanes
+
+
+@pytest.mark.ddp
+def test_a_profiled_run_shows_the_profiler_beside_the_tracer(app, tmp_path, profiled_run):
+    shutil.copytree(profiled_run, tmp_path / "runs" / "profiled")
+    app.run()
+    app.sidebar.selectbox(key="trace").set_value("run: profiled").run()
+    app.select_slider(key="steps").set_value((2, 3)).run()
+    assert not app.exception and not app.error
+    titles = [(_spec(app, n)["layout"].get("title") or {}).get("text", "") for n in range(len(app.get("plotly_chart")))]
+    assert any("torch.profiler" in t for t in titles)
+    table = next(d.value for d in app.dataframe if "end_before_done_ms" in d.value.columns)
+    assert sorted(table["step"].unique()) == [2, 3] and (table["tracer_bytes"] == table["profile_bytes"]).all()

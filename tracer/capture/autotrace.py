@@ -56,6 +56,7 @@ class CaptureConfig:
     steps: end the job after this many traced optimizer steps (None: run to the end).
     progress: rank 0 prints a progress line per step for the launcher.
     exit_grace_s: after ``steps``, how long the script may take to unwind (seconds).
+    profile_steps: also run torch.profiler on this many first traced steps (None: off).
     """
 
     out: str = OUT.field()
@@ -63,6 +64,7 @@ class CaptureConfig:
     steps: int | None = STEPS.field()
     progress: bool = True
     exit_grace_s: float = 30.0
+    profile_steps: int | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -84,6 +86,7 @@ class Session:
     def __init__(self, config: CaptureConfig) -> None:
         self.config = config
         self.tracer = None
+        self.profiler = None  # torch.profiler beside the tracer (--profile)
         self.notes: list[str] = []
         self.error: str | None = None  # an uncaught exception, seen by the excepthook
         self._last = time.perf_counter()
@@ -115,6 +118,8 @@ class Session:
             self.note(f"tracing could not start ({type(e).__name__}: {e}); the script runs untraced")
             return
         self.tracer = tracer
+        if self.config.profile_steps:
+            self.profiler = _start_profiler(tracer, self.config)
         self._last = time.perf_counter()
 
     def on_step(self, step_record) -> None:
@@ -122,6 +127,8 @@ class Session:
         tracer = self.tracer
         if tracer is None:  # the trace is being finished (its open step closes)
             return
+        if self.profiler is not None:
+            self.profiler.after_step(step_record.step)
         now = time.perf_counter()
         done = tracer.steps
         if self.config.progress and tracer.rank == 0:
@@ -141,6 +148,9 @@ class Session:
         """Close the trace once (never raises: the script's own ending comes first)."""
         with self._lock:
             tracer, self.tracer = self.tracer, None
+            profiler, self.profiler = self.profiler, None
+        if profiler is not None:
+            profiler.stop()  # saves the steps it recorded (never raises)
         if tracer is None:
             return
         try:
@@ -157,6 +167,20 @@ class Session:
                 update_run_json(self.config.out, {"notes": self.notes})
             except OSError:
                 pass
+
+
+def _start_profiler(tracer, config: CaptureConfig):
+    """torch.profiler on the first ``config.profile_steps`` traced steps, or None (one
+    line says why) if it cannot start: the trace goes on without it."""
+    from tracer.capture.profile import StepProfiler
+
+    try:
+        return StepProfiler(config.out, tracer.rank, config.profile_steps,
+                            cuda=str(tracer.clock.kind).startswith("cuda"), host_us=tracer.clock.host_us,
+                            set_meta=tracer.set_meta).start()
+    except Exception as e:  # noqa: BLE001 - training goes on
+        _say(f"rank {tracer.rank}: torch.profiler could not start ({type(e).__name__}: {e}); tracing goes on")
+        return None
 
 
 def is_worker(environ=os.environ) -> bool:

@@ -219,6 +219,11 @@ class DDPTracer:
         if self.rank == 0:
             self._write_run_json(status=status, error=error, offsets_end=offsets_end)
 
+    def set_meta(self, **fields: Any) -> None:
+        """Add JSON-able facts to this rank's trace metadata (``otherData.ddpscope``)."""
+        if self._writer is not None and not self._closed:
+            self._writer.set_meta(**fields)
+
     @property
     def steps(self) -> int:
         """Steps closed so far."""

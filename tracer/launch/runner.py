@@ -56,6 +56,8 @@ class RunConfig:
     nnodes: int = o.NNODES.field()
     node_rank: int = o.NODE_RANK.field()
     rdzv_endpoint: str | None = o.RDZV_ENDPOINT.field()
+    profile: bool = o.PROFILE.field()
+    profile_steps: int = o.PROFILE_STEPS.field()
     cwd: Path | str = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
@@ -120,7 +122,8 @@ class RunConfig:
         return self.demo or Path(self.program.replace(".", "/") if self.module else self.program).stem
 
     def launch_config(self) -> LaunchConfig:
-        capture = CaptureConfig(out=str(self.out.resolve()), bucket_cap_mb=self.bucket_cap_mb, steps=self.steps)
+        capture = CaptureConfig(out=str(self.out.resolve()), bucket_cap_mb=self.bucket_cap_mb, steps=self.steps,
+                                profile_steps=self.profile_steps if self.profile else None)
         return LaunchConfig(target=self.program, args=self.program_args, module=self.module, cwd=self.cwd,
                             nproc=self.nproc, nnodes=self.nnodes, node_rank=self.node_rank,
                             rdzv_endpoint=self.rdzv_endpoint, log_dir=self.out / "logs", timeout_s=self.timeout_s,
@@ -136,6 +139,7 @@ class RunConfig:
                        "sha256": file_sha256(path), "cwd": str(self.cwd)},
             "nproc_per_node": self.nproc, "nnodes": self.nnodes,
             "bucket_cap_mb_requested": self.bucket_cap_mb, "steps_requested": self.steps,
+            "profile_steps": self.profile_steps if self.profile else None,
         }
 
     def command(self) -> list[str]:
@@ -145,6 +149,8 @@ class RunConfig:
             cmd += ["--bucket-cap-mb", f"{self.bucket_cap_mb:g}"]
         if self.steps is not None:
             cmd += ["--steps", str(self.steps)]
+        if self.profile:
+            cmd += ["--profile", "--profile-steps", str(self.profile_steps)]
         if self.nnodes > 1:
             cmd += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
                     "--rdzv-endpoint", str(self.rdzv_endpoint)]

@@ -107,7 +107,8 @@ def load_kineto(path: str | Path) -> RunTrace:
            "ranks_present": sorted(by_rank), "backend": first.backend, "model": "profiler trace",
            "cpu_only": cpu_only, "clock": clock, "notes": notes, "bucket_layout": []}
     ranks = {r: {"rank": r, "file": f.path.name, "world_size": f.world_size, "offset_us": shifts[r],
-                 "float_times": f.float_times, "devices": f.devices} for r, f in by_rank.items()}
+                 "base_time_ns": f.base_time_ns, "float_times": f.float_times, "devices": f.devices}
+             for r, f in by_rank.items()}
     return RunTrace(path=path, run=run, ranks=ranks, steps=frame_of(steps.to_dict("records"), ["rank", "step"]),
                     buckets=buckets, grads=pd.DataFrame(columns=["rank", "step", "micro", "param", "name", "ready_us"]),
                     memory=pd.DataFrame(), kernels=kernels, source=KIND)

@@ -1,0 +1,85 @@
+"""The tracer checked against torch.profiler on the same run (``ddpscope run --profile``).
+
+Both record every bucket all-reduce of the profiled steps: the tracer from DDP's
+communication hook (launch) to the completion of its future; the profiler as the
+collective's span (for gloo, ``gloo:all_reduce`` on gloo's worker thread, from when the
+work starts running to when it ends; for NCCL, the kernel). The profile's Unix-clock
+times are put on the tracer's clock with the offset each rank sampled when the profiler
+started (``profile.unix_minus_host_us``: no fitting of one trace to the other), then on
+rank 0's clock as the trace's own times are.
+
+``ProfilerStep#k`` is the tracer's step ``k``; the k-th all-reduce of a step (in start
+order) is matched to the tracer's k-th bucket (in launch order).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from viz.sources.kineto import load_kineto
+from viz.sources.kineto_file import FILE_RE
+from viz.trace import RunTrace, TraceError, clock_alignment
+
+PROFILE_DIR = "profile"  # tracer.capture.profile writes there (capture is not imported here)
+
+
+def profile_folder(trace: RunTrace) -> Path | None:
+    """The run's profiler traces (``RUN/profile/``), or None if it was not profiled."""
+    folder = Path(trace.path) / PROFILE_DIR
+    if folder.is_dir() and any(FILE_RE.match(p.name) for p in folder.iterdir()):
+        return folder
+    return None
+
+
+def load_run_profile(trace: RunTrace) -> RunTrace:
+    folder = profile_folder(trace)
+    if folder is None:
+        raise TraceError(f"{trace.path.name} has no profiler traces (trace it with `ddpscope run --profile`)")
+    return load_kineto(folder)
+
+
+def compute_profile_agreement(trace: RunTrace, profile: RunTrace) -> pd.DataFrame:
+    """One row per rank, profiled step and bucket: the tracer's bytes, launch and
+    completion, the profiler's bytes, start and end (µs, the trace's clock), and
+    ``start_after_launch_ms`` (queueing before the collective ran), ``end_before_done_ms``
+    (from the collective's end to the tracer seeing its completion). A step whose counts
+    differ keeps its unmatched rows (NaN on the missing side)."""
+    cols = ["rank", "step", "bucket", "tracer_bytes", "profile_bytes", "launch_us", "done_us", "profile_start_us",
+            "profile_end_us", "start_after_launch_ms", "end_before_done_ms"]
+    rows = []
+    k = profile.kernels
+    ar = k[(k["collective"] == "allreduce") & (k["step"] >= 0)]
+    for rank, meta in sorted(trace.ranks.items()):
+        prof_meta = meta.get("profile") or {}
+        pmeta = profile.ranks.get(rank)
+        if not prof_meta or pmeta is None:
+            continue
+        align = clock_alignment(meta)
+        base_us = (pmeta.get("base_time_ns") or 0) / 1e3
+        mine = ar[ar["rank"] == rank]
+        # Unix µs -> this rank's host clock -> rank 0's clock (the trace's)
+        host = lambda t: np.array([align(x) for x in (t + base_us - prof_meta["unix_minus_host_us"])])  # noqa: E731
+        start = host(mine["ts_raw"].to_numpy(float))
+        end = host(mine["ts_raw"].to_numpy(float) + mine["dur_raw"].to_numpy(float))
+        pr = pd.DataFrame({"step": mine["step"].to_numpy(), "start": start, "end": end,
+                           "bytes": mine["bytes"].to_numpy(float)}).sort_values(["step", "start"])
+        tb = trace.buckets[trace.buckets["rank"] == rank].sort_values(["step", "launch_us"])
+        for step in sorted(set(pr["step"]) | set(tb.loc[tb["step"] < prof_meta.get("steps", 0), "step"])):
+            p, t = pr[pr["step"] == step], tb[tb["step"] == step]
+            for i in range(max(len(p), len(t))):
+                a = t.iloc[i] if i < len(t) else None
+                b = p.iloc[i] if i < len(p) else None
+                row = {"rank": rank, "step": int(step), "bucket": i,
+                       "tracer_bytes": a["bytes"] if a is not None else np.nan,
+                       "profile_bytes": b["bytes"] if b is not None else np.nan,
+                       "launch_us": a["launch_us"] if a is not None else np.nan,
+                       "done_us": a["done_us"] if a is not None else np.nan,
+                       "profile_start_us": b["start"] if b is not None else np.nan,
+                       "profile_end_us": b["end"] if b is not None else np.nan}
+                row["start_after_launch_ms"] = (row["profile_start_us"] - row["launch_us"]) / 1e3
+                row["end_before_done_ms"] = (row["done_us"] - row["profile_end_us"]) / 1e3
+                rows.append(row)
+    return pd.DataFrame(rows, columns=cols)
