@@ -318,3 +318,17 @@ def test_gzip_members_and_the_cap_on_bytes_really_inflated(tmp_path, monkeypatch
     monkeypatch.setattr(kineto_file, "MAX_FILE_BYTES", 2**20)  # the header never claims a size here
     with pytest.raises(TraceError, match="over the 1 MiB limit once decompressed"):
         kineto_file.read_kineto_file(bomb)
+
+
+def test_gloo_on_cuda_tensors_takes_communication_from_the_cpu_side(tmp_path):
+    p = gpu_profile(0, world=1, comm=False)
+    p["traceEvents"] += [{"ph": "X", "cat": "user_annotation", "name": "gloo:all_reduce", "pid": 1, "tid": 9,
+                          "ts": ts, "dur": 300, "args": {"Input Dims": [[1024]], "Input type": ["float"]}}
+                         for ts in (320.0, 1320.0)]
+    write(tmp_path, "rank-0.json", p)
+    t = load_training_trace(tmp_path)
+    assert t.buckets["bytes"].tolist() == [4096.0, 4096.0] and sorted(t.buckets["step"]) == [1, 2]
+    assert not any("no communication" in n for n in t.run["notes"])
+    comm = t.kernels[t.kernels["kind"] == "comm"]
+    assert (comm["stream"] < 0).all() and not comm["hta"].any()  # HTA counts GPU events only
+    assert np.isnan(compute_hta_breakdown(t)["comp_comm_overlap_pct"]).all()

@@ -12,6 +12,8 @@ What is read (HTA's definitions, so the figures agree with Holistic Trace Analys
   kind from the kernel name (``ncclDevKernel_AllReduce_...``);
 - a **CPU-only** profile (gloo, no GPU events) reads CPU ops as compute and the CPU-side
   collective spans (``gloo:all_reduce``, run on gloo's worker threads) as communication;
+  a GPU profile with no communication kernel (gloo on CUDA tensors) takes its
+  communication from those CPU-side spans too (HTA's figures leave them out);
 - **buckets**: for DDP, each all-reduce of a step, in start order, is a bucket.
 
 Ranks come from each file's ``distributedInfo`` (else the file name). They are put on one
@@ -161,16 +163,23 @@ def _rank_tables(rank: int, f: KinetoFile) -> tuple[pd.DataFrame, pd.DataFrame]:
     steps = pd.DataFrame(step_rows, columns=["step", "start_us", "end_us"])
     steps.insert(0, "rank", rank)
     steps = steps.assign(warmup=False, incomplete=False, micro_batches=1)
+    cpu_side = np.zeros(0, bool)
     if len(gpu["ts"]):
         kernels = _gpu_kernels(f, steps)
+        if not (kernels["kind"] == "comm").any():  # gloo on CUDA tensors: its collectives run on the CPU
+            cpu_comm = _cpu_as_kernels(f, steps)
+            cpu_comm = cpu_comm[cpu_comm["kind"] == "comm"]
+            cpu_side = np.r_[np.zeros(len(kernels), bool), np.ones(len(cpu_comm), bool)]
+            kernels = pd.concat([kernels, cpu_comm], ignore_index=True) if len(cpu_comm) else kernels
     else:
         kernels = _cpu_as_kernels(f, steps)
     kernels.insert(0, "rank", rank)
-    if len(steps):
-        last_start = steps["start_us"].max()
-        kernels["hta"] = kernels["launch_us"].to_numpy() < last_start if len(steps) > 1 else True
-    else:
-        kernels["hta"] = True
+    hta = np.ones(len(kernels), bool)
+    if len(steps) > 1:
+        hta = kernels["launch_us"].to_numpy() < steps["start_us"].max()
+    if cpu_side.any():  # HTA reads GPU events only
+        hta = hta & ~cpu_side
+    kernels["hta"] = hta
     return steps, kernels
 
 
