@@ -93,3 +93,43 @@ def _ring_animation_plays(page, tmp_path: Path) -> None:
     page.wait_for_function("() => window.ringSeen.length >= 7", timeout=sum(info["durations"]) + 30_000)
     assert page.evaluate("window.ringSeen") == [str(k) for k in range(7)]
     page.screenshot(path=str(tmp_path / "ring.png"), full_page=True)
+
+
+@pytest.mark.skipif(not (ROOT.parent / "shared" / "data" / "kineto").is_dir(), reason="../shared/data/kineto is absent")
+def test_a_big_profiler_trace_opens_and_draws_its_timeline(tmp_path):
+    """243 k events (the shared trace's steps repeated, as benchmarks/kineto.py builds
+    them): picked in the sidebar, its kernel timeline is on screen within a minute."""
+    from benchmarks.kineto import build_trace
+
+    build_trace(tmp_path / "runs" / "big-profile", 6)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
+         "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
+        cwd=ROOT, env={**os.environ, "DDPSCOPE_RUNS_DIR": str(tmp_path / "runs")},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        _wait_healthy(port, proc)
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"])
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
+                page.wait_for_selector(".js-plotly-plot .barlayer .point", timeout=60_000)
+                page.locator("[data-testid='stSidebar'] [data-testid='stSelectbox']").first.click()
+                page.get_by_role("option", name="run: big-profile").click()
+                page.wait_for_function(
+                    "() => [...document.querySelectorAll('.js-plotly-plot .ytick text')]"
+                    ".some(e => e.textContent === 'rank 0 · allreduce')", timeout=60_000)
+                ticks = page.eval_on_selector_all(".js-plotly-plot .ytick text", "els => els.map(e => e.textContent)")
+                assert {"rank 0 · compute", "rank 0 · allreduce", "rank 0 · exposed comm"} <= set(ticks)
+                assert page.locator(".js-plotly-plot .barlayer .point").count() > 100  # one step's kernels
+                assert page.get_by_text("1 of 2").count() >= 1  # ranks present of the job
+                page.screenshot(path=str(tmp_path / "profile.png"), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)

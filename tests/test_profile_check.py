@@ -21,13 +21,14 @@ def test_profiler_and_tracer_see_the_same_allreduces(profiled_run):
         assert meta["profile"]["status"] == "saved" and meta["profile"]["steps"] == 4
     profile = load_run_profile(trace)
     assert profile.run["ranks_present"] == [0, 1] and profile.run["cpu_only"]
-    assert sorted(profile.steps["step"].unique()) == [0, 1, 2, 3]  # ProfilerStep#k is the tracer's step k
+    # ProfilerStep#k is the tracer's step k: step 0 warms the profiler up, 1..4 are recorded
+    assert sorted(profile.steps["step"].unique()) == [1, 2, 3, 4]
     a = compute_profile_agreement(trace, profile)
-    assert sorted(a["step"].unique()) == [0, 1, 2, 3] and sorted(a["rank"].unique()) == [0, 1]
+    assert sorted(a["step"].unique()) == [1, 2, 3, 4] and sorted(a["rank"].unique()) == [0, 1]
     # same all-reduces: count and bytes per step and rank, bucket by bucket
     assert not a[["tracer_bytes", "profile_bytes"]].isna().any().any()
     assert (a["tracer_bytes"] == a["profile_bytes"]).all()
-    per_step = trace.buckets[trace.buckets["step"] < 4].groupby(["rank", "step"]).size()
+    per_step = trace.buckets[trace.buckets["step"].between(1, 4)].groupby(["rank", "step"]).size()
     assert (a.groupby(["rank", "step"]).size() == per_step).all()
     # Times, on one clock through each rank's sampled Unix-monotonic offset (no fitting).
     # The profiler's span is the run on gloo's worker thread: it starts after the hook
@@ -57,9 +58,9 @@ def test_a_profiler_that_cannot_save_stops_alone(tmp_path, capfd):
     meta = {}
     prof = StepProfiler(tmp_path, 0, 1, cuda=False, host_us=CpuClock().host_us,
                         set_meta=lambda **kw: meta.update(kw)).start()
-    x = np.ones(4)
-    x.sum()
-    prof.after_step(0)  # the schedule saves here: it fails, and says so in one line
+    prof.after_step(0)  # warm-up
+    assert prof.running
+    prof.after_step(1)  # the schedule saves here: it fails, and says so in one line
     assert not prof.running and not prof.saved and meta["profile"]["status"] == "recording"
     assert "the profiler stopped" in capfd.readouterr().err
     prof.stop()  # nothing left to do; never raises

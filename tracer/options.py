@@ -84,9 +84,10 @@ DEMO_MODELS = ("mlp", "gpt")  # tracer/workloads/demo/models.py builds them
 DEMO = Option("--demo", "run the bundled demo training script instead of your own: mlp or gpt", None, str,
               one_of(DEMO_MODELS), metavar="MODEL")
 MODEL = Option("--model", "demo model: mlp or gpt", "mlp", str, one_of(DEMO_MODELS))
-PROFILE = Option("--profile", "also record torch.profiler (Kineto) on the first --profile-steps traced steps, "
-                 "into RUN/profile/ (one file per rank), to check the trace against", False, action="store_true")
-PROFILE_STEPS = Option("--profile-steps", "traced steps --profile records, from the first", 5, int, in_range(1, 1000))
+PROFILE = Option("--profile", "also record torch.profiler (Kineto) on --profile-steps traced steps after step 0 "
+                 "(its warm-up), into RUN/profile/ (one file per rank), to check the trace against", False,
+                 action="store_true")
+PROFILE_STEPS = Option("--profile-steps", "traced steps --profile records (steps 1..N)", 5, int, in_range(1, 1000))
 VERBOSE = Option("--verbose", "also show the workers' own output", False, action="store_true")
 # ring
 RING_NPROC = Option("--nproc", "ranks in the ring", 4, int, in_range(2, MAX_NPROC, " (a ring needs two ranks)"))

@@ -8,7 +8,8 @@ times are put on the tracer's clock with the offset each rank sampled when the p
 started (``profile.unix_minus_host_us``: no fitting of one trace to the other), then on
 rank 0's clock as the trace's own times are.
 
-``ProfilerStep#k`` is the tracer's step ``k``; the k-th all-reduce of a step (in start
+``ProfilerStep#k`` is the tracer's step ``k`` (the profiler records steps ``first_step``
+.. ``first_step + steps - 1``, as the rank's trace says); the k-th all-reduce of a step (in start
 order) is matched to the tracer's k-th bucket (in launch order).
 """
 
@@ -67,7 +68,9 @@ def compute_profile_agreement(trace: RunTrace, profile: RunTrace) -> pd.DataFram
         pr = pd.DataFrame({"step": mine["step"].to_numpy(), "start": start, "end": end,
                            "bytes": mine["bytes"].to_numpy(float)}).sort_values(["step", "start"])
         tb = trace.buckets[trace.buckets["rank"] == rank].sort_values(["step", "launch_us"])
-        for step in sorted(set(pr["step"]) | set(tb.loc[tb["step"] < prof_meta.get("steps", 0), "step"])):
+        first = prof_meta.get("first_step", 0)
+        recorded = range(first, first + int(prof_meta.get("steps", 0)))
+        for step in sorted(set(pr["step"]) | set(tb.loc[tb["step"].isin(recorded), "step"])):
             p, t = pr[pr["step"] == step], tb[tb["step"] == step]
             for i in range(max(len(p), len(t))):
                 a = t.iloc[i] if i < len(t) else None

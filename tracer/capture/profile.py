@@ -1,7 +1,8 @@
 """``torch.profiler`` beside the tracer, on the same steps (``ddpscope run --profile``).
 
 The profiler starts when the tracer attaches and steps with it: ``ProfilerStep#k`` is the
-tracer's step ``k`` (its schedule records the first ``steps`` steps, then saves). Each
+tracer's step ``k``. Its schedule warms up on step 0 (the profiler's own start-up, and
+DDP's bucket rebuild, skew that one) and records steps 1..``steps``, then saves. Each
 rank writes ``RUN/profile/rank-<r>.pt.trace.json.gz`` (Kineto JSON; atomically: a file
 there is whole). The profiler stamps on the Unix clock (Kineto's ``baseTimeNanoseconds`` +
 ``ts``); the tracer on the host's monotonic clock: the offset between the two, sampled at
@@ -56,7 +57,7 @@ class StepProfiler:
         # record_shapes: a gloo collective's bytes come from its input shapes
         self._prof = torch.profiler.profile(
             activities=activities, record_shapes=True,
-            schedule=torch.profiler.schedule(wait=0, warmup=0, active=steps, repeat=1),
+            schedule=torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1),
             on_trace_ready=self._save)
         self.offset_us = unix_minus_host_us(host_us)
         self.running = False
@@ -65,8 +66,7 @@ class StepProfiler:
     def start(self) -> "StepProfiler":
         self._prof.start()
         self.running = True
-        self._set_meta(profile={"file": f"{PROFILE_DIR}/{self.path.name}", "steps": self.steps,
-                                "unix_minus_host_us": self.offset_us, "status": "recording"})
+        self._set_meta(profile=self._meta("recording"))
         return self
 
     def after_step(self, step: int) -> None:
@@ -74,7 +74,7 @@ class StepProfiler:
         if not self.running:
             return
         self._guard(self._prof.step)
-        if step + 1 >= self.steps:
+        if step >= self.steps:  # step 0 warmed up; 1..steps recorded and saved
             self.stop()
 
     def stop(self) -> None:
@@ -93,8 +93,11 @@ class StepProfiler:
         finally:
             tmp.unlink(missing_ok=True)
         self.saved = True
-        self._set_meta(profile={"file": f"{PROFILE_DIR}/{self.path.name}", "steps": self.steps,
-                                "unix_minus_host_us": self.offset_us, "status": "saved"})
+        self._set_meta(profile=self._meta("saved"))
+
+    def _meta(self, status: str) -> dict:
+        return {"file": f"{PROFILE_DIR}/{self.path.name}", "first_step": 1, "steps": self.steps,
+                "unix_minus_host_us": self.offset_us, "status": status}
 
     def _guard(self, fn) -> None:
         try:
