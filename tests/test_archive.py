@@ -49,3 +49,25 @@ def test_safe_names():
     assert safe_name("../../etc/passwd") == "etc-passwd"
     assert safe_name("my run (2)") == "my-run-2"
     assert safe_name("...") == "upload"
+
+
+@pytest.mark.parametrize("top", ["", "run/"])
+def test_a_profiled_run_keeps_its_profile_folder(tmp_path, top):
+    import gzip
+    import json
+
+    from tests.test_kineto import gpu_profile
+    from viz.profile_check import profile_folder
+    from viz.sources import folder_kind
+
+    src = SAMPLES / "mlp-2rank-cap1mb"
+    prof = gzip.compress(json.dumps(gpu_profile(0)).encode())
+
+    def add(t):
+        for p in src.iterdir():
+            t.add(p, arcname=f"{top}{p.name}")
+        _add_bytes(t, f"{top}profile/rank-0.pt.trace.json.gz", prof)
+
+    out = extract_run_archive(_tar(add), "run.tar.gz", tmp_path / "x")
+    assert folder_kind(out) == "ddp" and folder_kind(out / "profile") == "kineto"
+    assert profile_folder(load_run(out)) == out / "profile"

@@ -3,7 +3,7 @@
 Nothing escapes the destination: members with absolute paths, ``..``, links or devices
 are refused, as are archives whose contents exceed the size cap. Only trace files are
 kept (``run.json``, ``rank-<r>.json``, and profiler traces ``*.json[.gz]``), from the
-archive's root or one folder down. A single profiler trace (``.json``/``.json.gz``, not an
+archive's root or one folder down (a profiled run's ``profile/`` folder too). A single profiler trace (``.json``/``.json.gz``, not an
 archive) is kept as a folder of one rank.
 """
 
@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path, PurePosixPath
 
 from tracer import format as fmt
+from viz.profile_check import PROFILE_DIR
 from viz.sources.kineto_file import FILE_RE
 from viz.trace import TraceError
 
@@ -33,6 +34,8 @@ def _wanted(member: str) -> str | None:
     p = PurePosixPath(member)
     if p.is_absolute() or ".." in p.parts:
         raise TraceError(f"the archive holds an unsafe path ({member}); refused")
+    if len(p.parts) >= 2 and p.parts[-2] == PROFILE_DIR and len(p.parts) <= 3 and FILE_RE.match(p.name):
+        return f"{PROFILE_DIR}/{p.name}"  # a profiled run's torch.profiler traces stay beside it
     if len(p.parts) > 2:
         return None
     return p.name if (p.name == fmt.RUN_FILE or fmt.RANK_FILE_RE.match(p.name) or FILE_RE.match(p.name)) else None
@@ -77,5 +80,6 @@ def extract_run_archive(data: bytes, filename: str, dest: Path) -> Path:
         raise TraceError(f"{filename} holds no rank-<r>.json trace files and no profiler traces")
     dest.mkdir(parents=True, exist_ok=False)
     for name, blob in files.items():
+        (dest / name).parent.mkdir(exist_ok=True)
         (dest / name).write_bytes(blob)
     return dest
