@@ -3,7 +3,6 @@ on the same real run (2 ranks, gloo), step by step."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from viz.profile_check import compute_profile_agreement, load_run_profile, profile_folder
