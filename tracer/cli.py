@@ -179,7 +179,11 @@ def launch_command(args: argparse.Namespace) -> int:
         print(unsaid[0], file=sys.stderr)
     if not result.ok:
         print(f"{prog}: run failed: {result.reason}", file=sys.stderr)
-        if result.stderr_tail:
+        for line in result.details:  # a hang: where every rank was
+            print(f"  {line}", file=sys.stderr)
+        for line in result.consequences:
+            print(f"  consequence: {line}", file=sys.stderr)
+        if result.stderr_tail and not result.hung:
             print(f"--- rank {result.failed_rank} stderr (last lines) ---\n{result.stderr_tail}", file=sys.stderr)
         if args.command != "calibrate":
             print(f"partial trace kept in {cfg.out} (run.json says failed)", file=sys.stderr)

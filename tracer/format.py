@@ -23,6 +23,21 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank}.json"
 
 
+# Where each rank is now (``tracer/capture/live.py`` writes, the launcher's hang watchdog
+# reads): RUN/live/rank-<r>.json. On SIGUSR1 a rank of ``ddpscope run`` writes every
+# thread's Python stack to RUN/logs/stacks-rank-<r>.txt (faulthandler).
+LIVE_DIR = "live"
+STACKS_SIGNAL_NAME = "SIGUSR1"
+
+
+def live_file(rank: int) -> str:
+    return f"{LIVE_DIR}/rank-{rank}.json"
+
+
+def stacks_file(rank: int) -> str:
+    return f"logs/stacks-rank-{rank}.txt"
+
+
 # Lanes (Chrome trace thread ids) inside one rank's process.
 TID_COMPUTE = 1  # step span with forward / backward / optimizer nested inside
 TID_GRADS = 2  # one instant event per parameter when its gradient is ready

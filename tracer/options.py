@@ -76,6 +76,9 @@ STEPS = Option("--steps", "end the job cleanly after this many traced optimizer 
                None, int, in_range(1, MAX_STEPS))
 TIMEOUT = Option("--timeout", "watchdog: stop the job after this many seconds", 900.0, float,
                  in_range(0, WEEK_S, " seconds (at most a week)", lo_open=True))
+HANG_TIMEOUT = Option("--hang-timeout", "hang watchdog: when no rank moves for this many seconds (plus 120 s before "
+                      "the first step), name the stuck rank(s), save every rank's stacks and stop the job (0: off)",
+                      60.0, float, in_range(0, WEEK_S, " seconds"))
 NNODES = Option("--nnodes", "torchrun --nnodes (multi-node)", 1, int, in_range(1, 10_000))
 NODE_RANK = Option("--node-rank", "torchrun --node-rank", 0, int, in_range(0, 9_999))
 RDZV_ENDPOINT = Option("--rdzv-endpoint", "torchrun --rdzv-endpoint HOST:PORT (node 0 hosts it)", None, str,

@@ -24,17 +24,22 @@ the process after ``exit_grace_s`` should the script swallow it or hang in teard
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import functools
 import importlib.abc
 import importlib.util
 import inspect
 import json
 import os
+import signal
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable
+
+from tracer import format as fmt
 
 from tracer.options import BUCKET_CAP_MB, OUT, STEPS, check_fields
 from tracer.progress import emit_progress
@@ -87,6 +92,7 @@ class Session:
         self.config = config
         self.tracer = None
         self.profiler = None  # torch.profiler beside the tracer (--profile)
+        self.stacks = None  # where faulthandler writes this rank's stacks on SIGUSR1
         self.notes: list[str] = []
         self.error: str | None = None  # an uncaught exception, seen by the excepthook
         self._last = time.perf_counter()
@@ -214,12 +220,27 @@ def install_from_env() -> Session | None:
     if config is None or not is_worker():
         return None
     _session = Session(config)
+    _session.stacks = _register_stack_dump(config.out)
     after_import(DDP_MODULE, functools.partial(_patch_ddp, _session))
     for module, cls in FSDP_MODULES.items():
         after_import(module, functools.partial(_patch_fsdp, _session, cls))
     _chain_excepthook(_session)
     atexit.register(_session.finish)
     return _session
+
+
+def _register_stack_dump(out: str):
+    """On SIGUSR1 (the launcher's hang watchdog sends it), faulthandler writes every
+    thread's Python stack to RUN/logs/stacks-rank-<r>.txt, from C, even while the
+    training thread is stuck. Returns the open file (kept for the process's life)."""
+    try:
+        path = Path(out) / fmt.stacks_file(int(os.environ.get("RANK", "0")))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "w")  # noqa: SIM115 - faulthandler writes to its descriptor until exit
+        faulthandler.register(getattr(signal, fmt.STACKS_SIGNAL_NAME), file=f, all_threads=True)
+        return f
+    except (OSError, ValueError, RuntimeError):
+        return None
 
 
 def _patch_ddp(session: Session, module) -> None:

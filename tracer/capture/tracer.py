@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tracer import format as fmt
 from tracer.capture.clock import make_clock
 from tracer.capture.hooks import HookHandles, attach_comm_hook, attach_hooks, reducer_params
+from tracer.capture.live import LiveFile
 from tracer.capture.offsets import ClockOffset, estimate_offsets
 from tracer.capture.recorder import StepRecorder, header_events
 from tracer.writer import TraceWriter, read_json, write_json_atomic
@@ -97,6 +98,7 @@ class DDPTracer:
         self._writer: TraceWriter | None = None
         self._comm_state = None
         self._on_step = on_step
+        self._live: LiveFile | None = None
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------------
@@ -174,6 +176,10 @@ class DDPTracer:
         comm_state.recorder = self._recorder
         self._comm_state = comm_state
         attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles)
+        try:  # where this rank is, for the launcher's hang watchdog (optional: never fatal)
+            self._live = LiveFile(cfg.out_dir, self.rank, self._recorder)
+        except OSError:
+            self._live = None
         return self
 
     def step(self) -> None:
@@ -201,6 +207,8 @@ class DDPTracer:
             if self._comm_state is not None:
                 self._comm_state.recorder = None
         status = fmt.FAILED if failed else fmt.COMPLETE
+        if self._live is not None:
+            self._live.close(status)
         error = None if not failed else error[:2000]
         offsets_end: list[ClockOffset] | None = None
         self._writer.set_meta(status=status, error=error)  # on disk even if the end sync dies

@@ -53,6 +53,7 @@ class RunConfig:
     bucket_cap_mb: float | None = o.BUCKET_CAP_MB.field()
     steps: int | None = o.STEPS.field()
     timeout_s: float = o.TIMEOUT.field()
+    hang_timeout_s: float = o.HANG_TIMEOUT.field()
     nnodes: int = o.NNODES.field()
     node_rank: int = o.NODE_RANK.field()
     rdzv_endpoint: str | None = o.RDZV_ENDPOINT.field()
@@ -127,7 +128,8 @@ class RunConfig:
         return LaunchConfig(target=self.program, args=self.program_args, module=self.module, cwd=self.cwd,
                             nproc=self.nproc, nnodes=self.nnodes, node_rank=self.node_rank,
                             rdzv_endpoint=self.rdzv_endpoint, log_dir=self.out / "logs", timeout_s=self.timeout_s,
-                            env={**capture_env(), **capture.to_env()})
+                            env={**capture_env(), **capture.to_env()}, run_dir=self.out.resolve(),
+                            hang_timeout_s=self.hang_timeout_s)
 
     def facts(self) -> dict:
         """What ``run.json`` records so that the run can be rerun (before the ranks add
@@ -413,7 +415,10 @@ def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int, on_
     run = read_json(run_path) if run_path.exists() else {}
     run["launcher_us"] = {"launched": launched_us, "ended": time.perf_counter_ns() / 1000.0}
     if not result.ok or result.interrupted:
-        run.update({"status": fmt.FAILED, "error": result.reason, "failed_rank": result.failed_rank})
+        run.update({"status": fmt.FAILED, "error": result.reason, "failed_rank": result.failed_rank,
+                    "failure": {"rank": result.failed_rank, "how": result.how, "where": result.where,
+                                "hung": result.hung, "consequences": result.consequences,
+                                "ranks": result.details}})
     elif node_rank != 0 and run.get("status") == fmt.RUNNING:  # rank 0 wrote the run's metadata elsewhere
         run.update({"status": fmt.COMPLETE, "node_rank": node_rank,
                     "note": "ranks of one node; the run's metadata is in node 0's run.json"})

@@ -18,9 +18,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from tracer.launch.hangs import Hang, HangWatch, read_positions
 
 # A rank that failed only because a peer died says so; it is not the root cause.
 _PEER_FAILURE = re.compile(
@@ -54,6 +57,8 @@ class LaunchConfig:
     log_dir: Path
     timeout_s: float = 900.0
     env: dict[str, str] = field(default_factory=dict)
+    run_dir: Path | None = None  # the run folder: where the ranks' live files are (hang watchdog)
+    hang_timeout_s: float = 0.0  # no rank moves for this long: named, stacks saved, stopped (0: off)
 
     def __post_init__(self) -> None:
         self.log_dir = Path(self.log_dir).resolve()  # the job runs in cwd, not ours
@@ -76,6 +81,11 @@ class LaunchResult:
     reason: str | None = None  # one line
     stderr_tail: str = ""
     untraced: str | None = None  # the job ran, but nothing could be traced: why
+    hung: bool = False  # the hang watchdog stopped it
+    how: str | None = None  # how the failed rank ended: "SIGKILL", "exit code 3", "RuntimeError: ..."
+    where: str | None = None  # what it last recorded: "step 12, backward"
+    consequences: list[str] = field(default_factory=list)  # the other ranks' failures, one line each
+    details: list[str] = field(default_factory=list)  # a hang: what every rank last recorded
 
     @property
     def ok(self) -> bool:
@@ -108,9 +118,14 @@ def launch(cfg: LaunchConfig, on_line: Callable[[int | None, str], None] = lambd
     reader.start()
     deadline = time.monotonic() + cfg.timeout_s
     timed_out = interrupted = False
+    hang = None
+    watch = HangWatch(cfg.run_dir, cfg.hang_timeout_s) if cfg.run_dir is not None and cfg.hang_timeout_s > 0 else None
+    agent: deque[str] = deque(maxlen=400)  # torchrun's own lines: its summary of how each rank ended
     workers: set[int] = set()
     try:
         while True:
+            if watch is not None and (hang := watch.poll()) is not None:
+                break
             try:
                 line = lines.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
             except queue.Empty:
@@ -122,26 +137,92 @@ def launch(cfg: LaunchConfig, on_line: Callable[[int | None, str], None] = lambd
             if line is None:
                 break
             m = _RANK_PREFIX.match(line)
-            on_line(int(m.group(1)), m.group(2)) if m else on_line(None, line)
+            if m:
+                on_line(int(m.group(1)), m.group(2))
+            else:
+                agent.append(line)
+                on_line(None, line)
     except KeyboardInterrupt:
         interrupted = True
     finally:
         workers |= _descendants(proc.pid)
         _terminate(proc, workers)
         reader.join(timeout=5)
-    return job_result(cfg, proc.returncode, timed_out, interrupted)
+        while True:  # what the reader had left: torchrun's summary comes last
+            try:
+                line = lines.get_nowait()
+            except queue.Empty:
+                break
+            if line is not None and not _RANK_PREFIX.match(line):
+                agent.append(line)
+    return job_result(cfg, proc.returncode, timed_out, interrupted, hang=hang, exits=agent_exits(list(agent)))
 
 
-def job_result(cfg: LaunchConfig, returncode: int, timed_out: bool, interrupted: bool) -> LaunchResult:
-    """How a job ended, with the reason and the failing rank when it did not end well."""
+def job_result(cfg: LaunchConfig, returncode: int, timed_out: bool, interrupted: bool, hang: Hang | None = None,
+               exits: dict[int, int] | None = None) -> LaunchResult:
+    """How a job ended, with the reason and the failing rank when it did not end well.
+    ``exits``: global rank -> exit code (negative: killed by that signal), where known."""
     result = LaunchResult(returncode=returncode, timed_out=timed_out, interrupted=interrupted)
+    if hang is not None:
+        result.hung, result.timed_out = True, True
+        result.reason, result.failed_rank, result.details = hang.reason, hang.stuck[0], hang.details
+        result.how, result.where = "hung", None
+        return result
     if timed_out:
         result.reason = f"watchdog: the job ran past --timeout {cfg.timeout_s:g} s and was stopped"
     elif interrupted:
         result.reason = "interrupted: the job was stopped"
     if not result.ok or interrupted:
-        explain_failure(cfg, result)
+        explain_failure(cfg, result, exits or {})
     return result
+
+
+# torchrun's summary of a failed job, one block per failed rank:
+#   rank      : 1 (local_rank: 1)
+#   exitcode  : -9 (pid: 15672)  (SIGKILL)
+_AGENT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank")
+_AGENT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+def agent_exits(lines: list[str]) -> dict[int, int]:
+    """Global rank -> exit code from torchrun's failure summary (empty if none). The rank
+    torchrun names as the root cause (first observed failure) comes first."""
+    out: dict[int, int] = {}
+    root: int | None = None
+    rank = None
+    in_root = False
+    for line in lines:
+        if "Root Cause" in line:
+            in_root = True
+        if m := _AGENT_RANK.match(line):
+            rank = int(m.group(1))
+        elif (m := _AGENT_EXIT.match(line)) and rank is not None:
+            out[rank] = int(m.group(1))
+            if in_root and root is None:
+                root = rank
+            rank = None
+    if root is not None:
+        out = {root: out[root], **{r: c for r, c in out.items() if r != root}}
+    return out
+
+
+def signal_name(code: int) -> str | None:
+    """``SIGKILL`` for an exit code of -9 (a process killed by a signal), else None."""
+    if code >= 0:
+        return None
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _how_killed(code: int) -> str:
+    name = signal_name(code)
+    if name == "SIGKILL":
+        return "was killed by SIGKILL (the kernel's out-of-memory killer, or kill -9)"
+    if name == "SIGTERM":
+        return "was stopped by SIGTERM (torchrun stops the other ranks when one fails)"
+    return f"was killed by {name}"
 
 
 def _pump(stream, lines: queue.Queue) -> None:
@@ -208,11 +289,14 @@ def kill_group(pid: int) -> None:
             pass
 
 
-def explain_failure(cfg: LaunchConfig, result: LaunchResult) -> None:
-    """Find the root-cause rank from torchrun's per-rank error files (written by
-    ``@record``, or by ddpscope's capture for scripts without it) and, failing those,
-    from the ranks' stderr. A rank that failed only because a peer died comes last."""
-    failures = []  # (is_secondary, timestamp, local_rank, message)
+def explain_failure(cfg: LaunchConfig, result: LaunchResult, exits: dict[int, int] | None = None) -> None:
+    """The root cause and its consequences. A rank killed by a signal comes first (the
+    others fail because it went away); then a rank whose own error is not a peer's
+    failure; ranks that failed only because a peer died are consequences. Errors come
+    from torchrun's per-rank error files (``@record``, or ddpscope's capture for scripts
+    without it), else the ranks' stderr; how a rank ended from torchrun's summary."""
+    base = cfg.node_rank * cfg.nproc
+    errors: dict[int, tuple[bool, int, str]] = {}  # global rank -> (peer failure, time_ns, message)
     for err in cfg.log_dir.glob("*/attempt_*/*/error.json"):
         try:
             data = json.loads(err.read_text())
@@ -222,26 +306,55 @@ def explain_failure(cfg: LaunchConfig, result: LaunchResult) -> None:
                 ts, text = int(extra.get("time_ns") or int(extra.get("timestamp", 0)) * 10**9), str(msg.get("message", ""))
             else:
                 ts, text = int(data.get("timestamp", 0)) * 10**9, str(msg)
-            failures.append((bool(_PEER_FAILURE.search(text)), ts, int(err.parent.name), text))
+            errors[base + int(err.parent.name)] = (bool(_PEER_FAILURE.search(text)), ts, _last_error_line(text))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    if not failures:
-        for log in cfg.log_dir.glob("*/attempt_*/*/stderr.log"):
-            line = _exception_line(_tail(log, 200))
-            if line is not None:
-                failures.append((bool(_PEER_FAILURE.search(line)), 0, int(log.parent.name), line))
-    base = cfg.node_rank * cfg.nproc
-    if failures:
-        _, _, local, text = min(failures)
-        result.failed_rank = base + local
+    for log in cfg.log_dir.glob("*/attempt_*/*/stderr.log"):
+        rank = base + int(log.parent.name)
+        if rank not in errors and (line := _exception_line(_tail(log, 200))) is not None:
+            errors[rank] = (bool(_PEER_FAILURE.search(line)), 0, line[:300])
+    # killed by a signal, in torchrun's order (its root cause first); SIGTERM last: that is
+    # how torchrun stops the other ranks once one failed
+    killed = [r for r, c in (exits or {}).items() if c < 0 and r not in errors]
+    killed.sort(key=lambda r: exits[r] == -signal.SIGTERM)
+    if killed:
+        root, how = killed[0], _how_killed(exits[killed[0]])
+        result.how = signal_name(exits[root])
+    elif errors:
+        root = min(errors, key=lambda r: (errors[r][0], errors[r][1], r))
+        how = f"failed: {errors[root][2]}"
+        result.how = errors[root][2]
+    else:
+        code = next((c for c in (exits or {}).values() if c != 0), None)
         if result.reason is None:
-            result.reason = f"rank {base + local} failed: {_last_error_line(text)}"
-    elif result.reason is None:
-        result.reason = f"the job exited with code {result.returncode} (killed or crashed without a Python error)"
-    if result.failed_rank is not None:
-        logs = list(cfg.log_dir.glob(f"*/attempt_*/{result.failed_rank - base}/stderr.log"))
-        if logs:
-            result.stderr_tail = _tail(logs[0])
+            result.reason = (f"the job exited with code {code if code is not None else result.returncode} "
+                             "(killed or crashed without a Python error)")
+        return
+    result.failed_rank = root
+    result.where = _last_position(cfg, root)
+    at = f" at {result.where}" if result.where else ""
+    result.consequences = [f"rank {r}: {text}" for r, (_, _, text) in sorted(errors.items()) if r != root]
+    result.consequences += [f"rank {r} {_how_killed(exits[r])}" for r in killed if r != root]
+    if result.reason is None:
+        result.reason = f"rank {root} {how}{at}"
+        if result.consequences:
+            result.reason += f" (then {len(result.consequences)} other rank{'s' if len(result.consequences) > 1 else ''} failed)"
+    logs = list(cfg.log_dir.glob(f"*/attempt_*/{root - base}/stderr.log"))
+    if logs:
+        result.stderr_tail = _tail(logs[0])
+
+
+def _last_position(cfg: LaunchConfig, rank: int) -> str | None:
+    """What ``rank`` last recorded (its live file): "step 12, backward", or None."""
+    if cfg.run_dir is None:
+        return None
+    p = read_positions(cfg.run_dir).get(rank)
+    if not p:
+        return None
+    text = f"step {p.get('step')}, {p.get('phase')}"
+    if p.get("buckets_in_flight"):
+        text += f" (bucket {p['buckets_in_flight'][0]} in flight)"
+    return text
 
 
 def _exception_line(text: str) -> str | None:

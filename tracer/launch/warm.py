@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from tracer.launch import torchrun
+from tracer.launch.hangs import HangWatch
 from tracer.launch.torchrun import LaunchConfig, LaunchResult
 
 
@@ -109,8 +110,13 @@ class WarmLauncher:
         pids: list[int] = []
         codes: list[int] | None = None
         timed_out = interrupted = False
+        hang = None
+        watch = HangWatch(cfg.run_dir, cfg.hang_timeout_s) if cfg.run_dir is not None and cfg.hang_timeout_s > 0 \
+            else None
         try:
             while codes is None:
+                if watch is not None and (hang := watch.poll()) is not None:
+                    break
                 try:
                     msg = events.get(timeout=0.05)
                 except queue.Empty:
@@ -135,7 +141,8 @@ class WarmLauncher:
                 codes = self._wait_exit(events, job_id, cfg.nproc)
             tails.poll()
         failed = [c for c in codes if c != 0]
-        return torchrun.job_result(cfg, failed[0] if failed else 0, timed_out, interrupted)
+        return torchrun.job_result(cfg, failed[0] if failed else 0, timed_out, interrupted, hang=hang,
+                                   exits={cfg.node_rank * cfg.nproc + i: c for i, c in enumerate(codes)})
 
     def _wait_exit(self, events: queue.Queue, job_id: str, nproc: int) -> list[int]:
         deadline = time.monotonic() + 15

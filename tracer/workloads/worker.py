@@ -10,6 +10,10 @@ import os
 # rank reaches step / round / stage AT (each job says which).
 FAIL_ENV = "DDPSCOPE_TEST_FAIL"
 HANG_ENV = "DDPSCOPE_TEST_HANG"
+# Test-only, in the demo's forward: "RANK:STEP" sleeps forever inside the model's forward
+# at that step (a rank stuck in Python); "RANK:MS" sleeps MS ms in every forward (a straggler).
+STALL_ENV = "DDPSCOPE_TEST_STALL_FORWARD"
+DELAY_ENV = "DDPSCOPE_TEST_DELAY_FORWARD"
 
 
 def injected(env: str, rank: int) -> int | None:

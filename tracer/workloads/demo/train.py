@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tracer.options import DEMO_MODELS
 from tracer.workloads.demo.models import build_model
-from tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected
+from tracer.workloads.worker import DELAY_ENV, FAIL_ENV, HANG_ENV, STALL_ENV, init_worker, injected
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,6 +37,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--pg-timeout-s", type=float, default=600.0)
     return p.parse_args(argv)
+
+
+def _inject_in_forward(model, rank: int, at_step: list[int]) -> None:
+    """Test-only faults inside the model's forward (``STALL_ENV``, ``DELAY_ENV``)."""
+    stall, delay_ms = injected(STALL_ENV, rank), injected(DELAY_ENV, rank)
+    if stall is None and not delay_ms:
+        return
+
+    def forward_pre_hook(module, args):
+        if at_step[0] == stall:
+            while True:  # stuck in Python, inside the forward
+                time.sleep(3600)
+        if delay_ms:
+            time.sleep(delay_ms / 1000)
+
+    model.register_forward_pre_hook(forward_pre_hook)
 
 
 @record
@@ -53,12 +69,15 @@ def main(argv=None) -> None:
         opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
         gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own data
         fail_at, hang_at = injected(FAIL_ENV, rank), injected(HANG_ENV, rank)
+        at_step = [0]
+        _inject_in_forward(model, rank, at_step)
         # As torchtitan does: objects made during set-up never need collecting; freezing
         # them keeps Python's full collections (GIL-holding pauses that delay all-reduce
         # callbacks by tens of ms) short during training.
         gc.collect()
         gc.freeze()
         for step in range(args.steps):
+            at_step[0] = step
             t0 = time.perf_counter()
             if step == fail_at:
                 raise RuntimeError(f"injected failure on rank {rank} at step {step} ({FAIL_ENV})")
