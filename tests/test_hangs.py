@@ -151,7 +151,7 @@ def test_a_killed_rank_is_the_root_cause_not_the_peer_that_lost_it(tmp_path):
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 1, err
     line = next(l for l in err.splitlines() if "run failed" in l)
-    assert "rank 1 was killed by SIGKILL" in line and " at step " in line
+    assert "rank 1 was killed by SIGKILL" in line and "; it was at step " in line
     run = json.loads((out / "run.json").read_text())
     assert run["failed_rank"] == 1 and run["failure"]["how"] == "SIGKILL" and run["error"] in line
     assert any(c.startswith("rank 0") for c in run["failure"]["consequences"])

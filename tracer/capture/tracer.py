@@ -199,6 +199,8 @@ class DDPTracer:
             return
         self._closed = True
         failed = error is not None
+        if self._live is not None:  # where it stopped: before the open step is closed below
+            self._live.close(fmt.FAILED if failed else fmt.COMPLETE)
         try:
             if self._recorder is not None:
                 self._recorder.finish(aborted=failed)
@@ -207,8 +209,6 @@ class DDPTracer:
             if self._comm_state is not None:
                 self._comm_state.recorder = None
         status = fmt.FAILED if failed else fmt.COMPLETE
-        if self._live is not None:
-            self._live.close(status)
         error = None if not failed else error[:2000]
         offsets_end: list[ClockOffset] | None = None
         self._writer.set_meta(status=status, error=error)  # on disk even if the end sync dies

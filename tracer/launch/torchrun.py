@@ -313,17 +313,19 @@ def explain_failure(cfg: LaunchConfig, result: LaunchResult, exits: dict[int, in
         rank = base + int(log.parent.name)
         if rank not in errors and (line := _exception_line(_tail(log, 200))) is not None:
             errors[rank] = (bool(_PEER_FAILURE.search(line)), 0, line[:300])
-    # killed by a signal, in torchrun's order (its root cause first); SIGTERM last: that is
-    # how torchrun stops the other ranks once one failed
+    # The root cause, in this order: a rank killed by a signal (torchrun's root cause
+    # first), a rank with an error of its own (earliest first), a rank stopped by SIGTERM
+    # (how torchrun stops the others once one failed), a rank that lost a peer.
     killed = [r for r, c in (exits or {}).items() if c < 0 and r not in errors]
-    killed.sort(key=lambda r: exits[r] == -signal.SIGTERM)
-    if killed:
-        root, how = killed[0], _how_killed(exits[killed[0]])
-        result.how = signal_name(exits[root])
-    elif errors:
-        root = min(errors, key=lambda r: (errors[r][0], errors[r][1], r))
-        how = f"failed: {errors[root][2]}"
-        result.how = errors[root][2]
+    order = [(0, i, r) for i, r in enumerate(killed) if exits[r] != -signal.SIGTERM]
+    order += [(1 if not peer else 3, ts, r) for r, (peer, ts, _) in errors.items()]
+    order += [(2, i, r) for i, r in enumerate(killed) if exits[r] == -signal.SIGTERM]
+    if order:
+        root = min(order)[2]
+        if root in errors:
+            how, result.how = f"failed: {errors[root][2]}", errors[root][2]
+        else:
+            how, result.how = _how_killed(exits[root]), signal_name(exits[root])
     else:
         code = next((c for c in (exits or {}).values() if c != 0), None)
         if result.reason is None:
@@ -332,7 +334,7 @@ def explain_failure(cfg: LaunchConfig, result: LaunchResult, exits: dict[int, in
         return
     result.failed_rank = root
     result.where = _last_position(cfg, root)
-    at = f" at {result.where}" if result.where else ""
+    at = f"; it was at {result.where}" if result.where else ""
     result.consequences = [f"rank {r}: {text}" for r, (_, _, text) in sorted(errors.items()) if r != root]
     result.consequences += [f"rank {r} {_how_killed(exits[r])}" for r in killed if r != root]
     if result.reason is None:
