@@ -14,6 +14,7 @@ from viz.kernel_gantt import make_kernel_timeline_figure
 from viz.kernel_overlap import compute_hta_breakdown
 from viz.overlap import compute_rank_medians, compute_run_comparison, compute_step_breakdown
 from viz.profile_check import compute_profile_agreement, profile_folder
+from viz.stragglers import compute_straggler_summary, straggler_line
 from viz.trace import TraceError
 
 
@@ -42,8 +43,12 @@ def render_timeline(path: Path, trace) -> None:
             show_profile_beside(trace, range(lo, hi + 1), ranks)
     st.subheader("Per rank, medians over non-warm-up steps (ms)")
     st.dataframe(compute_rank_medians(trace).round(2), hide_index=True, key="medians")
+    if (line := straggler_line(trace)) is not None:
+        st.warning(line.capitalize() + ". The ▼ markers show who each bucket waited for.")
     with st.expander("Every step"):
         st.dataframe(compute_step_breakdown(trace, include_warmup=True).round(2), hide_index=True, key="per_step")
+    with st.expander("Stragglers: who the all-reduces waited for (ms)"):
+        st.dataframe(compute_straggler_summary(trace).round(2), hide_index=True, key="stragglers")
     st.subheader("Buckets (medians over non-warm-up steps and ranks)")
     st.dataframe(compute_bucket_table(trace).round(3), hide_index=True, key="buckets")
     st.download_button("Download all ranks as one Perfetto trace (rank 0's clock)",

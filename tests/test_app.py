@@ -17,7 +17,7 @@ from tests.conftest import KINETO, ROOT, SAMPLES
 from tests.test_kineto import gpu_profile
 
 # element order on the page: dataframes
-MEDIANS, PER_STEP, BUCKETS, COMPARISON = 0, 1, 2, 3
+MEDIANS, PER_STEP, STRAGGLERS, BUCKETS, COMPARISON = 0, 1, 2, 3, 4
 
 
 @pytest.fixture

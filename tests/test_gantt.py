@@ -22,7 +22,7 @@ def _trace(fig, name):
 def test_one_trace_per_category_with_every_bar(trace):
     fig = make_timeline_figure(trace)  # all non-warm-up steps
     names = [t.name for t in fig.data]
-    assert len(names) == len(set(names)) <= 6
+    assert len(names) == len(set(names)) <= 7  # 6 kinds of bars and the "launched last" markers
     shown = trace.steps[~trace.steps.warmup]
     buckets = _trace(fig, "bucket all-reduce")
     assert len(buckets.x) == len(trace.buckets.merge(shown[["rank", "step"]]))
@@ -79,7 +79,9 @@ def test_big_views_switch_to_webgl_segments_with_the_same_numbers():
 
     big = synthetic_trace(ranks=4, steps=30, buckets=20, params=40)
     fig = make_timeline_figure(big, include_warmup=True, webgl=True)
-    assert {type(t).__name__ for t in make_timeline_figure(big, include_warmup=True, webgl=False).data} == {"Bar"}
+    # SVG: bars, and the markers of who launched each bucket last
+    assert {type(t).__name__ for t in make_timeline_figure(big, include_warmup=True, webgl=False).data} == {"Bar",
+                                                                                                           "Scatter"}
     auto = make_timeline_figure(synthetic_trace(ranks=8, steps=40, buckets=30, params=60), include_warmup=True)
     assert {type(t).__name__ for t in auto.data} == {"Scattergl"}
     assert {type(t).__name__ for t in fig.data} == {"Scattergl"}

@@ -86,10 +86,17 @@ def _summary(path: str, as_json: bool) -> int:
         from viz.kernel_overlap import compute_hta_breakdown
 
         hta = compute_hta_breakdown(trace)
+    stragglers = line = None
+    if trace.source == "ddpscope":
+        from viz.stragglers import compute_straggler_summary, straggler_line
+
+        stragglers, line = compute_straggler_summary(trace), straggler_line(trace)
     if as_json:
         out = {"path": str(trace.path), "source": trace.source, "status": trace.status,
                "world_size": trace.world_size, "bucket_cap_mb": trace.run.get("bucket_cap_mb"),
                "ranks": _by_rank(med)}
+        if stragglers is not None:
+            out["stragglers"] = _by_rank(stragglers)
         if hta is not None:
             out.update(ranks_present=trace.run["ranks_present"], hta=_by_rank(hta), clock=trace.run["clock"],
                        notes=trace.run["notes"])
@@ -102,6 +109,8 @@ def _summary(path: str, as_json: bool) -> int:
         print(f"{trace.path}  profiler trace, ranks {trace.run['ranks_present']} of {trace.world_size}  "
               "(medians over ProfilerSteps, ms)")
     print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
+    if line:
+        print(line)
     if hta is not None:
         print("as Holistic Trace Analysis computes them (last ProfilerStep left out; %):")
         print(hta[["rank", "comp_comm_overlap_pct", "idle_pct", "compute_pct", "non_compute_pct"]].round(2)

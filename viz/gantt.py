@@ -17,6 +17,7 @@ from plotly.colors import sample_colorscale
 
 from viz.buckets import compute_bucket_events
 from viz.overlap import merge_sorted_runs
+from viz.stragglers import compute_launch_spread
 from viz.trace import RunTrace
 
 # Per-bar labels (module / parameter names in the hover) only up to this many bars in a
@@ -299,6 +300,16 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
             COLORS["exposed"], "exposed communication · step %{customdata[0]}<br>%{customdata[1]:.2f} ms",
             np.column_stack([ex["step"], dur(ex["start_us"], ex["end_us"])]),
             pattern=dict(shape="/", fgcolor="#E41A1C"), gl_width=10))
+    spread = _only(_cached(trace, "launch_spread", lambda t, _: compute_launch_spread(t, include_warmup=True)
+                           .rename(columns={"last_rank": "rank"})), shown)
+    if len(spread):  # who every bucket waited for: a marker where the last rank launched it
+        data.append(dict(
+            type="scattergl" if gl else "scatter", mode="markers", name="launched last (the others wait)", x=(spread["last_launch_us"]
+                                                                                       - origin) / 1e3,
+            y=comm(spread) + 0.45, marker=dict(symbol="triangle-down", size=7, color="#E45756"),
+            customdata=np.column_stack([spread["step"], spread["bucket"], spread["spread_ms"]]).astype(np.float32),
+            hovertemplate="bucket %{customdata[1]} · step %{customdata[0]}<br>launched last here, "
+                          "%{customdata[2]:.2f} ms after the first rank<extra></extra>"))
     # _validate=False: Plotly would otherwise turn ``base`` (an "any" property) into an
     # array of Python objects, element by element, and deep-copy every trace more than
     # once: most of the cost of a big figure. Inputs are numeric arrays built above, and
