@@ -50,6 +50,8 @@ def list_runs() -> dict[str, tuple[Path, str]]:
     for prefix, folder in (("sample", SAMPLES), ("run", runs_dir()), ("upload", uploads_dir())):
         if folder.is_dir():
             for p in sorted(folder.iterdir(), reverse=prefix != "sample"):
+                if p.name.startswith("."):  # an upload being unpacked
+                    continue
                 kind = folder_kind(p)
                 if kind is not None:
                     found[f"{prefix}: {p.name}"] = (p, kind)

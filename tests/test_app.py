@@ -515,3 +515,22 @@ def test_a_profiled_run_shows_the_profiler_beside_the_tracer(app, tmp_path, prof
     assert any("torch.profiler" in t for t in titles)
     table = next(d.value for d in app.dataframe if "end_before_done_ms" in d.value.columns)
     assert sorted(table["step"].unique()) == [2, 3] and (table["tracer_bytes"] == table["profile_bytes"]).all()
+
+
+def test_a_run_folder_that_cannot_be_read_never_stops_the_page(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    bad = runs / "deep"
+    bad.mkdir(parents=True)
+    (bad / "run.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's recursion limit
+    (bad / "rank-0.json").write_text("{}")
+    shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", runs / "good")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90)
+    at.run()
+    assert not at.exception
+    options = at.sidebar.selectbox(key="trace").options
+    assert "run: good" in options and "run: deep" in options  # listed, as what it is
+    at.sidebar.selectbox(key="trace").set_value("run: deep").run()
+    assert not at.exception and any("nested too deeply" in e.value for e in at.error)
+    at.sidebar.selectbox(key="trace").set_value("run: good").run()
+    assert not at.exception and at.dataframe[MEDIANS].value is not None

@@ -71,3 +71,64 @@ def test_a_profiled_run_keeps_its_profile_folder(tmp_path, top):
     out = extract_run_archive(_tar(add), "run.tar.gz", tmp_path / "x")
     assert folder_kind(out) == "ddp" and folder_kind(out / "profile") == "kineto"
     assert profile_folder(load_run(out)) == out / "profile"
+
+
+def _zip_bytes(files: dict[str, bytes]) -> bytes:
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def test_bytes_really_inflated_count_not_the_headers_claim(tmp_path, monkeypatch):
+    import struct
+
+    monkeypatch.setattr(archive, "MAX_UNPACKED_BYTES", 2**20)
+    data = bytearray(_zip_bytes({"rank-0.json": b" " * (8 * 2**20)}))  # 8 MiB of spaces: a few KiB zipped
+    # understate the size in both headers (local: offset 22, central directory: +24 from its signature)
+    struct.pack_into("<I", data, 22, 100)
+    cd = data.find(b"PK\x01\x02")
+    struct.pack_into("<I", data, cd + 24, 100)
+    with pytest.raises(TraceError) as e:  # zipfile stops at the claimed size, then the CRC fails
+        extract_run_archive(bytes(data), "liar.zip", tmp_path / "x")
+    assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
+    honest = _zip_bytes({"rank-0.json": b" " * (8 * 2**20)})
+    with pytest.raises(TraceError, match="unpacks to more than 1 MiB"):  # counted as it inflates
+        extract_run_archive(honest, "big.zip", tmp_path / "y")
+    bomb = _tar(lambda t: _add_bytes(t, "rank-0.json", b" " * (8 * 2**20)))
+    with pytest.raises(TraceError, match="unpacks to more than 1 MiB"):
+        extract_run_archive(bomb, "big.tar.gz", tmp_path / "z")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name, make, message", [
+    ("encrypted.zip", lambda: _encrypted(_zip_bytes({"rank-0.json": b"{}"})), "cannot be unpacked"),
+    ("cut.zip", lambda: _zip_bytes({"rank-0.json": b"x" * 5000, "run.json": b"{}"})[:-40], "not a readable"),
+    ("cut.tar.gz", lambda: _tar(lambda t: _add_bytes(t, "rank-0.json", b"y" * 100_000))[:-300], "not a readable"),
+    ("flipped.zip", lambda: _flip(_zip_bytes({"rank-0.json": b"z" * 5000})), "not a readable"),
+])
+def test_broken_archives_are_one_line_and_leave_nothing(tmp_path, name, make, message):
+    with pytest.raises(TraceError) as e:
+        extract_run_archive(make(), name, tmp_path / "x")
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not list(tmp_path.iterdir())
+
+
+def _encrypted(data: bytes) -> bytes:
+    """The same zip with its members flagged encrypted (zipfile then asks for a password)."""
+    data = bytearray(data)
+    for sig, off in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):
+        at = data.find(sig)
+        data[at + off] |= 1
+    return bytes(data)
+
+
+def _flip(data: bytes) -> bytes:
+    data = bytearray(data)
+    at = data.find(b"PK\x03\x04") + 40  # inside the compressed data
+    for i in range(at, at + 20):
+        data[i] ^= 0xFF
+    return bytes(data)

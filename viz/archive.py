@@ -10,9 +10,12 @@ archive) is kept as a folder of one rank.
 from __future__ import annotations
 
 import io
+import lzma
 import re
+import shutil
 import tarfile
 import zipfile
+import zlib
 from pathlib import Path, PurePosixPath
 
 from tracer import format as fmt
@@ -44,13 +47,25 @@ def _wanted(member: str) -> str | None:
 def extract_run_archive(data: bytes, filename: str, dest: Path) -> Path:
     """Unpack an uploaded archive's trace files into the new folder ``dest``."""
     files: dict[str, bytes] = {}
-    total = 0
     if FILE_RE.match(filename) and not zipfile.is_zipfile(io.BytesIO(data)):  # one profiler trace file
         if len(data) > MAX_UNPACKED_BYTES:
             raise TraceError(f"{filename} is over {MAX_UNPACKED_BYTES // 2**20} MiB")
         dest.mkdir(parents=True, exist_ok=False)
         (dest / safe_name(PurePosixPath(filename).name)).write_bytes(data)
         return dest
+    budget = [MAX_UNPACKED_BYTES]
+
+    def read(stream) -> bytes:
+        """A member's bytes, counted as they are inflated against the cap (an archive's
+        own size fields are never trusted)."""
+        parts = []
+        while chunk := stream.read(1 << 20):
+            budget[0] -= len(chunk)
+            if budget[0] < 0:
+                raise TraceError(f"{filename} unpacks to more than {MAX_UNPACKED_BYTES // 2**20} MiB")
+            parts.append(chunk)
+        return b"".join(parts)
+
     try:
         if zipfile.is_zipfile(io.BytesIO(data)):
             with zipfile.ZipFile(io.BytesIO(data)) as z:
@@ -58,28 +73,36 @@ def extract_run_archive(data: bytes, filename: str, dest: Path) -> Path:
                     name = _wanted(info.filename)
                     if name is None or info.is_dir():
                         continue
-                    total += info.file_size
-                    if total > MAX_UNPACKED_BYTES:
-                        raise TraceError(f"{filename} unpacks to more than {MAX_UNPACKED_BYTES // 2**20} MiB")
-                    files[name] = z.read(info)
+                    with z.open(info) as member:
+                        files[name] = read(member)
         else:
-            with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as t:
-                for m in t.getmembers():
+            # stream mode: one pass, no seeking back through a compressed stream
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r|*") as t:
+                for m in t:
                     name = _wanted(m.name)
                     if name is None:
                         continue
                     if not m.isfile():
                         raise TraceError(f"the archive's {m.name} is a link or device; refused")
-                    total += m.size
-                    if total > MAX_UNPACKED_BYTES:
-                        raise TraceError(f"{filename} unpacks to more than {MAX_UNPACKED_BYTES // 2**20} MiB")
-                    files[name] = t.extractfile(m).read()
-    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError):
-        raise TraceError(f"{filename} is not a readable .zip or .tar(.gz) archive") from None
+                    files[name] = read(t.extractfile(m))
+    except TraceError:
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError,
+            ValueError, NotImplementedError):
+        raise TraceError(f"{filename} is not a readable .zip or .tar(.gz) archive (corrupt or truncated)") from None
+    except RuntimeError as e:  # zipfile: an encrypted member
+        raise TraceError(f"{filename} cannot be unpacked: {str(e).splitlines()[0][:120]}") from None
     if not any(fmt.RANK_FILE_RE.match(n) or (FILE_RE.match(n) and n != fmt.RUN_FILE) for n in files):
         raise TraceError(f"{filename} holds no rank-<r>.json trace files and no profiler traces")
-    dest.mkdir(parents=True, exist_ok=False)
-    for name, blob in files.items():
-        (dest / name).parent.mkdir(exist_ok=True)
-        (dest / name).write_bytes(blob)
+    # unpacked beside, then renamed: a folder in the runs list is always whole
+    tmp = dest.with_name(f".{dest.name}.unpacking")
+    try:
+        tmp.mkdir(parents=True, exist_ok=False)
+        for name, blob in files.items():
+            (tmp / name).parent.mkdir(exist_ok=True)
+            (tmp / name).write_bytes(blob)
+        tmp.rename(dest)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TraceError(f"cannot store {filename}: {e.strerror or e}") from None
     return dest

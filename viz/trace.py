@@ -96,6 +96,8 @@ def read_json_file(path: Path, what: str) -> dict:
         raise TraceError(f"{what} {path.name} is not text (not a trace?)") from None
     except json.JSONDecodeError as e:
         raise TraceError(f"{what} {path.name} is not valid JSON (truncated?): {e.msg} at line {e.lineno}") from None
+    except RecursionError:
+        raise TraceError(f"{what} {path.name} is nested too deeply to be a trace") from None
     except OSError as e:
         raise TraceError(f"cannot read {what} {path}: {e.strerror}") from None
     if not isinstance(data, dict):
@@ -118,16 +120,18 @@ def read_rank_file(path: Path) -> tuple[dict, list[dict]]:
 
 
 def run_kind(path: str | Path) -> str | None:
-    """``"ddp"`` or ``"ring"`` for a run folder (from ``run.json``; ``"ddp"`` when it has
-    none), or None when the folder holds no rank files or unreadable metadata."""
+    """``"ddp"``, ``"ring"`` or ``"zero"`` for a run folder (from ``run.json``; ``"ddp"``
+    when it has none or it cannot be read: the DDP pages then say what is wrong), or None
+    when the folder holds no rank files."""
     path = Path(path)
     if not path.is_dir() or not any(fmt.RANK_FILE_RE.match(p.name) for p in path.iterdir()):
         return None
     try:
         run = read_json_file(path / fmt.RUN_FILE, "run metadata") if (path / fmt.RUN_FILE).exists() else {}
-    except TraceError:
-        return None
-    return str(run.get("kind") or fmt.KIND_DDP)
+    except TraceError:  # listed as a DDP run: opening it says what is wrong
+        return fmt.KIND_DDP
+    kind = run.get("kind") if isinstance(run, dict) else None
+    return kind if kind in (fmt.KIND_DDP, fmt.KIND_RING, fmt.KIND_ZERO) else fmt.KIND_DDP
 
 
 def read_run_folder(path: str | Path, kind: str, *, allow_missing_ranks: bool = False
