@@ -86,6 +86,11 @@ class TraceWriter:
             self._dirty = True
             self._cond.notify()
 
+    @property
+    def error(self) -> OSError | None:
+        """The write that failed (then the file on disk is the last one written whole)."""
+        return self._error
+
     def set_meta(self, **fields) -> None:
         with self._cond:
             self._meta.update(fields)
@@ -115,10 +120,12 @@ class TraceWriter:
                     return
             try:
                 self._flush()
-            except OSError as e:  # never raise into training; close() reports it
+            except OSError as e:  # never raise into training; the tracer stops at its next step
                 if self._error is None:
-                    print(f"ddpscope: cannot write {self.path}: {e}", file=sys.stderr)
+                    print(f"ddpscope: cannot write {self.path} ({e.strerror or e}): tracing stops here, "
+                          "training goes on", file=sys.stderr, flush=True)
                 self._error = e
+                return
             with self._cond:
                 self._cond.wait(self._min_interval_s)  # coalesce bursts of steps
 

@@ -219,12 +219,13 @@ class DDPTracer:
                 offsets_end = None
         if offsets_end is not None:
             self._meta["clock_offset"]["end"] = offsets_end[self.rank].to_json()
+        lost = self._writer.error is not None  # said once when it happened
         try:
             self._writer.close(status=status, error=error, clock_offset=self._meta["clock_offset"])
         except OSError:
-            if not failed:
+            if not failed and not lost:
                 raise
-        if self.rank == 0:
+        if self.rank == 0 and not lost:
             self._write_run_json(status=status, error=error, offsets_end=offsets_end)
 
     def set_meta(self, **fields: Any) -> None:
@@ -239,11 +240,27 @@ class DDPTracer:
 
     # -- internals ----------------------------------------------------------------
     def _emit(self, events, layouts: list[dict] | None) -> None:
+        if self._writer.error is not None:  # the trace cannot be written (disk full, folder gone)
+            self._stop_recording()
+            return
         self._writer.add(events)
         fields = {"steps": self._recorder.steps_written}
         if layouts is not None:
             fields["bucket_layouts"] = [dict(l) for l in layouts]
         self._writer.set_meta(**fields)
+
+    def _stop_recording(self) -> None:
+        """The trace can no longer be written: nothing more is kept (the writer said so in
+        one line); hooks stay (removing them inside one is not safe) but hand on only,
+        and the file on disk keeps the steps written whole before."""
+        if self._comm_state is not None:
+            self._comm_state.recorder = None  # the comm hook passes all-reduces through untimed
+        if self._recorder is not None:
+            self._recorder.emit = lambda events, layouts: None
+            self._recorder.pending.clear()
+        if self._live is not None:
+            self._live.close(fmt.FAILED)
+            self._live = None
 
     def _write_run_json(self, status: str, error: str | None = None,
                         offsets_end: list[ClockOffset] | None = None) -> None:

@@ -359,6 +359,9 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
     Raises ``ValueError`` if the run folder cannot be created (nothing is launched)."""
     result = _launch_traced(cfg.launch_config(), cfg.out, {**cfg.facts(), "command": shlex.join(cfg.command())},
                             cfg.node_rank, on_progress, on_output, launcher)
+    if not cfg.out.is_dir():
+        result.untraced = f"the run folder {cfg.out} was removed during the run: its trace is lost (training ran)"
+        return result
     if not any(fmt.RANK_FILE_RE.match(p.name) for p in cfg.out.iterdir()):
         run_path = cfg.out / fmt.RUN_FILE
         run = read_json(run_path) if run_path.exists() else {}
@@ -412,7 +415,10 @@ def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int, on_
     # exits; rank 0's own log holds them all: hand on the progress records not yet seen
     for rec in _logged_progress(lc.log_dir)[seen[0]:]:
         on_progress(rec)
-    run = read_json(run_path) if run_path.exists() else {}
+    try:
+        run = read_json(run_path) if run_path.exists() else {}
+    except (OSError, ValueError):
+        run = {}
     run["launcher_us"] = {"launched": launched_us, "ended": time.perf_counter_ns() / 1000.0}
     if not result.ok or result.interrupted:
         run.update({"status": fmt.FAILED, "error": result.reason, "failed_rank": result.failed_rank,
@@ -422,7 +428,12 @@ def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int, on_
     elif node_rank != 0 and run.get("status") == fmt.RUNNING:  # rank 0 wrote the run's metadata elsewhere
         run.update({"status": fmt.COMPLETE, "node_rank": node_rank,
                     "note": "ranks of one node; the run's metadata is in node 0's run.json"})
-    write_json_atomic(run_path, run)
+    elif run.get("status") == fmt.RUNNING and out.is_dir():  # the ranks could not finish their trace
+        run.update({"status": fmt.FAILED, "error": "the trace could not be finished (written in part)"})
+    try:
+        write_json_atomic(run_path, run)
+    except OSError:
+        pass  # the folder went away or cannot be written: the CLI says so (run_job)
     return result
 
 
