@@ -64,7 +64,7 @@ def test_offsets_align_ranks_with_drift(tmp_path):
     ("missing_rank", "rank 1 of 2 are missing"),
     ("future_version", "trace format version 99"),
     ("bad_event", "malformed trace event"),
-    ("wrong_rank", "says it is rank 3"),
+    ("wrong_rank", "rank 3"),  # says it is rank 3, outside a job of 2
 ])
 def test_bad_input_raises_one_line_trace_error(tmp_path, setup, message):
     folder = tmp_path / "r"

@@ -13,6 +13,8 @@ clock (ranks aligned with the stored clock offsets, as for DDP runs):
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +74,10 @@ def load_ring(path: str | Path) -> RingTrace:
                 if e.get("ph") != "X":
                     continue
                 cat, args = e.get("cat"), e.get("args") or {}
-                ts = align(float(e["ts"]))
-                te = align(float(e["ts"]) + float(e["dur"]))
+                raw, dur = float(e["ts"]), float(e["dur"])
+                if not (math.isfinite(raw) and math.isfinite(dur) and dur >= 0):
+                    raise ValueError(f"ts {raw}, dur {dur} out of range")
+                ts, te = align(raw), align(raw + dur)
                 if cat == fmt.CAT_RING:
                     rows["rounds"].append({"rank": rank, "round": int(args["round"]), "repeat": int(args["repeat"]),
                                            "bytes": int(args["bytes"]), "calibration": bool(args["calibration"]),
@@ -81,7 +85,10 @@ def load_ring(path: str | Path) -> RingTrace:
                                            "max_abs_diff": float(args.get("max_abs_diff", "nan"))})
                 elif cat == fmt.CAT_RING_STEP:
                     row = {"rank": rank, "round": int(args["round"]), "size_bytes": int(args["size_bytes"])}
-                    row.update({k: args[k] for k in _STEP_FIELDS})
+                    row.update({k: str(args[k]) if k == "phase" else int(args[k]) for k in _STEP_FIELDS})
+                    if not 0 <= min(row["send_chunk"], row["recv_chunk"], row["send_to"], row["recv_from"]) or \
+                            max(row["send_chunk"], row["recv_chunk"], row["send_to"], row["recv_from"]) >= world:
+                        raise ValueError("a chunk or peer outside the ring")
                     row.update(start_us=ts, end_us=te, comm_us=float(args["comm_us"]),
                                reduce_us=float(args["reduce_us"]))
                     rows["steps"].append(row)
@@ -89,8 +96,8 @@ def load_ring(path: str | Path) -> RingTrace:
                     rows["refs"].append({"rank": rank, "round": int(args["round"]), "bytes": int(args["bytes"]),
                                          "calibration": bool(args["calibration"]), "warmup": bool(args["warmup"]),
                                          "start_us": ts, "end_us": te})
-        except (KeyError, TypeError, ValueError) as e:
-            raise TraceError(f"rank {rank}: malformed ring trace event ({type(e).__name__}: {e})") from None
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+            raise TraceError(f"rank {rank}: malformed ring trace event ({type(e).__name__}: {str(e)[:200]})") from None
     if not rows["rounds"]:
         raise TraceError(f"{path.name} holds no finished ring round")
     steps = frame_of(rows["steps"], ["rank", "round", "step"])

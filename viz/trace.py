@@ -9,9 +9,11 @@ Bad input raises ``TraceError`` with a one-line message; nothing half-built is r
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import pandas as pd
 
 from tracer import format as fmt
@@ -19,8 +21,61 @@ from tracer import format as fmt
 MAX_FILE_BYTES = 512 * 2**20  # a rank file beyond this is not something we parse in memory
 
 
+MAX_WORLD = 65536
+MAX_INDEX = 10**9  # steps, buckets, parameters: beyond this a number is not one of ours
+
+
 class TraceError(ValueError):
     """A trace that cannot be read; the message is one line, fit for a user."""
+
+
+# What readers take from a rank's metadata and run.json, typed (msgspec checks them: a
+# field of the wrong type is one TraceError line; fields not named here are not read).
+class _Offset(msgspec.Struct):
+    offset_us: float
+    at_us: float
+
+
+class _ClockOffsets(msgspec.Struct):
+    start: _Offset | None = None
+    end: _Offset | None = None
+
+
+class _RankMeta(msgspec.Struct):
+    rank: int
+    world_size: int
+    param_names: list[str] = []
+    clock_offset: _ClockOffsets | None = None
+
+
+class _RunMeta(msgspec.Struct):
+    world_size: int | None = None
+    kind: str | None = None
+    status: str | None = None
+    bucket_cap_mb: float | None = None
+    bucket_layout: list[list[int | str]] | None = None
+    notes: list[str] | None = None
+    model: str | int | None = None
+
+
+def check_meta(meta: dict, where: str, schema=_RankMeta) -> None:
+    """``meta`` has the fields readers use, of the right types, finite and in range."""
+    try:
+        m = msgspec.convert(meta, schema, strict=False)
+    except msgspec.ValidationError as e:
+        raise TraceError(f"{where}: {e}") from None
+    world = getattr(m, "world_size", None)
+    if world is not None and not 1 <= world <= MAX_WORLD:
+        raise TraceError(f"{where}: world_size {world} is outside 1..{MAX_WORLD}")
+    if isinstance(m, _RankMeta):
+        if not 0 <= m.rank < m.world_size:
+            raise TraceError(f"{where}: rank {m.rank} is outside a job of {m.world_size}")
+        for o in (m.clock_offset.start, m.clock_offset.end) if m.clock_offset else ():
+            if o is not None and not (math.isfinite(o.offset_us) and math.isfinite(o.at_us)
+                                      and abs(o.offset_us) < 1e13 and abs(o.at_us) < 1e16):
+                raise TraceError(f"{where}: its clock offset is not a finite, sensible number of µs")
+    if isinstance(m, _RunMeta) and m.bucket_cap_mb is not None and not math.isfinite(m.bucket_cap_mb):
+        raise TraceError(f"{where}: bucket_cap_mb is not a finite number")
 
 
 @dataclass(frozen=True)
@@ -116,6 +171,9 @@ def read_rank_file(path: Path) -> tuple[dict, list[dict]]:
     events = data.get("traceEvents")
     if not isinstance(events, list):
         raise TraceError(f"{path.name} has no traceEvents list")
+    check_meta(meta, path.name)
+    if not all(isinstance(e, dict) for e in events):
+        raise TraceError(f"{path.name}: an entry of traceEvents is not an event (JSON object)")
     return meta, events
 
 
@@ -145,6 +203,8 @@ def read_run_folder(path: str | Path, kind: str, *, allow_missing_ranks: bool = 
     run = read_json_file(run_path, "run metadata") if run_path.exists() else {}
     if run and run.get("format") != fmt.FORMAT:
         raise TraceError(f"{run_path.name} in {path} is not ddpscope run metadata")
+    if run:
+        check_meta(run, f"{path.name}/{run_path.name}", _RunMeta)
     found = str(run.get("kind") or fmt.KIND_DDP)
     if found != kind:
         what = {fmt.KIND_RING: "a ring all-reduce run (see the Ring page)", fmt.KIND_DDP: "a DDP training run",
@@ -160,6 +220,8 @@ def read_run_folder(path: str | Path, kind: str, *, allow_missing_ranks: bool = 
             raise TraceError(f"{files[rank].name} says it is rank {meta.get('rank')}")
         ranks[rank] = (meta, events)
     world = int(run.get("world_size") or max(int(m.get("world_size", 0)) for m, _ in ranks.values()))
+    if not 1 <= world <= MAX_WORLD or max(ranks) >= world:
+        raise TraceError(f"{path}: world size {world} does not fit its rank files (ranks {min(ranks)}..{max(ranks)})")
     missing = sorted(set(range(world)) - set(ranks))
     if missing and not allow_missing_ranks:
         raise TraceError(f"{path}: rank file(s) for rank {', '.join(map(str, missing))} of {world} are missing")
@@ -207,8 +269,10 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
                 continue
             args = e.get("args") or {}
             step = int(args["step"])
-            raw = float(e["ts"])
-            ts, te = align(raw), align(raw + float(e.get("dur", 0.0)))  # both ends: drift applies
+            raw, dur = float(e["ts"]), float(e.get("dur", 0.0))
+            if not (0 <= step < MAX_INDEX and math.isfinite(raw) and math.isfinite(dur) and dur >= 0):
+                raise ValueError(f"step {step}, ts {raw}, dur {dur} out of range")
+            ts, te = align(raw), align(raw + dur)  # both ends: drift applies
             if cat == fmt.CAT_STEP:
                 row = steps.setdefault(step, {"rank": rank, "step": step})
                 row.update(start_us=ts, end_us=te, warmup=bool(args.get("warmup", False)),
@@ -228,16 +292,20 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
                 row["optimizer_start_us"], row["optimizer_end_us"] = ts, te
             elif cat == fmt.CAT_GRAD:
                 p = int(args["param"])
+                if not 0 <= p < (len(names) if names else MAX_INDEX):
+                    raise ValueError(f"parameter index {p} is not one of the {len(names)} parameters")
                 rows["grads"].append({"rank": rank, "step": step, "micro": int(args.get("micro", 0)), "param": p,
-                                      "name": names[p] if 0 <= p < len(names) else e.get("name"), "ready_us": ts})
+                                      "name": names[p] if names else str(e.get("name")), "ready_us": ts})
             elif cat == fmt.CAT_ALLREDUCE:
                 params = list(args.get("params") or [])
+                if not all(isinstance(x, str) for x in params) or not 0 <= int(args["bucket"]) < MAX_INDEX:
+                    raise ValueError(f"bucket {args.get('bucket')!r} with parameters that are not names")
                 rows["buckets"].append({"rank": rank, "step": step, "bucket": int(args["bucket"]),
                                         "bytes": int(args["bytes"]), "num_params": len(params), "params": params,
                                         "launch_us": ts, "done_us": te,
                                         "incomplete": bool(args.get("incomplete", False))})
-    except (KeyError, TypeError, ValueError) as e:
-        raise TraceError(f"rank {rank}: malformed trace event ({type(e).__name__}: {e})") from None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise TraceError(f"rank {rank}: malformed trace event ({type(e).__name__}: {str(e)[:200]})") from None
     by_step: dict[int, list[dict]] = {}
     for (step, _), p in sorted(passes.items()):
         by_step.setdefault(step, []).append(p)

@@ -52,10 +52,16 @@ def load_zero(path: str | Path) -> ZeroTrace:
                 for coll, c in (s.get("comm") or {}).items():
                     comm.append({"rank": rank, "stage": int(s["stage"]), "collective": coll, "calls": int(c["calls"]),
                                  "message_bytes": float(c["message_bytes"]), "volume_bytes": float(c["volume_bytes"])})
-        except (KeyError, TypeError, ValueError) as e:
-            raise TraceError(f"rank-{rank}.json: malformed stage measurement ({type(e).__name__}: {e})") from None
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+            raise TraceError(f"rank-{rank}.json: malformed stage measurement ({type(e).__name__}: {str(e)[:200]})") \
+                from None
     if not rows:
         raise TraceError(f"{path.name} holds no finished ZeRO stage")
+    cfg = run.get("model_config")
+    if run.get("model") == "gpt" and cfg:
+        keys = ("layers", "embd", "block", "batch", "heads")
+        if not isinstance(cfg, dict) or not all(isinstance(cfg.get(k), int) and 1 <= cfg[k] <= 10**7 for k in keys):
+            raise TraceError(f"{path.name}/run.json: model_config needs whole numbers >= 1 for {', '.join(keys)}")
     return ZeroTrace(path=path, run=run, stages=frame_of(rows, ["stage", "rank"]),
                      comm=frame_of(comm, ["stage", "rank", "collective"]))
 
