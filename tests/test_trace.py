@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
 
 import pytest
@@ -107,4 +108,19 @@ def test_a_real_pytorch_profiler_trace_is_recognised_as_another_tools(tmp_path):
     with gzip.open(KINETO / "hta-sampled-2rank" / "rank-0.json.gz") as src, open(folder / "rank-0.json", "wb") as dst:
         shutil.copyfileobj(src, dst)
     with pytest.raises(TraceError, match="not a ddpscope trace"):
+        load_run(folder)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p, src: os.mkfifo(p), "not a regular file"),  # opening it would block the reader
+    (lambda p, src: p.symlink_to(src), "is a link"),
+])
+def test_fifos_and_links_among_rank_files_are_refused_not_opened(tmp_path, make, message):
+    from tests.conftest import SAMPLES
+
+    folder = tmp_path / "run"
+    shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", folder)
+    (folder / "rank-1.json").unlink()
+    make(folder / "rank-1.json", SAMPLES / "mlp-2rank-cap1mb" / "rank-1.json")
+    with pytest.raises(TraceError, match=message):
         load_run(folder)

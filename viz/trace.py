@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,10 +139,16 @@ def clock_alignment(meta: dict):
 
 
 def read_json_file(path: Path, what: str) -> dict:
+    """A JSON object from a regular file: links, FIFOs and devices are refused, never
+    opened (a FIFO would block the reader; a link could point anywhere)."""
     try:
-        size = path.stat().st_size
+        st = path.lstat()
     except OSError as e:
         raise TraceError(f"cannot read {what} {path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a link" if stat.S_ISLNK(st.st_mode) else "not a regular file (a FIFO or device?)"
+        raise TraceError(f"{what} {path.name} is {kind}; refused")
+    size = st.st_size
     if size > MAX_FILE_BYTES:
         raise TraceError(f"{what} {path} is {size / 2**20:.0f} MiB, over the {MAX_FILE_BYTES // 2**20} MiB limit")
     try:
