@@ -43,12 +43,13 @@ def render_timeline(path: Path, trace) -> None:
             show_profile_beside(trace, range(lo, hi + 1), ranks)
     st.subheader("Per rank, medians over non-warm-up steps (ms)")
     st.dataframe(compute_rank_medians(trace).round(2), hide_index=True, key="medians")
-    if (line := straggler_line(trace)) is not None:
+    stragglers = compute_straggler_summary(trace)
+    if (line := straggler_line(stragglers)) is not None:
         st.warning(line.capitalize() + ". The ▼ markers show who each bucket waited for.")
     with st.expander("Every step"):
         st.dataframe(compute_step_breakdown(trace, include_warmup=True).round(2), hide_index=True, key="per_step")
     with st.expander("Stragglers: who the all-reduces waited for (ms)"):
-        st.dataframe(compute_straggler_summary(trace).round(2), hide_index=True, key="stragglers")
+        st.dataframe(stragglers.round(2), hide_index=True, key="stragglers")
     st.subheader("Buckets (medians over non-warm-up steps and ranks)")
     st.dataframe(compute_bucket_table(trace).round(3), hide_index=True, key="buckets")
     st.download_button("Download all ranks as one Perfetto trace (rank 0's clock)",

@@ -4,6 +4,7 @@ saved. Skipped where Chromium or Playwright is absent (.ci/run installs both).""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -36,12 +37,16 @@ def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 90) -> Non
     raise AssertionError("streamlit did not come up")
 
 
-def test_dashboard_renders_the_timeline_for_both_ranks(tmp_path):
+@contextlib.contextmanager
+def dashboard_page(runs: Path):
+    """``streamlit run app.py`` on a free local port with ``runs`` as the runs folder,
+    opened in headless Chromium at its first timeline: yields ``(page, port)``; the
+    server is stopped and its process group ended afterwards."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
          "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
-        cwd=ROOT, env={**os.environ, "DDPSCOPE_RUNS_DIR": str(tmp_path / "runs")},
+        cwd=ROOT, env={**os.environ, "DDPSCOPE_RUNS_DIR": str(runs)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
@@ -53,22 +58,27 @@ def test_dashboard_renders_the_timeline_for_both_ranks(tmp_path):
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 page.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
                 page.wait_for_selector(".js-plotly-plot .barlayer .point", timeout=60_000)
-                ticks = page.eval_on_selector_all(".js-plotly-plot .ytick text", "els => els.map(e => e.textContent)")
-                assert {"rank 0 · compute", "rank 0 · all-reduce", "rank 1 · compute", "rank 1 · all-reduce"} <= set(ticks)
-                bars = page.locator(".js-plotly-plot .barlayer .point").count()
-                assert bars >= 2 * 20  # at least every bucket of both ranks
-                # bars sit on both ranks' lanes: y centres of bars span the plot
-                ys = page.eval_on_selector_all(".js-plotly-plot .barlayer .point path",
-                                               "els => els.map(e => e.getBoundingClientRect().y)")
-                assert max(ys) - min(ys) > 100
-                page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-                assert (tmp_path / "dashboard.png").stat().st_size > 10_000
-                _ring_animation_plays(page, tmp_path)
+                yield page, port
             finally:
                 browser.close()
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_dashboard_renders_the_timeline_for_both_ranks(tmp_path):
+    with dashboard_page(tmp_path / "runs") as (page, port):
+        ticks = page.eval_on_selector_all(".js-plotly-plot .ytick text", "els => els.map(e => e.textContent)")
+        assert {"rank 0 · compute", "rank 0 · all-reduce", "rank 1 · compute", "rank 1 · all-reduce"} <= set(ticks)
+        bars = page.locator(".js-plotly-plot .barlayer .point").count()
+        assert bars >= 2 * 20  # at least every bucket of both ranks
+        # bars sit on both ranks' lanes: y centres of bars span the plot
+        ys = page.eval_on_selector_all(".js-plotly-plot .barlayer .point path",
+                                       "els => els.map(e => e.getBoundingClientRect().y)")
+        assert max(ys) - min(ys) > 100
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+        _ring_animation_plays(page, tmp_path)
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
 
@@ -102,34 +112,14 @@ def test_a_big_profiler_trace_opens_and_draws_its_timeline(tmp_path):
     from benchmarks.kineto import build_trace
 
     build_trace(tmp_path / "runs" / "big-profile", 6)
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
-         "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
-        cwd=ROOT, env={**os.environ, "DDPSCOPE_RUNS_DIR": str(tmp_path / "runs")},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        _wait_healthy(port, proc)
-        with playwright.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
-                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"])
-            try:
-                page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                page.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
-                page.wait_for_selector(".js-plotly-plot .barlayer .point", timeout=60_000)
-                page.locator("[data-testid='stSidebar'] [data-testid='stSelectbox']").first.click()
-                page.get_by_role("option", name="run: big-profile").click()
-                page.wait_for_function(
-                    "() => [...document.querySelectorAll('.js-plotly-plot .ytick text')]"
-                    ".some(e => e.textContent === 'rank 0 · allreduce')", timeout=60_000)
-                ticks = page.eval_on_selector_all(".js-plotly-plot .ytick text", "els => els.map(e => e.textContent)")
-                assert {"rank 0 · compute", "rank 0 · allreduce", "rank 0 · exposed comm"} <= set(ticks)
-                assert page.locator(".js-plotly-plot .barlayer .point").count() > 100  # one step's kernels
-                assert page.get_by_text("1 of 2").count() >= 1  # ranks present of the job
-                page.screenshot(path=str(tmp_path / "profile.png"), full_page=True)
-            finally:
-                browser.close()
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+    with dashboard_page(tmp_path / "runs") as (page, _):
+        page.locator("[data-testid='stSidebar'] [data-testid='stSelectbox']").first.click()
+        page.get_by_role("option", name="run: big-profile").click()
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.js-plotly-plot .ytick text')]"
+            ".some(e => e.textContent === 'rank 0 · allreduce')", timeout=60_000)
+        ticks = page.eval_on_selector_all(".js-plotly-plot .ytick text", "els => els.map(e => e.textContent)")
+        assert {"rank 0 · compute", "rank 0 · allreduce", "rank 0 · exposed comm"} <= set(ticks)
+        assert page.locator(".js-plotly-plot .barlayer .point").count() > 100  # one step's kernels
+        assert page.get_by_text("1 of 2").count() >= 1  # ranks present of the job
+        page.screenshot(path=str(tmp_path / "profile.png"), full_page=True)

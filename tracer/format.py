@@ -27,6 +27,7 @@ def rank_file(rank: int) -> str:
 # reads): RUN/live/rank-<r>.json. On SIGUSR1 a rank of ``ddpscope run`` writes every
 # thread's Python stack to RUN/logs/stacks-rank-<r>.txt (faulthandler).
 LIVE_DIR = "live"
+PROFILE_DIR = "profile"  # ddpscope run --profile: torch.profiler's traces, one per rank
 STACKS_SIGNAL_NAME = "SIGUSR1"
 
 

@@ -19,7 +19,6 @@ import zlib
 from pathlib import Path, PurePosixPath
 
 from tracer import format as fmt
-from viz.profile_check import PROFILE_DIR
 from viz.sources.kineto_file import FILE_RE
 from viz.trace import TraceError
 
@@ -37,8 +36,8 @@ def _wanted(member: str) -> str | None:
     p = PurePosixPath(member)
     if p.is_absolute() or ".." in p.parts:
         raise TraceError(f"the archive holds an unsafe path ({member}); refused")
-    if len(p.parts) >= 2 and p.parts[-2] == PROFILE_DIR and len(p.parts) <= 3 and FILE_RE.match(p.name):
-        return f"{PROFILE_DIR}/{p.name}"  # a profiled run's torch.profiler traces stay beside it
+    if len(p.parts) >= 2 and p.parts[-2] == fmt.PROFILE_DIR and len(p.parts) <= 3 and FILE_RE.match(p.name):
+        return f"{fmt.PROFILE_DIR}/{p.name}"  # a profiled run's torch.profiler traces stay beside it
     if len(p.parts) > 2:
         return None
     return p.name if (p.name == fmt.RUN_FILE or fmt.RANK_FILE_RE.match(p.name) or FILE_RE.match(p.name)) else None

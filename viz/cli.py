@@ -90,7 +90,8 @@ def _summary(path: str, as_json: bool) -> int:
     if trace.source == "ddpscope":
         from viz.stragglers import compute_straggler_summary, straggler_line
 
-        stragglers, line = compute_straggler_summary(trace), straggler_line(trace)
+        stragglers = compute_straggler_summary(trace)
+        line = straggler_line(stragglers)
     if as_json:
         out = {"path": str(trace.path), "source": trace.source, "status": trace.status,
                "world_size": trace.world_size, "bucket_cap_mb": trace.run.get("bucket_cap_mb"),

@@ -116,12 +116,18 @@ def _sorted_per_step(events: pd.DataFrame, shown: pd.DataFrame, column: str, tim
     if len(df) == 0:
         return None, None
     df = df.sort_values([*by, time_col], kind="stable")
+    return df, group_starts(df, by)
+
+
+def group_starts(df: pd.DataFrame, by) -> np.ndarray:
+    """For rows sorted by ``by``: True where a new group begins."""
     first = np.zeros(len(df), bool)
-    first[0] = True
+    if len(df):
+        first[0] = True
     for c in by:
         v = df[c].to_numpy()
         first[1:] |= v[1:] != v[:-1]
-    return df, first
+    return first
 
 
 def shown_passes(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:

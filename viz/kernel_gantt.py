@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from viz.gantt import COLORS, GL_THRESHOLD, TEXT_LIMIT, lane_bars, select_steps
+from viz.gantt import COLORS, GL_THRESHOLD, TEXT_LIMIT, group_starts, lane_bars, select_steps
 from viz.overlap import merge_sorted_runs
 from viz.trace import RunTrace
 
@@ -30,11 +30,7 @@ def _union_by(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     if len(df) == 0:
         return pd.DataFrame(columns=[*by, "start_us", "end_us", "count"])
     df = df.sort_values([*by, "start_us"], kind="stable")
-    first = np.zeros(len(df), bool)
-    first[0] = True
-    for c in by:
-        v = df[c].to_numpy()
-        first[1:] |= v[1:] != v[:-1]
+    first = group_starts(df, by)
     s, e = df["start_us"].to_numpy(float), df["end_us"].to_numpy(float)
     idx, ends = merge_sorted_runs(first, s, e)
     out = df.iloc[idx][by].reset_index(drop=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from tracer.writer import write_bytes_atomic
-from viz.sources import KINETO, MIXED, folder_kind
+from viz.sources import KINETO, readable_kind
 from viz.sources.kineto import load_kineto
 from viz.sources.kineto_file import read_bytes
 from viz.trace import TraceError, clock_alignment, read_run_folder
@@ -23,13 +23,9 @@ from viz.trace import TraceError, clock_alignment, read_run_folder
 def merge_run(path: str | Path) -> dict:
     """The merged Chrome trace (object form) of a run folder of any kind."""
     path = Path(path)
-    kind = folder_kind(path)
+    kind = readable_kind(path)
     if kind == KINETO:
         return merge_kineto(path)
-    if kind == MIXED:
-        raise TraceError(f"{path.name} mixes ddpscope rank files and profiler traces; put them in separate folders")
-    if kind is None:
-        raise TraceError(f"{path} holds no readable ddpscope run (no rank-<r>.json, or bad run.json)")
     run, files, world = read_run_folder(path, kind)
     events = []
     for rank, (meta, rank_events) in files.items():

@@ -20,11 +20,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from tracer import format as fmt
 from viz.sources.kineto import load_kineto
 from viz.sources.kineto_file import FILE_RE
 from viz.trace import RunTrace, TraceError, clock_alignment
 
-PROFILE_DIR = "profile"  # tracer.capture.profile writes there (capture is not imported here)
+PROFILE_DIR = fmt.PROFILE_DIR
 
 
 def profile_folder(trace: RunTrace) -> Path | None:

@@ -83,9 +83,9 @@ def compute_straggler_summary(trace: RunTrace) -> pd.DataFrame:
     return out[cols]
 
 
-def straggler_line(trace: RunTrace, min_ms: float = 1.0) -> str | None:
-    """One sentence naming the rank the others waited for most, or None below ``min_ms``."""
-    s = compute_straggler_summary(trace)
+def straggler_line(s: pd.DataFrame, min_ms: float = 1.0) -> str | None:
+    """One sentence naming the rank the others waited for most (``s``: a
+    ``compute_straggler_summary`` table), or None below ``min_ms``."""
     if len(s) == 0:
         return None
     top = s.sort_values("wait_caused_ms", ascending=False).iloc[0]

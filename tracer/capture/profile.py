@@ -23,7 +23,9 @@ from typing import Callable
 
 import torch
 
-PROFILE_DIR = "profile"
+from tracer import format as fmt
+
+PROFILE_DIR = fmt.PROFILE_DIR
 
 
 def profile_file(rank: int) -> str:

@@ -57,15 +57,19 @@ def folder_kind(path: str | Path) -> str | None:
     return ours or (KINETO if kineto else None)
 
 
-def load_training_trace(path: str | Path) -> RunTrace:
-    """A DDP training trace from a ddpscope run folder or a folder of profiler traces."""
+def readable_kind(path: str | Path) -> str:
+    """``folder_kind``, or a ``TraceError`` for a folder that holds nothing we read or
+    mixes ours with profiler traces (a path that is not a folder: the loaders say so)."""
     path = Path(path)
     kind = folder_kind(path)
-    if kind == KINETO:
-        return load_kineto(path)
     if kind == MIXED:
         raise TraceError(f"{path.name} mixes ddpscope rank files and profiler traces; put them in separate folders")
     if kind is None and path.is_dir():
-        raise TraceError(f"{path} holds neither a ddpscope run (run.json + rank-<r>.json) nor profiler traces "
-                         "(*.json, *.json.gz)")
-    return load_run(path)
+        raise TraceError(f"{path} holds no readable ddpscope run (run.json + rank-<r>.json) and no profiler "
+                         "traces (*.json, *.json.gz)")
+    return kind or fmt.KIND_DDP
+
+
+def load_training_trace(path: str | Path) -> RunTrace:
+    """A DDP training trace from a ddpscope run folder or a folder of profiler traces."""
+    return load_kineto(path) if readable_kind(path) == KINETO else load_run(path)
