@@ -131,6 +131,12 @@ def main() -> None:
             json.dump({"rank": rank, "own": own, "logging": logging, "params_sha256": params_sha256(ddp.module),
                        "bucket_bytes_cap": ddp.bucket_bytes_cap,
                        "rebuilt": ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")}, f)
+        # A clean gloo teardown: every rank done with its last collective, the DDP reducers
+        # (and a comm hook's pending futures) released before their process group goes. Without
+        # it torch 2.13 sometimes aborts one rank at exit ("terminate called without an active
+        # exception"), untraced as well as traced.
+        dist.barrier()
+        del ddp, other, opt
     finally:
         dist.destroy_process_group()
 
