@@ -209,8 +209,8 @@ def show_progress(job) -> None:
 
 def show_outcome(job, where: str) -> None:
     """A finished job: success, or its failing rank, one-line reason and stderr tail."""
-    if job.ok and job.result is not None and job.result.untraced:
-        st.warning(f"{job.out.name}: {job.result.untraced}")
+    if job.ok and job.result is not None and (job.result.untraced or job.result.incomplete):
+        st.warning(f"{job.out.name}: {job.result.untraced or job.result.incomplete}")
     elif job.ok:
         st.success(f"{job.out.name} finished: see it {where}.")
     else:

@@ -28,9 +28,9 @@ def render_timeline(path: Path, trace) -> None:
     cols[1].metric("ranks", run.get("world_size", "?"))
     cols[2].metric("bucket_cap_mb (MiB)", f"{run.get('bucket_cap_mb', float('nan')):g}")
     cols[3].metric("buckets", len(run.get("bucket_layout") or []))
-    cols[4].metric("status", str(run.get("status", "?")))
-    if run.get("status") == "failed":
-        st.warning(f"This run failed: {run.get('error')}. Finished steps are shown.")
+    cols[4].metric("status", trace.status)
+    if trace.unfinished:
+        st.warning(f"This run is {trace.status}: {trace.unfinished}. Finished steps are shown.")
     for note in run.get("notes") or []:
         st.info(f"ddpscope: {note}")
     steps = sorted(int(s) for s in trace.steps["step"].unique())

@@ -534,3 +534,23 @@ def test_a_run_folder_that_cannot_be_read_never_stops_the_page(tmp_path, monkeyp
     assert not at.exception and any("nested too deeply" in e.value for e in at.error)
     at.sidebar.selectbox(key="trace").set_value("run: good").run()
     assert not at.exception and at.dataframe[MEDIANS].value is not None
+
+
+def test_a_run_whose_trace_was_not_finished_says_incomplete_not_complete(tmp_path, monkeypatch):
+    """A rank file still "running" (its last write never came: a full disk, a stopped
+    run) under a run.json that says complete: the page shows it incomplete, with where
+    it stopped, and still draws what was written."""
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", runs / "cut")
+    rank1 = runs / "cut" / "rank-1.json"
+    data = json.loads(rank1.read_text())
+    data["otherData"]["ddpscope"].update(status="running", steps=4)
+    rank1.write_text(json.dumps(data))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90)
+    at.run()
+    at.sidebar.selectbox(key="trace").set_value("run: cut").run()
+    assert not at.exception and not at.error
+    assert _metric(at, "status") == "incomplete"
+    assert any("rank 1 after step 4" in w.value for w in at.warning)
+    assert at.get("plotly_chart") and at.dataframe[MEDIANS].value is not None

@@ -98,7 +98,30 @@ def test_bad_input_raises_one_line_trace_error(tmp_path, setup, message):
 
 def test_missing_ranks_can_be_allowed(tmp_path):
     folder = write_run(tmp_path / "r", {0: (_meta(0), _step_events(0, 0, 0.0))})
-    assert load_run(folder, allow_missing_ranks=True).steps["rank"].tolist() == [0]
+    trace = load_run(folder, allow_missing_ranks=True)
+    assert trace.steps["rank"].tolist() == [0]
+    assert trace.status == "incomplete" and "rank 1 are missing" in trace.unfinished
+
+
+RUN = {"format": "ddpscope-trace", "version": 1, "world_size": 2, "status": "complete"}
+
+
+@pytest.mark.parametrize("rank1, run, status, reason", [
+    ({}, RUN, "complete", None),
+    # its last write never came: the file holds the steps written whole before
+    ({"status": "running", "steps": 1}, RUN, "incomplete", "rank 1 after step 1"),
+    ({"status": "failed", "error": "RuntimeError: boom"}, RUN, "failed", "rank 1 failed: RuntimeError: boom"),
+    ({}, {**RUN, "status": "running"}, "incomplete", "run.json was not finished"),
+    ({}, {**RUN, "status": "incomplete", "error": "the trace is incomplete (rank 1 ...)"}, "incomplete",
+     "the trace is incomplete (rank 1 ...)"),
+    ({"status": "running"}, {**RUN, "status": "failed", "error": "rank 0 was killed"}, "failed", "rank 0 was killed"),
+])
+def test_status_is_complete_only_when_every_file_says_so(tmp_path, rank1, run, status, reason):
+    folder = write_run(tmp_path / "r", {0: (_meta(0), _step_events(0, 0, 0.0)),
+                                        1: (_meta(1, **rank1), _step_events(1, 0, 0.0))}, run)
+    trace = load_run(folder)
+    assert trace.status == status
+    assert trace.unfinished is None if reason is None else reason in trace.unfinished
 
 
 @pytest.mark.skipif(not KINETO.exists(), reason="../shared/data/kineto is absent")

@@ -191,6 +191,8 @@ def launch_command(args: argparse.Namespace) -> int:
     if getattr(result, "untraced", None):
         print(f"{prog}: {result.untraced}", file=sys.stderr)
         return result.returncode
+    if getattr(result, "incomplete", None):  # training is fine: exit 0, and say what was lost
+        print(f"{prog}: warning: {result.incomplete}; what was written is kept in {cfg.out}", file=sys.stderr)
     print(cfg.run / "calibration.json" if args.command == "calibrate" else cfg.out)
     return 0
 

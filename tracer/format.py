@@ -59,6 +59,10 @@ RUNNING = "running"
 COMPLETE = "complete"
 FAILED = "failed"
 UNTRACED = "untraced"  # the script ran, but built nothing ddpscope could trace
+# The files were not finished though the job ended (a rank file still "running", a rank
+# file missing, run.json left "running"): readers say so; the launcher writes it too
+# when it still can.
+INCOMPLETE = "incomplete"
 
 # Ring all-reduce runs (``python -m tracer ring``): ``run.json`` says ``"kind": "ring"``.
 KIND_DDP = "ddp"  # the default when run.json has no "kind"

@@ -94,7 +94,7 @@ def _summary(path: str, as_json: bool) -> int:
         line = straggler_line(stragglers)
     if as_json:
         out = {"path": str(trace.path), "source": trace.source, "status": trace.status,
-               "world_size": trace.world_size, "bucket_cap_mb": trace.run.get("bucket_cap_mb"),
+               "unfinished": trace.unfinished, "world_size": trace.world_size, "bucket_cap_mb": trace.run.get("bucket_cap_mb"),
                "ranks": _by_rank(med)}
         if stragglers is not None:
             out["stragglers"] = _by_rank(stragglers)
@@ -106,6 +106,8 @@ def _summary(path: str, as_json: bool) -> int:
     if hta is None:
         print(f"{trace.path}  status={trace.status}  ranks={trace.world_size}  "
               f"bucket_cap_mb={trace.run.get('bucket_cap_mb')}  (medians over non-warm-up steps, ms)")
+        if trace.unfinished:
+            print(f"{trace.status}: {trace.unfinished}")
     else:
         print(f"{trace.path}  profiler trace, ranks {trace.run['ranks_present']} of {trace.world_size}  "
               "(medians over ProfilerSteps, ms)")

@@ -123,7 +123,42 @@ class RunTrace:
 
     @property
     def status(self) -> str:
-        return str(self.run.get("status", "unknown"))
+        """What the files say of the run: ``complete`` only when run.json and every rank's
+        own file say so; ``failed``; ``incomplete`` (see ``unfinished``); or run.json's."""
+        return run_status(self)[0]
+
+    @property
+    def unfinished(self) -> str | None:
+        """Why the run is failed or incomplete, one line; None if it is complete."""
+        return run_status(self)[1]
+
+
+def run_status(trace: RunTrace) -> tuple[str, str | None]:
+    """``(status, reason)`` from run.json and the ranks' own metadata. Each rank file is
+    rewritten whole while its rank runs, with ``status: running`` until its last write:
+    one still ``running`` when read was never finished (the run is going on, or was
+    stopped, or its trace could not be written: a full disk, a removed folder)."""
+    said = str(trace.run.get("status", "unknown"))
+    if said == fmt.FAILED:
+        return said, str(trace.run.get("error") or "the run failed")
+    if trace.source != "ddpscope":
+        return said, None
+    by = {s: sorted(r for r, m in trace.ranks.items() if m.get("status") == s) for s in (fmt.FAILED, fmt.RUNNING)}
+    if by[fmt.FAILED]:
+        r = by[fmt.FAILED][0]
+        return fmt.FAILED, f"rank {r} failed: {trace.ranks[r].get('error') or 'no reason recorded'}"
+    if by[fmt.RUNNING]:
+        where = ", ".join(f"rank {r} after step {int(trace.ranks[r].get('steps') or 0)}" for r in by[fmt.RUNNING])
+        return fmt.INCOMPLETE, (f"the trace was not finished ({where}): the run is still going, was stopped, "
+                                "or its trace could not be written")
+    missing = sorted(set(range(trace.world_size)) - set(trace.ranks))
+    if missing:
+        return fmt.INCOMPLETE, f"rank file(s) of rank {', '.join(map(str, missing))} are missing"
+    if said == fmt.RUNNING:
+        return fmt.INCOMPLETE, "run.json was not finished: the run is still going, or its launcher was stopped"
+    if said == fmt.INCOMPLETE:
+        return said, str(trace.run.get("error") or "the launcher found the trace unfinished")
+    return said, None
 
 
 def clock_alignment(meta: dict):

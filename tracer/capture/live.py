@@ -73,6 +73,11 @@ class LiveFile:
         self._thread.join(timeout=5)
         self._write()
 
+    def rewrite(self, status: str) -> None:
+        """After ``close``: say another final status (the trace could not be finished)."""
+        self._status = status
+        self._write()
+
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             self._write()

@@ -223,6 +223,8 @@ class DDPTracer:
         try:
             self._writer.close(status=status, error=error, clock_offset=self._meta["clock_offset"])
         except OSError:
+            if self._live is not None:  # the launcher reads it: this rank's trace is not whole
+                self._live.rewrite(fmt.FAILED)
             if not failed and not lost:
                 raise
         if self.rank == 0 and not lost:

@@ -27,6 +27,7 @@ from typing import Callable
 from tracer import format as fmt
 from tracer import options as o
 from tracer.capture.autotrace import CaptureConfig
+from tracer.launch.hangs import read_positions
 from tracer.launch.torchrun import LaunchConfig, LaunchResult, launch
 
 Launcher = Callable[[LaunchConfig, Callable[[int | None, str], None]], LaunchResult]
@@ -428,13 +429,36 @@ def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int, on_
     elif node_rank != 0 and run.get("status") == fmt.RUNNING:  # rank 0 wrote the run's metadata elsewhere
         run.update({"status": fmt.COMPLETE, "node_rank": node_rank,
                     "note": "ranks of one node; the run's metadata is in node 0's run.json"})
-    elif run.get("status") == fmt.RUNNING and out.is_dir():  # the ranks could not finish their trace
-        run.update({"status": fmt.FAILED, "error": "the trace could not be finished (written in part)"})
+    elif out.is_dir() and (unfinished := unfinished_ranks(out, run)) is not None:
+        # the job ran to its end, its trace did not (a full disk, a file that could not be
+        # replaced): what was written stays readable, and is said to be incomplete
+        result.incomplete = f"the trace is incomplete ({unfinished}); the job ran to its end"
+        run.update({"status": fmt.INCOMPLETE, "error": result.incomplete})
     try:
         write_json_atomic(run_path, run)
     except OSError:
         pass  # the folder went away or cannot be written: the CLI says so (run_job)
     return result
+
+
+def unfinished_ranks(out: Path, run: dict) -> str | None:
+    """After a job that ended well: which ranks did not finish their trace ("rank 1
+    stopped tracing at step 12"), from their live files (small: never the rank files), or None. A rank
+    whose live file is missing or not ``complete`` never closed its trace; a run.json still
+    ``running`` means rank 0 could not write its last one."""
+    if run.get("kind", fmt.KIND_DDP) != fmt.KIND_DDP:  # ring and ZeRO jobs keep no live files
+        return "run.json was not finished" if run.get("status") == fmt.RUNNING else None
+    if not any(fmt.RANK_FILE_RE.match(p.name) for p in out.iterdir()):
+        return None  # nothing was traced (no DDP model): run_job says so
+    live = read_positions(out)
+    world = int(run.get("world_size") or 0) or int(run.get("nproc_per_node") or 0) * int(run.get("nnodes") or 1)
+    bad = [r for r in range(world) if live.get(r, {}).get("status") != fmt.COMPLETE]
+    if not bad and run.get("status") != fmt.RUNNING:
+        return None
+    if not bad:
+        return "rank 0 could not write run.json"
+    return ", ".join(f"rank {r} stopped tracing at step {live[r].get('steps_done', '?')}" if r in live else
+                     f"rank {r} wrote no live file" for r in bad)
 
 
 def _logged_progress(log_dir: Path) -> list[dict]:

@@ -81,6 +81,7 @@ class LaunchResult:
     reason: str | None = None  # one line
     stderr_tail: str = ""
     untraced: str | None = None  # the job ran, but nothing could be traced: why
+    incomplete: str | None = None  # the job ran to its end, its trace did not: which ranks stopped where
     hung: bool = False  # the hang watchdog stopped it
     how: str | None = None  # how the failed rank ended: "SIGKILL", "exit code 3", "RuntimeError: ..."
     where: str | None = None  # what it last recorded: "step 12, backward"
