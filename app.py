@@ -56,7 +56,7 @@ except TraceError as e:
 # -- the pages ------------------------------------------------------------------------------
 timeline_tab, compare_tab, whatif_tab, run_tab, ring_tab, memory_tab = st.tabs(
     ["Timeline", "Compare runs", "What-if", "Run", "Ring all-reduce", "Memory (ZeRO)"])
-with run_tab:  # laid out first (it shows third): a click on Run starts the job before the other pages draw
+with run_tab:
     render_run(path, trace, jobs, busy, command_policy())
 with timeline_tab:
     if trace is not None:

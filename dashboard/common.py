@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import streamlit as st
 
@@ -222,14 +223,32 @@ def show_outcome(job, where: str) -> None:
             st.code(job.result.stderr_tail, language=None)
 
 
-def start_job(start, **settings) -> None:
-    """Start a run from a button (``start``: a ``JobManager`` method); messages on the page."""
+def job_button(label: str, key: str, start: Callable, settings: Callable[[], dict], *, disabled: bool,
+               **button_kw) -> None:
+    """A button that starts a job (``start``: a ``JobManager`` method, called with
+    ``settings()``, the settings this page shows). It starts the job from the click's
+    callback, which Streamlit runs before drawing the page: a click from a page drawn
+    before another job began is answered ("a run is already going"), where a button
+    drawn disabled on the rerun would drop it. The outcome shows under the button."""
+    st.button(label, key=key, disabled=disabled, on_click=_start_from_click, args=(key, start, settings),
+              **button_kw)
+    said = st.session_state.pop(f"{key}__said", None)
+    if said is not None:
+        (st.error if said[0] == "error" else st.info)(said[1])
+
+
+def widget_now(key: str, drawn):
+    """A widget's value as the user has just set it: a click's callback runs before the
+    page is drawn again (``drawn``: its value on the page drawn before, if it has none)."""
+    return st.session_state.get(key, drawn)
+
+
+def _start_from_click(key: str, start: Callable, settings: Callable[[], dict]) -> None:
     try:
-        started = start(**settings)
-    except ValueError as e:
-        st.error(str(e))
+        started = start(**settings())
+    except ValueError as e:  # a bad setting, named; nothing started
+        st.session_state[f"{key}__said"] = ("error", str(e))
         return
     if started is None:
-        st.info("A run is already going; it continues.")
-    else:
-        st.rerun()  # show the buttons disabled and the progress at once
+        st.session_state[f"{key}__said"] = ("info", "A run is already going; it continues. This click started "
+                                                    "nothing.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard.common import runs_dir, load_zero_trace, of_kind, pick_run, start_job
+from dashboard.common import job_button, load_zero_trace, of_kind, pick_run, runs_dir, widget_now
 from tracer.launch.jobs import JobManager
 from viz.zero_figures import UNITS, make_zero_projection_figure, make_zero_run_figure
 from viz.zero_model import (PRECISIONS, PRESETS, Precision, compute_zero_memory, largest_model,
@@ -35,8 +35,10 @@ def render_memory(all_runs: dict, jobs: JobManager, busy: bool) -> None:
         c = st.columns(3)
         z_model = c[0].selectbox("model", ["gpt", "mlp"], key="zero_run_model")
         z_nproc = c[1].slider("ranks", 2, 4, 2, key="zero_run_nproc")
-        if c[2].button("Run ZeRO stages 0-3", key="zero_run_button", disabled=busy):
-            start_job(jobs.start_zero, model=z_model, nproc=z_nproc)
+        with c[2]:
+            job_button("Run ZeRO stages 0-3", "zero_run_button", jobs.start_zero,
+                       lambda: dict(model=widget_now("zero_run_model", z_model),
+                                    nproc=widget_now("zero_run_nproc", z_nproc)), disabled=busy)
     _, zt = pick_run(of_kind(all_runs, "zero"), "ZeRO run", "zero_trace", load_zero_trace,
                      f"No ZeRO runs yet. Make one with: ddpscope zero --nproc 2 --model gpt "
                      f"--out {runs_dir() / 'zero'}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard.common import runs_dir, load_ring_trace, of_kind, pick_run, start_job
+from dashboard.common import job_button, load_ring_trace, of_kind, pick_run, runs_dir, widget_now
 from tracer.launch.jobs import JobManager
 from viz.ring import compute_ring_step_times, compute_ring_summary, default_round
 from viz.ring_anim import make_ring_animation_figure, make_ring_step_figure
@@ -19,8 +19,10 @@ def render_ring(all_runs: dict, jobs: JobManager, busy: bool) -> None:
         r_mb = c[1].select_slider("tensor (MiB)", options=[0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0],
                                   value=4.0, key="ring_run_mb")
         r_repeat = c[2].slider("rounds", 1, 20, 5, key="ring_run_repeat")
-        if c[3].button("Run ring", key="ring_run_button", disabled=busy):
-            start_job(jobs.start_ring, nproc=r_nproc, mb=r_mb, repeat=r_repeat)
+        with c[3]:
+            job_button("Run ring", "ring_run_button", jobs.start_ring,
+                       lambda: dict(nproc=widget_now("ring_run_nproc", r_nproc), mb=widget_now("ring_run_mb", r_mb),
+                                    repeat=widget_now("ring_run_repeat", r_repeat)), disabled=busy)
     ring_path, ring = pick_run(of_kind(all_runs, "ring"), "Ring trace", "ring_trace", load_ring_trace,
                                f"No ring traces yet. Make one with: ddpscope ring --nproc 4 --mb 4 "
                                f"--out {runs_dir() / 'ring'}")

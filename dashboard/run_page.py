@@ -9,8 +9,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from dashboard.common import CommandPolicy, label_of, load_trace, show_outcome, show_progress, stamp_of, \
-    start_job, uploads_dir
+from dashboard.common import CommandPolicy, job_button, label_of, load_trace, show_outcome, show_progress, \
+    stamp_of, uploads_dir, widget_now
 from dashboard.timeline_page import show_comparison
 from tracer.launch.jobs import JobManager
 from tracer.launch.runner import file_sha256
@@ -74,11 +74,11 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
     nproc = c[2].slider("world size", 1, 4, key="run_nproc")
     if blocked:
         st.info(f"Rerun is off: {blocked}.")
-    if st.button(f"Rerun with bucket_cap_mb = {cap:g}", key="run_button", disabled=busy or bool(blocked),
-                 type="primary"):
-        settings = {"demo": source["demo"]} if "demo" in source else {"script": source["script"],
-                                                                         "cwd": source["cwd"]}
-        start_job(jobs.start, nproc=nproc, bucket_cap_mb=cap, steps=steps, source=path, **settings)
+    what = {"demo": source["demo"]} if "demo" in source else {"script": source["script"], "cwd": source["cwd"]}
+    job_button(f"Rerun with bucket_cap_mb = {cap:g}", "run_button", jobs.start,
+               lambda: dict(nproc=widget_now("run_nproc", nproc), bucket_cap_mb=widget_now("run_cap", cap),
+                            steps=widget_now("run_steps", steps), source=path, **what),
+               disabled=busy or bool(blocked), type="primary")
 
 
 def _new_command(jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
@@ -91,14 +91,17 @@ def _new_command(jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
     cap = c[2].select_slider("bucket_cap_mb (MiB)", options=["script's own", *CAP_OPTIONS], key="new_cap",
                              disabled=not policy.allowed)
     steps = c[3].slider("steps", 3, 50, 10, key="new_steps", disabled=not policy.allowed)
-    if st.button("Start", key="new_button", disabled=busy or not policy.allowed):
+    def settings() -> dict:
         try:
-            argv = shlex.split(command)
+            argv = shlex.split(widget_now("new_cmd", command))
         except ValueError as e:
-            st.error(f"cannot read the command: {e}")
-            return
-        start_job(jobs.start, script=argv, cwd=cwd, nproc=nproc, steps=steps,
-                  bucket_cap_mb=None if cap == "script's own" else float(cap))
+            raise ValueError(f"cannot read the command: {e}") from None
+        chosen = widget_now("new_cap", cap)
+        return dict(script=argv, cwd=widget_now("new_cwd", cwd), nproc=widget_now("new_nproc", nproc),
+                    steps=widget_now("new_steps", steps),
+                    bucket_cap_mb=None if chosen == "script's own" else float(chosen))
+
+    job_button("Start", "new_button", jobs.start, settings, disabled=busy or not policy.allowed)
 
 
 @st.fragment(run_every=0.5)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dashboard.common import CommandPolicy, first_real_step, label_of, load_trace, stamp_of, start_job
+from dashboard.common import CommandPolicy, first_real_step, job_button, label_of, load_trace, stamp_of, \
+    widget_now
 from dashboard.run_page import rerun_source
 from tracer.launch.jobs import JobManager
 from viz.gantt import make_timeline_figure, timeline_extent_ms
@@ -135,13 +136,13 @@ def _run_at_cap(path: Path, trace, cap: float, jobs: JobManager, busy: bool, pol
                    None if policy.allowed else "starting commands is off (see the Run tab)")
     if blocked:
         st.info(f"Run at this cap is off: {blocked}.")
-    if st.button(f"Run at bucket_cap_mb = {cap:g}", key="predict_run", disabled=busy or bool(blocked),
-                 type="primary", help="Runs it for real (the live loop); when it ends it shows on the curve "
-                                      "and beside the prediction."):
-        settings = {"demo": source["demo"]} if "demo" in source else {"script": source["script"],
-                                                                         "cwd": source["cwd"]}
-        steps = int(min(max(trace.run.get("steps") or 10, 3), 50))
-        start_job(jobs.start, nproc=source["nproc"], bucket_cap_mb=float(cap), steps=steps, source=path, **settings)
+    what = {"demo": source["demo"]} if "demo" in source else {"script": source["script"], "cwd": source["cwd"]}
+    steps = int(min(max(trace.run.get("steps") or 10, 3), 50))
+    job_button(f"Run at bucket_cap_mb = {cap:g}", "predict_run", jobs.start,
+               lambda: dict(nproc=source["nproc"], bucket_cap_mb=float(widget_now("predict_cap", cap)), steps=steps,
+                            source=path, **what),
+               disabled=busy or bool(blocked), type="primary",
+               help="Runs it for real (the live loop); when it ends it shows on the curve and beside the prediction.")
 
 
 def _projection(path: Path, stamp: float, trace) -> None:

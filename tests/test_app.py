@@ -554,3 +554,18 @@ def test_a_run_whose_trace_was_not_finished_says_incomplete_not_complete(tmp_pat
     assert _metric(at, "status") == "incomplete"
     assert any("rank 1 after step 4" in w.value for w in at.warning)
     assert at.get("plotly_chart") and at.dataframe[MEDIANS].value is not None
+
+
+@pytest.mark.ddp
+def test_a_click_from_a_page_drawn_before_a_run_began_is_answered_not_dropped(app, tmp_path):
+    """Two tabs: the second was drawn while nothing ran (its Run button enabled). Its
+    click while the first tab's run goes on says so, and starts nothing."""
+    other = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not other.button(key="run_button").disabled
+    app.slider(key="run_steps").set_value(3)
+    app.button(key="run_button").click().run()
+    assert app.get("progress") and app.button(key="run_button").disabled
+    other.button(key="run_button").click().run()
+    assert any("A run is already going" in i.value for i in other.info)
+    _wait_for_job(app)
+    assert len([p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]) == 1

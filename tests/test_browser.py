@@ -40,8 +40,9 @@ def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 90) -> Non
 @contextlib.contextmanager
 def dashboard_page(runs: Path):
     """``streamlit run app.py`` on a free local port with ``runs`` as the runs folder,
-    opened in headless Chromium at its first timeline: yields ``(page, port)``; the
-    server is stopped and its process group ended afterwards."""
+    opened in headless Chromium at its first timeline: yields ``(page, port, server)``
+    (``server``: the streamlit process); the server is stopped and its process group
+    ended afterwards."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
@@ -58,7 +59,7 @@ def dashboard_page(runs: Path):
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 page.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
                 page.wait_for_selector(".js-plotly-plot .barlayer .point", timeout=60_000)
-                yield page, port
+                yield page, port, proc
             finally:
                 browser.close()
     finally:
@@ -67,7 +68,7 @@ def dashboard_page(runs: Path):
 
 
 def test_dashboard_renders_the_timeline_for_both_ranks(tmp_path):
-    with dashboard_page(tmp_path / "runs") as (page, port):
+    with dashboard_page(tmp_path / "runs") as (page, port, _):
         ticks = page.eval_on_selector_all(".js-plotly-plot .ytick text", "els => els.map(e => e.textContent)")
         assert {"rank 0 · compute", "rank 0 · all-reduce", "rank 1 · compute", "rank 1 · all-reduce"} <= set(ticks)
         bars = page.locator(".js-plotly-plot .barlayer .point").count()
@@ -112,7 +113,7 @@ def test_a_big_profiler_trace_opens_and_draws_its_timeline(tmp_path):
     from benchmarks.kineto import build_trace
 
     build_trace(tmp_path / "runs" / "big-profile", 6)
-    with dashboard_page(tmp_path / "runs") as (page, _):
+    with dashboard_page(tmp_path / "runs") as (page, _, _):
         page.locator("[data-testid='stSidebar'] [data-testid='stSelectbox']").first.click()
         page.get_by_role("option", name="run: big-profile").click()
         page.wait_for_function(

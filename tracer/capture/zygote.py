@@ -25,6 +25,7 @@ import sys
 import time
 
 _T0 = time.perf_counter()
+_PARENT = os.getppid()
 import torch  # noqa: E402  - the point of this process
 import torch.distributed  # noqa: E402,F401
 import torch.distributed.elastic.multiprocessing.errors  # noqa: E402,F401  (scripts' @record)
@@ -48,6 +49,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if os.getppid() != _PARENT:  # it died while torch was imported: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def serve() -> None:

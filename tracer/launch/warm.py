@@ -49,14 +49,28 @@ class WarmLauncher:
             root = str(Path(__file__).resolve().parents[2])
             path = os.environ.get("PYTHONPATH")
             env = {**os.environ, **self._env, "PYTHONPATH": root + (os.pathsep + path if path else "")}
-            self._events = queue.Queue()
-            self._proc = subprocess.Popen(
+            self._events, self.ready_s = queue.Queue(), None
+            spawned: queue.Queue[subprocess.Popen | BaseException] = queue.Queue()
+            # Started from a thread of its own that lives as long as the zygote: the zygote
+            # dies with the thread that started it (PR_SET_PDEATHSIG follows the parent
+            # *thread*), and the caller's may be short-lived (each Streamlit page run has
+            # its own: a zygote started there died when the page finished drawing).
+            threading.Thread(target=self._spawn_and_read, args=(env, self._events, spawned), daemon=True,
+                             name="ddpscope-zygote").start()
+            got = spawned.get()
+            if isinstance(got, BaseException):
+                raise got
+            self._proc = got
+
+    def _spawn_and_read(self, env: dict, events: queue.Queue, spawned: queue.Queue) -> None:
+        try:
+            proc = subprocess.Popen(
                 [sys.executable, "-m", "tracer.capture.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, env=env, start_new_session=True, bufsize=0)
-            threading.Thread(target=self._read, args=(self._proc, self._events), daemon=True,
-                             name="ddpscope-zygote").start()
-
-    def _read(self, proc: subprocess.Popen, events: queue.Queue) -> None:
+        except BaseException as e:  # noqa: BLE001 - handed to start(), which raises it
+            spawned.put(e)
+            return
+        spawned.put(proc)
         for raw in proc.stdout:
             try:
                 msg = json.loads(raw)
@@ -65,6 +79,7 @@ class WarmLauncher:
             if msg.get("event") == "ready":
                 self.ready_s = msg.get("import_s")
             events.put(msg)
+        proc.wait()  # reaped here: the zygote leaves no zombie
         events.put(None)  # the zygote is gone
 
     def _wait_ready(self, timeout_s: float) -> bool:

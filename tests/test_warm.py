@@ -1,0 +1,56 @@
+"""The warm launcher: one zygote with torch imported, ranks forked from it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from tests.conftest import processes_mentioning
+from tracer.launch.runner import RunConfig, run_job
+from tracer.launch.warm import WarmLauncher
+
+pytestmark = pytest.mark.ddp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_zygote_started_from_a_short_lived_thread_stays_warm_and_runs_jobs(tmp_path):
+    """Each Streamlit page run has a thread of its own, gone when the page is drawn. The
+    zygote must outlive it (it dies with the thread that started it, PR_SET_PDEATHSIG):
+    it did not, and every dashboard rerun paid a cold start, or lost the race and failed
+    ("the zygote died under the job")."""
+    launcher = WarmLauncher()
+
+    def page_run() -> None:  # starts the zygote, ends once it is warm (a page drawn after torch imported)
+        launcher.start()
+        deadline = time.monotonic() + 120
+        while launcher.ready_s is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=page_run, name="page-run")
+    thread.start()
+    thread.join()
+    try:
+        assert launcher.ready_s is not None, "the zygote never became ready"
+        pid = launcher._proc.pid
+        time.sleep(1.0)
+        assert _alive(pid), "the zygote died with the thread that started it"
+        for k in range(2):  # two jobs from the same warm zygote
+            result = run_job(RunConfig(out=tmp_path / f"run{k}", demo="mlp", nproc=2, steps=3, bucket_cap_mb=1.0),
+                             launcher=launcher.launch)
+            assert result.ok, result.reason
+            assert launcher._proc.pid == pid and (tmp_path / f"run{k}" / "rank-1.json").exists()
+    finally:
+        launcher.close()
+    assert not _alive(pid)  # reaped: no zombie either
+    assert processes_mentioning(str(tmp_path)) == []
+    assert pid not in [int(p) for p in os.listdir("/proc") if p.isdigit()]
