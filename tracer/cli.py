@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("run", help="a traced DDP run folder")
     o.add_arguments(c, CalibrateConfig)
     o.add_arguments(c, _Verbose)
+    sub.add_parser("build", help="build the compiled capture (--capture compiled) once for this torch",
+                   description="Build ddpscope's C++ extension for this torch and Python into the cache folder "
+                               "($DDPSCOPE_CACHE, else ~/.cache/ddpscope): once, under a file lock. `ddpscope run "
+                               "--capture compiled` builds it when missing; run this ahead on clusters whose nodes "
+                               "share the cache.")
     d = sub.add_parser("dashboard", help="open the dashboard on a runs folder",
                        description="Open the ddpscope dashboard (Streamlit) on a runs folder.")
     d.add_argument("runs_dir", nargs="?", default="runs",
@@ -234,12 +239,24 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def build_command() -> int:
+    from tracer.launch.native import build_native
+
+    result = build_native(lambda line: print(line, file=sys.stderr, flush=True))
+    if not result["ok"]:
+        return 1
+    print(result["library"])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("run", "ring", "zero", "calibrate"):
         return launch_command(args)
     if args.command == "dashboard":
         return dashboard_command(args)
+    if args.command == "build":
+        return build_command()
     from viz.cli import run_viz_command
 
     return run_viz_command(args, prog=f"{PROG} {args.command}")

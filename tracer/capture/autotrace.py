@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from tracer import format as fmt
 
-from tracer.options import BUCKET_CAP_MB, OUT, STEPS, check_fields
+from tracer.options import BUCKET_CAP_MB, CAPTURE, OUT, STEPS, check_fields
 from tracer.progress import emit_progress
 from tracer.writer import update_run_json
 
@@ -62,6 +62,7 @@ class CaptureConfig:
     progress: rank 0 prints a progress line per step for the launcher.
     exit_grace_s: after ``steps``, how long the script may take to unwind (seconds).
     profile_steps: also run torch.profiler on this many first traced steps (None: off).
+    capture: how bucket all-reduces are timed (``TracerConfig.capture``).
     """
 
     out: str = OUT.field()
@@ -70,6 +71,7 @@ class CaptureConfig:
     progress: bool = True
     exit_grace_s: float = 30.0
     profile_steps: int | None = None
+    capture: str = CAPTURE.field()
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -117,7 +119,8 @@ class Session:
         facts = {"capture_times_us": self.times_us, "capture": "ddpscope run", "bucket_cap_mb_script": script_cap,
                  "bucket_cap_mb_requested": self.config.bucket_cap_mb if overridden else None,
                  "steps_requested": self.config.steps, "notes": self.notes}
-        tracer = DDPTracer(ddp, "auto", TracerConfig(out_dir=self.config.out, run_meta=facts), on_step=self.on_step)
+        tracer = DDPTracer(ddp, "auto", TracerConfig(out_dir=self.config.out, run_meta=facts,
+                                                           capture=self.config.capture), on_step=self.on_step)
         try:
             tracer.__enter__()
         except Exception as e:  # noqa: BLE001 - training goes on, untraced

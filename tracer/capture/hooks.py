@@ -33,6 +33,8 @@ class CommHookState:
         self.keep_work = False
         self.inner: tuple[Callable, Any] | None = None
         self.user_hook = False  # the script registered a hook (DDP takes one)
+        self.registered = False  # ours is DDP's hook (the compiled capture registers none)
+        self.before_register: Callable[[], None] | None = None  # the compiled capture steps aside
 
 
 def _first_tensor(value: Any) -> torch.Tensor:
@@ -72,16 +74,28 @@ traced_allreduce_hook.__annotations__.update(
 )
 
 
+def _register(ddp: DDP, state: CommHookState) -> None:
+    if not state.registered:
+        if state.before_register is not None:
+            state.before_register()
+        DDP.register_comm_hook(ddp, state, traced_allreduce_hook)  # DDP's own, not our shadow
+        state.registered = True
+
+
 class CommHookTaken(RuntimeError):
     """The model's communication hook was registered before ddpscope could wrap it."""
 
 
-def attach_comm_hook(ddp: DDP) -> CommHookState:
+def attach_comm_hook(ddp: DDP, register: bool = True) -> CommHookState:
     """Register the traced hook on ``ddp`` once; later tracers reuse its state. A hook the
     script registers afterwards (``register_comm_hook`` or a built-in one) is wrapped:
-    ours calls it and times its future."""
+    ours calls it and times its future. ``register=False`` (the compiled capture times
+    the all-reduces itself): ours is registered only when the script registers one, its
+    hook's collectives may bypass the reducer's process group."""
     state = getattr(ddp, _STATE_ATTR, None)
     if state is not None:
+        if register:
+            _register(ddp, state)
         return state
     if getattr(ddp, "_comm_hooks", None):
         hook = ddp._comm_hooks[0][0]
@@ -91,7 +105,8 @@ def attach_comm_hook(ddp: DDP) -> CommHookState:
             "(ddpscope then wraps and times your hook), or run the script under `ddpscope run`"
         )
     state = CommHookState(ddp.process_group)
-    ddp.register_comm_hook(state, traced_allreduce_hook)
+    if register:
+        _register(ddp, state)
     setattr(ddp, _STATE_ATTR, state)
 
     def claim() -> None:
@@ -104,6 +119,7 @@ def attach_comm_hook(ddp: DDP) -> CommHookState:
         inside ddpscope's, which times the future it returns."""
         ddp._check_comm_hook(hook)
         claim()
+        _register(ddp, state)
         if ddp.logger is not None:
             ddp.logger._set_comm_hook_name(hook.__qualname__)
         ddp._comm_hooks.append((hook, state_))

@@ -101,6 +101,9 @@ class StepRecorder:
         self.device = params[0].device if params else torch.device("cpu")
         self.steps_written = 0
         self.on_close = on_close  # after a step closed (training thread); may raise to stop
+        # the compiled capture (compiled.CompiledBuckets): it times the all-reduces, handed
+        # to the step once DDP waited for them; None: the Python hook calls on_bucket_launch
+        self.bucket_source = None
 
     # -- hooks ------------------------------------------------------------------
     def on_forward_start(self, sync: bool = True) -> None:
@@ -165,6 +168,8 @@ class StepRecorder:
         p = self._active_pass()
         if p is not None:
             p.sync_end = self.clock.stamp()
+            if self.bucket_source is not None and p.sync:
+                self.bucket_source.take(self.current)
         if self.current is not None:
             self.current.active = None
 
@@ -228,7 +233,13 @@ class StepRecorder:
         cur = self.current
         self.current = None
         cur.end = now
+        source = self.bucket_source
+        if source is not None:
+            source.take(cur)  # all-reduces not yet handed over (a step that ended early)
         cur.memory = measure_memory(self.params, self.optimizer, cur.buffers.values(), self._params_bytes)
+        if source is not None and cur.buckets:  # no buffers seen: DDP's buckets are extra unless grads view them
+            cur.memory["bucket_buffers_bytes"] = 0 if source.ddp.gradient_as_bucket_view else \
+                sum(b.nbytes for b in cur.buckets)
         self.pending.append(cur)
         self._resolve(len(self.pending) - self.clock.lag_steps)
         if self.on_close is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tracer import format as fmt
 from tracer.capture.clock import make_clock
+from tracer.capture.compiled import CompiledBuckets, load_extension, usable
 from tracer.capture.hooks import HookHandles, attach_comm_hook, attach_hooks, reducer_params
 from tracer.capture.live import LiveFile
 from tracer.capture.offsets import ClockOffset, estimate_offsets
@@ -38,6 +40,7 @@ from tracer.writer import TraceWriter, read_json, write_json_atomic
 
 NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 TEST_FAIL_ENV = "DDPSCOPE_TEST_TRACER_FAIL"  # test-only: this rank's tracer cannot start
+CAPTURES = ("python", "compiled")
 
 
 @dataclass(kw_only=True)
@@ -51,6 +54,9 @@ class TracerConfig:
     sync_timeout_s: how long the tracer's own collectives (start, end) wait for a peer.
     flush_interval_s: the writer rewrites the file at most this often (seconds).
     run_meta: extra JSON-able facts about the run (model name, batch size, ...).
+    capture: how bucket all-reduces are timed: ``"python"`` (a communication hook) or
+        ``"compiled"`` (a C++ process group beside the reducer, ``compiled.py``; the
+        Python hook where it cannot be had, said once and recorded in the metadata).
     """
 
     out_dir: Path | str
@@ -59,9 +65,12 @@ class TracerConfig:
     sync_timeout_s: float = 60.0
     flush_interval_s: float = 0.25
     run_meta: dict = field(default_factory=dict)
+    capture: str = "python"
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
+        if self.capture not in CAPTURES:
+            raise ValueError(f"--capture must be one of {', '.join(CAPTURES)}, got {self.capture!r}")
         if self.step_boundary not in ("auto", "explicit"):
             raise ValueError(f"step_boundary must be 'auto' or 'explicit', got {self.step_boundary!r}")
         if not 1 <= self.offset_rounds <= 1000:
@@ -100,6 +109,8 @@ class DDPTracer:
         self._on_step = on_step
         self._live: LiveFile | None = None
         self._closed = False
+        self._compiled: CompiledBuckets | None = None
+        self.capture_note: str | None = None
 
     # -- lifecycle ----------------------------------------------------------------
     def __enter__(self) -> "DDPTracer":
@@ -107,6 +118,8 @@ class DDPTracer:
             return self._attach()
         except BaseException:  # leave nothing half-attached: no hooks, no writer thread
             self._handles.remove()
+            if self._compiled is not None:
+                self._compiled.detach()
             if self._comm_state is not None:
                 self._comm_state.recorder = None
             if self._writer is not None:  # it holds no step: leave no file that says otherwise
@@ -121,12 +134,13 @@ class DDPTracer:
         if not dist.is_initialized():
             raise RuntimeError("DDPTracer needs an initialized process group (dist.init_process_group)")
         cfg = self.config
-        # First, before any collective: a hook registered earlier cannot be wrapped.
-        comm_state = attach_comm_hook(self.model)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.backend = dist.get_backend(self.model.process_group)
         names, params = reducer_params(self.model)
         device = params[0].device if params else torch.device("cpu")
+        ext, self.capture_note = self._compiled_extension(device)
+        # First, before any collective: a hook registered earlier cannot be wrapped.
+        comm_state = attach_comm_hook(self.model, register=ext is None)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.backend = dist.get_backend(self.model.process_group)
         self.clock = make_clock(device)
         # The tracer's own gloo group: host clocks are compared on the host (beside NCCL
         # too), and its short timeout bounds how long a rank waits for a peer that died.
@@ -148,6 +162,7 @@ class DDPTracer:
             "param_dtypes": [str(p.dtype).removeprefix("torch.") for p in params],
             "bucket_layouts": [], "steps": 0,
             "step_boundary": cfg.step_boundary, "torch_version": torch.__version__,
+            "capture_path": "python" if ext is None else "compiled", "capture_path_note": self.capture_note,
         }
         problem = None
         try:  # local set-up; every rank must succeed, or none traces (see below)
@@ -175,12 +190,41 @@ class DDPTracer:
         comm_state.keep_work = nccl_timing
         comm_state.recorder = self._recorder
         self._comm_state = comm_state
+        if ext is not None:
+            self._compiled = CompiledBuckets(ext, self.model, self._recorder, getattr(self.clock, "_skew_us", 0.0))
+            self._recorder.bucket_source = self._compiled.attach()
+            comm_state.before_register = self._python_capture  # the script's own hook: timed in Python
         attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles)
         try:  # where this rank is, for the launcher's hang watchdog (optional: never fatal)
             self._live = LiveFile(cfg.out_dir, self.rank, self._recorder)
         except OSError:
             self._live = None
         return self
+
+    def _compiled_extension(self, device: torch.device):
+        """``(extension, None)`` for the compiled capture, or ``(None, why not)``; the
+        reason is said once (rank 0) when the compiled capture was asked for by name."""
+        if self.config.capture == "python":
+            return None, None
+        ext, why = load_extension()
+        why = why or usable(device)
+        if why is not None:
+            if self.config.capture == "compiled" and dist.get_rank() == 0:
+                print(f"ddpscope: {why}; bucket all-reduces are timed by a Python hook", file=sys.stderr, flush=True)
+            return None, why
+        return ext, None
+
+    def _python_capture(self) -> None:
+        """The script registers its own communication hook: its collectives may not go
+        through the reducer's group, so ours (Python) wraps and times it from here on."""
+        if self._compiled is not None:
+            self._compiled.detach()
+            if self._recorder is not None:
+                self._recorder.bucket_source = None
+            self._meta["capture_path"] = "python"
+            self._meta["capture_path_note"] = "the script registered a communication hook: timed in Python"
+            if self._writer is not None:
+                self._writer.set_meta(capture_path="python", capture_path_note=self._meta["capture_path_note"])
 
     def step(self) -> None:
         """End the current step here (needed with ``step_boundary="explicit"``)."""
@@ -206,6 +250,8 @@ class DDPTracer:
                 self._recorder.finish(aborted=failed)
         finally:
             self._handles.remove()
+            if self._compiled is not None:
+                self._compiled.detach()  # DDP's reducer gets its own process group back
             if self._comm_state is not None:
                 self._comm_state.recorder = None
         status = fmt.FAILED if failed else fmt.COMPLETE
@@ -257,7 +303,10 @@ class DDPTracer:
         and the file on disk keeps the steps written whole before."""
         if self._comm_state is not None:
             self._comm_state.recorder = None  # the comm hook passes all-reduces through untimed
+        if self._compiled is not None:
+            self._compiled.detach()
         if self._recorder is not None:
+            self._recorder.bucket_source = None
             self._recorder.emit = lambda events, layouts: None
             self._recorder.pending.clear()
         if self._live is not None:
@@ -292,6 +341,7 @@ class DDPTracer:
                 "end": None if offsets_end is None else [o.to_json() for o in offsets_end],
             },
             "steps": self._recorder.steps_written if self._recorder else 0,
+            "capture_path": self._meta["capture_path"], "capture_path_note": self._meta["capture_path_note"],
             "ranks": [fmt.rank_file(r) for r in range(self.world_size)],
             **self.config.run_meta,
         })

@@ -28,6 +28,7 @@ from tracer import format as fmt
 from tracer import options as o
 from tracer.capture.autotrace import CaptureConfig
 from tracer.launch.hangs import read_positions
+from tracer.launch.native import build_native
 from tracer.launch.torchrun import LaunchConfig, LaunchResult, launch
 
 Launcher = Callable[[LaunchConfig, Callable[[int | None, str], None]], LaunchResult]
@@ -60,6 +61,7 @@ class RunConfig:
     rdzv_endpoint: str | None = o.RDZV_ENDPOINT.field()
     profile: bool = o.PROFILE.field()
     profile_steps: int = o.PROFILE_STEPS.field()
+    capture: str = o.CAPTURE.field()
     cwd: Path | str = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
@@ -125,7 +127,7 @@ class RunConfig:
 
     def launch_config(self) -> LaunchConfig:
         capture = CaptureConfig(out=str(self.out.resolve()), bucket_cap_mb=self.bucket_cap_mb, steps=self.steps,
-                                profile_steps=self.profile_steps if self.profile else None)
+                                profile_steps=self.profile_steps if self.profile else None, capture=self.capture)
         return LaunchConfig(target=self.program, args=self.program_args, module=self.module, cwd=self.cwd,
                             nproc=self.nproc, nnodes=self.nnodes, node_rank=self.node_rank,
                             rdzv_endpoint=self.rdzv_endpoint, log_dir=self.out / "logs", timeout_s=self.timeout_s,
@@ -142,7 +144,7 @@ class RunConfig:
                        "sha256": file_sha256(path), "cwd": str(self.cwd)},
             "nproc_per_node": self.nproc, "nnodes": self.nnodes,
             "bucket_cap_mb_requested": self.bucket_cap_mb, "steps_requested": self.steps,
-            "profile_steps": self.profile_steps if self.profile else None,
+            "profile_steps": self.profile_steps if self.profile else None, "capture_path_requested": self.capture,
         }
 
     def command(self) -> list[str]:
@@ -154,6 +156,8 @@ class RunConfig:
             cmd += ["--steps", str(self.steps)]
         if self.profile:
             cmd += ["--profile", "--profile-steps", str(self.profile_steps)]
+        if self.capture != o.CAPTURE.default:
+            cmd += ["--capture", self.capture]
         if self.nnodes > 1:
             cmd += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
                     "--rdzv-endpoint", str(self.rdzv_endpoint)]
@@ -358,6 +362,8 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
     ``launcher``: torchrun (default) or a warm launcher (``tracer.launch.warm``).
 
     Raises ``ValueError`` if the run folder cannot be created (nothing is launched)."""
+    if cfg.capture == "compiled":  # built before any rank starts: no traced step pays for it
+        build_native(lambda line: on_output(None, line))
     result = _launch_traced(cfg.launch_config(), cfg.out, {**cfg.facts(), "command": shlex.join(cfg.command())},
                             cfg.node_rank, on_progress, on_output, launcher)
     if not cfg.out.is_dir():

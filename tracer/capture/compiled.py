@@ -1,0 +1,95 @@
+"""Compiled bucket timing: DDP's reducer talks to a C++ process group that forwards to
+the real one and stamps every all-reduce (``native/timed_group.cpp``), so no Python
+communication hook runs and DDP keeps its fused divide-while-copying path.
+
+``CompiledBuckets.attach(ddp, recorder)`` installs the wrapper with the reducer's
+``_update_process_group`` (the DDP module's own ``process_group``, used for its buffer
+broadcasts, is left alone); ``take(step)`` hands the all-reduces since the last call to
+the step as ``BucketRecord``s (bucket k = the k-th all-reduce: the reducer launches
+buckets in index order); ``detach()`` gives the reducer its group back. Host clock only
+(gloo / CPU): an NCCL future completes at launch, so the CUDA path keeps the Python hook.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tracer.capture.native import build as native
+
+
+def load_extension() -> tuple[Any, str | None]:
+    """``(module, None)``, or ``(None, why not)`` in one line (never raises)."""
+    try:
+        module = native.load_built()
+    except Exception as e:  # noqa: BLE001 - a stale or broken build: the Python path
+        return None, f"the compiled capture could not be loaded ({type(e).__name__}: {str(e)[:200]})"
+    if module is None:
+        return None, "the compiled capture is not built (`ddpscope build` builds it once per torch version)"
+    return module, None
+
+
+class CompiledBuckets:
+    """One DDP model's all-reduces, timed in C++ (see the module's docstring)."""
+
+    def __init__(self, ext, ddp: DDP, recorder, skew_us: float = 0.0) -> None:
+        self.ext = ext
+        self.ddp = ddp
+        self.recorder = recorder
+        self.skew_us = skew_us  # the clock's test-only skew (CpuClock._skew_us): one time axis
+        self.original = ddp.process_group  # passed in, never read from the reducer
+        self.group = ext.wrap(self.original)
+        self._params: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # bucket sizes -> params per bucket
+        self.attached = False
+
+    def attach(self) -> "CompiledBuckets":
+        self.ddp.reducer._update_process_group(self.group)
+        self.attached = True
+        return self
+
+    def detach(self) -> None:
+        """The reducer's own group back (DDP untraced from here on); idempotent."""
+        if self.attached:
+            self.attached = False
+            self.take_pending()
+            self.ddp.reducer._update_process_group(self.original)
+
+    def take_pending(self) -> list[tuple[int, int, int]]:
+        return self.ext.take(self.group, 10_000)
+
+    def take(self, step) -> None:
+        """The all-reduces since the last call, into ``step.buckets`` (autograd thread,
+        after DDP waited for them: no all-reduce of this model is in flight)."""
+        from tracer.capture.recorder import BucketRecord
+
+        records = self.ext.take(self.group, 10_000)
+        if not records or step is None:
+            return
+        sizes = tuple(b for _, _, b in records)
+        params = self._params.get(sizes)
+        if params is None:
+            params = self._params[sizes] = self._bucket_params(sizes)
+        skew = self.skew_us
+        for k, (launch, done, nbytes) in enumerate(records):
+            step.buckets.append(BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=launch / 1e3 + skew,
+                                             done=done / 1e3 + skew if done else None))
+
+    def _bucket_params(self, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Each bucket's parameter indices (the recorder's), from the reducer's current
+        buckets; once per layout (DDP changes it once, when it rebuilds its buckets)."""
+        index = self.recorder.param_index
+        buckets = sorted(self.ddp.reducer._get_zeros_like_grad_buckets(), key=lambda b: b.index())
+        found = [tuple(index.get(id(p), -1) for p in b.parameters()) for b in buckets]
+        if [b.buffer().numel() * b.buffer().element_size() for b in buckets] != list(sizes):
+            # not one all-reduce per bucket (a collective of another kind on this group)
+            return [found[k] if k < len(found) else () for k in range(len(sizes))]
+        return found
+
+
+def usable(device: torch.device) -> str | None:
+    """Why the compiled capture cannot time this model, or None."""
+    if device.type != "cpu":
+        return "the compiled capture times host clocks only; on CUDA the Python hook with CUDA events is used"
+    return None

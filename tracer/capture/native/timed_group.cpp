@@ -1,0 +1,149 @@
+// TimedGroup: a process group for DDP's reducer that forwards every collective to the
+// real group and stamps each all-reduce's launch and completion, without the GIL.
+//
+// DDP's reducer launches a bucket's all-reduce from the autograd thread through
+// process_group_->allreduce (its default communication "hook" is C++). Installed with
+// Reducer::update_process_group, this wrapper sees every bucket while DDP keeps its fused
+// divide-while-copying path (no Python hook is registered, so none turns it off).
+//
+// Times are CLOCK_MONOTONIC nanoseconds, the clock of Python's time.perf_counter_ns on
+// Linux, so they sit on the same axis as the tracer's Python stamps. Launch is stamped
+// before the call into the real group, completion in a callback on the returned Work's
+// future (gloo: when the collective is done; NCCL: the future completes when the kernel
+// is done on the stream, see cuda events in the Python side for device time).
+//
+// Records go into a preallocated array (no allocation on the hot path); take() hands
+// them over and starts again. The reducer waits on the same future before backward
+// ends, but our callback may run a moment after that wait returns: take() waits for a
+// record's completion at most `wait_us` before reporting it unfinished (done = 0).
+
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
+#include <time.h>
+#include <vector>
+
+namespace {
+
+int64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+struct Record {
+  std::atomic<int64_t> launch_ns{0};
+  std::atomic<int64_t> done_ns{0};
+  std::atomic<int64_t> bytes{0};
+};
+
+class TimedGroup : public c10d::ProcessGroup {
+ public:
+  TimedGroup(c10::intrusive_ptr<c10d::ProcessGroup> inner, int64_t capacity)
+      : c10d::ProcessGroup(inner->getRank(), inner->getSize()),
+        inner_(std::move(inner)),
+        records_(new Record[capacity]),
+        capacity_(capacity) {
+    // The real group's backends, shared: collectives not overridden here (the
+    // reducer's broadcast when it rebuilds its buckets) dispatch to them as they would.
+    if (auto bound = inner_->getBoundDeviceId()) {
+      setBoundDeviceId(bound);
+    }
+    for (const auto& device : inner_->getDeviceTypes()) {
+      setBackend(device.type(), inner_->getBackendType(), inner_->getBackend(device.type()));
+    }
+    setDefaultBackend(inner_->getBackendType());
+    setGroupName(inner_->getGroupName());
+  }
+
+  const std::string getBackendName() const override {
+    return inner_->getBackendName();
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override {
+    const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
+    Record* rec = i < capacity_ ? &records_[i] : nullptr;  // full: counted, not stamped
+    if (rec != nullptr) {
+      int64_t bytes = 0;
+      for (const auto& t : tensors) {
+        bytes += static_cast<int64_t>(t.numel()) * t.element_size();
+      }
+      rec->bytes.store(bytes, std::memory_order_relaxed);
+      rec->done_ns.store(0, std::memory_order_relaxed);
+      rec->launch_ns.store(monotonic_ns(), std::memory_order_release);
+    }
+    auto work = inner_->allreduce(tensors, opts);
+    if (rec != nullptr) {
+      work->getFuture()->addCallback(
+          [rec](c10::ivalue::Future&) { rec->done_ns.store(monotonic_ns(), std::memory_order_release); });
+    }
+    return work;
+  }
+
+  // Every all-reduce since the last take(): [(launch_ns, done_ns, bytes)], then starts
+  // again; `dropped`: how many did not fit. Called between steps (no all-reduce in flight).
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> take(int64_t wait_us) {
+    const int64_t n = std::min(next_.load(std::memory_order_acquire), capacity_);
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+    out.reserve(n);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(wait_us);
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t done = records_[i].done_ns.load(std::memory_order_acquire);
+      while (done == 0 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::yield();
+        done = records_[i].done_ns.load(std::memory_order_acquire);
+      }
+      out.emplace_back(records_[i].launch_ns.load(std::memory_order_acquire), done,
+                       records_[i].bytes.load(std::memory_order_relaxed));
+    }
+    dropped_ += std::max<int64_t>(0, next_.load() - capacity_);
+    next_.store(0, std::memory_order_release);
+    return out;
+  }
+
+  int64_t dropped() const {
+    return dropped_;
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> inner() const {
+    return inner_;
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> inner_;
+  std::unique_ptr<Record[]> records_;
+  const int64_t capacity_;
+  std::atomic<int64_t> next_{0};
+  int64_t dropped_ = 0;
+};
+
+TimedGroup& as_timed(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  auto* timed = dynamic_cast<TimedGroup*>(group.get());
+  TORCH_CHECK(timed != nullptr, "not a ddpscope TimedGroup");
+  return *timed;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ddpscope: DDP bucket all-reduce timing beside the reducer's process group";
+  m.def(
+      "wrap",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& inner, int64_t capacity) {
+        TORCH_CHECK(capacity > 0, "capacity must be > 0");
+        return c10::intrusive_ptr<c10d::ProcessGroup>(c10::make_intrusive<TimedGroup>(inner, capacity));
+      },
+      py::arg("group"), py::arg("capacity") = 4096);
+  m.def(
+      "take", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, int64_t wait_us) { return as_timed(g).take(wait_us); },
+      py::arg("group"), py::arg("wait_us") = 10000, py::call_guard<py::gil_scoped_release>());
+  m.def("dropped", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).dropped(); });
+  m.def("inner", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).inner(); });
+  m.def("now_ns", &monotonic_ns);
+}
