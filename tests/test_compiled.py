@@ -5,6 +5,7 @@ for the session (``ddpscope build``; ``.ci/run`` builds it first)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ def _job(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
                            "static", "--rdzv-endpoint", f"127.0.0.1:{_port()}", WORKER, *args], cwd="/",
                           capture_output=True, text=True, timeout=240,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
