@@ -56,6 +56,14 @@ def test_both_paths_time_the_same_allreduces_in_one_run(tmp_path, built):
                 assert launch <= done
                 assert 0 <= launch - e["ts"] < 5000
                 assert 0 <= e["ts"] + e["dur"] - done < 5000
+        # gradient-ready times: the Python hook runs inside the accumulation, the C++ post
+        # hook just after it: same parameters in the same order, C++ a little later
+        ready = json.loads((tmp_path / f"report-{r}.json").read_text())["ready"]
+        python = [e for e in events if e.get("cat") == "grad_ready"]
+        for step, stamps in enumerate(ready):
+            mine = sorted((e for e in python if e["args"]["step"] == step), key=lambda e: e["ts"])
+            assert [p for p, _ in stamps] == [e["args"]["param"] for e in mine] and len(stamps) == 12
+            assert all(0 <= t - e["ts"] < 5000 for (_, t), e in zip(stamps, mine))
 
 
 def test_a_compiled_run_of_a_users_script_matches_ddp_and_changes_nothing(tmp_path, built):
@@ -76,6 +84,13 @@ def test_a_compiled_run_of_a_users_script_matches_ddp_and_changes_nothing(tmp_pa
         first = b[b["step"] == 1].sort_values("bucket")
         names = trace.ranks[r]["param_names"]
         assert [sorted(p) for p in first["params"]] == [sorted(names[i] for i in idx) for idx in rebuilt]
+        # gradient-ready times (C++ hooks): every parameter once per step, and no bucket
+        # launched before the last of its gradients was ready
+        g = trace.grads[(trace.grads["rank"] == r) & (trace.grads["step"] >= 1)]
+        assert (g.groupby("step").size() == len(names)).all()
+        for (step, bucket), row in b.set_index(["step", "bucket"]).iterrows():
+            ready = g[(g["step"] == step) & g["name"].isin(row["params"])]["ready_us"]
+            assert len(ready) == len(row["params"]) and ready.max() <= row["launch_us"]
     plain = untraced(tmp_path, USER, "--steps", "6", "--bucket-cap-mb", "1")
     for r in (0, 1):
         assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]

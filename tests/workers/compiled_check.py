@@ -60,11 +60,14 @@ def main() -> int:
             with DDPTracer(ddp, opt, out_dir=Path(args.out) / "trace", capture="python") as tracer:
                 wrapper = ext.wrap(ddp.process_group)
                 tracer._comm_state.group = wrapper  # the hook's all_reduce goes through the wrapper too
-                steps = []
+                ready = ext.ReadyTimes(tracer._recorder.params)  # beside the Python gradient hooks
+                steps, grads = [], []
                 for _ in range(args.traced):
                     step(ddp, opt, gen, 256)
                     steps.append([[launch / 1e3, done / 1e3, nbytes] for launch, done, nbytes in ext.take(wrapper)])
-            report["compiled"] = steps
+                    grads.append([[param, ns / 1e3] for param, ns in ready.take()])
+                ready.remove()
+            report["compiled"], report["ready"] = steps, grads
         else:
             models = {"a": DDP(build(256, 6), bucket_cap_mb=0.5), "b": DDP(build(128, 4), bucket_cap_mb=0.1)}
             opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in models.items()}

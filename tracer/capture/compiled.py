@@ -6,7 +6,9 @@ communication hook runs and DDP keeps its fused divide-while-copying path.
 ``_update_process_group`` (the DDP module's own ``process_group``, used for its buffer
 broadcasts, is left alone); ``take(step)`` hands the all-reduces since the last call to
 the step as ``BucketRecord``s (bucket k = the k-th all-reduce: the reducer launches
-buckets in index order); ``detach()`` gives the reducer its group back. Host clock only
+buckets in index order) and ``take_ready`` the gradient-ready times (C++ post hooks put
+in front of DDP's on each parameter's AccumulateGrad node); ``detach()`` gives the
+reducer its group back and takes the hooks off. Host clock only
 (gloo / CPU): an NCCL future completes at launch, so the CUDA path keeps the Python hook.
 """
 
@@ -41,20 +43,38 @@ class CompiledBuckets:
         self.skew_us = skew_us  # the clock's test-only skew (CpuClock._skew_us): one time axis
         self.original = ddp.process_group  # passed in, never read from the reducer
         self.group = ext.wrap(self.original)
+        self.ready = None  # gradient-ready stamps (C++ hooks on the parameters' AccumulateGrad nodes)
         self._params: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # bucket sizes -> params per bucket
         self.attached = False
 
     def attach(self) -> "CompiledBuckets":
+        self.ready = self.ext.ReadyTimes(self.recorder.params)
         self.ddp.reducer._update_process_group(self.group)
         self.attached = True
         return self
 
     def detach(self) -> None:
-        """The reducer's own group back (DDP untraced from here on); idempotent."""
+        """The reducer's own group back and the ready hooks off (DDP untraced from here
+        on); idempotent. Between steps only (no backward running)."""
         if self.attached:
             self.attached = False
             self.take_pending()
             self.ddp.reducer._update_process_group(self.original)
+        if self.ready is not None:
+            self.ready.remove()
+            self.ready = None
+
+    def progress(self) -> tuple[int, int]:
+        """``(launched, done)`` all-reduces of the open step (read by the live file's thread)."""
+        return tuple(self.ext.progress(self.group)) if self.attached else (0, 0)
+
+    def take_ready(self, step, k: int) -> None:
+        """The gradients accumulated since the last call, into ``step.grads`` as pass ``k``'s
+        (at the end of each backward, accumulation's included)."""
+        if self.ready is None or step is None:
+            return
+        skew = self.skew_us
+        step.grads.extend((param, ns / 1e3 + skew, k) for param, ns in self.ready.take())
 
     def take_pending(self) -> list[tuple[int, int, int]]:
         return self.ext.take(self.group, 10_000)

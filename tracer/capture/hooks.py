@@ -192,10 +192,12 @@ class HookHandles:
         self._handles.clear()
 
 
-def attach_hooks(ddp: DDP, params: list[torch.nn.Parameter], optimizer, recorder, handles: HookHandles) -> None:
+def attach_hooks(ddp: DDP, params: list[torch.nn.Parameter], optimizer, recorder, handles: HookHandles,
+                 grad_hooks: bool = True) -> None:
     """Forward, output-gradient, gradient-ready and optimizer hooks, all into ``recorder``.
     ``optimizer``: the model's optimizer, None (steps end at the next forward), or
-    ``"auto"``: found at its first step (the optimizer that updates these parameters)."""
+    ``"auto"``: found at its first step (the optimizer that updates these parameters).
+    ``grad_hooks=False``: the compiled capture stamps gradient-ready times in C++."""
     will_rebuild = _will_rebuild_buckets(ddp)
 
     def pre_forward(module, args):
@@ -216,13 +218,19 @@ def attach_hooks(ddp: DDP, params: list[torch.nn.Parameter], optimizer, recorder
 
     handles.add(ddp.register_forward_pre_hook(pre_forward))
     handles.add(ddp.register_forward_hook(post_forward))
-    for i, p in enumerate(params):
-        handles.add(p.register_post_accumulate_grad_hook(_grad_hook(recorder, i)))
+    if grad_hooks:
+        attach_grad_hooks(params, recorder, handles)
     if optimizer == "auto":
         _attach_optimizer_finder(params, recorder, handles)
     elif optimizer is not None:
         handles.add(optimizer.register_step_pre_hook(lambda opt, a, kw: recorder.on_optimizer_start()))
         handles.add(optimizer.register_step_post_hook(lambda opt, a, kw: recorder.on_optimizer_end()))
+
+
+def attach_grad_hooks(params: list[torch.nn.Parameter], recorder, handles: HookHandles) -> None:
+    """A Python hook per parameter, run when its gradient is accumulated."""
+    for i, p in enumerate(params):
+        handles.add(p.register_post_accumulate_grad_hook(_grad_hook(recorder, i)))
 
 
 def _attach_optimizer_finder(params: list[torch.nn.Parameter], recorder, handles: HookHandles) -> None:

@@ -29,8 +29,13 @@ def position(recorder) -> dict:
     if cur is None:
         return {"step": recorder.next_step, "steps_done": recorder.next_step, "phase": "between steps",
                 "buckets_launched": [], "buckets_in_flight": [], "activity": [recorder.next_step]}
-    launched = [b.index for b in list(cur.buckets)]
-    in_flight = [b.index for b in list(cur.buckets) if b.done is None]
+    source = recorder.bucket_source
+    if source is not None and not cur.buckets:  # compiled capture: the all-reduces are counted in C++
+        n, done = source.progress()
+        launched, in_flight = list(range(n)), list(range(done, n))  # gloo finishes them in order
+    else:
+        launched = [b.index for b in list(cur.buckets)]
+        in_flight = [b.index for b in list(cur.buckets) if b.done is None]
     last = cur.passes[-1] if cur.passes else None
     if cur.optimizer is not None and cur.optimizer[1] is None:
         phase = "optimizer"

@@ -138,6 +138,11 @@ class StepRecorder:
         p = cur.passes[k]
         if p.backward_start is None:
             p.backward_start = self.clock.stamp()
+        if self.bucket_source is not None and not cur.first_grad_seen:
+            # compiled capture: no Python hook per gradient, so the end-of-backward
+            # callbacks are queued here (the engine is running this backward)
+            cur.first_grad_seen = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def on_grad_ready(self, index: int) -> None:
         cur = self.current
@@ -159,6 +164,8 @@ class StepRecorder:
         p = self._active_pass()
         if p is not None:
             p.backward_end = self.clock.stamp()
+            if self.bucket_source is not None:
+                self.bucket_source.take_ready(self.current, _active_index(self.current))
             self.current.first_grad_seen = False  # the next backward (accumulation) queues again
             # Callbacks queued while callbacks run go to the back of the queue: this one
             # runs after DDP's finalize (wait for every bucket, write the averaged grads).

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tracer import format as fmt
 from tracer.capture.clock import make_clock
 from tracer.capture.compiled import CompiledBuckets, load_extension, usable
-from tracer.capture.hooks import HookHandles, attach_comm_hook, attach_hooks, reducer_params
+from tracer.capture.hooks import HookHandles, attach_comm_hook, attach_grad_hooks, attach_hooks, reducer_params
 from tracer.capture.live import LiveFile
 from tracer.capture.offsets import ClockOffset, estimate_offsets
 from tracer.capture.recorder import StepRecorder, header_events
@@ -194,7 +194,8 @@ class DDPTracer:
             self._compiled = CompiledBuckets(ext, self.model, self._recorder, getattr(self.clock, "_skew_us", 0.0))
             self._recorder.bucket_source = self._compiled.attach()
             comm_state.before_register = self._python_capture  # the script's own hook: timed in Python
-        attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles)
+        attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles,
+                     grad_hooks=self._compiled is None)
         try:  # where this rank is, for the launcher's hang watchdog (optional: never fatal)
             self._live = LiveFile(cfg.out_dir, self.rank, self._recorder)
         except OSError:
@@ -219,8 +220,10 @@ class DDPTracer:
         through the reducer's group, so ours (Python) wraps and times it from here on."""
         if self._compiled is not None:
             self._compiled.detach()
+            self._compiled = None
             if self._recorder is not None:
                 self._recorder.bucket_source = None
+                attach_grad_hooks(self._recorder.params, self._recorder, self._handles)
             self._meta["capture_path"] = "python"
             self._meta["capture_path_note"] = "the script registered a communication hook: timed in Python"
             if self._writer is not None:

@@ -12,12 +12,19 @@
 // future (gloo: when the collective is done; NCCL: the future completes when the kernel
 // is done on the stream, see cuda events in the Python side for device time).
 //
+// ReadyTimes stamps each parameter's gradient-ready time with a post hook inserted at
+// the front of its AccumulateGrad node: it runs when the gradient is accumulated,
+// before DDP's own hook on that node (which may launch the bucket), on the autograd
+// thread, without the GIL.
+//
 // Records go into a preallocated array (no allocation on the hot path); take() hands
 // them over and starts again. The reducer waits on the same future before backward
 // ends, but our callback may run a moment after that wait returns: take() waits for a
 // record's completion at most `wait_us` before reporting it unfinished (done = 0).
 
 #include <torch/extension.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <atomic>
@@ -111,6 +118,15 @@ class TimedGroup : public c10d::ProcessGroup {
     return dropped_;
   }
 
+  std::pair<int64_t, int64_t> progress() const {
+    const int64_t n = std::min(next_.load(std::memory_order_acquire), capacity_);
+    int64_t done = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      done += records_[i].done_ns.load(std::memory_order_relaxed) != 0;
+    }
+    return {n, done};
+  }
+
   c10::intrusive_ptr<c10d::ProcessGroup> inner() const {
     return inner_;
   }
@@ -121,6 +137,71 @@ class TimedGroup : public c10d::ProcessGroup {
   const int64_t capacity_;
   std::atomic<int64_t> next_{0};
   int64_t dropped_ = 0;
+};
+
+// (parameter index, CLOCK_MONOTONIC ns) per accumulated gradient, in order.
+class ReadyTimes {
+ public:
+  ReadyTimes(const std::vector<at::Tensor>& params, int64_t capacity)
+      : records_(new std::pair<std::atomic<int64_t>, std::atomic<int64_t>>[capacity]), capacity_(capacity) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto node = torch::autograd::impl::grad_accumulator(params[i]);
+      TORCH_CHECK(node, "parameter ", i, " has no gradient accumulator (does it require grad?)");
+      auto hook = std::make_unique<Hook>(this, static_cast<int64_t>(i));
+      keys_.emplace_back(node, reinterpret_cast<uintptr_t>(hook.get()));
+      auto& hooks = node->post_hooks();
+      hooks.insert(hooks.begin(), std::move(hook));  // before DDP's hook on the same node
+    }
+  }
+
+  ~ReadyTimes() {
+    remove();
+  }
+
+  // Takes the hooks off (between steps: no backward running).
+  void remove() {
+    for (auto& [node, key] : keys_) {
+      node->del_post_hook(key);
+    }
+    keys_.clear();
+  }
+
+  void stamp(int64_t param) {
+    const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
+    if (i < capacity_) {
+      records_[i].first.store(param, std::memory_order_relaxed);
+      records_[i].second.store(monotonic_ns(), std::memory_order_release);
+    }
+  }
+
+  std::vector<std::pair<int64_t, int64_t>> take() {
+    const int64_t n = std::min(next_.load(std::memory_order_acquire), capacity_);
+    std::vector<std::pair<int64_t, int64_t>> out;
+    out.reserve(n);
+    for (int64_t i = 0; i < n; ++i) {
+      out.emplace_back(records_[i].first.load(std::memory_order_relaxed),
+                       records_[i].second.load(std::memory_order_acquire));
+    }
+    next_.store(0, std::memory_order_release);
+    return out;
+  }
+
+ private:
+  struct Hook : torch::autograd::FunctionPostHook {
+    Hook(ReadyTimes* owner, int64_t param) : owner_(owner), param_(param) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                              const torch::autograd::variable_list& /*inputs*/) override {
+      owner_->stamp(param_);
+      return outputs;
+    }
+    ReadyTimes* owner_;
+    int64_t param_;
+  };
+
+  std::unique_ptr<std::pair<std::atomic<int64_t>, std::atomic<int64_t>>[]> records_;
+  const int64_t capacity_;
+  std::atomic<int64_t> next_{0};
+  std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> keys_;
 };
 
 TimedGroup& as_timed(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
@@ -146,4 +227,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dropped", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).dropped(); });
   m.def("inner", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).inner(); });
   m.def("now_ns", &monotonic_ns);
+  m.def(
+      "progress", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).progress(); },
+      "(launched, done) all-reduces since the last take(): where a backward is, for the live file");
+  py::class_<ReadyTimes, std::shared_ptr<ReadyTimes>>(m, "ReadyTimes")
+      .def(py::init<const std::vector<at::Tensor>&, int64_t>(), py::arg("params"), py::arg("capacity") = 1 << 16)
+      .def("take", &ReadyTimes::take, py::call_guard<py::gil_scoped_release>())
+      .def("remove", &ReadyTimes::remove);
 }
