@@ -1,12 +1,26 @@
-"""Tracing overhead: median step time untraced vs traced vs torch.profiler.
+"""Tracing overhead, piece by piece: the tracer's cost per training step, with 95 % intervals.
 
-Launches one real 2-rank DDP job (torchrun, gloo on CPU). Every rank builds three
-identical copies of the demo model, each in its own DDP: one untraced (DDP's built-in
-all-reduce), one with DDP's reference Python ``allreduce_hook``, one under ``DDPTracer``,
-one run inside ``torch.profiler.profile``. The four are interleaved in rounds in the same processes, so machine noise hits all of
-them alike; the script prints the medians and the ratios. Target: traced/untraced <= 1.03.
+    python -m benchmarks.overhead [--models gpt,mlp] [--caps 1,25] [--rounds 150]
 
-    python -m benchmarks.overhead [--model gpt|mlp] [--bucket-cap-mb 1] [--rounds 6] [--steps 5]
+For each model and bucket_cap_mb, one real 2-rank DDP job (torchrun, gloo on CPU, each
+rank bound to its core as the demo is). Every rank builds one identical copy of the
+demo model per mode, each in its own DDP, and runs them interleaved *step by step*
+(one step of each mode per round, the order rotating), so machine noise hits every mode
+alike. The modes add the tracer's pieces one at a time:
+
+- ``untraced``: DDP alone;
+- ``buckets``: the compiled capture's process group on the reducer, records taken each step;
+- ``+ready``: and the C++ gradient-ready hooks;
+- ``+spans``: the whole tracer (forward, backward, optimizer spans, step events) but no
+  memory accounting and no file: its events are built and dropped;
+- ``+memory``: and the per-step memory accounting;
+- ``full``: the tracer as ``ddpscope run`` uses it, writing its file;
+- ``python``: the full tracer on the Python hooks (``--capture python``), for comparison.
+
+Each mode's ratio is its median step time over the untraced median (rank 0), with a
+bootstrap 95 % interval (rounds resampled with replacement, 2000 times: the modes of a
+round stay together). Goal: ``full`` <= 1.01, upper bound <= 1.02. Needs the compiled
+capture built (``ddpscope build``). Benchmarks are not tests: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -14,85 +28,107 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 RESULT_PREFIX = "overhead-result "
-MODES = ("untraced", "python_hook", "traced", "profiler")
+MODES = ("untraced", "buckets", "+ready", "+spans", "+memory", "full", "python")
 
 
 def worker(args: argparse.Namespace) -> None:
+    import time
+
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     from tracer import DDPTracer
+    from tracer.capture.compiled import load_extension
+    from tracer.capture.hooks import reducer_params
     from tracer.workloads.affinity import bind_local_rank_to_cores
     from tracer.workloads.demo.models import build_model
 
     bind_local_rank_to_cores()  # as the demo job does
     dist.init_process_group("gloo")
+    ext, why = load_extension()
+    if ext is None:
+        raise SystemExit(f"overhead benchmark: {why}")
     try:
         rank = dist.get_rank()
         torch.manual_seed(0)
         base = build_model(args.model)
         models = {m: copy.deepcopy(base) for m in MODES}
-        ddps = {m: DDP(models[m], bucket_cap_mb=args.bucket_cap_mb) for m in models}
-        # the reference Python hook: what any Python communication hook pays
-        ddps["python_hook"].register_comm_hook(None, default_hooks.allreduce_hook)
-        opts = {m: torch.optim.AdamW(ddps[m].parameters(), lr=1e-3) for m in models}
+        ddps = {m: DDP(models[m], bucket_cap_mb=args.bucket_cap_mb) for m in MODES}
+        opts = {m: torch.optim.AdamW(ddps[m].parameters(), lr=1e-3) for m in MODES}
         gen = torch.Generator().manual_seed(rank)
-        times: dict[str, list[list[float]]] = {m: [] for m in models}  # per round, per step
+        out = Path(args.out)
+        # the pieces, one by one
+        groups = {m: ext.wrap(ddps[m].process_group) for m in ("buckets", "+ready")}
+        for m, g in groups.items():
+            ddps[m].reducer._update_process_group(g)
+        ready = ext.ReadyTimes(reducer_params(ddps["+ready"])[1])
+        tracers = {m: DDPTracer(ddps[m], opts[m], out_dir=out / m, capture="python" if m == "python" else "compiled")
+                   for m in ("+spans", "+memory", "full", "python")}
+        for t in tracers.values():
+            t.__enter__()
+            assert t.capture_note is None or t.config.capture == "python", t.capture_note
+        for m in ("+spans", "+memory"):  # their events are built, then dropped: no file
+            tracers[m]._recorder.emit = lambda events, layouts: sum(1 for _ in events)
+        tracers["+spans"]._recorder.measure = lambda *a, **k: {}
+        after_step = {"buckets": lambda: ext.take(groups["buckets"], 10_000),
+                      "+ready": lambda: (ext.take(groups["+ready"], 10_000), ready.take())}
+        times: dict[str, list[float]] = {m: [] for m in MODES}
 
-        def steps(mode: str, n: int, record: bool) -> None:
-            for _ in range(n):
-                x, y = models[mode].batch(gen)
-                t0 = time.perf_counter()
-                loss = models[mode].loss(ddps[mode](x), y)
-                loss.backward()
-                opts[mode].step()
-                opts[mode].zero_grad(set_to_none=True)
-                if record:
-                    times[mode][-1].append(time.perf_counter() - t0)
+        def step(mode: str) -> float:
+            x, y = models[mode].batch(gen)
+            t0 = time.perf_counter()
+            loss = models[mode].loss(ddps[mode](x), y)
+            loss.backward()
+            opts[mode].step()
+            opts[mode].zero_grad(set_to_none=True)
+            if mode in after_step:
+                after_step[mode]()
+            return time.perf_counter() - t0
 
-        with DDPTracer(ddps["traced"], opts["traced"], out_dir=Path(args.out)):
-            for mode in models:  # warm-up, incl. DDP's bucket rebuild
-                steps(mode, 2, record=False)
-            order = list(models)
-            for r in range(args.rounds):
-                for mode in order[r % len(order):] + order[: r % len(order)]:  # rotate who goes first
-                    times[mode].append([])
-                    if mode == "profiler":
-                        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-                            steps(mode, args.steps, record=True)
-                    else:
-                        steps(mode, args.steps, record=True)
+        for mode in MODES:  # warm-up, DDP's bucket rebuild included
+            for _ in range(3):
+                step(mode)
+        order = list(MODES)
+        for r in range(args.rounds):
+            k = r % len(order)
+            for mode in order[k:] + order[:k]:  # rotate who goes first
+                times[mode].append(step(mode))
+        for t in tracers.values():
+            t.__exit__(None, None, None)
+        ready.remove()
         if rank == 0:
             print(RESULT_PREFIX + json.dumps(times), flush=True)
     finally:
         dist.destroy_process_group()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
-    p.add_argument("--bucket-cap-mb", type=float, default=1.0)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.worker:
-        worker(args)
-        return 0
+def ratios(times: dict[str, list[float]], boot: int = 2000, seed: int = 0) -> dict[str, tuple[float, float, float]]:
+    """Per mode: (median ratio to untraced, 2.5 %, 97.5 %), bootstrapping rounds."""
+    rng = random.Random(seed)
+    n = len(times["untraced"])
+    base = statistics.median(times["untraced"])
+    out = {}
+    for m, ts in times.items():
+        samples = []
+        for _ in range(boot):
+            idx = [rng.randrange(n) for _ in range(n)]
+            samples.append(statistics.median(ts[i] for i in idx) / statistics.median(times["untraced"][i] for i in idx))
+        samples.sort()
+        out[m] = (statistics.median(ts) / base, samples[int(0.025 * boot)], samples[int(0.975 * boot) - 1])
+    return out
 
-    from tracer.launch.torchrun import LaunchConfig, launch
+
+def run_one(model: str, cap: float, rounds: int) -> dict[str, list[float]] | None:
     from tracer.launch.runner import project_env
+    from tracer.launch.torchrun import LaunchConfig, launch
 
     results: list[dict] = []
 
@@ -101,31 +137,54 @@ def main() -> int:
             results.append(json.loads(line[len(RESULT_PREFIX):]))
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = LaunchConfig(target="benchmarks.overhead", nproc=2, log_dir=Path(tmp) / "logs", timeout_s=600,
+        cfg = LaunchConfig(target="benchmarks.overhead", nproc=2, log_dir=Path(tmp) / "logs", timeout_s=1200,
                            env=project_env(),
-                           args=["--worker", "--model", args.model, "--bucket-cap-mb", str(args.bucket_cap_mb),
-                                 "--rounds", str(args.rounds), "--steps", str(args.steps), "--out", str(Path(tmp) / "trace")])
+                           args=["--worker", "--model", model, "--bucket-cap-mb", str(cap), "--rounds", str(rounds),
+                                 "--out", str(Path(tmp) / "trace")])
         res = launch(cfg, on_line)
     if not res.ok or not results:
-        print(f"benchmark failed: {res.reason}\n{res.stderr_tail}", file=sys.stderr)
+        print(f"benchmark failed ({model}, cap {cap:g}): {res.reason}\n{res.stderr_tail}", file=sys.stderr)
+        return None
+    return results[0]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="gpt,mlp")
+    p.add_argument("--caps", default="1,25", help="bucket_cap_mb values (MiB), comma-separated")
+    p.add_argument("--rounds", type=int, default=150)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--bucket-cap-mb", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    from tracer.launch.native import build_native
+
+    if not build_native(lambda line: print(line, file=sys.stderr))["ok"]:
         return 1
-    rounds = results[0]
-    med = {m: statistics.median(t for r in rounds[m] for t in r) * 1e3 for m in MODES}
-    # paired: each round's median against the same round's untraced median, then the median ratio
-    paired = {m: statistics.median(statistics.median(a) / statistics.median(b)
-                                   for a, b in zip(rounds[m], rounds["untraced"])) for m in MODES}
-    n = sum(len(r) for r in rounds["untraced"])
-    print(f"model={args.model} bucket_cap_mb={args.bucket_cap_mb:g} ranks=2 rounds={args.rounds} "
-          f"steps/mode={n} (rank 0, modes interleaved)")
-    for m in MODES:
-        print(f"  {m:<11} median step {med[m]:8.2f} ms   paired ratio to untraced {paired[m]:.3f}")
-    print(f"  traced/untraced      = {med['traced'] / med['untraced']:.3f} (pooled)  {paired['traced']:.3f} (paired)"
-          f"   target <= 1.03")
-    print(f"  python_hook/untraced = {med['python_hook'] / med['untraced']:.3f} (pooled)  {paired['python_hook']:.3f} (paired)"
-          f"   DDP's own Python allreduce_hook")
-    print(f"  traced/python_hook   = {med['traced'] / med['python_hook']:.3f} (pooled)")
-    print(f"  profiler/untraced    = {med['profiler'] / med['untraced']:.3f} (pooled)  {paired['profiler']:.3f} (paired)")
-    return 0
+    failed = False
+    for model in args.models.split(","):
+        for cap in (float(c) for c in args.caps.split(",")):
+            times = run_one(model, cap, args.rounds)
+            if times is None:
+                failed = True
+                continue
+            r = ratios(times)
+            print(f"\nmodel={model} bucket_cap_mb={cap:g} ranks=2 rounds={args.rounds} "
+                  "(rank 0; one step of every mode per round, interleaved)")
+            print(f"  {'mode':<9} {'median ms':>9}  {'ratio':>6}  {'95% CI':>13}  {'added by this piece':>19}")
+            prev = None
+            for m in MODES:
+                med = statistics.median(times[m]) * 1e3
+                added = "" if prev is None or m == "python" else f"{r[m][0] - r[prev][0]:+.3f}"
+                print(f"  {m:<9} {med:9.2f}  {r[m][0]:6.3f}  {r[m][1]:.3f}-{r[m][2]:.3f}  {added:>19}")
+                prev = m if m != "python" else prev
+            verdict = "met" if r["full"][0] <= 1.01 and r["full"][2] <= 1.02 else "NOT met"
+            print(f"  goal full <= 1.01 (upper bound <= 1.02): {verdict}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

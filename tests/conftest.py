@@ -80,3 +80,13 @@ def profiled_run(tmp_path_factory) -> Path:
                    "--profile-steps", "4", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_capture() -> dict:
+    """The compiled capture, built once before any test (as ``.ci/run`` and ``ddpscope
+    run`` do) so the tests run the path users get; where it cannot be built, they run the
+    Python hooks (tests/test_compiled.py then fails, saying why)."""
+    from tracer.capture.native.build import ensure_built
+
+    return ensure_built()

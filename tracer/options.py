@@ -92,9 +92,10 @@ PROFILE = Option("--profile", "also record torch.profiler (Kineto) on --profile-
                  action="store_true")
 PROFILE_STEPS = Option("--profile-steps", "traced steps --profile records (steps 1..N)", 5, int, in_range(1, 1000))
 CAPTURES = ("python", "compiled")
-CAPTURE = Option("--capture", "how bucket all-reduces are timed: python (a DDP communication hook) or compiled (a C++ "
-                 "process group beside DDP's reducer, built once per torch version: `ddpscope build`; CPU/gloo only, "
-                 "the python hook elsewhere)", "python", str, one_of(CAPTURES))
+CAPTURE = Option("--capture", "how all-reduces and gradient-ready times are taken: compiled (C++ beside DDP's "
+                 "reducer, built once per torch version before the ranks start; the python hooks where it cannot be "
+                 "had: no compiler, CUDA, a script's own comm hook) or python (DDP communication hook and gradient "
+                 "hooks)", "compiled", str, one_of(CAPTURES))
 VERBOSE = Option("--verbose", "also show the workers' own output", False, action="store_true")
 # ring
 RING_NPROC = Option("--nproc", "ranks in the ring", 4, int, in_range(2, MAX_NPROC, " (a ring needs two ranks)"))

@@ -62,7 +62,7 @@ class CaptureConfig:
     progress: rank 0 prints a progress line per step for the launcher.
     exit_grace_s: after ``steps``, how long the script may take to unwind (seconds).
     profile_steps: also run torch.profiler on this many first traced steps (None: off).
-    capture: how bucket all-reduces are timed (``TracerConfig.capture``).
+    capture, capture_note: how all-reduces are timed, and why not compiled (``TracerConfig``).
     """
 
     out: str = OUT.field()
@@ -72,6 +72,7 @@ class CaptureConfig:
     exit_grace_s: float = 30.0
     profile_steps: int | None = None
     capture: str = CAPTURE.field()
+    capture_note: str | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -120,7 +121,8 @@ class Session:
                  "bucket_cap_mb_requested": self.config.bucket_cap_mb if overridden else None,
                  "steps_requested": self.config.steps, "notes": self.notes}
         tracer = DDPTracer(ddp, "auto", TracerConfig(out_dir=self.config.out, run_meta=facts,
-                                                           capture=self.config.capture), on_step=self.on_step)
+                                                           capture=self.config.capture,
+                                                           capture_note=self.config.capture_note), on_step=self.on_step)
         try:
             tracer.__enter__()
         except Exception as e:  # noqa: BLE001 - training goes on, untraced

@@ -104,6 +104,7 @@ class StepRecorder:
         # the compiled capture (compiled.CompiledBuckets): it times the all-reduces, handed
         # to the step once DDP waited for them; None: the Python hook calls on_bucket_launch
         self.bucket_source = None
+        self.measure = measure_memory  # per step, at close (benchmarks/overhead.py times it apart)
 
     # -- hooks ------------------------------------------------------------------
     def on_forward_start(self, sync: bool = True) -> None:
@@ -243,7 +244,7 @@ class StepRecorder:
         source = self.bucket_source
         if source is not None:
             source.take(cur)  # all-reduces not yet handed over (a step that ended early)
-        cur.memory = measure_memory(self.params, self.optimizer, cur.buffers.values(), self._params_bytes)
+        cur.memory = self.measure(self.params, self.optimizer, cur.buffers.values(), self._params_bytes)
         if source is not None and cur.buckets:  # no buffers seen: DDP's buckets are extra unless grads view them
             cur.memory["bucket_buffers_bytes"] = 0 if source.ddp.gradient_as_bucket_view else \
                 sum(b.nbytes for b in cur.buckets)

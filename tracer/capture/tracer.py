@@ -54,9 +54,10 @@ class TracerConfig:
     sync_timeout_s: how long the tracer's own collectives (start, end) wait for a peer.
     flush_interval_s: the writer rewrites the file at most this often (seconds).
     run_meta: extra JSON-able facts about the run (model name, batch size, ...).
-    capture: how bucket all-reduces are timed: ``"python"`` (a communication hook) or
-        ``"compiled"`` (a C++ process group beside the reducer, ``compiled.py``; the
-        Python hook where it cannot be had, said once and recorded in the metadata).
+    capture: how all-reduces and gradient-ready times are taken: ``"compiled"`` (C++
+        beside DDP's reducer, ``compiled.py``; the Python hooks where it cannot be had:
+        not built, said once; CUDA; recorded in the metadata either way) or ``"python"``.
+    capture_note: why the launcher chose ``"python"`` (recorded in the metadata).
     """
 
     out_dir: Path | str
@@ -65,7 +66,8 @@ class TracerConfig:
     sync_timeout_s: float = 60.0
     flush_interval_s: float = 0.25
     run_meta: dict = field(default_factory=dict)
-    capture: str = "python"
+    capture: str = "compiled"
+    capture_note: str | None = None
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -206,12 +208,13 @@ class DDPTracer:
         """``(extension, None)`` for the compiled capture, or ``(None, why not)``; the
         reason is said once (rank 0) when the compiled capture was asked for by name."""
         if self.config.capture == "python":
-            return None, None
+            return None, self.config.capture_note
+        if (why := usable(device)) is not None:
+            return None, why
         ext, why = load_extension()
-        why = why or usable(device)
         if why is not None:
-            if self.config.capture == "compiled" and dist.get_rank() == 0:
-                print(f"ddpscope: {why}; bucket all-reduces are timed by a Python hook", file=sys.stderr, flush=True)
+            if dist.get_rank() == 0:
+                print(f"ddpscope: {why}; the Python hooks time this run", file=sys.stderr, flush=True)
             return None, why
         return ext, None
 

@@ -125,9 +125,12 @@ class RunConfig:
         """A short name for the run: the demo model, or the script's name."""
         return self.demo or Path(self.program.replace(".", "/") if self.module else self.program).stem
 
-    def launch_config(self) -> LaunchConfig:
+    def launch_config(self, capture_note: str | None = None) -> LaunchConfig:
+        """``capture_note``: the compiled capture could not be built (why): the ranks use
+        the Python hooks and record why."""
         capture = CaptureConfig(out=str(self.out.resolve()), bucket_cap_mb=self.bucket_cap_mb, steps=self.steps,
-                                profile_steps=self.profile_steps if self.profile else None, capture=self.capture)
+                                profile_steps=self.profile_steps if self.profile else None,
+                                capture="python" if capture_note else self.capture, capture_note=capture_note)
         return LaunchConfig(target=self.program, args=self.program_args, module=self.module, cwd=self.cwd,
                             nproc=self.nproc, nnodes=self.nnodes, node_rank=self.node_rank,
                             rdzv_endpoint=self.rdzv_endpoint, log_dir=self.out / "logs", timeout_s=self.timeout_s,
@@ -362,9 +365,11 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
     ``launcher``: torchrun (default) or a warm launcher (``tracer.launch.warm``).
 
     Raises ``ValueError`` if the run folder cannot be created (nothing is launched)."""
+    note = None
     if cfg.capture == "compiled":  # built before any rank starts: no traced step pays for it
-        build_native(lambda line: on_output(None, line))
-    result = _launch_traced(cfg.launch_config(), cfg.out, {**cfg.facts(), "command": shlex.join(cfg.command())},
+        built = build_native(lambda line: on_output(None, line))
+        note = None if built["ok"] else f"the compiled capture could not be built: {built['error'][:300]}"
+    result = _launch_traced(cfg.launch_config(note), cfg.out, {**cfg.facts(), "command": shlex.join(cfg.command())},
                             cfg.node_rank, on_progress, on_output, launcher)
     if not cfg.out.is_dir():
         result.untraced = f"the run folder {cfg.out} was removed during the run: its trace is lost (training ran)"
