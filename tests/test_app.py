@@ -560,10 +560,12 @@ def test_a_run_whose_trace_was_not_finished_says_incomplete_not_complete(tmp_pat
 def test_a_click_from_a_page_drawn_before_a_run_began_is_answered_not_dropped(app, tmp_path):
     """Two tabs: the second was drawn while nothing ran (its Run button enabled). Its
     click while the first tab's run goes on says so, and starts nothing."""
+    slow = tmp_path / "slow.py"  # a job that surely outlasts the second click (no DDP: nothing traced)
+    slow.write_text("import time\ntime.sleep(20)\n")
     other = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
     assert not other.button(key="run_button").disabled
-    app.slider(key="run_steps").set_value(3)
-    app.button(key="run_button").click().run()
+    app.text_input(key="new_cmd").input(str(slow))
+    app.button(key="new_button").click().run()
     assert app.get("progress") and app.button(key="run_button").disabled
     other.button(key="run_button").click().run()
     assert any("A run is already going" in i.value for i in other.info)
