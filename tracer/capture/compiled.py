@@ -48,6 +48,9 @@ class CompiledBuckets:
         self.attached = False
 
     def attach(self) -> "CompiledBuckets":
+        self._ready_order: list[int] = []  # the last syncing backward's, for the layout DDP rebuilds from it
+        self._bytes = [p.numel() * p.element_size() for p in self.recorder.params]
+        self._bucket_params(None)  # the first layout, before training (it allocates: not inside a step)
         self.ready = self.ext.ReadyTimes(self.recorder.params)
         self.ddp.reducer._update_process_group(self.group)
         self.attached = True
@@ -88,24 +91,54 @@ class CompiledBuckets:
         if not records or step is None:
             return
         sizes = tuple(b for _, _, b in records)
-        params = self._params.get(sizes)
-        if params is None:
-            params = self._params[sizes] = self._bucket_params(sizes)
+        k = _last_pass(step)
+        params = self._params.get(sizes) or self._from_ready_order(sizes) or self._bucket_params(sizes)
+        self._ready_order = [param for param, _, kk in sorted(step.grads, key=lambda g: g[1]) if kk == k]
         skew = self.skew_us
         for k, (launch, done, nbytes) in enumerate(records):
             step.buckets.append(BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=launch / 1e3 + skew,
                                              done=done / 1e3 + skew if done else None))
 
-    def _bucket_params(self, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    def _bucket_params(self, sizes: tuple[int, ...] | None) -> list[tuple[int, ...]]:
         """Each bucket's parameter indices (the recorder's), from the reducer's current
-        buckets; once per layout (DDP changes it once, when it rebuilds its buckets)."""
+        buckets (``sizes``: the all-reduces' bytes; None: before training, whatever they
+        are). It allocates a copy of every bucket (~10 ms for a few MiB): done before
+        training, and inside a step only when the rebuilt layout cannot be read from the
+        ready order."""
         index = self.recorder.param_index
         buckets = sorted(self.ddp.reducer._get_zeros_like_grad_buckets(), key=lambda b: b.index())
         found = [tuple(index.get(id(p), -1) for p in b.parameters()) for b in buckets]
-        if [b.buffer().numel() * b.buffer().element_size() for b in buckets] != list(sizes):
+        have = tuple(b.buffer().numel() * b.buffer().element_size() for b in buckets)
+        self._params[have] = found
+        if sizes is not None and have != sizes:
             # not one all-reduce per bucket (a collective of another kind on this group)
             return [found[k] if k < len(found) else () for k in range(len(sizes))]
         return found
+
+    def _from_ready_order(self, sizes: tuple[int, ...]) -> list[tuple[int, ...]] | None:
+        """The layout DDP rebuilt after its first iteration: its buckets are consecutive
+        runs of that iteration's gradient-ready order, filled up to the cap. Read as runs
+        whose bytes equal each all-reduce's; None if they do not (several dtypes or
+        devices, unused parameters): then the reducer is asked."""
+        order, out, at = self._ready_order, [], 0
+        for size in sizes:
+            run, total = [], 0
+            while at < len(order) and total < size:
+                run.append(order[at])
+                total += self._bytes[order[at]]
+                at += 1
+            if total != size:
+                return None
+            out.append(tuple(run))
+        if at != len(order):
+            return None
+        self._params[sizes] = out
+        return out
+
+
+def _last_pass(step) -> int:
+    """The pass whose backward just ended (the syncing one when buckets are taken)."""
+    return step.active if step.active is not None else max(len(step.passes) - 1, 0)
 
 
 def usable(device: torch.device) -> str | None:
