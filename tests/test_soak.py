@@ -1,8 +1,8 @@
 """Soak: 20 runs started back to back from the dashboard in a real browser, with a second
 tab clicking Run while a run is going and a page reload during a run. Afterwards: every
 run in its own folder, complete by every file and by the page; the server holds the
-processes, listening ports and threads it held before (the warm launcher's zygote
-included, which is kept on purpose); no rank process is left.
+processes and listening ports it held after the first run (the warm launcher's zygote
+included, which is kept on purpose) and about as many threads; no rank process is left.
 
 About 2-3 minutes on 2 cores: marked ``soak`` and left out of the default run
 (``pytest -m soak`` runs it; ``.ci/run`` does, after the default suite)."""
@@ -135,10 +135,12 @@ def test_twenty_runs_from_the_dashboard_leave_nothing_behind(tmp_path):
     with dashboard_page(runs) as (page, _, server):
         _pick_mlp_sample(page)
         _open_run_tab(page)
-        time.sleep(3)  # the warm launcher's zygote is up (started with the page)
-        before = snapshot(server)
+        before: dict = {}
         other, t0 = None, time.monotonic()
         for k in range(RUNS):
+            if k == 1:  # counted once the first run is over: the zygote is up, Streamlit's pools have started
+                time.sleep(1)
+                before = snapshot(server)
             if k == SECOND_TAB_CLICK_AT:  # a second tab, drawn while nothing runs: its Run button is enabled
                 other = page.context.browser.new_page(viewport={"width": 1400, "height": 1000})
                 other.goto(page.url, timeout=60_000)
@@ -166,7 +168,8 @@ def test_twenty_runs_from_the_dashboard_leave_nothing_behind(tmp_path):
         assert processes_mentioning(str(runs)) == []  # no rank of any run lives on
         assert after["processes"] == before["processes"]  # the zygote, and nothing else
         assert after["ports"] == before["ports"]
-        assert after["threads"] <= before["threads"], (before["threads"], after["threads"])
+        # a thread left per run would add 19; Streamlit's own pools may grow by a few (a second tab, a reload)
+        assert after["threads"] <= before["threads"] + 4, (before["threads"], after["threads"])
 
     folders = sorted(p.name for p in runs.iterdir() if p.is_dir() and p.name != "uploads")
     assert folders == sorted(started) and len(set(started)) == RUNS  # one folder per click, no more
