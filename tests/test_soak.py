@@ -20,30 +20,13 @@ import pytest
 from tests.conftest import processes_mentioning
 from tests.test_browser import CHROMIUM, dashboard_page
 from tracer import format as fmt
+from tracer.launch.procfs import descendants
 from viz.sources import load_training_trace
 
 pytestmark = [pytest.mark.soak, pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed")]
 
 RUNS = 20
 SECOND_TAB_CLICK_AT, RELOAD_AT = 4, 9  # which runs (0-based) see the second tab's click and the reload
-
-
-def descendants(pid: int) -> set[int]:
-    """``pid``'s live descendants (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(p))
-    found, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            found.add(c)
-            todo.append(c)
-    return found
 
 
 def _cmdline(pid: int) -> str:

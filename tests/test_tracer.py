@@ -106,6 +106,22 @@ def test_step_boundaries_explicit_or_without_optimizer(tmp_path, mode):
         assert (g.start_us.to_numpy()[1:] >= g.end_us.to_numpy()[:-1] - 1e-3).all()  # 1 ns: float rounding
 
 
+@pytest.mark.parametrize("capture", ["compiled", "python"])
+def test_the_tracer_leaves_no_gloo_group_behind_and_the_script_exits_cleanly(tmp_path, capture):
+    """The tracer's own gloo group is destroyed when it closes: its worker threads end
+    then, not while Python finalizes (where one still releasing the last collective's
+    tensors aborted the rank: "terminate called without an active exception")."""
+    out = tmp_path / "exit"
+    result = launch(LaunchConfig(target="tests.workers.exit_check", nproc=2, log_dir=out / "logs", timeout_s=120,
+                                 env=project_env(), args=["--out", str(out), "--capture", capture]))
+    assert result.ok, f"{result.reason}\n{result.stderr_tail}"
+    for r in (0, 1):
+        counts = json.loads((out / f"exit-rank{r}.json").read_text())
+        assert counts["capture_path"] == capture
+        assert counts["tracing"] > counts["before"] > 0  # the tracer's group has threads of its own
+        assert counts["after"] == counts["before"], counts
+
+
 def test_bad_tracer_input_fails_loudly(tmp_path):
     import torch.nn as nn
 

@@ -9,18 +9,11 @@ import time
 import pytest
 
 from tests.conftest import processes_mentioning
+from tracer.launch.procfs import alive
 from tracer.launch.runner import RunConfig, run_job
 from tracer.launch.warm import WarmLauncher
 
 pytestmark = pytest.mark.ddp
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_zygote_started_from_a_short_lived_thread_stays_warm_and_runs_jobs(tmp_path):
@@ -43,7 +36,7 @@ def test_a_zygote_started_from_a_short_lived_thread_stays_warm_and_runs_jobs(tmp
         assert launcher.ready_s is not None, "the zygote never became ready"
         pid = launcher._proc.pid
         time.sleep(1.0)
-        assert _alive(pid), "the zygote died with the thread that started it"
+        assert alive(pid), "the zygote died with the thread that started it"
         for k in range(2):  # two jobs from the same warm zygote
             result = run_job(RunConfig(out=tmp_path / f"run{k}", demo="mlp", nproc=2, steps=3, bucket_cap_mb=1.0),
                              launcher=launcher.launch)
@@ -51,6 +44,6 @@ def test_a_zygote_started_from_a_short_lived_thread_stays_warm_and_runs_jobs(tmp
             assert launcher._proc.pid == pid and (tmp_path / f"run{k}" / "rank-1.json").exists()
     finally:
         launcher.close()
-    assert not _alive(pid)  # reaped: no zombie either
+    assert not alive(pid)  # reaped: no zombie either
     assert processes_mentioning(str(tmp_path)) == []
     assert pid not in [int(p) for p in os.listdir("/proc") if p.isdigit()]

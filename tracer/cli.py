@@ -36,7 +36,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tracer.launch.runner import CalibrateConfig, RingConfig, RunConfig, ZeroConfig
+    from tracer.launch.calibrate import CalibrateConfig
+    from tracer.launch.runner import RingConfig, RunConfig, ZeroConfig
 
     p = _Parser(prog=PROG, description="See distributed data-parallel training: trace real DDP runs, "
                                        "read them, open the dashboard.")
@@ -132,13 +133,13 @@ def calibrate_progress(rec: dict, cfg) -> str | None:
 
 def launch_command(args: argparse.Namespace) -> int:
     """parse (config) -> run (the job, through its runner) -> report, for run/ring/zero/calibrate."""
-    from tracer.launch import runner
+    from tracer.launch import calibrate, runner
 
     config_cls, run, describe = {
         "run": (runner.RunConfig, runner.run_job, run_progress),
         "ring": (runner.RingConfig, runner.run_ring, ring_progress),
         "zero": (runner.ZeroConfig, runner.run_zero, zero_progress),
-        "calibrate": (runner.CalibrateConfig, runner.run_calibrate, calibrate_progress),
+        "calibrate": (calibrate.CalibrateConfig, calibrate.run_calibrate, calibrate_progress),
     }[args.command]
     prog = f"{PROG} {args.command}"
     settings = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}

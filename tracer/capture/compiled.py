@@ -48,7 +48,7 @@ class CompiledBuckets:
         self.attached = False
 
     def attach(self) -> "CompiledBuckets":
-        self._ready_order: list[int] = []  # the last syncing backward's, for the layout DDP rebuilds from it
+        self._last_sync: tuple[list, int] = ([], 0)  # (step.grads, pass): the last syncing backward's
         self._bytes = [p.numel() * p.element_size() for p in self.recorder.params]
         self._bucket_params(None)  # the first layout, before training (it allocates: not inside a step)
         self.ready = self.ext.ReadyTimes(self.recorder.params)
@@ -63,13 +63,18 @@ class CompiledBuckets:
             self.attached = False
             self.take_pending()
             self.ddp.reducer._update_process_group(self.original)
+            # Hold the real group no longer than the reducer does: a group that outlives
+            # destroy_process_group is torn down while Python finalizes (see the tracer's
+            # _release_cpu_group). The wrapper's records outlive it for a late callback.
+            self.group = self.original = None
         if self.ready is not None:
             self.ready.remove()
             self.ready = None
 
     def progress(self) -> tuple[int, int]:
         """``(launched, done)`` all-reduces of the open step (read by the live file's thread)."""
-        return tuple(self.ext.progress(self.group)) if self.attached else (0, 0)
+        group = self.group  # read once: detach() may drop it meanwhile
+        return tuple(self.ext.progress(group)) if group is not None and self.attached else (0, 0)
 
     def take_ready(self, step, k: int) -> None:
         """The gradients accumulated since the last call, into ``step.grads`` as pass ``k``'s
@@ -80,20 +85,19 @@ class CompiledBuckets:
         step.grads.extend((param, ns / 1e3 + skew, k) for param, ns in self.ready.take())
 
     def take_pending(self) -> list[tuple[int, int, int]]:
-        return self.ext.take(self.group, 10_000)
+        return self.ext.take(self.group, 10_000) if self.group is not None else []
 
     def take(self, step) -> None:
         """The all-reduces since the last call, into ``step.buckets`` (autograd thread,
         after DDP waited for them: no all-reduce of this model is in flight)."""
-        from tracer.capture.recorder import BucketRecord
+        from tracer.capture.recorder import BucketRecord, active_index
 
-        records = self.ext.take(self.group, 10_000)
+        records = self.take_pending()
         if not records or step is None:
             return
         sizes = tuple(b for _, _, b in records)
-        k = _last_pass(step)
         params = self._params.get(sizes) or self._from_ready_order(sizes) or self._bucket_params(sizes)
-        self._ready_order = [param for param, _, kk in sorted(step.grads, key=lambda g: g[1]) if kk == k]
+        self._last_sync = (step.grads, active_index(step))  # read only if the layout changes next
         skew = self.skew_us
         for k, (launch, done, nbytes) in enumerate(records):
             step.buckets.append(BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=launch / 1e3 + skew,
@@ -120,7 +124,8 @@ class CompiledBuckets:
         runs of that iteration's gradient-ready order, filled up to the cap. Read as runs
         whose bytes equal each all-reduce's; None if they do not (several dtypes or
         devices, unused parameters): then the reducer is asked."""
-        order, out, at = self._ready_order, [], 0
+        grads, k = self._last_sync  # in stamp order: one autograd thread stamps them in turn
+        order, out, at = [param for param, _, kk in grads if kk == k], [], 0
         for size in sizes:
             run, total = [], 0
             while at < len(order) and total < size:
@@ -134,11 +139,6 @@ class CompiledBuckets:
             return None
         self._params[sizes] = out
         return out
-
-
-def _last_pass(step) -> int:
-    """The pass whose backward just ended (the syncing one when buckets are taken)."""
-    return step.active if step.active is not None else max(len(step.passes) - 1, 0)
 
 
 def usable(device: torch.device) -> str | None:

@@ -155,18 +155,18 @@ class StepRecorder:
             # Runs when the autograd engine finishes this backward, *before* DDP's own
             # end-of-backward callback (queued later), which waits for all buckets.
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-        cur.grads.append((index, now, _active_index(cur)))
+        cur.grads.append((index, now, active_index(cur)))
 
     def _active_pass(self) -> PassRecord | None:
         cur = self.current
-        return cur.passes[_active_index(cur)] if cur is not None and cur.passes else None
+        return cur.passes[active_index(cur)] if cur is not None and cur.passes else None
 
     def _on_backward_end(self) -> None:
         p = self._active_pass()
         if p is not None:
             p.backward_end = self.clock.stamp()
             if self.bucket_source is not None:
-                self.bucket_source.take_ready(self.current, _active_index(self.current))
+                self.bucket_source.take_ready(self.current, active_index(self.current))
             self.current.first_grad_seen = False  # the next backward (accumulation) queues again
             # Callbacks queued while callbacks run go to the back of the queue: this one
             # runs after DDP's finalize (wait for every bucket, write the averaged grads).
@@ -354,7 +354,7 @@ class StepRecorder:
         return self.param_names[i] if 0 <= i < len(self.param_names) else f"param[{i}]"
 
 
-def _active_index(step: StepRecord) -> int:
+def active_index(step: StepRecord) -> int:
     """The pass whose backward is running (the latest pass when no output gradient said)."""
     return len(step.passes) - 1 if step.active is None else step.active
 

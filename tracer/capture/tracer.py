@@ -112,6 +112,7 @@ class DDPTracer:
         self._live: LiveFile | None = None
         self._closed = False
         self._compiled: CompiledBuckets | None = None
+        self._cpu_group: dist.ProcessGroup | None = None
         self.capture_note: str | None = None
 
     # -- lifecycle ----------------------------------------------------------------
@@ -124,6 +125,7 @@ class DDPTracer:
                 self._compiled.detach()
             if self._comm_state is not None:
                 self._comm_state.recorder = None
+            self._release_cpu_group()
             if self._writer is not None:  # it holds no step: leave no file that says otherwise
                 try:
                     self._writer.close(status=fmt.FAILED, error="the tracer could not start")
@@ -163,7 +165,7 @@ class DDPTracer:
             # DDP buckets each dtype apart: a prediction of its layout needs them
             "param_dtypes": [str(p.dtype).removeprefix("torch.") for p in params],
             "bucket_layouts": [], "steps": 0,
-            "step_boundary": cfg.step_boundary, "torch_version": torch.__version__,
+            "step_boundary": cfg.step_boundary, "torch_version": str(torch.__version__),
             "capture_path": "python" if ext is None else "compiled", "capture_path_note": self.capture_note,
         }
         problem = None
@@ -269,6 +271,7 @@ class DDPTracer:
                 offsets_end = estimate_offsets(self.clock.host_us, self._cpu_group, self.config.offset_rounds)
             except Exception:  # a peer died: keep the start estimate
                 offsets_end = None
+        self._release_cpu_group()  # the tracer's last collective is done
         if offsets_end is not None:
             self._meta["clock_offset"]["end"] = offsets_end[self.rank].to_json()
         lost = self._writer.error is not None  # said once when it happened
@@ -281,6 +284,23 @@ class DDPTracer:
                 raise
         if self.rank == 0 and not lost:
             self._write_run_json(status=status, error=error, offsets_end=offsets_end)
+
+    def _release_cpu_group(self) -> None:
+        """Destroy the tracer's own gloo group now, not at interpreter exit.
+
+        Its destructor (run here, the GIL released by torch's holder) joins gloo's worker
+        threads. Left alive (the tracer sits in reference cycles), a worker still dropping
+        the last all_gather's tensors wants the GIL while Python finalizes, and the rank
+        aborts: "terminate called without an active exception" (a script that exits right
+        after such a collective aborted 10 times in 20 two-rank runs; 0 in 20 so)."""
+        group, self._cpu_group = self._cpu_group, None
+        if group is None:
+            return
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - gone with the default group already: our reference is the last
+            pass
+        del group
 
     def set_meta(self, **fields: Any) -> None:
         """Add JSON-able facts to this rank's trace metadata (``otherData.ddpscope``)."""
@@ -328,7 +348,7 @@ class DDPTracer:
         run.update({
             "format": fmt.FORMAT, "version": fmt.VERSION, "status": status,
             "world_size": self.world_size, "backend": self.backend, "device": self._meta["device"],
-            "clock": self.clock.kind, "hosts": self.hosts, "torch_version": torch.__version__,
+            "clock": self.clock.kind, "hosts": self.hosts, "torch_version": str(torch.__version__),
             **bucket_caps(ddp),
             "model_class": type(ddp.module).__name__,
             "model_params": sum(p.numel() for p in reducer_params(ddp)[1]),

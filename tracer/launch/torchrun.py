@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from tracer.launch.hangs import Hang, HangWatch, read_positions
+from tracer.launch.procfs import alive, descendants
 
 # A rank that failed only because a peer died says so; it is not the root cause.
 _PEER_FAILURE = re.compile(
@@ -130,7 +131,7 @@ def launch(cfg: LaunchConfig, on_line: Callable[[int | None, str], None] = lambd
             try:
                 line = lines.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
             except queue.Empty:
-                workers |= _descendants(proc.pid)  # remember them: torchrun may die first
+                workers |= descendants(proc.pid)  # remember them: torchrun may die first
                 if time.monotonic() >= deadline:
                     timed_out = True
                     break
@@ -146,7 +147,7 @@ def launch(cfg: LaunchConfig, on_line: Callable[[int | None, str], None] = lambd
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        workers |= _descendants(proc.pid)
+        workers |= descendants(proc.pid)
         _terminate(proc, workers)
         reader.join(timeout=5)
         while True:  # what the reader had left: torchrun's summary comes last
@@ -232,36 +233,6 @@ def _pump(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
-def _descendants(pid: int) -> set[int]:
-    """All live descendants of ``pid`` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _terminate(proc: subprocess.Popen, workers: set[int], grace_s: float = 10.0) -> None:
     """Stop torchrun (it stops its workers on SIGTERM), then kill whatever is left."""
     if proc.poll() is None:
@@ -276,7 +247,7 @@ def _terminate(proc: subprocess.Popen, workers: set[int], grace_s: float = 10.0)
     for pid in [proc.pid, *workers]:
         if pid == proc.pid and proc.poll() is not None:
             continue
-        if _alive(pid):
+        if alive(pid):
             kill_group(pid)
     proc.wait()
 

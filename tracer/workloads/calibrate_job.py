@@ -1,5 +1,5 @@
 """The calibration job: what the what-if model cannot read off one trace, measured on the
-same ranks and backend (started by torchrun; see ``runner.run_calibrate``).
+same ranks and backend (started by torchrun; see ``tracer.launch.calibrate``).
 
 1. ``dist.all_reduce`` of 4 KiB, 16 KiB, ... up to ``--max-mb`` (x4 each), one warm-up
    each, then three passes through every size (repeats per pass: what fits

@@ -18,7 +18,8 @@
 // thread, without the GIL.
 //
 // Records go into a preallocated array (no allocation on the hot path); take() hands
-// them over and starts again. The reducer waits on the same future before backward
+// them over and starts again. Each completion callback holds the array too, so one that
+// runs after the wrapper is gone (dropped when tracing stops) writes into live memory. The reducer waits on the same future before backward
 // ends, but our callback may run a moment after that wait returns: take() waits for a
 // record's completion at most `wait_us` before reporting it unfinished (done = 0).
 
@@ -53,7 +54,7 @@ class TimedGroup : public c10d::ProcessGroup {
   TimedGroup(c10::intrusive_ptr<c10d::ProcessGroup> inner, int64_t capacity)
       : c10d::ProcessGroup(inner->getRank(), inner->getSize()),
         inner_(std::move(inner)),
-        records_(new Record[capacity]),
+        records_(new Record[capacity], std::default_delete<Record[]>()),
         capacity_(capacity) {
     // The real group's backends, shared: collectives not overridden here (the
     // reducer's broadcast when it rebuilds its buckets) dispatch to them as they would.
@@ -75,7 +76,7 @@ class TimedGroup : public c10d::ProcessGroup {
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override {
     const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
-    Record* rec = i < capacity_ ? &records_[i] : nullptr;  // full: counted, not stamped
+    Record* rec = i < capacity_ ? &records_.get()[i] : nullptr;  // full: not stamped
     if (rec != nullptr) {
       int64_t bytes = 0;
       for (const auto& t : tensors) {
@@ -87,56 +88,48 @@ class TimedGroup : public c10d::ProcessGroup {
     }
     auto work = inner_->allreduce(tensors, opts);
     if (rec != nullptr) {
-      work->getFuture()->addCallback(
-          [rec](c10::ivalue::Future&) { rec->done_ns.store(monotonic_ns(), std::memory_order_release); });
+      work->getFuture()->addCallback([records = records_, rec](c10::ivalue::Future&) {
+        rec->done_ns.store(monotonic_ns(), std::memory_order_release);
+      });
     }
     return work;
   }
 
-  // Every all-reduce since the last take(): [(launch_ns, done_ns, bytes)], then starts
-  // again; `dropped`: how many did not fit. Called between steps (no all-reduce in flight).
+  // Every all-reduce since the last take() that fit: [(launch_ns, done_ns, bytes)], then
+  // starts again. Called between steps (no all-reduce in flight).
   std::vector<std::tuple<int64_t, int64_t, int64_t>> take(int64_t wait_us) {
     const int64_t n = std::min(next_.load(std::memory_order_acquire), capacity_);
     std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
     out.reserve(n);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(wait_us);
+    Record* records = records_.get();
     for (int64_t i = 0; i < n; ++i) {
-      int64_t done = records_[i].done_ns.load(std::memory_order_acquire);
+      int64_t done = records[i].done_ns.load(std::memory_order_acquire);
       while (done == 0 && std::chrono::steady_clock::now() < deadline) {
         std::this_thread::yield();
-        done = records_[i].done_ns.load(std::memory_order_acquire);
+        done = records[i].done_ns.load(std::memory_order_acquire);
       }
-      out.emplace_back(records_[i].launch_ns.load(std::memory_order_acquire), done,
-                       records_[i].bytes.load(std::memory_order_relaxed));
+      out.emplace_back(records[i].launch_ns.load(std::memory_order_acquire), done,
+                       records[i].bytes.load(std::memory_order_relaxed));
     }
-    dropped_ += std::max<int64_t>(0, next_.load() - capacity_);
     next_.store(0, std::memory_order_release);
     return out;
-  }
-
-  int64_t dropped() const {
-    return dropped_;
   }
 
   std::pair<int64_t, int64_t> progress() const {
     const int64_t n = std::min(next_.load(std::memory_order_acquire), capacity_);
     int64_t done = 0;
     for (int64_t i = 0; i < n; ++i) {
-      done += records_[i].done_ns.load(std::memory_order_relaxed) != 0;
+      done += records_.get()[i].done_ns.load(std::memory_order_relaxed) != 0;
     }
     return {n, done};
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> inner() const {
-    return inner_;
-  }
-
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> inner_;
-  std::unique_ptr<Record[]> records_;
+  std::shared_ptr<Record> records_;  // an array (default_delete<Record[]>), shared with callbacks
   const int64_t capacity_;
   std::atomic<int64_t> next_{0};
-  int64_t dropped_ = 0;
 };
 
 // (parameter index, CLOCK_MONOTONIC ns) per accumulated gradient, in order.
@@ -224,9 +217,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "take", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, int64_t wait_us) { return as_timed(g).take(wait_us); },
       py::arg("group"), py::arg("wait_us") = 10000, py::call_guard<py::gil_scoped_release>());
-  m.def("dropped", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).dropped(); });
-  m.def("inner", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).inner(); });
-  m.def("now_ns", &monotonic_ns);
   m.def(
       "progress", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).progress(); },
       "(launched, done) all-reduces since the last take(): where a backward is, for the live file");
