@@ -8,13 +8,13 @@ from collections import defaultdict
 PHASES = {"X", "i", "I", "C", "M", "B", "E", "b", "e", "n"}
 
 
-def check_chrome_trace(doc: dict) -> list[str]:
-    """Problems found in a Chrome trace (object form); empty when it is well formed."""
+def check_chrome_trace(doc: dict | list) -> list[str]:
+    """Problems found in a Chrome trace (object or array form); empty when it is well formed."""
     problems: list[str] = []
-    events = doc.get("traceEvents")
+    events = doc if isinstance(doc, list) else doc.get("traceEvents")
     if not isinstance(events, list):
         return ["traceEvents is not a list"]
-    if doc.get("displayTimeUnit", "ms") not in ("ms", "ns"):
+    if isinstance(doc, dict) and doc.get("displayTimeUnit", "ms") not in ("ms", "ns"):
         problems.append("displayTimeUnit must be ms or ns")
     spans = defaultdict(list)
     for n, e in enumerate(events):
@@ -27,7 +27,8 @@ def check_chrome_trace(doc: dict) -> list[str]:
         if not isinstance(e.get("name"), str):
             problems.append(f"event {n}: name must be a string")
         if ph == "M":
-            if e["name"] not in ("process_name", "thread_name", "process_sort_index", "thread_sort_index"):
+            # Perfetto reads the first four and passes over others (ddpscope's metadata event)
+            if e["name"] not in ("process_name", "thread_name", "process_sort_index", "thread_sort_index", "ddpscope"):
                 problems.append(f"event {n}: unknown metadata {e['name']}")
             continue
         if not isinstance(e.get("ts"), (int, float)):

@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import ROOT, processes_mentioning, run_cli
 from tests.test_autotrace import USER, _port, checks, trace_script, untraced
 from tracer.capture.native import build as native
+from viz.trace import read_rank_file
 
 pytestmark = pytest.mark.ddp
 WORKER = str(ROOT / "tests" / "workers" / "compiled_check.py")
@@ -46,7 +47,7 @@ def test_both_paths_time_the_same_allreduces_in_one_run(tmp_path, built):
     _job(tmp_path, "--mode", "agree", "--out", str(tmp_path))
     for r in (0, 1):
         compiled = json.loads((tmp_path / f"report-{r}.json").read_text())["compiled"]
-        events = json.loads((tmp_path / "trace" / f"rank-{r}.json").read_text())["traceEvents"]
+        events = read_rank_file(tmp_path / "trace" / f"rank-{r}.json")[1]
         hooked = [e for e in events if e.get("cat") == "allreduce"]  # raw µs on this rank's clock
         assert len(compiled) == 6 and [len(s) for s in compiled] == [1, 3, 3, 3, 3, 3]  # DDP rebuilds after step 0
         for step, recs in enumerate(compiled):
@@ -100,9 +101,8 @@ def test_the_scripts_own_hook_is_timed_in_python_and_said(tmp_path, built):
     proc, out, report = trace_script(tmp_path, USER, "--hook", "fp16", "--steps", "5", "--bucket-cap-mb", "1",
                                      ddpscope=("--capture", "compiled"))
     assert proc.returncode == 0, proc.stderr
-    meta = json.loads((out / "rank-0.json").read_text())["otherData"]["ddpscope"]
+    meta, events = read_rank_file(out / "rank-0.json")
     assert meta["capture_path"] == "python" and "communication hook" in meta["capture_path_note"]
-    events = json.loads((out / "rank-0.json").read_text())["traceEvents"]
     assert len([e for e in events if e.get("cat") == "allreduce" and e["args"]["step"] >= 1]) >= 4
     plain = untraced(tmp_path, USER, "--hook", "fp16", "--steps", "5", "--bucket-cap-mb", "1")
     for r in (0, 1):
@@ -140,6 +140,6 @@ def test_without_a_compiler_the_python_hook_times_the_run_and_says_so(tmp_path):
     assert any("could not be built" in l for l in said) and "Traceback" not in proc.stderr
     run = json.loads((out / "run.json").read_text())
     assert run["capture_path"] == "python" and "could not be built" in run["capture_path_note"]
-    events = json.loads((out / "rank-1.json").read_text())["traceEvents"]
+    events = read_rank_file(out / "rank-1.json")[1]
     assert any(e.get("cat") == "allreduce" for e in events)
     assert processes_mentioning(str(out)) == []

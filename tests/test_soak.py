@@ -22,6 +22,7 @@ from tests.test_browser import CHROMIUM, dashboard_page
 from tracer import format as fmt
 from tracer.launch.procfs import descendants
 from viz.sources import load_training_trace
+from viz.trace import read_rank_file
 
 pytestmark = [pytest.mark.soak, pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed")]
 
@@ -158,7 +159,7 @@ def test_twenty_runs_from_the_dashboard_leave_nothing_behind(tmp_path):
     assert folders == sorted(started) and len(set(started)) == RUNS  # one folder per click, no more
     for name in folders:
         run = json.loads((runs / name / fmt.RUN_FILE).read_text())
-        metas = [json.loads(p.read_text())["otherData"]["ddpscope"] for p in sorted((runs / name).glob("rank-*.json"))]
+        metas = [read_rank_file(p)[0] for p in sorted((runs / name).glob("rank-*.json"))]
         assert run["status"] == fmt.COMPLETE and [m["status"] for m in metas] == [fmt.COMPLETE] * 2, name
         trace = load_training_trace(runs / name)
         assert trace.status == fmt.COMPLETE and trace.steps["step"].max() == run["steps"] - 1, name

@@ -3,10 +3,15 @@
 Light on purpose (no torch): readers in ``viz/`` import it to parse what the tracer wrote.
 
 A run folder holds ``run.json`` (run metadata, written by rank 0 and updated by the
-runner) and one ``rank-<r>.json`` per rank: Chrome Trace Event JSON (object form) that
-Perfetto and chrome://tracing open as they are. Timestamps (``ts``) and durations
-(``dur``) are µs on that rank's own host clock; ``otherData.ddpscope`` holds the rank's
-metadata, including its clock offset to rank 0 (readers add it to align ranks).
+runner) and one ``rank-<r>.json`` per rank: Chrome Trace Event JSON that Perfetto and
+chrome://tracing open as they are. Since version 2 it is the format's *array* form,
+appended to while the run goes and left unterminated until the rank closes it (the
+format allows that; a reader drops a torn last line): ``[``, one line per flush of
+events, and a metadata event (``ph: "M"``, ``name: META_EVENT``) each time the rank's
+metadata changed; the last one holds the rank's metadata, including its clock offset
+to rank 0 (readers add it to align ranks). Version 1 files are the object form, with
+the metadata in ``otherData.ddpscope``; readers take both. Timestamps (``ts``) and
+durations (``dur``) are µs on that rank's own host clock.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from __future__ import annotations
 import re
 
 FORMAT = "ddpscope-trace"
-VERSION = 1
+VERSION = 2
+META_EVENT = "ddpscope"  # the name of the metadata event in a rank file (array form)
 RUN_FILE = "run.json"
 RANK_FILE_RE = re.compile(r"^rank-(\d+)\.json$")
 

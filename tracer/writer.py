@@ -1,10 +1,17 @@
-"""Writing traces: atomically (temporary file, then rename), off the training thread.
+"""Writing traces: appended off the training thread; small files atomically.
 
-``TraceWriter`` keeps one rank's Chrome trace on disk, complete and valid after every
-step: the training thread encodes each finished step's events once (between steps); a
-background thread rewrites the file atomically (I/O only, which releases the GIL). A run that
-dies therefore leaves every step that was handed over readable, with ``status`` still
-``running`` (or ``failed``) in the metadata.
+``TraceWriter`` keeps one rank's Chrome trace on disk, readable after every flush. The
+file is the trace format's *array* form (``tracer/format.py``), which may stay
+unterminated while it grows: ``[``, then each flush's events on one line, and a
+metadata event whenever the metadata changed; ``close`` appends the final metadata and
+``]``. A flush appends only what is new, so it costs what the steps since the last one
+cost, however long the run (rewriting the whole file, as version 1 did, cost a flush
+O(run length): seconds of a core per flush after some thousand steps).
+
+The training thread encodes each finished step's events once, between steps (msgspec:
+~0.4 µs an event, 20x ``json.dumps``); a background thread appends them (I/O, which
+releases the GIL). A run that dies leaves every flush before readable (a torn last line
+is dropped by the reader), its metadata saying ``running``.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import sys
 import threading
 from pathlib import Path
 from typing import Iterable
+
+import msgspec
 
 from tracer import format as fmt
 
@@ -55,24 +64,26 @@ def update_run_json(out: str | os.PathLike, fields: dict) -> None:
 
 
 class TraceWriter:
-    """One rank's trace file, rewritten atomically in a background thread.
+    """One rank's trace file, appended to by a background thread.
 
-    ``add`` and ``set_meta`` never block on I/O. ``close`` writes the final version in
-    the caller's thread and raises ``OSError`` if any write failed.
+    ``add`` and ``set_meta`` never block on I/O. ``close`` writes the end in the caller's
+    thread and raises ``OSError`` if any write failed (then nothing more is written: the
+    file keeps what was appended whole before).
     """
 
     def __init__(self, path: Path, meta: dict, min_interval_s: float = 0.05) -> None:
         self.path = Path(path)
         self._meta = dict(meta)
-        self._pending: list[bytes] = []
-        self._encoded: list[bytes] = []
-        self._dirty = True
+        self._pid = int(meta.get("rank", 0) or 0)
+        self._pending: list[bytes] = []  # each: events "e1,e2,..." of one add(), encoded
+        self._meta_changed = False
         self._closed = False
         self._error: OSError | None = None
         self._min_interval_s = min_interval_s
         self._cond = threading.Condition()
         self._io_lock = threading.Lock()  # one writer of the file at a time
-        self._flush()  # the file exists (empty, status running) before training starts
+        # the file exists (no events, status running) before training starts: made whole, then renamed
+        write_bytes_atomic(self.path, [b"[\n", self._meta_line()])
         self._thread = threading.Thread(target=self._loop, name="ddpscope-writer", daemon=True)
         self._thread.start()
 
@@ -80,10 +91,11 @@ class TraceWriter:
         """Hand over finished events. They are encoded here, on the caller's thread, between
         steps: encoding on the writer's thread would compete with the next step for the
         GIL and the CPU, and distort the very timings being traced. Only I/O is deferred."""
-        encoded = [json.dumps(e, separators=_SEP).encode() for e in events]
+        encoded = _ENCODER.encode(list(events))[1:-1]  # "[e1,e2]" -> "e1,e2"
+        if not encoded:
+            return
         with self._cond:
-            self._pending.extend(encoded)
-            self._dirty = True
+            self._pending.append(encoded)
             self._cond.notify()
 
     @property
@@ -92,57 +104,81 @@ class TraceWriter:
         return self._error
 
     def set_meta(self, **fields) -> None:
+        """Update the metadata; appended (whole, as a metadata event) at the next flush."""
         with self._cond:
             self._meta.update(fields)
-            self._dirty = True
+            self._meta_changed = True
             self._cond.notify()
 
     def close(self, **final_meta) -> None:
         with self._cond:
             self._meta.update(final_meta)
+            self._meta_changed = True
             self._closed = True
-            self._dirty = True
             self._cond.notify()
         self._thread.join()
-        try:
-            self._flush()
-        except OSError as e:
-            self._error = e
+        if self._error is None:  # after a failed write nothing more: the file may end in a torn line
+            try:
+                self._flush(final=True)
+            except OSError as e:
+                self._error = e
         if self._error is not None:
             raise OSError(f"could not write trace {self.path}: {self._error}") from self._error
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._dirty and not self._closed:
+                while not (self._pending or self._meta_changed) and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
             try:
                 self._flush()
             except OSError as e:  # never raise into training; the tracer stops at its next step
-                if self._error is None:
-                    print(f"ddpscope: cannot write {self.path} ({e.strerror or e}): tracing stops here, "
-                          "training goes on", file=sys.stderr, flush=True)
+                print(f"ddpscope: cannot write {self.path} ({e.strerror or e}): tracing stops here, "
+                      "training goes on", file=sys.stderr, flush=True)
                 self._error = e
                 return
             with self._cond:
                 self._cond.wait(self._min_interval_s)  # coalesce bursts of steps
 
-    def _flush(self) -> None:
+    def _meta_line(self) -> bytes:
+        return _ENCODER.encode({"name": fmt.META_EVENT, "ph": "M", "pid": self._pid, "args": self._meta})
+
+    def _flush(self, final: bool = False) -> None:
         with self._io_lock:
             with self._cond:
-                events, self._pending = self._pending, []
-                meta = json.dumps(self._meta, separators=_SEP).encode()
-                self._dirty = False
-            self._encoded.extend(events)
-            write_bytes_atomic(
-                self.path,
-                [
-                    b'{"traceEvents":[\n',
-                    b",\n".join(self._encoded),
-                    b'\n],"displayTimeUnit":"ms","otherData":{"ddpscope":',
-                    meta,
-                    b"}}\n",
-                ],
-            )
+                chunks, self._pending = self._pending, []
+                if self._meta_changed:
+                    chunks.append(self._meta_line())
+                    self._meta_changed = False
+            data = b"".join(b",\n" + c for c in chunks) + (b"\n]\n" if final else b"")
+            if data:
+                _append(self.path, data)
+
+
+def _encodable(obj):
+    """What msgspec does not encode itself, as ``json.dumps`` would have it: subclasses of
+    str (``torch.__version__``), paths, numpy scalars."""
+    if isinstance(obj, str):
+        return str(obj)
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"cannot write a {type(obj).__name__} into a trace")
+
+
+_ENCODER = msgspec.json.Encoder(enc_hook=_encodable)
+
+
+def _append(path: Path, data: bytes) -> None:
+    """Append ``data`` to the existing file ``path``: a file removed (or its folder) is an
+    error here, not recreated with only this piece in it."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)

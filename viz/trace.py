@@ -134,9 +134,9 @@ class RunTrace:
 
 
 def run_status(trace: RunTrace) -> tuple[str, str | None]:
-    """``(status, reason)`` from run.json and the ranks' own metadata. Each rank file is
-    rewritten whole while its rank runs, with ``status: running`` until its last write:
-    one still ``running`` when read was never finished (the run is going on, or was
+    """``(status, reason)`` from run.json and the ranks' own metadata. Each rank file's
+    metadata says ``status: running`` until its rank closes it: one still ``running``
+    when read was never finished (the run is going on, or was
     stopped, or its trace could not be written: a full disk, a removed folder)."""
     said = str(trace.run.get("status", "unknown"))
     if said == fmt.FAILED:
@@ -173,9 +173,9 @@ def clock_alignment(meta: dict):
     return lambda t: t + start["offset_us"] + slope * (t - start["at_us"])
 
 
-def read_json_file(path: Path, what: str) -> dict:
-    """A JSON object from a regular file: links, FIFOs and devices are refused, never
-    opened (a FIFO would block the reader; a link could point anywhere)."""
+def read_file_bytes(path: Path, what: str) -> bytes:
+    """A regular file's bytes: links, FIFOs and devices are refused, never opened (a FIFO
+    would block the reader; a link could point anywhere), and so is a file too big to parse."""
     try:
         st = path.lstat()
     except OSError as e:
@@ -183,34 +183,72 @@ def read_json_file(path: Path, what: str) -> dict:
     if not stat.S_ISREG(st.st_mode):
         kind = "a link" if stat.S_ISLNK(st.st_mode) else "not a regular file (a FIFO or device?)"
         raise TraceError(f"{what} {path.name} is {kind}; refused")
-    size = st.st_size
-    if size > MAX_FILE_BYTES:
-        raise TraceError(f"{what} {path} is {size / 2**20:.0f} MiB, over the {MAX_FILE_BYTES // 2**20} MiB limit")
+    if st.st_size > MAX_FILE_BYTES:
+        raise TraceError(f"{what} {path} is {st.st_size / 2**20:.0f} MiB, over the {MAX_FILE_BYTES // 2**20} MiB limit")
     try:
         with open(path, "rb") as f:
-            data = json.load(f)
-    except UnicodeDecodeError:
-        raise TraceError(f"{what} {path.name} is not text (not a trace?)") from None
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{what} {path.name} is not valid JSON (truncated?): {e.msg} at line {e.lineno}") from None
-    except RecursionError:
-        raise TraceError(f"{what} {path.name} is nested too deeply to be a trace") from None
+            return f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise TraceError(f"cannot read {what} {path}: {e.strerror}") from None
+
+
+def _parse_json(raw: bytes, name: str, what: str):
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError:
+        raise TraceError(f"{what} {name} is not text (not a trace?)") from None
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{what} {name} is not valid JSON (truncated?): {e.msg} at line {e.lineno}") from None
+    except RecursionError:
+        raise TraceError(f"{what} {name} is nested too deeply to be a trace") from None
+
+
+def read_json_file(path: Path, what: str) -> dict:
+    """A JSON object from a regular file (see ``read_file_bytes``)."""
+    data = _parse_json(read_file_bytes(path, what), path.name, what)
     if not isinstance(data, dict):
         raise TraceError(f"{what} {path.name} is not a JSON object")
     return data
 
 
+def _parse_growing_array(raw: bytes, name: str) -> list:
+    """A trace in the array form, which may be unterminated (its rank is running, or
+    stopped): closed after its last whole line; a torn last line (a write cut short) is
+    dropped."""
+    body = raw.rstrip()
+    if body.endswith(b"]"):
+        return _parse_json(body, name, "rank file")
+    for cut in (body, body[:body.rfind(b"\n")]):
+        try:
+            return json.loads(cut.rstrip().rstrip(b",") + b"]")
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            continue
+    raise TraceError(f"rank file {name} is not valid JSON, even read as an unfinished trace (truncated?)")
+
+
 def read_rank_file(path: Path) -> tuple[dict, list[dict]]:
-    """(metadata, events) of one rank file, checked to be ours."""
-    data = read_json_file(path, "rank file")
-    meta = (data.get("otherData") or {}).get("ddpscope") if isinstance(data.get("otherData"), dict) else None
+    """(metadata, events) of one rank file, checked to be ours: the array form the tracer
+    writes (finished or not: its last metadata event; a rank still running counts its
+    steps from its events) or the object form of version 1 (``otherData.ddpscope``)."""
+    raw = read_file_bytes(path, "rank file")
+    if raw.lstrip()[:1] == b"[":
+        data = _parse_growing_array(raw, path.name)
+        metas = [e for e in data if isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == fmt.META_EVENT]
+        meta = metas[-1].get("args") if metas else None
+        events = [e for e in data if not (isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == fmt.META_EVENT)]
+        if isinstance(meta, dict) and meta.get("status") == fmt.RUNNING:
+            meta = {**meta, "steps": sum(1 for e in events if isinstance(e, dict) and e.get("cat") == "step")}
+    else:
+        data = _parse_json(raw, path.name, "rank file")
+        if not isinstance(data, dict):
+            raise TraceError(f"rank file {path.name} is not a JSON object or array")
+        other = data.get("otherData")
+        meta = other.get("ddpscope") if isinstance(other, dict) else None
+        events = data.get("traceEvents")
     if not isinstance(meta, dict) or meta.get("format") != fmt.FORMAT:
-        raise TraceError(f"{path.name} is not a ddpscope trace (no otherData.ddpscope; another tool's file?)")
+        raise TraceError(f"{path.name} is not a ddpscope trace (no ddpscope metadata; another tool's file?)")
     if int(meta.get("version", 0)) > fmt.VERSION:
         raise TraceError(f"{path.name} has trace format version {meta.get('version')}; this ddpscope reads up to {fmt.VERSION}")
-    events = data.get("traceEvents")
     if not isinstance(events, list):
         raise TraceError(f"{path.name} has no traceEvents list")
     check_meta(meta, path.name)

@@ -276,7 +276,8 @@ class DDPTracer:
             self._meta["clock_offset"]["end"] = offsets_end[self.rank].to_json()
         lost = self._writer.error is not None  # said once when it happened
         try:
-            self._writer.close(status=status, error=error, clock_offset=self._meta["clock_offset"])
+            self._writer.close(status=status, error=error, clock_offset=self._meta["clock_offset"],
+                               steps=self._recorder.steps_written if self._recorder else 0)
         except OSError:
             if self._live is not None:  # the launcher reads it: this rank's trace is not whole
                 self._live.rewrite(fmt.FAILED)
@@ -318,10 +319,8 @@ class DDPTracer:
             self._stop_recording()
             return
         self._writer.add(events)
-        fields = {"steps": self._recorder.steps_written}
-        if layouts is not None:
-            fields["bucket_layouts"] = [dict(l) for l in layouts]
-        self._writer.set_meta(**fields)
+        if layouts is not None:  # rare (DDP rebuilt its buckets): each change appends the metadata once
+            self._writer.set_meta(bucket_layouts=[dict(l) for l in layouts])
 
     def _stop_recording(self) -> None:
         """The trace can no longer be written: nothing more is kept (the writer said so in
