@@ -75,3 +75,15 @@ def test_cuda_clock_maps_events_onto_the_host_clock_with_one_sync_per_resolve():
     assert times[3] is None
     assert gpu.syncs == 2 and clock.syncs == 1  # one synchronize for the whole batch
     assert clock.resolve([None, None]) == [None, None] and clock.syncs == 1
+
+
+def test_the_compiled_captures_device_times_pass_through_without_a_sync():
+    """The compiled capture hands bucket times over as host µs (its own CUDA events, read
+    a step late): resolve keeps them, and needs no synchronize for a batch of only those."""
+    gpu, host = FakeGpu(), FakeHost()
+    clock = CudaEventClock(host_clock=host, event_factory=gpu.event, synchronize=gpu.synchronize)
+    assert clock.resolve([5_000_123.5, None, 7]) == [5_000_123.5, None, 7.0]
+    assert clock.syncs == 0
+    gpu.gpu_ms += 2.0
+    assert clock.resolve([clock.stamp(), 5_000_001.0]) == pytest.approx([5_002_000.0, 5_000_001.0])
+    assert clock.syncs == 1

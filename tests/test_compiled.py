@@ -143,3 +143,51 @@ def test_without_a_compiler_the_python_hook_times_the_run_and_says_so(tmp_path):
     events = read_rank_file(out / "rank-1.json")[1]
     assert any(e.get("cat") == "allreduce" for e in events)
     assert processes_mentioning(str(out)) == []
+
+
+def test_device_times_reach_the_buckets_of_the_take_before_and_settle_at_the_end():
+    """On CUDA the wrapper hands each take's device times over at the next take (no sync
+    inside a step). Plain bookkeeping: no GPU needed, nothing faked."""
+    from tracer.capture.compiled import DeviceLag
+    from tracer.capture.recorder import BucketRecord
+
+    lag = DeviceLag()
+    step3, step4 = object(), object()
+    b3 = [BucketRecord(index=k, nbytes=8, params=(k,), launch=None) for k in range(2)]
+    lag.hand_over(step3, b3)
+    assert lag.holds_any_of([step4, step3]) and not lag.holds_any_of([step4])
+    lag.fill([])  # a take with nothing of the device's (CPU, or nothing new): still waiting
+    assert lag.holds_any_of([step3])
+    lag.fill([(2_000_000, 2_500_000), (2_100_000, 0)])  # ns; 0: its completion never came
+    assert [(b.launch, b.done) for b in b3] == [(2000.0, 2500.0), (2100.0, None)]
+    assert not lag.holds_any_of([step3])
+    b4 = [BucketRecord(index=0, nbytes=8, params=(0,), launch=None)]
+    lag.hand_over(step4, b4)
+    lag.fill([(3_000_000, 3_200_000)])
+    assert (b4[0].launch, b4[0].done) == (3000.0, 3200.0) and b3[0].launch == 2000.0
+
+
+def test_a_second_build_waits_on_the_lock_and_finds_the_first_ones_build(tmp_path, built):
+    """Ranks of several jobs (or nodes sharing a cache) never compile side by side: a
+    builder holding the lock makes the next one wait, which then takes the finished build.
+    Real processes and a real flock; the first build is played by this test (no compile)."""
+    import fcntl
+    import shutil
+    import time
+
+    env = {**os.environ, "DDPSCOPE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    folder = Path(subprocess.run([sys.executable, "-c", "from tracer.capture.native import build; print(build.build_dir())"],
+                                 env=env, capture_output=True, text=True, check=True).stdout.strip())
+    folder.mkdir(parents=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first builder, mid-build
+        second = subprocess.Popen([sys.executable, "-m", "tracer.capture.native.build"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(2.0)
+        assert second.poll() is None, second.communicate()  # waiting on the lock, not compiling
+        lib = Path(built["library"])
+        shutil.copy(lib, folder / lib.name)  # the first builder's result, then its stamp
+        (folder / native.STAMP).write_text(json.dumps({"library": lib.name}))
+    out, err = second.communicate(timeout=60)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["ok"] and result["built"] is False and Path(result["library"]) == folder / lib.name, err

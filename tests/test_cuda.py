@@ -55,9 +55,17 @@ def check_buckets(trace, profile, timed: bool) -> None:
         assert (a["start_after_launch_ms"] >= -0.05).all(), a
 
 
+def capture_path_expected() -> str:
+    from tracer.capture.native import build as native
+
+    return "compiled" if native.built_library() is not None else "python"
+
+
 def test_one_rank_nccl(tmp_path):
     trace, profile, reports = traced(tmp_path, 1, "nccl")
     assert trace.ranks[0]["clock"] == "cuda-event" and trace.ranks[0]["backend"] == "nccl"
+    # the compiled capture on CUDA: the wrapper's own events, read a step late
+    assert trace.ranks[0]["capture_path"] == capture_path_expected(), trace.ranks[0].get("capture_path_note")
     # one rank: NCCL all-reduces in place without a kernel; the CPU-side spans still count
     kernels = profile.kernels
     timed = ((kernels["kind"] == "comm") & (kernels["stream"] >= 0)).any()
@@ -75,5 +83,6 @@ def test_two_ranks_gloo_with_cuda_tensors(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_ranks_nccl(tmp_path):
     trace, profile, reports = traced(tmp_path, 2, "nccl")
+    assert {m["capture_path"] for m in trace.ranks.values()} == {capture_path_expected()}
     check_buckets(trace, profile, timed=True)
     check_memory(trace, reports)

@@ -64,7 +64,7 @@ def main() -> int:
                 steps, grads = [], []
                 for _ in range(args.traced):
                     step(ddp, opt, gen, 256)
-                    steps.append([[launch / 1e3, done / 1e3, nbytes] for launch, done, nbytes in ext.take(wrapper)])
+                    steps.append([[launch / 1e3, done / 1e3, nbytes] for launch, done, nbytes in ext.take(wrapper)[0]])
                     grads.append([[param, ns / 1e3] for param, ns in ready.take()])
                 ready.remove()
             report["compiled"], report["ready"] = steps, grads
@@ -92,7 +92,7 @@ def main() -> int:
                 for k in models:
                     step(models[k], opts[k], gen, 256 if k == "a" else 128)
             if not args.untraced:
-                report["records_after_exit"] = {k: len(ext.take(g)) for k, g in groups.items()}
+                report["records_after_exit"] = {k: len(ext.take(g)[0]) for k, g in groups.items()}
             report["sha"] = {k: sha(m.module) for k, m in models.items()}
             report["buckets"] = {k: len(m._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"].split(","))
                                  for k, m in models.items()}  # DDP's own count, after its rebuild

@@ -8,8 +8,14 @@ broadcasts, is left alone); ``take(step)`` hands the all-reduces since the last 
 the step as ``BucketRecord``s (bucket k = the k-th all-reduce: the reducer launches
 buckets in index order) and ``take_ready`` the gradient-ready times (C++ post hooks put
 in front of DDP's on each parameter's AccumulateGrad node); ``detach()`` gives the
-reducer its group back and takes the hooks off. Host clock only
-(gloo / CPU): an NCCL future completes at launch, so the CUDA path keeps the Python hook.
+reducer its group back and takes the hooks off.
+
+On CUDA (NCCL, or gloo with CUDA tensors) the host clock is wrong for a collective (an
+NCCL future completes when the kernel is enqueued): the wrapper also records CUDA events
+and hands their times over one take later (``DeviceLag``), when that step's work has
+long completed, so nothing synchronises inside a step; the gradient-ready times then
+come from the Python hooks' CUDA events (the C++ ready hooks stamp the host clock).
+NOT exercised by CI (no GPU there): tests/test_cuda.py runs it where a GPU is.
 """
 
 from __future__ import annotations
@@ -33,16 +39,41 @@ def load_extension() -> tuple[Any, str | None]:
     return module, None
 
 
+class DeviceLag:
+    """Device times arrive one take late: the ``BucketRecord``s of the last take wait here
+    for them (their ``launch``/``done`` stay None until then)."""
+
+    def __init__(self) -> None:
+        self.waiting: list = []  # the last take's BucketRecords
+        self.step = None  # the step they belong to
+
+    def hand_over(self, step, buckets: list) -> None:
+        self.step, self.waiting = step, buckets
+
+    def fill(self, device: list[tuple[int, int]]) -> None:
+        """``device``: (launch_ns, done_ns) per all-reduce of the last take, 0 if unknown."""
+        for b, (launch, done) in zip(self.waiting, device):
+            b.launch = launch / 1e3 if launch else None
+            b.done = done / 1e3 if done else None
+        if device:
+            self.step, self.waiting = None, []
+
+    def holds_any_of(self, steps) -> bool:
+        return bool(self.waiting) and any(s is self.step for s in steps)
+
+
 class CompiledBuckets:
     """One DDP model's all-reduces, timed in C++ (see the module's docstring)."""
 
-    def __init__(self, ext, ddp: DDP, recorder, skew_us: float = 0.0) -> None:
+    def __init__(self, ext, ddp: DDP, recorder, device: torch.device, skew_us: float = 0.0) -> None:
         self.ext = ext
         self.ddp = ddp
         self.recorder = recorder
         self.skew_us = skew_us  # the clock's test-only skew (CpuClock._skew_us): one time axis
         self.original = ddp.process_group  # passed in, never read from the reducer
-        self.group = ext.wrap(self.original)
+        self.device = None if device.type == "cpu" else device  # an accelerator: its events time the buckets
+        self.lag = DeviceLag()
+        self.group = ext.wrap(self.original, 4096, self.device)
         self.ready = None  # gradient-ready stamps (C++ hooks on the parameters' AccumulateGrad nodes)
         self._params: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # bucket sizes -> params per bucket
         self.attached = False
@@ -51,10 +82,17 @@ class CompiledBuckets:
         self._last_sync: tuple[list, int] = ([], 0)  # (step.grads, pass): the last syncing backward's
         self._bytes = [p.numel() * p.element_size() for p in self.recorder.params]
         self._bucket_params(None)  # the first layout, before training (it allocates: not inside a step)
-        self.ready = self.ext.ReadyTimes(self.recorder.params)
+        if self.host_ready:
+            self.ready = self.ext.ReadyTimes(self.recorder.params)
         self.ddp.reducer._update_process_group(self.group)
         self.attached = True
         return self
+
+    @property
+    def host_ready(self) -> bool:
+        """The C++ hooks take the gradient-ready times (host clock: CPU); else the Python
+        hooks do, on the clock's stamps (CUDA events)."""
+        return self.device is None
 
     def detach(self) -> None:
         """The reducer's own group back and the ready hooks off (DDP untraced from here
@@ -85,7 +123,20 @@ class CompiledBuckets:
         step.grads.extend((param, ns / 1e3 + skew, k) for param, ns in self.ready.take())
 
     def take_pending(self) -> list[tuple[int, int, int]]:
-        return self.ext.take(self.group, 10_000) if self.group is not None else []
+        """The host records since the last take; the device times of the take before go
+        to the buckets waiting for them."""
+        if self.group is None:
+            return []
+        records, device = self.ext.take(self.group, 10_000)
+        self.lag.fill(device)
+        return records
+
+    def settle(self, steps) -> None:
+        """Before ``steps`` are resolved: if the last take's buckets (still waiting for their
+        device times) are among them, read those now (at the end of tracing; it waits for
+        their events if need be: a CPU-GPU sync, once)."""
+        if self.group is not None and self.lag.holds_any_of(steps):
+            self.lag.fill(self.ext.settle(self.group))
 
     def take(self, step) -> None:
         """The all-reduces since the last call, into ``step.buckets`` (autograd thread,
@@ -99,9 +150,13 @@ class CompiledBuckets:
         params = self._params.get(sizes) or self._from_ready_order(sizes) or self._bucket_params(sizes)
         self._last_sync = (step.grads, active_index(step))  # read only if the layout changes next
         skew = self.skew_us
-        for k, (launch, done, nbytes) in enumerate(records):
-            step.buckets.append(BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=launch / 1e3 + skew,
-                                             done=done / 1e3 + skew if done else None))
+        taken = [BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=launch / 1e3 + skew,
+                              done=done / 1e3 + skew if done else None) for k, (launch, done, nbytes) in enumerate(records)]
+        if self.device is not None:  # the host's times are not the device's: those come a take later
+            for b in taken:
+                b.launch = b.done = None
+            self.lag.hand_over(step, taken)
+        step.buckets.extend(taken)
 
     def _bucket_params(self, sizes: tuple[int, ...] | None) -> list[tuple[int, ...]]:
         """Each bucket's parameter indices (the recorder's), from the reducer's current
@@ -143,6 +198,6 @@ class CompiledBuckets:
 
 def usable(device: torch.device) -> str | None:
     """Why the compiled capture cannot time this model, or None."""
-    if device.type != "cpu":
-        return "the compiled capture times host clocks only; on CUDA the Python hook with CUDA events is used"
+    if device.type not in ("cpu", "cuda"):
+        return f"the compiled capture times CPU and CUDA models, not {device.type}"
     return None

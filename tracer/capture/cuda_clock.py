@@ -12,6 +12,8 @@ Where stamps are recorded (see hooks.py):
   current stream of the autograd/main thread, i.e. the compute stream;
 - a bucket's completion inside the all-reduce future's ``then`` callback, whose
   current stream waits for the NCCL work, so the event completes when NCCL does.
+  With the compiled capture the wrapper records its own events (compiled.py) and hands
+  them over as host µs already: those pass through ``resolve`` as they are.
 """
 
 from __future__ import annotations
@@ -54,11 +56,12 @@ class CudaEventClock:
         return ev
 
     def resolve(self, stamps: Sequence[Any]) -> list[float | None]:
-        if any(s is not None for s in stamps):
+        if any(s is not None and not isinstance(s, (int, float)) for s in stamps):
             self._synchronize()  # CPU-GPU sync: the single one for this batch of stamps
             self.syncs += 1
         # elapsed_time is in milliseconds
         return [
-            None if ev is None else self._anchor_host_us + self._anchor.elapsed_time(ev) * 1000.0
+            None if ev is None else float(ev) if isinstance(ev, (int, float))
+            else self._anchor_host_us + self._anchor.elapsed_time(ev) * 1000.0
             for ev in stamps
         ]

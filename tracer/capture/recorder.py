@@ -224,6 +224,9 @@ class StepRecorder:
     def finish(self, aborted: bool) -> None:
         """Close the open step (``incomplete`` if aborted mid-step) and resolve everything."""
         cur = self.current
+        if cur is not None and self.bucket_source is not None:
+            self.bucket_source.take(cur)  # its all-reduces, their device times too: is it finished?
+            self.bucket_source.settle([cur])
         if cur is not None:
             if aborted or not self._looks_finished(cur):
                 cur.incomplete = True
@@ -257,6 +260,8 @@ class StepRecorder:
         if count <= 0:
             return
         ready, self.pending = self.pending[:count], self.pending[count:]
+        if self.bucket_source is not None:  # device times of buckets still waiting for them
+            self.bucket_source.settle(ready)
         stamps: list[Any] = []
         for s in ready:
             stamps += [s.start, s.end]

@@ -195,11 +195,11 @@ class DDPTracer:
         comm_state.recorder = self._recorder
         self._comm_state = comm_state
         if ext is not None:
-            self._compiled = CompiledBuckets(ext, self.model, self._recorder, getattr(self.clock, "_skew_us", 0.0))
+            self._compiled = CompiledBuckets(ext, self.model, self._recorder, device, getattr(self.clock, "_skew_us", 0.0))
             self._recorder.bucket_source = self._compiled.attach()
             comm_state.before_register = self._python_capture  # the script's own hook: timed in Python
         attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles,
-                     grad_hooks=self._compiled is None)
+                     grad_hooks=self._compiled is None or not self._compiled.host_ready)
         try:  # where this rank is, for the launcher's hang watchdog (optional: never fatal)
             self._live = LiveFile(cfg.out_dir, self.rank, self._recorder)
         except OSError:
@@ -224,11 +224,13 @@ class DDPTracer:
         """The script registers its own communication hook: its collectives may not go
         through the reducer's group, so ours (Python) wraps and times it from here on."""
         if self._compiled is not None:
+            host_ready = self._compiled.host_ready  # else the Python ready hooks are on already
             self._compiled.detach()
             self._compiled = None
             if self._recorder is not None:
                 self._recorder.bucket_source = None
-                attach_grad_hooks(self._recorder.params, self._recorder, self._handles)
+                if host_ready:
+                    attach_grad_hooks(self._recorder.params, self._recorder, self._handles)
             self._meta["capture_path"] = "python"
             self._meta["capture_path_note"] = "the script registered a communication hook: timed in Python"
             if self._writer is not None:

@@ -6,24 +6,37 @@
 // Reducer::update_process_group, this wrapper sees every bucket while DDP keeps its fused
 // divide-while-copying path (no Python hook is registered, so none turns it off).
 //
-// Times are CLOCK_MONOTONIC nanoseconds, the clock of Python's time.perf_counter_ns on
-// Linux, so they sit on the same axis as the tracer's Python stamps. Launch is stamped
+// Host times are CLOCK_MONOTONIC nanoseconds, the clock of Python's time.perf_counter_ns
+// on Linux, so they sit on the same axis as the tracer's Python stamps. Launch is stamped
 // before the call into the real group, completion in a callback on the returned Work's
-// future (gloo: when the collective is done; NCCL: the future completes when the kernel
-// is done on the stream, see cuda events in the Python side for device time).
+// future (gloo on CPU: when the collective is done).
+//
+// Device times (a CUDA group: NCCL, or gloo with CUDA tensors). A host clock alone is wrong
+// there: an NCCL future completes when the kernel is enqueued. Each record then also gets
+// two timing-enabled c10::Events: "launch", recorded on the tensors' current stream before
+// the call (the collective's stream waits for that stream, so the collective cannot start
+// before it), and "done", recorded in the future's callback, which c10::ivalue::Future runs
+// on a stream made to wait for the collective's work, so the event completes when the
+// collective does. Both are read one take() late, when that step's work has completed: no
+// CPU-GPU synchronisation inside a step. They map onto the host clock through an anchor
+// event whose host time was read once, at wrap(), after a synchronisation.
 //
 // ReadyTimes stamps each parameter's gradient-ready time with a post hook inserted at
 // the front of its AccumulateGrad node: it runs when the gradient is accumulated,
 // before DDP's own hook on that node (which may launch the bucket), on the autograd
-// thread, without the GIL.
+// thread, without the GIL (host clock: used on CPU).
 //
-// Records go into a preallocated array (no allocation on the hot path); take() hands
-// them over and starts again. Each completion callback holds the array too, so one that
-// runs after the wrapper is gone (dropped when tracing stops) writes into live memory. The reducer waits on the same future before backward
-// ends, but our callback may run a moment after that wait returns: take() waits for a
-// record's completion at most `wait_us` before reporting it unfinished (done = 0).
+// Records go into a preallocated array (no allocation on the hot path) of two banks: the
+// one being filled, and the one last taken, whose device events are read at the next
+// take() (or settle()). Completion callbacks hold the records too, so one that runs after
+// the wrapper is gone (dropped when tracing stops) writes into live memory. The reducer
+// waits on the same future before backward ends, but our callback may run a moment after
+// that wait returns: take() waits for a record's completion at most `wait_us` before
+// reporting it unfinished (done = 0).
 
 #include <torch/extension.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -31,8 +44,10 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <time.h>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -49,23 +64,61 @@ struct Record {
   std::atomic<int64_t> bytes{0};
 };
 
+using HostRecords = std::vector<std::tuple<int64_t, int64_t, int64_t>>;  // (launch_ns, done_ns, bytes)
+using DeviceRecords = std::vector<std::pair<int64_t, int64_t>>;         // (launch_ns, done_ns); 0: unknown
+
+// What the records and their callbacks share (outlives the wrapper while a callback may run).
+struct Records {
+  Records(int64_t capacity, std::optional<c10::Device> device) : capacity(capacity), host(2 * capacity), device(device) {
+    if (device) {
+      events.reserve(4 * capacity);  // 2 banks x capacity x {launch, done}; made lazily by record()
+      for (int64_t i = 0; i < 4 * capacity; ++i) {
+        events.emplace_back(device->type(), c10::EventFlag::BACKEND_DEFAULT);
+      }
+    }
+  }
+  Record& at(int bank, int64_t i) {
+    return host[bank * capacity + i];
+  }
+  c10::Event& launch_event(int bank, int64_t i) {
+    return events[2 * (bank * capacity + i)];
+  }
+  c10::Event& done_event(int bank, int64_t i) {
+    return events[2 * (bank * capacity + i) + 1];
+  }
+  void record(c10::Event& event) const {  // on the calling thread's current stream of the device
+    c10::impl::VirtualGuardImpl impl(device->type());
+    event.record(impl.getStream(*device));
+  }
+
+  const int64_t capacity;
+  std::vector<Record> host;
+  const std::optional<c10::Device> device;
+  std::vector<c10::Event> events;
+};
+
 class TimedGroup : public c10d::ProcessGroup {
  public:
-  TimedGroup(c10::intrusive_ptr<c10d::ProcessGroup> inner, int64_t capacity)
+  TimedGroup(c10::intrusive_ptr<c10d::ProcessGroup> inner, int64_t capacity, std::optional<c10::Device> device)
       : c10d::ProcessGroup(inner->getRank(), inner->getSize()),
         inner_(std::move(inner)),
-        records_(new Record[capacity], std::default_delete<Record[]>()),
-        capacity_(capacity) {
+        records_(std::make_shared<Records>(capacity, device)) {
     // The real group's backends, shared: collectives not overridden here (the
     // reducer's broadcast when it rebuilds its buckets) dispatch to them as they would.
     if (auto bound = inner_->getBoundDeviceId()) {
       setBoundDeviceId(bound);
     }
-    for (const auto& device : inner_->getDeviceTypes()) {
-      setBackend(device.type(), inner_->getBackendType(), inner_->getBackend(device.type()));
+    for (const auto& type : inner_->getDeviceTypes()) {
+      setBackend(type.type(), inner_->getBackendType(), inner_->getBackend(type.type()));
     }
     setDefaultBackend(inner_->getBackendType());
     setGroupName(inner_->getGroupName());
+    if (device) {
+      anchor_ = std::make_unique<c10::Event>(device->type(), c10::EventFlag::BACKEND_DEFAULT);
+      records_->record(*anchor_);
+      anchor_->synchronize();  // CPU-GPU sync: once, here, so that "now" is the anchor's host time
+      anchor_ns_ = monotonic_ns();
+    }
   }
 
   const std::string getBackendName() const override {
@@ -75,61 +128,107 @@ class TimedGroup : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> allreduce(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override {
+    const int bank = bank_.load(std::memory_order_relaxed);
     const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
-    Record* rec = i < capacity_ ? &records_.get()[i] : nullptr;  // full: not stamped
-    if (rec != nullptr) {
+    const bool stamped = i < records_->capacity;  // full: not stamped
+    if (stamped) {
+      Record& rec = records_->at(bank, i);
       int64_t bytes = 0;
       for (const auto& t : tensors) {
         bytes += static_cast<int64_t>(t.numel()) * t.element_size();
       }
-      rec->bytes.store(bytes, std::memory_order_relaxed);
-      rec->done_ns.store(0, std::memory_order_relaxed);
-      rec->launch_ns.store(monotonic_ns(), std::memory_order_release);
+      rec.bytes.store(bytes, std::memory_order_relaxed);
+      rec.done_ns.store(0, std::memory_order_relaxed);
+      if (records_->device) {
+        records_->record(records_->launch_event(bank, i));
+      }
+      rec.launch_ns.store(monotonic_ns(), std::memory_order_release);
     }
     auto work = inner_->allreduce(tensors, opts);
-    if (rec != nullptr) {
-      work->getFuture()->addCallback([records = records_, rec](c10::ivalue::Future&) {
-        rec->done_ns.store(monotonic_ns(), std::memory_order_release);
+    if (stamped) {
+      work->getFuture()->addCallback([records = records_, bank, i](c10::ivalue::Future&) {
+        if (records->device) {
+          records->record(records->done_event(bank, i));
+        }
+        records->at(bank, i).done_ns.store(monotonic_ns(), std::memory_order_release);
       });
     }
     return work;
   }
 
-  // Every all-reduce since the last take() that fit: [(launch_ns, done_ns, bytes)], then
-  // starts again. Called between steps (no all-reduce in flight).
-  std::vector<std::tuple<int64_t, int64_t, int64_t>> take(int64_t wait_us) {
-    const int64_t n = std::min(next_.load(std::memory_order_acquire), capacity_);
-    std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+  // The all-reduces since the last take() that fit, on the host clock, and the device times
+  // of those the previous take() handed over (empty without a device). Called between steps
+  // (no all-reduce in flight). A take() with nothing new keeps the previous ones pending.
+  std::pair<HostRecords, DeviceRecords> take(int64_t wait_us) {
+    const int bank = bank_.load(std::memory_order_relaxed);
+    const int64_t n = std::min(next_.load(std::memory_order_acquire), records_->capacity);
+    HostRecords out;
+    if (n == 0) {
+      return {out, {}};
+    }
     out.reserve(n);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(wait_us);
-    Record* records = records_.get();
     for (int64_t i = 0; i < n; ++i) {
-      int64_t done = records[i].done_ns.load(std::memory_order_acquire);
+      Record& rec = records_->at(bank, i);
+      int64_t done = rec.done_ns.load(std::memory_order_acquire);
       while (done == 0 && std::chrono::steady_clock::now() < deadline) {
         std::this_thread::yield();
-        done = records[i].done_ns.load(std::memory_order_acquire);
+        done = rec.done_ns.load(std::memory_order_acquire);
       }
-      out.emplace_back(records[i].launch_ns.load(std::memory_order_acquire), done,
-                       records[i].bytes.load(std::memory_order_relaxed));
+      out.emplace_back(rec.launch_ns.load(std::memory_order_acquire), done, rec.bytes.load(std::memory_order_relaxed));
     }
+    DeviceRecords previous = settle();
+    taken_bank_ = bank;
+    taken_n_ = n;
+    bank_.store(1 - bank, std::memory_order_relaxed);
     next_.store(0, std::memory_order_release);
+    return {out, previous};
+  }
+
+  // The device times of the last take()'s all-reduces, if not read yet (at the end of
+  // tracing; it synchronises on their events if they have not completed: CPU-GPU sync).
+  DeviceRecords settle() {
+    DeviceRecords out;
+    if (!records_->device || taken_n_ == 0) {
+      return out;
+    }
+    out.reserve(taken_n_);
+    for (int64_t i = 0; i < taken_n_; ++i) {
+      const bool done = records_->at(taken_bank_, i).done_ns.load(std::memory_order_acquire) != 0;
+      out.emplace_back(device_ns(records_->launch_event(taken_bank_, i)),
+                       done ? device_ns(records_->done_event(taken_bank_, i)) : 0);
+    }
+    taken_n_ = 0;
     return out;
   }
 
   std::pair<int64_t, int64_t> progress() const {
-    const int64_t n = std::min(next_.load(std::memory_order_acquire), capacity_);
+    const int bank = bank_.load(std::memory_order_relaxed);
+    const int64_t n = std::min(next_.load(std::memory_order_acquire), records_->capacity);
     int64_t done = 0;
     for (int64_t i = 0; i < n; ++i) {
-      done += records_.get()[i].done_ns.load(std::memory_order_relaxed) != 0;
+      done += records_->at(bank, i).done_ns.load(std::memory_order_relaxed) != 0;
     }
     return {n, done};
   }
 
  private:
+  // An event's time on the host clock: the anchor's host time + the device time between them.
+  int64_t device_ns(const c10::Event& event) const {
+    if (!event.query()) {
+      event.synchronize();  // CPU-GPU sync: only for work still running a whole step later (rare)
+    }
+    return anchor_ns_ + static_cast<int64_t>(anchor_->elapsedTime(event) * 1e6);  // ms -> ns
+  }
+
   c10::intrusive_ptr<c10d::ProcessGroup> inner_;
-  std::shared_ptr<Record> records_;  // an array (default_delete<Record[]>), shared with callbacks
-  const int64_t capacity_;
+  std::shared_ptr<Records> records_;
+  std::atomic<int> bank_{0};
   std::atomic<int64_t> next_{0};
+  int taken_bank_ = 0;  // the bank the last take() handed over, and how many records it held
+  int64_t taken_n_ = 0;
+  std::unique_ptr<c10::Event> anchor_;
+  int64_t anchor_ns_ = 0;
 };
 
 // (parameter index, CLOCK_MONOTONIC ns) per accumulated gradient, in order.
@@ -209,14 +308,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ddpscope: DDP bucket all-reduce timing beside the reducer's process group";
   m.def(
       "wrap",
-      [](const c10::intrusive_ptr<c10d::ProcessGroup>& inner, int64_t capacity) {
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& inner, int64_t capacity, std::optional<c10::Device> device) {
         TORCH_CHECK(capacity > 0, "capacity must be > 0");
-        return c10::intrusive_ptr<c10d::ProcessGroup>(c10::make_intrusive<TimedGroup>(inner, capacity));
+        TORCH_CHECK(!device || device->type() != c10::DeviceType::CPU, "device timing is for accelerators");
+        return c10::intrusive_ptr<c10d::ProcessGroup>(c10::make_intrusive<TimedGroup>(inner, capacity, device));
       },
-      py::arg("group"), py::arg("capacity") = 4096);
+      py::arg("group"), py::arg("capacity") = 4096, py::arg("device") = py::none(),
+      "device: an accelerator whose events time the all-reduces too (None: host clock only)");
   m.def(
       "take", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, int64_t wait_us) { return as_timed(g).take(wait_us); },
-      py::arg("group"), py::arg("wait_us") = 10000, py::call_guard<py::gil_scoped_release>());
+      py::arg("group"), py::arg("wait_us") = 10000, py::call_guard<py::gil_scoped_release>(),
+      "([(launch_ns, done_ns, bytes)] since the last take, [(launch_ns, done_ns)] on the device for the take before)");
+  m.def(
+      "settle", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).settle(); },
+      py::arg("group"), py::call_guard<py::gil_scoped_release>(),
+      "the device times of the last take's all-reduces, if not handed over yet");
   m.def(
       "progress", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).progress(); },
       "(launched, done) all-reduces since the last take(): where a backward is, for the live file");
