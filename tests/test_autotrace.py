@@ -134,13 +134,22 @@ def test_the_scripts_own_comm_hook_is_wrapped_timed_and_bit_identical(tmp_path, 
     for r in (0, 1):
         assert ours[r]["params_sha256"] == theirs[r]["params_sha256"], f"rank {r} differs from the untraced run"
     trace = load_run(out)
-    expected = {"fp16": "fp16_compress_hook", "builtin-fp16": "fp16_compress_hook",
+    expected = {"fp16": "fp16_compress_hook", "builtin-fp16": "FP16_COMPRESS (DDP's built-in C++ hook)",
                 "custom": "register_hook.<locals>.scaled_sum"}[hook]
     assert trace.run["comm_hook"] == expected
     layout = trace.run["bucket_layout"]
     per_step = trace.buckets[trace.buckets.step >= 1].groupby(["rank", "step"]).size()
     assert len(layout) >= 3 and (per_step == len(layout)).all()
     assert (trace.buckets.done_us > trace.buckets.launch_us).all()
+    # DDP's built-in C++ hook all-reduces on the reducer's group, so the compiled capture
+    # times it there (its fp16 copies: half each bucket's bytes); a Python hook's collectives
+    # may go elsewhere, so those are timed by the Python hooks
+    meta = trace.ranks[0]
+    assert meta["capture_path"] == ("compiled" if hook == "builtin-fp16" else "python"), meta["capture_path_note"]
+    names, nbytes = meta["param_names"], dict(zip(meta["param_names"], meta["param_bytes"]))
+    layout_bytes = {sum(nbytes[names[i]] for i in b) for b in layout}
+    sent = set(trace.buckets[trace.buckets.step >= 1].bytes)
+    assert sent == ({b // 2 for b in layout_bytes} if hook == "builtin-fp16" else layout_bytes)
 
 
 def test_the_override_wins_and_without_it_the_scripts_cap_stands(tmp_path):

@@ -80,7 +80,6 @@ class CompiledBuckets:
 
     def attach(self) -> "CompiledBuckets":
         self._last_sync: tuple[list, int] = ([], 0)  # (step.grads, pass): the last syncing backward's
-        self._bytes = [p.numel() * p.element_size() for p in self.recorder.params]
         self._bucket_params(None)  # the first layout, before training (it allocates: not inside a step)
         if self.host_ready:
             self.ready = self.ext.ReadyTimes(self.recorder.params)
@@ -170,8 +169,10 @@ class CompiledBuckets:
         have = tuple(b.buffer().numel() * b.buffer().element_size() for b in buckets)
         self._params[have] = found
         if sizes is not None and have != sizes:
-            # not one all-reduce per bucket (a collective of another kind on this group)
-            return [found[k] if k < len(found) else () for k in range(len(sizes))]
+            # all-reduces of other sizes than the buckets (a built-in FP16_COMPRESS hook's
+            # fp16 copies): bucket k is still the k-th all-reduce; kept, not asked each step
+            mapped = self._params[sizes] = [found[k] if k < len(found) else () for k in range(len(sizes))]
+            return mapped
         return found
 
     def _from_ready_order(self, sizes: tuple[int, ...]) -> list[tuple[int, ...]] | None:
@@ -185,7 +186,7 @@ class CompiledBuckets:
             run, total = [], 0
             while at < len(order) and total < size:
                 run.append(order[at])
-                total += self._bytes[order[at]]
+                total += self.recorder.param_nbytes[order[at]]
                 at += 1
             if total != size:
                 return None

@@ -35,6 +35,9 @@ class CommHookState:
         self.user_hook = False  # the script registered a hook (DDP takes one)
         self.registered = False  # ours is DDP's hook (the compiled capture registers none)
         self.before_register: Callable[[], None] | None = None  # the compiled capture steps aside
+        # the compiled capture: registers one of DDP's built-in C++ hooks as it is (True), or not
+        self.builtin_direct: Callable[[Any], bool] | None = None
+        self.builtin: str | None = None  # the built-in hook registered so (its name)
 
 
 def _first_tensor(value: Any) -> torch.Tensor:
@@ -126,9 +129,17 @@ def attach_comm_hook(ddp: DDP, register: bool = True) -> CommHookState:
         state.inner = (hook, state_)
 
     def register_builtin_comm_hook(comm_hook_type) -> None:
-        """The built-in C++ hooks, as their Python twins (same arithmetic, same order)."""
+        """The built-in C++ hooks: as they are where the compiled capture times the
+        reducer's group (their all-reduces go there), else as their Python twins (same
+        arithmetic, same order)."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+        if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS and state.builtin_direct is not None:
+            claim()
+            if state.builtin_direct(comm_hook_type):
+                state.builtin = comm_hook_type.name
+                return
+            state.user_hook = False  # not registered: the Python twin below claims it
         if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
             register_comm_hook(ddp.process_group, default_hooks.fp16_compress_hook)
         elif comm_hook_type == dist.BuiltinCommHookType.ALLREDUCE:

@@ -97,6 +97,7 @@ class StepRecorder:
         self.layouts: list[dict] = []  # {"from_step": s, "buckets": [[param idx...], ...]}
         self.buckets_seen: set[int] = set()
         self._params_bytes = distinct_bytes(params)
+        self.param_nbytes = [p.numel() * p.element_size() for p in params]
         self._bucket_params: dict[tuple[int, int, int], tuple[int, ...]] = {}
         self.device = params[0].device if params else torch.device("cpu")
         self.steps_written = 0
@@ -249,8 +250,9 @@ class StepRecorder:
             source.take(cur)  # all-reduces not yet handed over (a step that ended early)
         cur.memory = self.measure(self.params, self.optimizer, cur.buffers.values(), self._params_bytes)
         if source is not None and cur.buckets:  # no buffers seen: DDP's buckets are extra unless grads view them
+            # their parameters' bytes, not the all-reduces' (a built-in FP16 hook sends half)
             cur.memory["bucket_buffers_bytes"] = 0 if source.ddp.gradient_as_bucket_view else \
-                sum(b.nbytes for b in cur.buckets)
+                sum(self.param_nbytes[i] for b in cur.buckets for i in b.params if i >= 0)
         self.pending.append(cur)
         self._resolve(len(self.pending) - self.clock.lag_steps)
         if self.on_close is not None:

@@ -198,6 +198,7 @@ class DDPTracer:
             self._compiled = CompiledBuckets(ext, self.model, self._recorder, device, getattr(self.clock, "_skew_us", 0.0))
             self._recorder.bucket_source = self._compiled.attach()
             comm_state.before_register = self._python_capture  # the script's own hook: timed in Python
+            comm_state.builtin_direct = self._builtin_hook  # DDP's built-in C++ hook: timed here
         attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles,
                      grad_hooks=self._compiled is None or not self._compiled.host_ready)
         try:  # where this rank is, for the launcher's hang watchdog (optional: never fatal)
@@ -235,6 +236,19 @@ class DDPTracer:
             self._meta["capture_path_note"] = "the script registered a communication hook: timed in Python"
             if self._writer is not None:
                 self._writer.set_meta(capture_path="python", capture_path_note=self._meta["capture_path_note"])
+
+    def _builtin_hook(self, comm_hook_type) -> bool:
+        """The script registers one of DDP's built-in C++ hooks: registered as it is. It
+        all-reduces on the reducer's group, which is the compiled capture's wrapper, so its
+        collectives are timed there (FP16_COMPRESS: fp16 copies, half the bucket's bytes)."""
+        if self._compiled is None or not self._compiled.attached:
+            return False
+        DDP._register_builtin_comm_hook(self.model, comm_hook_type)  # DDP's own (ours shadows it)
+        note = f"the script registered DDP's built-in {comm_hook_type.name} hook: timed by the compiled capture"
+        self._meta["capture_path_note"] = note
+        if self._writer is not None:
+            self._writer.set_meta(capture_path_note=note)
+        return True
 
     def step(self) -> None:
         """End the current step here (needed with ``step_boundary="explicit"``)."""
@@ -407,6 +421,8 @@ def _comm_hook_name(ddp: DDP) -> str | None:
     from tracer.capture.hooks import _STATE_ATTR
 
     state = getattr(ddp, _STATE_ATTR, None)
+    if state is not None and state.builtin is not None:
+        return f"{state.builtin} (DDP's built-in C++ hook)"
     if state is None or state.inner is None:
         return None
     return getattr(state.inner[0], "__qualname__", repr(state.inner[0]))
