@@ -105,7 +105,7 @@ def _summary(path: str, as_json: bool) -> int:
         return 0
     if hta is None:
         print(f"{trace.path}  status={trace.status}  ranks={trace.world_size}  "
-              f"bucket_cap_mb={trace.run.get('bucket_cap_mb')}  (medians over non-warm-up steps, ms)")
+              f"bucket_cap_mb={_mib(trace.run.get('bucket_cap_mb'))}  (medians over non-warm-up steps, ms)")
         if trace.unfinished:
             print(f"{trace.status}: {trace.unfinished}")
     else:
@@ -160,7 +160,7 @@ def _whatif(path: str, caps: str | None, as_json: bool) -> int:
                           "recommended": _json_safe(best),
                           "model_notes": list(model.notes)}, indent=1, default=float))
         return 0
-    print(f"{trace.path}  ranks={trace.world_size}  traced at bucket_cap_mb={trace.run.get('bucket_cap_mb')}  "
+    print(f"{trace.path}  ranks={trace.world_size}  traced at bucket_cap_mb={_mib(trace.run.get('bucket_cap_mb'))}  "
           "(predicted medians over steps and ranks, ms)")
     print(sweep[cols].round(2).to_string(index=False))
     for note in model.notes:
@@ -205,3 +205,9 @@ def _summary_table(path: str, kind: str, as_json: bool) -> int:
         print(f"{trace.path}  status={trace.run.get('status')}  {title}")
         print(table.round(4).to_string(index=False))
     return 0
+
+
+def _mib(value) -> str:
+    """A cap in MiB, 6 significant digits (read back from the whole bytes DDP used, a
+    requested 0.0001 is 104 bytes: ``9.91821e-05``, not ``9.918212890625e-05``)."""
+    return f"{value:.6g}" if isinstance(value, (int, float)) else str(value)

@@ -320,7 +320,7 @@ class DDPTracer:
         del group
 
     def set_meta(self, **fields: Any) -> None:
-        """Add JSON-able facts to this rank's trace metadata (``otherData.ddpscope``)."""
+        """Add JSON-able facts to this rank's trace metadata (its ``ddpscope`` metadata event)."""
         if self._writer is not None and not self._closed:
             self._writer.set_meta(**fields)
 

@@ -5,7 +5,7 @@ requested ZeRO stage in turn (``tracer/zero.py``), profiling each stage with
 ``torch.profiler`` (memory events and operator shapes) from model construction on. The
 last step of each stage is the measured one. Each rank writes ``rank-<r>.json`` (a
 Chrome trace: a span per step, counters for model states and tensor memory; the
-measurements in ``otherData.ddpscope.stages``), rewritten after every stage; rank 0
+measurements in its metadata's ``stages``, appended after every stage); rank 0
 writes the run's facts into ``run.json``.
 """
 
