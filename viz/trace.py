@@ -216,11 +216,11 @@ def _parse_growing_array(raw: bytes, name: str) -> list:
     stopped): closed after its last whole line; a torn last line (a write cut short) is
     dropped."""
     body = raw.rstrip()
-    if body.endswith(b"]"):
-        return _parse_json(body, name, "rank file")
-    for cut in (body, body[:body.rfind(b"\n")]):
+    before_last_line = body[:body.rfind(b"\n")].rstrip()
+    # as it is (closed), closed after its last line, closed after the line before that
+    for text in (body, body.rstrip(b",") + b"]", before_last_line.rstrip(b",") + b"]"):
         try:
-            return json.loads(cut.rstrip().rstrip(b",") + b"]")
+            return json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             continue
     raise TraceError(f"rank file {name} is not valid JSON, even read as an unfinished trace (truncated?)")
@@ -232,12 +232,14 @@ def read_rank_file(path: Path) -> tuple[dict, list[dict]]:
     steps from its events) or the object form of version 1 (``otherData.ddpscope``)."""
     raw = read_file_bytes(path, "rank file")
     if raw.lstrip()[:1] == b"[":
-        data = _parse_growing_array(raw, path.name)
-        metas = [e for e in data if isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == fmt.META_EVENT]
-        meta = metas[-1].get("args") if metas else None
-        events = [e for e in data if not (isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == fmt.META_EVENT)]
+        meta, events = None, []
+        for e in _parse_growing_array(raw, path.name):
+            if isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == fmt.META_EVENT:
+                meta = e.get("args")  # the last one counts
+            else:
+                events.append(e)
         if isinstance(meta, dict) and meta.get("status") == fmt.RUNNING:
-            meta = {**meta, "steps": sum(1 for e in events if isinstance(e, dict) and e.get("cat") == "step")}
+            meta = {**meta, "steps": sum(1 for e in events if isinstance(e, dict) and e.get("cat") == fmt.CAT_STEP)}
     else:
         data = _parse_json(raw, path.name, "rank file")
         if not isinstance(data, dict):

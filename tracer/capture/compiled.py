@@ -26,6 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tracer.capture.native import build as native
+from tracer.capture.recorder import BucketRecord, active_index
 
 
 def load_extension() -> tuple[Any, str | None]:
@@ -140,20 +141,20 @@ class CompiledBuckets:
     def take(self, step) -> None:
         """The all-reduces since the last call, into ``step.buckets`` (autograd thread,
         after DDP waited for them: no all-reduce of this model is in flight)."""
-        from tracer.capture.recorder import BucketRecord, active_index
-
         records = self.take_pending()
         if not records or step is None:
             return
         sizes = tuple(b for _, _, b in records)
         params = self._params.get(sizes) or self._from_ready_order(sizes) or self._bucket_params(sizes)
         self._last_sync = (step.grads, active_index(step))  # read only if the layout changes next
-        skew = self.skew_us
-        taken = [BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=launch / 1e3 + skew,
-                              done=done / 1e3 + skew if done else None) for k, (launch, done, nbytes) in enumerate(records)]
-        if self.device is not None:  # the host's times are not the device's: those come a take later
-            for b in taken:
-                b.launch = b.done = None
+        if self.device is None:
+            skew = self.skew_us
+            taken = [BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=launch / 1e3 + skew,
+                                  done=done / 1e3 + skew if done else None)
+                     for k, (launch, done, nbytes) in enumerate(records)]
+        else:  # the host's times are not the device's: those come a take later
+            taken = [BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=None)
+                     for k, (_, _, nbytes) in enumerate(records)]
             self.lag.hand_over(step, taken)
         step.buckets.extend(taken)
 

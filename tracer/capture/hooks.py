@@ -134,12 +134,10 @@ def attach_comm_hook(ddp: DDP, register: bool = True) -> CommHookState:
         arithmetic, same order)."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS and state.builtin_direct is not None:
-            claim()
-            if state.builtin_direct(comm_hook_type):
-                state.builtin = comm_hook_type.name
-                return
-            state.user_hook = False  # not registered: the Python twin below claims it
+        if (comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS and not state.user_hook
+                and state.builtin_direct is not None and state.builtin_direct(comm_hook_type)):
+            state.user_hook, state.builtin = True, comm_hook_type.name
+            return
         if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
             register_comm_hook(ddp.process_group, default_hooks.fp16_compress_hook)
         elif comm_hook_type == dist.BuiltinCommHookType.ALLREDUCE:
