@@ -79,7 +79,7 @@ def worker(args: argparse.Namespace) -> None:
             tracers[m]._recorder.emit = lambda events, layouts: sum(1 for _ in events)
         tracers["+spans"]._recorder.measure = lambda *a, **k: {}
         after_step = {"buckets": lambda: ext.take(groups["buckets"], 10_000),
-                      "+ready": lambda: (ext.take(groups["+ready"], 10_000), ready.take())}
+                      "+ready": lambda: (ext.take(groups["+ready"], 10_000), ready.take(0))}
         times: dict[str, list[float]] = {m: [] for m in MODES}
 
         def step(mode: str) -> float:

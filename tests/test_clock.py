@@ -87,3 +87,54 @@ def test_the_compiled_captures_device_times_pass_through_without_a_sync():
     gpu.gpu_ms += 2.0
     assert clock.resolve([clock.stamp(), 5_000_001.0]) == pytest.approx([5_002_000.0, 5_000_001.0])
     assert clock.syncs == 1
+
+
+def test_the_recorder_resolves_device_stamps_a_step_late_in_one_sync_each():
+    """The recorder on the CUDA clock (fake events, a real backward on CPU tensors): a
+    step's events come out one step late, its stamps turned into host µs in one batch
+    (one synchronize per step), the spans and gradient marks where the device was."""
+    import json
+
+    import msgspec
+    import torch
+
+    from tracer.capture.recorder import StepRecorder
+
+    gpu, host = FakeGpu(), FakeHost()
+    clock = CudaEventClock(host_clock=host, event_factory=gpu.event, synchronize=gpu.synchronize)
+    lin = torch.nn.Linear(4, 2)
+    params = list(lin.parameters())
+    out: list[list[dict]] = []
+    rec = StepRecorder(clock=clock, rank=0, param_names=["weight", "bias"], params=params, optimizer=None,
+                       step_boundary="explicit",
+                       emit=lambda events, layouts: out.append(json.loads(msgspec.json.encode(list(events)))))
+
+    def ready(i):
+        def hook(p):
+            gpu.gpu_ms += 1.0  # each gradient 1 ms after the one before
+            rec.on_grad_ready(i)
+        return hook
+
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(ready(i))
+    starts = []
+    for _ in range(3):
+        gpu.gpu_ms += 10.0
+        starts.append(5_000_000 + (gpu.gpu_ms - 100.0) * 1000)  # the host µs of the step's start
+        rec.on_forward_start()
+        gpu.gpu_ms += 2.0
+        rec.on_forward_end(warmup=False)
+        lin(torch.randn(3, 4)).sum().backward()
+        gpu.gpu_ms += 5.0
+        rec.mark_step()
+    assert len(out) == 2 and clock.syncs == 2  # the last step waits a step (lag 1)
+    rec.finish(aborted=False)
+    assert len(out) == 3 and clock.syncs == 3
+    for events, start in zip(out, starts):
+        by_cat = {e["cat"]: e for e in events if e["ph"] == "X"}
+        assert by_cat["step"]["ts"] == pytest.approx(start) and by_cat["step"]["dur"] == pytest.approx(9000)
+        assert by_cat["forward"]["dur"] == pytest.approx(2000)
+        assert by_cat["backward"]["ts"] == pytest.approx(start + 2000)  # no output hook here: from forward's end
+        assert by_cat["backward"]["dur"] == pytest.approx(2000)  # to the engine's end, after the 2nd gradient
+        marks = sorted(e["ts"] - start for e in events if e["ph"] == "i")
+        assert marks == pytest.approx([3000, 4000])

@@ -191,3 +191,35 @@ def test_a_second_build_waits_on_the_lock_and_finds_the_first_ones_build(tmp_pat
     out, err = second.communicate(timeout=60)
     result = json.loads(out.strip().splitlines()[-1])
     assert result["ok"] and result["built"] is False and Path(result["library"]) == folder / lib.name, err
+
+
+def test_the_gradients_bytes_counted_in_cxx_equal_pythons(built):
+    """The memory accounting's C++ count of the gradients (each region once) against
+    ``distinct_bytes``, on real gradients: own tensors, views into one flat buffer (as
+    ``gradient_as_bucket_view`` makes them), one tensor shared by two parameters, none;
+    a sparse gradient is left to Python (-1)."""
+    import torch
+
+    from tracer.capture.memory import distinct_bytes
+
+    ext = native.load_built()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    params = list(model.parameters())
+    count = ext.GradBytes(params)
+    assert count() == 0  # no gradients yet
+    model(torch.randn(3, 16)).sum().backward()
+    grads = [p.grad for p in params]
+    assert count() == distinct_bytes(grads) == sum(p.numel() * 4 for p in params)
+    flat = torch.zeros(sum(p.numel() for p in params))
+    at = 0
+    for p in params:
+        p.grad = flat[at: at + p.numel()].view_as(p)
+        at += p.numel()
+    assert count() == distinct_bytes(p.grad for p in params) == flat.nbytes
+    params[1].grad = params[3].grad = torch.ones(8)  # one tensor for both biases: counted once
+    params[0].grad = None
+    views = sum(params[k].numel() * 4 for k in (2, 4, 5))
+    assert count() == distinct_bytes(p.grad for p in params) == 8 * 4 + views
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    assert ext.GradBytes(list(emb.parameters()))() == -1

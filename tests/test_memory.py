@@ -2,7 +2,7 @@
 
 import torch
 
-from tracer.capture.memory import distinct_bytes, measure_memory
+from tracer.capture.memory import MemoryMeter, distinct_bytes
 
 
 def test_views_of_one_region_count_once():
@@ -29,10 +29,42 @@ def test_params_grads_adam_state_and_aliased_bucket_buffers():
         view.copy_(p.grad)
         p.grad = view
         offset += p.numel()
-    m = measure_memory(params, opt, [bucket])
+    meter = MemoryMeter(params)
+    m = meter(opt, [bucket])
     assert m["params_bytes"] == n_bytes and m["grads_bytes"] == n_bytes
     assert m["optimizer_state_bytes"] == 2 * n_bytes + 4 * len(params)  # exp_avg, exp_avg_sq, step
     assert m["bucket_buffers_bytes"] == 0  # aliased: no extra memory
     # ... and one that is a separate copy (gradient_as_bucket_view=False)
-    assert measure_memory(params, opt, [bucket.clone()])["bucket_buffers_bytes"] == n_bytes
+    assert meter(opt, [bucket.clone()])["bucket_buffers_bytes"] == n_bytes
     assert m["rss_bytes"] > n_bytes
+    meter.close()
+
+
+def test_the_meter_sees_new_optimizer_state_and_new_gradients():
+    # it keeps the optimizer state's bytes while the state holds the same tensors: new
+    # ones (another optimizer's, a loaded state dict) are counted again, as are new grads
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    params = list(model.parameters())
+    n_bytes = sum(p.numel() * 4 for p in params)
+    meter = MemoryMeter(params)
+    opt = torch.optim.SGD(params, lr=0.1)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    first = meter(opt)
+    assert first["optimizer_state_bytes"] == 0 and first["grads_bytes"] == n_bytes
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    opt.step()
+    assert meter(opt)["optimizer_state_bytes"] == n_bytes  # a momentum buffer per parameter
+    adam = torch.optim.Adam(params)
+    adam.step()
+    assert meter(adam)["optimizer_state_bytes"] == 2 * n_bytes + 4 * len(params)
+    opt.load_state_dict(torch.optim.SGD(params, lr=0.1, momentum=0.9).state_dict())  # no state yet
+    opt.zero_grad(set_to_none=True)
+    after = meter(opt)
+    assert after["grads_bytes"] == 0 and after["optimizer_state_bytes"] == 0
+    before = after["rss_bytes"]
+    hold = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched: resident
+    assert meter(opt)["rss_bytes"] >= before + 60 * 2**20
+    del hold
+    meter.close()

@@ -69,6 +69,24 @@ def test_the_metadata_is_appended_only_when_it_changes(tmp_path):
     assert len(metas) == 3  # at the start, the change, the end: not one per flush
 
 
+def test_steps_handed_over_within_the_interval_go_out_in_one_flush(tmp_path):
+    # the writer sleeps its interval out after a flush: a step's hand-over does not wake
+    # it (that would cost the training thread a flush per step); close() does
+    path = tmp_path / "rank-0.json"
+    w = TraceWriter(path, META, min_interval_s=30.0)
+    w.add(_events(0))
+    assert _wait_for(lambda: _steps(path) == [0])  # idle: the first hand-over is written at once
+    for step in range(1, 20):
+        w.add(_events(step))
+        time.sleep(0.005)
+    time.sleep(0.2)
+    assert _steps(path) == [0]  # the rest wait for the interval ...
+    start = time.monotonic()
+    w.close(status=fmt.COMPLETE)
+    assert time.monotonic() - start < 5  # ... or for close, which does not wait it out
+    assert _steps(path) == list(range(20))
+
+
 def test_a_writer_that_is_never_closed_or_cut_mid_line_leaves_the_steps_it_wrote(tmp_path):
     path = tmp_path / "rank-1.json"
     w = TraceWriter(path, {**META, "rank": 1, "world_size": 2}, min_interval_s=0.0)

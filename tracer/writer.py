@@ -78,6 +78,7 @@ class TraceWriter:
         self._pending: list[bytes] = []  # each: events "e1,e2,..." of one add(), encoded
         self._meta_changed = False
         self._closed = False
+        self._closing = threading.Event()  # set by close(): ends the writer's interval sleep
         self._error: OSError | None = None
         self._min_interval_s = min_interval_s
         self._cond = threading.Condition()
@@ -116,6 +117,7 @@ class TraceWriter:
             self._meta_changed = True
             self._closed = True
             self._cond.notify()
+        self._closing.set()
         self._thread.join()
         if self._error is None:  # after a failed write nothing more: the file may end in a torn line
             try:
@@ -139,8 +141,9 @@ class TraceWriter:
                       "training goes on", file=sys.stderr, flush=True)
                 self._error = e
                 return
-            with self._cond:
-                self._cond.wait(self._min_interval_s)  # coalesce bursts of steps
+            # Coalesce steps: sleep the interval out whatever add() says meanwhile (waking
+            # at each step's notify would cost the training thread a flush a step).
+            self._closing.wait(self._min_interval_s)
 
     def _meta_line(self) -> bytes:
         return _ENCODER.encode({"name": fmt.META_EVENT, "ph": "M", "pid": self._pid, "args": self._meta})

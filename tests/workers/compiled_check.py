@@ -65,7 +65,7 @@ def main() -> int:
                 for _ in range(args.traced):
                     step(ddp, opt, gen, 256)
                     steps.append([[launch / 1e3, done / 1e3, nbytes] for launch, done, nbytes in ext.take(wrapper)[0]])
-                    grads.append([[param, ns / 1e3] for param, ns in ready.take()])
+                    grads.append([[param, us] for param, us, _ in ready.take(0)])
                 ready.remove()
             report["compiled"], report["ready"] = steps, grads
         else:

@@ -6,7 +6,9 @@ stamp already is a time; on CUDA a stamp is an event on a stream, resolved after
 single synchronize (see ``cuda_clock.py``, kept separate because CI cannot run it).
 
 All times are microseconds (µs) as floats on the host's monotonic clock, the clock
-that cross-rank offsets (``offsets.py``) are estimated on.
+that cross-rank offsets (``offsets.py``) are estimated on, at ns resolution: a whole
+number of ns divided by 1000, so a time is written with 3 decimals at most and the
+recorder need not round each one.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class Clock(Protocol):
     #: Steps a stamp may stay unresolved, so that resolving never stalls the step
     #: that is still running (0: resolved at once; CUDA: 1, one step behind).
     lag_steps: int
+    #: Stamps are not times yet (events): ``resolve`` must turn them into µs. False: a
+    #: stamp is its time in µs, and the recorder skips resolving.
+    resolves: bool
 
     def stamp(self) -> Any:
         """Mark "now" on the current stream (CPU: the host clock)."""
@@ -55,15 +60,16 @@ class CpuClock:
 
     kind = "cpu-monotonic"
     lag_steps = 0
+    resolves = False
 
     def __init__(self) -> None:
-        self._skew_us = host_skew_us()
+        self.skew_ns = round(host_skew_us() * 1000.0)  # test-only; whole ns keep times at ns resolution
 
     def host_us(self) -> float:
-        return time.perf_counter_ns() / 1000.0 + self._skew_us
+        return (time.perf_counter_ns() + self.skew_ns) / 1000.0
 
     def stamp(self) -> float:
-        return time.perf_counter_ns() / 1000.0 + self._skew_us
+        return (time.perf_counter_ns() + self.skew_ns) / 1000.0
 
     def resolve(self, stamps: Sequence[Any]) -> list[float | None]:
         return [None if s is None else float(s) for s in stamps]

@@ -66,11 +66,11 @@ class DeviceLag:
 class CompiledBuckets:
     """One DDP model's all-reduces, timed in C++ (see the module's docstring)."""
 
-    def __init__(self, ext, ddp: DDP, recorder, device: torch.device, skew_us: float = 0.0) -> None:
+    def __init__(self, ext, ddp: DDP, recorder, device: torch.device, skew_ns: int = 0) -> None:
         self.ext = ext
         self.ddp = ddp
         self.recorder = recorder
-        self.skew_us = skew_us  # the clock's test-only skew (CpuClock._skew_us): one time axis
+        self.skew_ns = skew_ns  # the clock's test-only skew (CpuClock.skew_ns): one time axis
         self.original = ddp.process_group  # passed in, never read from the reducer
         self.device = None if device.type == "cpu" else device  # an accelerator: its events time the buckets
         self.lag = DeviceLag()
@@ -119,8 +119,7 @@ class CompiledBuckets:
         (at the end of each backward, accumulation's included)."""
         if self.ready is None or step is None:
             return
-        skew = self.skew_us
-        step.grads.extend((param, ns / 1e3 + skew, k) for param, ns in self.ready.take())
+        step.grads.extend(self.ready.take(k, self.skew_ns))
 
     def take_pending(self) -> list[tuple[int, int, int]]:
         """The host records since the last take; the device times of the take before go
@@ -148,9 +147,9 @@ class CompiledBuckets:
         params = self._params.get(sizes) or self._from_ready_order(sizes) or self._bucket_params(sizes)
         self._last_sync = (step.grads, active_index(step))  # read only if the layout changes next
         if self.device is None:
-            skew = self.skew_us
-            taken = [BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=launch / 1e3 + skew,
-                                  done=done / 1e3 + skew if done else None)
+            skew = self.skew_ns
+            taken = [BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=(launch + skew) / 1e3,
+                                  done=(done + skew) / 1e3 if done else None)
                      for k, (launch, done, nbytes) in enumerate(records)]
         else:  # the host's times are not the device's: those come a take later
             taken = [BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=None)

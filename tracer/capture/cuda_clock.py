@@ -28,6 +28,7 @@ class CudaEventClock:
     # Resolve a step's events one step later: by then they have completed, so the
     # one synchronize per step almost never stalls the CPU's run-ahead.
     lag_steps = 1
+    resolves = True
 
     def __init__(
         self,
@@ -62,6 +63,6 @@ class CudaEventClock:
         # elapsed_time is in milliseconds
         return [
             None if ev is None else float(ev) if isinstance(ev, (int, float))
-            else self._anchor_host_us + self._anchor.elapsed_time(ev) * 1000.0
+            else round(self._anchor_host_us + self._anchor.elapsed_time(ev) * 1000.0, 3)  # ns resolution
             for ev in stamps
         ]

@@ -3,12 +3,18 @@
 Bytes are counted once per distinct memory region (data pointer), so gradients that
 are views into DDP's bucket buffers (``gradient_as_bucket_view=True``) are not counted
 twice, and a bucket buffer is reported separately only when it is *extra* memory.
+
+``MemoryMeter`` measures one model every step for the tracer, on the training thread
+between steps, so it does only what can have changed: the parameters' bytes once, the
+optimizer state's again only when its shape changed (an optimizer updates its state in
+place), the gradients' in C++ where the compiled capture is loaded, the RSS by one
+``pread`` of an open file.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -30,50 +36,87 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[tor
     if optimizer is None:
         return []
     inner = getattr(optimizer, "optim", optimizer)
-    return [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
+    return [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def rss_bytes() -> int | None:
-    """Resident set size of this process (Linux ``/proc/self/statm``), or None."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
+class _OptimizerStateBytes:
+    """``distinct_bytes`` of an optimizer's state tensors, counted again only when the
+    state's shape changes: another state dict (``load_state_dict``), another optimizer,
+    parameters gaining state or entries added (the first step). Optimizers update their
+    state tensors in place, so in between the bytes stay; a state tensor swapped for one
+    of another size with nothing else changing is not noticed."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._bytes = 0
+
+    def __call__(self, optimizer: torch.optim.Optimizer | None) -> int:
+        if optimizer is None:
+            return 0
+        state = getattr(optimizer, "optim", optimizer).state
+        key = (id(optimizer), id(state), len(state), sum(map(len, state.values())))
+        if key != self._key:
+            self._bytes = distinct_bytes(optimizer_state_tensors(optimizer))
+            self._key = key
+        return self._bytes
 
 
-def measure_memory(
-    params: list[torch.nn.Parameter],
-    optimizer: torch.optim.Optimizer | None,
-    bucket_buffers: Iterable[torch.Tensor] = (),
-    params_bytes: int | None = None,
-) -> dict[str, int]:
-    """Bytes of parameters, gradients, optimizer state and DDP's extra bucket buffers.
+class MemoryMeter:
+    """Bytes of one model's parameters, gradients, optimizer state and DDP's extra bucket
+    buffers, measured each step. On CUDA, adds the caching allocator's ``allocated_bytes``
+    and ``max_allocated_bytes`` (peak since the last ``reset_peak``); on CPU, the RSS."""
 
-    ``params_bytes`` may be passed in when known (parameters do not change size).
-    On CUDA, adds the caching allocator's ``allocated_bytes`` and ``max_allocated_bytes``
-    (peak since the last ``reset_peak``); on CPU, the process RSS.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    buffers = list(bucket_buffers)
-    grad_storages = {g.untyped_storage().data_ptr() for g in grads} if buffers else set()
-    extra_buffers = [b for b in buffers if b.untyped_storage().data_ptr() not in grad_storages]
-    out = {
-        "params_bytes": distinct_bytes(params) if params_bytes is None else params_bytes,
-        "grads_bytes": distinct_bytes(grads),
-        "optimizer_state_bytes": distinct_bytes(optimizer_state_tensors(optimizer)),
-        "bucket_buffers_bytes": distinct_bytes(extra_buffers),
-    }
-    device = params[0].device if params else torch.device("cpu")
-    if device.type == "cuda":
-        # Allocator statistics are host-side counters: no CPU-GPU sync.
-        out["allocated_bytes"] = torch.cuda.memory_allocated(device)
-        out["max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-    else:
-        rss = rss_bytes()
-        if rss is not None:
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        # () -> the gradients' distinct bytes or -1 (the compiled capture's GradBytes); None: Python
+        self.grad_bytes: Callable[[], int] | None = None
+        self.device = params[0].device if params else torch.device("cpu")
+        self.params_bytes = distinct_bytes(params)  # parameters do not change size
+        self._state = _OptimizerStateBytes()
+        self._statm: int | None = None
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        if self.device.type != "cuda":
+            try:
+                self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._statm = None
+
+    def __call__(self, optimizer: torch.optim.Optimizer | None,
+                 bucket_buffers: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+        buffers = list(bucket_buffers)
+        grads_bytes = -1 if buffers or self.grad_bytes is None else self.grad_bytes()
+        if grads_bytes < 0:
+            grads = [g for g in (p.grad for p in self.params) if g is not None]
+            grads_bytes = distinct_bytes(grads)
+            if buffers:  # the Python capture saw DDP's buckets: extra memory unless the grads view them
+                grad_storages = {g.untyped_storage().data_ptr() for g in grads}
+                buffers = [b for b in buffers if b.untyped_storage().data_ptr() not in grad_storages]
+        out = {
+            "params_bytes": self.params_bytes,
+            "grads_bytes": grads_bytes,
+            "optimizer_state_bytes": self._state(optimizer),
+            "bucket_buffers_bytes": distinct_bytes(buffers),
+        }
+        if self.device.type == "cuda":
+            # Allocator statistics are host-side counters: no CPU-GPU sync.
+            out["allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            out["max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        elif (rss := self._rss()) is not None:
             out["rss_bytes"] = rss
-    return out
+        return out
+
+    def _rss(self) -> int | None:
+        if self._statm is None:
+            return None
+        try:
+            return int(os.pread(self._statm, 128, 0).split()[1]) * self._page
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def close(self) -> None:
+        if self._statm is not None:
+            os.close(self._statm)
+            self._statm = None
 
 
 def reset_peak(device: torch.device) -> None:

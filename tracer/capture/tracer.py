@@ -195,8 +195,9 @@ class DDPTracer:
         comm_state.recorder = self._recorder
         self._comm_state = comm_state
         if ext is not None:
-            self._compiled = CompiledBuckets(ext, self.model, self._recorder, device, getattr(self.clock, "_skew_us", 0.0))
+            self._compiled = CompiledBuckets(ext, self.model, self._recorder, device, getattr(self.clock, "skew_ns", 0))
             self._recorder.bucket_source = self._compiled.attach()
+            self._recorder.memory.grad_bytes = ext.GradBytes(params)  # the gradients' bytes, counted in C++
             comm_state.before_register = self._python_capture  # the script's own hook: timed in Python
             comm_state.builtin_direct = self._builtin_hook  # DDP's built-in C++ hook: timed here
         attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles,

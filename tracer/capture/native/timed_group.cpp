@@ -41,6 +41,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -266,13 +267,16 @@ class ReadyTimes {
     }
   }
 
-  std::vector<std::pair<int64_t, int64_t>> take() {
+  // (parameter, µs, pass_index) per gradient since the last take (µs: (ns + skew_ns) / 1000,
+  // the Python clock's arithmetic): the tuples the recorder keeps, made here rather than
+  // by a Python loop on the training thread.
+  std::vector<std::tuple<int64_t, double, int64_t>> take(int64_t pass_index, int64_t skew_ns) {
     const int64_t n = std::min(next_.load(std::memory_order_acquire), capacity_);
-    std::vector<std::pair<int64_t, int64_t>> out;
+    std::vector<std::tuple<int64_t, double, int64_t>> out;
     out.reserve(n);
     for (int64_t i = 0; i < n; ++i) {
-      out.emplace_back(records_[i].first.load(std::memory_order_relaxed),
-                       records_[i].second.load(std::memory_order_acquire));
+      const int64_t ns = records_[i].second.load(std::memory_order_acquire);
+      out.emplace_back(records_[i].first.load(std::memory_order_relaxed), (ns + skew_ns) / 1e3, pass_index);
     }
     next_.store(0, std::memory_order_release);
     return out;
@@ -294,6 +298,45 @@ class ReadyTimes {
   const int64_t capacity_;
   std::atomic<int64_t> next_{0};
   std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> keys_;
+};
+
+// The distinct bytes that parameters' gradients hold (each (data pointer, size) region
+// once, as memory.distinct_bytes counts them), read in C++ each step: a Python loop over
+// every parameter's .grad costs ~1 µs a parameter on the cold caches after a step. -1 when
+// a gradient is not a plain strided tensor (sparse, a subclass): Python counts that step.
+class GradBytes {
+ public:
+  explicit GradBytes(std::vector<at::Tensor> params) : params_(std::move(params)) {}
+
+  int64_t operator()() const {
+    std::vector<std::pair<uintptr_t, int64_t>> regions;
+    regions.reserve(params_.size());
+    for (const auto& p : params_) {
+      const at::Tensor& g = p.grad();
+      if (!g.defined()) {
+        continue;
+      }
+      if (g.layout() != c10::kStrided || !g.has_storage() || g.is_nested() ||
+          g.unsafeGetTensorImpl()->is_python_dispatch()) {
+        return -1;
+      }
+      const int64_t n = static_cast<int64_t>(g.nbytes());
+      if (n > 0) {
+        regions.emplace_back(reinterpret_cast<uintptr_t>(g.data_ptr()), n);
+      }
+    }
+    std::sort(regions.begin(), regions.end());
+    int64_t total = 0;
+    for (size_t i = 0; i < regions.size(); ++i) {
+      if (i == 0 || regions[i] != regions[i - 1]) {
+        total += regions[i].second;
+      }
+    }
+    return total;
+  }
+
+ private:
+  std::vector<at::Tensor> params_;
 };
 
 TimedGroup& as_timed(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
@@ -328,6 +371,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "(launched, done) all-reduces since the last take(): where a backward is, for the live file");
   py::class_<ReadyTimes, std::shared_ptr<ReadyTimes>>(m, "ReadyTimes")
       .def(py::init<const std::vector<at::Tensor>&, int64_t>(), py::arg("params"), py::arg("capacity") = 1 << 16)
-      .def("take", &ReadyTimes::take, py::call_guard<py::gil_scoped_release>())
+      .def("take", &ReadyTimes::take, py::arg("pass_index"), py::arg("skew_ns") = 0)
       .def("remove", &ReadyTimes::remove);
+  py::class_<GradBytes, std::shared_ptr<GradBytes>>(m, "GradBytes")
+      .def(py::init<std::vector<at::Tensor>>(), py::arg("params"))
+      .def("__call__", &GradBytes::operator(), "distinct bytes of the gradients now, or -1: count them in Python");
 }
