@@ -19,8 +19,11 @@ alike. The modes add the tracer's pieces one at a time:
 
 Each mode's ratio is the median over rounds of its step time over the same round's
 untraced step (rank 0; paired, so slow drifts of the machine cancel), with a bootstrap
-95 % interval (rounds resampled with replacement, 2000 times). Goal: ``full`` <= 1.01, upper bound <= 1.02. Needs the compiled
-capture built (``ddpscope build``). Benchmarks are not tests: nothing is asserted.
+95 % interval (rounds resampled with replacement, 2000 times). Goal: ``full`` <= 1.01,
+upper bound <= 1.02. Then the full tracer alone runs ``--pieces-steps`` more steps with
+each of its pieces timed in place (``PIECES``): where its remaining cost is, in µs a
+step. Needs the compiled capture built (``ddpscope build``). Benchmarks are not tests:
+nothing is asserted.
 """
 
 from __future__ import annotations
@@ -101,13 +104,66 @@ def worker(args: argparse.Namespace) -> None:
             k = r % len(order)
             for mode in order[k:] + order[:k]:  # rotate who goes first
                 times[mode].append(step(mode))
+        pieces = where_the_time_goes(tracers["full"], lambda: step("full"), args.pieces_steps)
         for t in tracers.values():
             t.__exit__(None, None, None)
         ready.remove()
         if rank == 0:
-            print(RESULT_PREFIX + json.dumps(times), flush=True)
+            print(RESULT_PREFIX + json.dumps({"times": times, "pieces": pieces}), flush=True)
     finally:
         dist.destroy_process_group()
+
+
+# The full tracer's own work on the training thread, by piece: what each recorder method
+# (or the writer's hand-over) costs, timed in place (the caches as cold as a real step
+# leaves them). Exclusive: a piece's time excludes the pieces inside it.
+PIECES = {
+    "forward hooks (step and pass records, output-gradient hook)": ("on_forward_start", "on_forward_end",
+                                                                    "on_output_grad"),
+    "end of backward (gradient-ready times from C++)": ("_on_backward_end",),
+    "after DDP's wait (bucket records from C++)": ("_on_grads_synced",),
+    "optimizer hooks": ("on_optimizer_start", "on_optimizer_end"),
+    "memory accounting": ("measure",),
+    "building the step's events": ("events",),
+    "encoding and handing them to the writer": ("add",),
+    "rest of closing a step (bucket layout, records)": ("_close",),
+}
+
+
+def where_the_time_goes(tracer, run_step, steps: int) -> dict[str, float]:
+    """µs a step per piece of ``PIECES``, over ``steps`` steps of ``tracer``'s model
+    (``run_step``), after the interleaved rounds (so the wrapping never touches them)."""
+    import time
+
+    rec, writer = tracer._recorder, tracer._writer
+    spent: dict[str, int] = {}
+    stack: list[int] = []  # the time of the pieces inside the running one, per level
+
+    def timed(label: str, fn, materialize: bool = False):
+        def wrapper(*a, **k):
+            stack.append(0)
+            t0 = time.perf_counter_ns()
+            try:
+                out = fn(*a, **k)
+                return iter(list(out)) if materialize else out  # events: built here, not in add
+            finally:
+                total = time.perf_counter_ns() - t0
+                inner = stack.pop()
+                spent[label] = spent.get(label, 0) + total - inner
+                if stack:
+                    stack[-1] += total
+        return wrapper
+
+    for label, names in PIECES.items():
+        for name in names:
+            owner = writer if name == "add" else rec
+            setattr(owner, name, timed(label, getattr(owner, name), materialize=name == "events"))
+    for _ in range(3):
+        run_step()
+    spent.clear()
+    for _ in range(steps):
+        run_step()
+    return {label: spent.get(label, 0) / steps / 1e3 for label in PIECES}
 
 
 def ratios(times: dict[str, list[float]], boot: int = 2000, seed: int = 0) -> dict[str, tuple[float, float, float]]:
@@ -124,11 +180,11 @@ def ratios(times: dict[str, list[float]], boot: int = 2000, seed: int = 0) -> di
     return out
 
 
-def run_one(model: str, cap: float, rounds: int) -> dict[str, list[float]] | None:
+def run_one(model: str, cap: float, rounds: int, pieces_steps: int) -> dict | None:
     from tracer.launch.runner import project_env
     from tracer.launch.torchrun import LaunchConfig, launch
 
-    results: list[dict] = []
+    results: list[dict] = []  # {"times": {mode: [s]}, "pieces": {piece: µs a step}}
 
     def on_line(rank, line):
         if line.startswith(RESULT_PREFIX):
@@ -138,7 +194,7 @@ def run_one(model: str, cap: float, rounds: int) -> dict[str, list[float]] | Non
         cfg = LaunchConfig(target="benchmarks.overhead", nproc=2, log_dir=Path(tmp) / "logs", timeout_s=1200,
                            env=project_env(),
                            args=["--worker", "--model", model, "--bucket-cap-mb", str(cap), "--rounds", str(rounds),
-                                 "--out", str(Path(tmp) / "trace")])
+                                 "--pieces-steps", str(pieces_steps), "--out", str(Path(tmp) / "trace")])
         res = launch(cfg, on_line)
     if not res.ok or not results:
         print(f"benchmark failed ({model}, cap {cap:g}): {res.reason}\n{res.stderr_tail}", file=sys.stderr)
@@ -151,6 +207,8 @@ def main() -> int:
     p.add_argument("--models", default="gpt,mlp")
     p.add_argument("--caps", default="1,25", help="bucket_cap_mb values (MiB), comma-separated")
     p.add_argument("--rounds", type=int, default=150)
+    p.add_argument("--pieces-steps", type=int, default=50,
+                   help="steps of the full tracer timed piece by piece after the rounds")
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--bucket-cap-mb", type=float, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -166,10 +224,11 @@ def main() -> int:
     failed = False
     for model in args.models.split(","):
         for cap in (float(c) for c in args.caps.split(",")):
-            times = run_one(model, cap, args.rounds)
-            if times is None:
+            result = run_one(model, cap, args.rounds, args.pieces_steps)
+            if result is None:
                 failed = True
                 continue
+            times = result["times"]
             r = ratios(times)
             print(f"\nmodel={model} bucket_cap_mb={cap:g} ranks=2 rounds={args.rounds} "
                   "(rank 0; one step of every mode per round, interleaved)")
@@ -182,6 +241,12 @@ def main() -> int:
                 prev = m if m != "python" else prev
             verdict = "met" if r["full"][0] <= 1.01 and r["full"][2] <= 1.02 else "NOT met"
             print(f"  goal full <= 1.01 (upper bound <= 1.02): {verdict}")
+            full_us = statistics.median(times["full"]) * 1e6
+            total = sum(result["pieces"].values())
+            print(f"  where the full tracer's time goes ({args.pieces_steps} steps timed in place, "
+                  f"µs a step; {total:.0f} µs = {100 * total / full_us:.2f} % of its median step):")
+            for piece, us in sorted(result["pieces"].items(), key=lambda kv: -kv[1]):
+                print(f"    {us:7.1f}  {piece}")
     return 1 if failed else 0
 
 
