@@ -68,3 +68,26 @@ def test_the_meter_sees_new_optimizer_state_and_new_gradients():
     assert meter(opt)["rss_bytes"] >= before + 60 * 2**20
     del hold
     meter.close()
+
+
+def test_the_first_steps_then_one_a_interval_have_their_memory_measured():
+    import time
+
+    from tracer.capture.clock import CpuClock
+    from tracer.capture.recorder import StepRecorder
+
+    lin = torch.nn.Linear(8, 4)
+    out: list[dict] = []
+    rec = StepRecorder(clock=CpuClock(), rank=0, param_names=["w", "b"], params=list(lin.parameters()),
+                       optimizer=None, step_boundary="explicit", memory_interval_s=0.3,
+                       emit=lambda events, layouts: out.extend(e for e in events if isinstance(e, dict)))
+    for pause in (0, 0, 0, 0, 0, 0.35, 0):
+        time.sleep(pause)
+        rec.on_forward_start()
+        rec.on_forward_end(warmup=False)
+        rec.mark_step()
+    rec.finish(aborted=False)
+    steps = [e for e in out if e["cat"] == "step"]
+    counters = [e for e in out if e["ph"] == "C"]
+    assert [s["args"]["step"] for s in steps if "memory" in s["args"]] == [0, 1, 2, 5]
+    assert len(counters) == 4 and counters[-1]["args"]["params_bytes"] == (8 * 4 + 4) * 4

@@ -148,8 +148,7 @@ class CompiledBuckets:
         self._last_sync = (step.grads, active_index(step))  # read only if the layout changes next
         if self.device is None:
             skew = self.skew_ns
-            taken = [BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=(launch + skew) / 1e3,
-                                  done=(done + skew) / 1e3 if done else None)
+            taken = [BucketRecord(k, nbytes, params[k], (launch + skew) / 1e3, (done + skew) / 1e3 if done else None)
                      for k, (launch, done, nbytes) in enumerate(records)]
         else:  # the host's times are not the device's: those come a take later
             taken = [BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=None)

@@ -61,6 +61,10 @@ class StepRecord:
     memory: dict | None = None
     incomplete: bool = False
     first_grad_seen: bool = False
+    measure_memory: bool = False  # this step's memory is measured (at close; on CUDA its own peak window)
+
+
+FIRST_MEASURED_STEPS = 3  # steps whose memory is always measured (see _measure_memory_now)
 
 
 class StepRecorder:
@@ -78,6 +82,7 @@ class StepRecorder:
         emit: Callable[[Iterator[dict], list[dict] | None], None],
         nccl_kernel_timing: bool = False,
         on_close: Callable[[StepRecord], None] | None = None,
+        memory_interval_s: float = 1.0,
     ) -> None:
         self.clock = clock
         self.rank = rank
@@ -105,7 +110,9 @@ class StepRecorder:
         # to the step once DDP waited for them; None: the Python hook calls on_bucket_launch
         self.bucket_source = None
         self.memory = MemoryMeter(params)
-        self.measure = self.memory  # per step, at close (benchmarks/overhead.py times it apart)
+        self.measure = self.memory  # at close of a measured step (benchmarks/overhead.py times it apart)
+        self.memory_interval_us = memory_interval_s * 1e6
+        self._memory_at: float | None = None  # host µs when the last measured step began
 
     # -- hooks ------------------------------------------------------------------
     def on_forward_start(self, sync: bool = True) -> None:
@@ -118,12 +125,24 @@ class StepRecorder:
             self._close(now)
             cur = None
         if cur is None:
-            reset_peak(self.device)
-            cur = self.current = StepRecord(step=self.next_step, start=now)
+            cur = self.current = StepRecord(step=self.next_step, start=now, measure_memory=self._measure_memory_now())
             self.next_step += 1
         elif cur.optimizer is not None and cur.optimizer[1] is None:
             cur.optimizer = None  # a forward inside optimizer.step(closure): not the update
         cur.passes.append(PassRecord(sync=sync, forward=[now, None]))
+
+    def _measure_memory_now(self) -> bool:
+        """Whether the step starting now has its memory measured: the first steps (DDP's
+        warm-up, the optimizer's state appearing), then one every ``memory_interval_s``:
+        the accounting costs ~0.1 ms on the cold caches a step leaves, and a DDP rank's
+        memory barely moves from one step to the next."""
+        now = self.clock.host_us()
+        if self.next_step >= FIRST_MEASURED_STEPS and self._memory_at is not None \
+                and now - self._memory_at < self.memory_interval_us:
+            return False
+        self._memory_at = now
+        reset_peak(self.device)  # its peak from here (CUDA)
+        return True
 
     def on_forward_end(self, warmup: bool) -> None:
         cur = self.current
@@ -249,15 +268,20 @@ class StepRecorder:
         source = self.bucket_source
         if source is not None:
             source.take(cur)  # all-reduces not yet handed over (a step that ended early)
+        if cur.measure_memory:
+            self._measure(cur)
+        self.pending.append(cur)
+        self._resolve(len(self.pending) - self.clock.lag_steps)
+        if self.on_close is not None:
+            self.on_close(cur)
+
+    def _measure(self, cur: StepRecord) -> None:
+        source = self.bucket_source
         cur.memory = self.measure(self.optimizer, cur.buffers.values())
         if source is not None and cur.buckets:  # no buffers seen: DDP's buckets are extra unless grads view them
             # their parameters' bytes, not the all-reduces' (a built-in FP16 hook sends half)
             cur.memory["bucket_buffers_bytes"] = 0 if source.ddp.gradient_as_bucket_view else \
                 self._layout_of(cur)[1]
-        self.pending.append(cur)
-        self._resolve(len(self.pending) - self.clock.lag_steps)
-        if self.on_close is not None:
-            self.on_close(cur)
 
     def _resolve(self, count: int) -> None:
         if count <= 0:
@@ -323,7 +347,9 @@ class StepRecorder:
             return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid,
                     "ts": ts, "dur": round(te - ts, 3) if te > ts else 0.0, "args": args}
 
-        flags = {"step": step, "memory": s.memory, "micro_batches": len(passes), "warmup": s.warmup}
+        flags = {"step": step, "micro_batches": len(passes), "warmup": s.warmup}
+        if s.memory:
+            flags["memory"] = s.memory
         if s.incomplete:
             flags["incomplete"] = True
         ev = [span(fmt.CAT_STEP, f"step {step}", start, end, flags, inside=False)]

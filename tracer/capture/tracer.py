@@ -52,7 +52,10 @@ class TracerConfig:
         (``tracer.step()`` ends a step).
     offset_rounds: ping-pong rounds per rank for the clock-offset estimate.
     sync_timeout_s: how long the tracer's own collectives (start, end) wait for a peer.
-    flush_interval_s: the writer rewrites the file at most this often (seconds).
+    flush_interval_s: the writer appends to the file at most this often (seconds).
+    memory_interval_s: a step's memory is measured (tensor accounting, RSS or the CUDA
+        allocator's peak) on the first 3 steps, then on one step in each this many
+        seconds (0: every step).
     run_meta: extra JSON-able facts about the run (model name, batch size, ...).
     capture: how all-reduces and gradient-ready times are taken: ``"compiled"`` (C++
         beside DDP's reducer, ``compiled.py``; the Python hooks where it cannot be had:
@@ -65,6 +68,7 @@ class TracerConfig:
     offset_rounds: int = 16
     sync_timeout_s: float = 60.0
     flush_interval_s: float = 0.25
+    memory_interval_s: float = 1.0
     run_meta: dict = field(default_factory=dict)
     capture: str = "compiled"
     capture_note: str | None = None
@@ -81,6 +85,8 @@ class TracerConfig:
             raise ValueError(f"sync_timeout_s must be in 1..3600 seconds, got {self.sync_timeout_s}")
         if not 0 <= self.flush_interval_s <= 60:
             raise ValueError(f"flush_interval_s must be in 0..60 seconds, got {self.flush_interval_s}")
+        if not 0 <= self.memory_interval_s <= 3600:
+            raise ValueError(f"memory_interval_s must be in 0..3600 seconds, got {self.memory_interval_s}")
 
 
 class DDPTracer:
@@ -190,6 +196,7 @@ class DDPTracer:
             clock=self.clock, rank=self.rank, param_names=names, params=params,
             optimizer=None if self.optimizer == "auto" else self.optimizer, step_boundary=cfg.step_boundary,
             emit=self._emit, nccl_kernel_timing=nccl_timing, on_close=self._on_step,
+            memory_interval_s=cfg.memory_interval_s,
         )
         comm_state.keep_work = nccl_timing
         comm_state.recorder = self._recorder

@@ -32,7 +32,7 @@
 // the wrapper is gone (dropped when tracing stops) writes into live memory. The reducer
 // waits on the same future before backward ends, but our callback may run a moment after
 // that wait returns: take() waits for a record's completion at most `wait_us` before
-// reporting it unfinished (done = 0).
+// reporting it unfinished (done = 0); the GIL is released only while it waits.
 
 #include <torch/extension.h>
 #include <c10/core/Event.h>
@@ -160,7 +160,21 @@ class TimedGroup : public c10d::ProcessGroup {
   // The all-reduces since the last take() that fit, on the host clock, and the device times
   // of those the previous take() handed over (empty without a device). Called between steps
   // (no all-reduce in flight). A take() with nothing new keeps the previous ones pending.
-  std::pair<HostRecords, DeviceRecords> take(int64_t wait_us) {
+  // Whether every all-reduce since the last take() has completed (its callback ran).
+  bool all_done() const {
+    const auto [n, done] = progress();
+    return n == done;
+  }
+
+  // Waits (at most wait_us) for the callbacks of the all-reduces since the last take().
+  void wait_done(int64_t wait_us) const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(wait_us);
+    while (!all_done() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::yield();
+    }
+  }
+
+  std::pair<HostRecords, DeviceRecords> take() {
     const int bank = bank_.load(std::memory_order_relaxed);
     const int64_t n = std::min(next_.load(std::memory_order_acquire), records_->capacity);
     HostRecords out;
@@ -168,15 +182,10 @@ class TimedGroup : public c10d::ProcessGroup {
       return {out, {}};
     }
     out.reserve(n);
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(wait_us);
     for (int64_t i = 0; i < n; ++i) {
       Record& rec = records_->at(bank, i);
-      int64_t done = rec.done_ns.load(std::memory_order_acquire);
-      while (done == 0 && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::yield();
-        done = rec.done_ns.load(std::memory_order_acquire);
-      }
-      out.emplace_back(rec.launch_ns.load(std::memory_order_acquire), done, rec.bytes.load(std::memory_order_relaxed));
+      out.emplace_back(rec.launch_ns.load(std::memory_order_acquire), rec.done_ns.load(std::memory_order_acquire),
+                       rec.bytes.load(std::memory_order_relaxed));
     }
     DeviceRecords previous = settle();
     taken_bank_ = bank;
@@ -359,9 +368,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("group"), py::arg("capacity") = 4096, py::arg("device") = py::none(),
       "device: an accelerator whose events time the all-reduces too (None: host clock only)");
   m.def(
-      "take", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, int64_t wait_us) { return as_timed(g).take(wait_us); },
-      py::arg("group"), py::arg("wait_us") = 10000, py::call_guard<py::gil_scoped_release>(),
-      "([(launch_ns, done_ns, bytes)] since the last take, [(launch_ns, done_ns)] on the device for the take before)");
+      "take",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, int64_t wait_us) {
+        TimedGroup& timed = as_timed(g);
+        if (!timed.all_done()) {  // a callback still to run: wait without the GIL (its thread may want it)
+          py::gil_scoped_release release;
+          timed.wait_done(wait_us);
+        }
+        return timed.take();
+      },
+      py::arg("group"), py::arg("wait_us") = 10000,
+      "([(launch_ns, done_ns, bytes)] since the last take (done 0: not completed within wait_us), "
+      "[(launch_ns, done_ns)] on the device for the take before)");
   m.def(
       "settle", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).settle(); },
       py::arg("group"), py::call_guard<py::gil_scoped_release>(),
