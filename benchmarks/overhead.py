@@ -6,7 +6,11 @@ For each model and bucket_cap_mb, one real 2-rank DDP job (torchrun, gloo on CPU
 rank bound to its core as the demo is). Every rank builds one identical copy of the
 demo model per mode, each in its own DDP, and runs them interleaved *step by step*
 (one step of each mode per round, the order rotating), so machine noise hits every mode
-alike. The modes add the tracer's pieces one at a time:
+alike. The rounds come in blocks, and from one block to the next the compiled modes
+move to another copy (each mode runs on each copy for one block): a copy's place in
+memory alone makes its steps up to ~2 % slower or faster than another's (measured: a
+mode that adds nothing came out at 1.018, 95 % CI 1.006-1.028, when it kept its copy).
+The modes add the tracer's pieces one at a time:
 
 - ``untraced``: DDP alone;
 - ``buckets``: the compiled capture's process group on the reducer, records taken each step;
@@ -63,51 +67,85 @@ def worker(args: argparse.Namespace) -> None:
         rank = dist.get_rank()
         torch.manual_seed(0)
         base = build_model(args.model)
-        models = {m: copy.deepcopy(base) for m in MODES}
-        ddps = {m: DDP(models[m], bucket_cap_mb=args.bucket_cap_mb) for m in MODES}
-        opts = {m: torch.optim.AdamW(ddps[m].parameters(), lr=1e-3) for m in MODES}
+        # one model copy per mode; the copies of the compiled modes rotate between modes
+        # block by block (below): each copy sits in its own memory, which alone can make
+        # one copy's steps 1-2 % slower than another's, whatever traces it
+        models = [copy.deepcopy(base) for _ in MODES]
+        ddps = [DDP(m, bucket_cap_mb=args.bucket_cap_mb) for m in models]
+        opts = [torch.optim.AdamW(d.parameters(), lr=1e-3) for d in ddps]
         gen = torch.Generator().manual_seed(rank)
         out = Path(args.out)
-        # the pieces, one by one
-        groups = {m: ext.wrap(ddps[m].process_group) for m in ("buckets", "+ready")}
-        for m, g in groups.items():
-            ddps[m].reducer._update_process_group(g)
-        ready = ext.ReadyTimes(reducer_params(ddps["+ready"])[1])
-        tracers = {m: DDPTracer(ddps[m], opts[m], out_dir=out / m, capture="python" if m == "python" else "compiled")
-                   for m in ("+spans", "+memory", "full", "python")}
-        for t in tracers.values():
-            t.__enter__()
-            assert t.capture_note is None or t.config.capture == "python", t.capture_note
-        for m in ("+spans", "+memory"):  # their events are built, then dropped: no file
-            tracers[m]._recorder.emit = lambda events, layouts: sum(1 for _ in events)
-        tracers["+spans"]._recorder.measure = lambda *a, **k: {}
-        after_step = {"buckets": lambda: ext.take(groups["buckets"], 10_000),
-                      "+ready": lambda: (ext.take(groups["+ready"], 10_000), ready.take(0))}
+        after_step: dict[str, object] = {}
+        tracers: dict[str, DDPTracer] = {}
+
+        def attach(mode: str, i: int, block: int):
+            """Mode ``mode`` on copy ``i``; returns what takes it off again."""
+            ddp = ddps[i]
+            if mode == "untraced":
+                return lambda: None
+            if mode in ("buckets", "+ready"):  # the pieces alone, as the tracer uses them
+                group = ext.wrap(ddp.process_group)
+                ddp.reducer._update_process_group(group)
+                ready = ext.ReadyTimes(reducer_params(ddp)[1]) if mode == "+ready" else None
+                after_step[mode] = (lambda: ext.take(group, 10_000)) if ready is None else \
+                    (lambda: (ext.take(group, 10_000), ready.take(0)))
+
+                def off():
+                    ext.take(group, 10_000)
+                    ddp.reducer._update_process_group(ddp.process_group)
+                    if ready is not None:
+                        ready.remove()
+                    after_step.pop(mode)
+                return off
+            tracer = tracers[mode] = DDPTracer(ddp, opts[i], out_dir=out / mode / str(block),
+                                               capture="python" if mode == "python" else "compiled")
+            tracer.__enter__()
+            assert tracer.capture_note is None or mode == "python", tracer.capture_note
+            if mode in ("+spans", "+memory"):  # their events are built, then dropped: no file
+                tracer._recorder.emit = lambda events, layouts: sum(1 for _ in events)
+            if mode == "+spans":
+                tracer._recorder.measure = lambda *a, **k: {}
+            return lambda: tracer.__exit__(None, None, None)
+
         times: dict[str, list[float]] = {m: [] for m in MODES}
+        copy_of: dict[str, int] = {}
 
         def step(mode: str) -> float:
-            x, y = models[mode].batch(gen)
+            i = copy_of[mode]
+            x, y = models[i].batch(gen)
             t0 = time.perf_counter()
-            loss = models[mode].loss(ddps[mode](x), y)
+            loss = models[i].loss(ddps[i](x), y)
             loss.backward()
-            opts[mode].step()
-            opts[mode].zero_grad(set_to_none=True)
+            opts[i].step()
+            opts[i].zero_grad(set_to_none=True)
             if mode in after_step:
                 after_step[mode]()
             return time.perf_counter() - t0
 
-        for mode in MODES:  # warm-up, DDP's bucket rebuild included
-            for _ in range(3):
-                step(mode)
-        order = list(MODES)
-        for r in range(args.rounds):
-            k = r % len(order)
-            for mode in order[k:] + order[:k]:  # rotate who goes first
-                times[mode].append(step(mode))
+        rotating = [m for m in MODES if m != "python"]  # the Python hook stays registered: its copy is its own
+        blocks = len(rotating)
+        detach = {}
+        for block in range(blocks):
+            for mode in rotating:
+                copy_of[mode] = (rotating.index(mode) + block) % blocks
+            copy_of["python"] = len(MODES) - 1
+            for mode in MODES:
+                if mode != "python" or block == 0:
+                    detach[mode] = attach(mode, copy_of[mode], block)
+            for mode in MODES:  # warm-up (DDP's bucket rebuild in the first block)
+                for _ in range(3 if block == 0 else 1):
+                    step(mode)
+            order = list(MODES)
+            for r in range(block * args.rounds // blocks, (block + 1) * args.rounds // blocks):
+                k = r % len(order)
+                for mode in order[k:] + order[:k]:  # rotate who goes first
+                    times[mode].append(step(mode))
+            if block < blocks - 1:
+                for mode in rotating:
+                    detach.pop(mode)()
         pieces = where_the_time_goes(tracers["full"], lambda: step("full"), args.pieces_steps)
-        for t in tracers.values():
-            t.__exit__(None, None, None)
-        ready.remove()
+        for off in detach.values():
+            off()
         if rank == 0:
             print(RESULT_PREFIX + json.dumps({"times": times, "pieces": pieces}), flush=True)
     finally:

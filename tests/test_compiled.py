@@ -223,3 +223,22 @@ def test_the_gradients_bytes_counted_in_cxx_equal_pythons(built):
     emb = torch.nn.Embedding(10, 4, sparse=True)
     emb(torch.tensor([1, 2])).sum().backward()
     assert ext.GradBytes(list(emb.parameters()))() == -1
+
+
+def test_two_syncing_backwards_in_a_step_are_attributed_as_the_python_hook_does(tmp_path, built):
+    """Gradient accumulation without ``no_sync``: DDP all-reduces after each backward.
+    The compiled capture takes a pass's all-reduces when the next backward starts (or the
+    step closes): the same buckets, bytes and parameters per step as the Python hook sees,
+    DDP's pre-rebuild bucket in the first pass of step 0 included."""
+    worker = str(ROOT / "tests" / "workers" / "multisync_check.py")
+    seen = {}
+    for capture in ("compiled", "python"):
+        proc = subprocess.run([sys.executable, worker, capture, str(_port()), str(tmp_path / capture)], cwd="/",
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seen[capture] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["compiled"] == seen["python"]
+    steps = {}
+    for step, _, _, _ in seen["compiled"]:
+        steps[step] = steps.get(step, 0) + 1
+    assert steps == {0: 4, 1: 6, 2: 6, 3: 6}  # step 0: one bucket before DDP's rebuild, then 3; then 3 + 3

@@ -4,9 +4,10 @@ communication hook runs and DDP keeps its fused divide-while-copying path.
 
 ``CompiledBuckets.attach(ddp, recorder)`` installs the wrapper with the reducer's
 ``_update_process_group`` (the DDP module's own ``process_group``, used for its buffer
-broadcasts, is left alone); ``take(step)`` hands the all-reduces since the last call to
-the step as ``BucketRecord``s (bucket k = the k-th all-reduce: the reducer launches
-buckets in index order) and ``take_ready`` the gradient-ready times (C++ post hooks put
+broadcasts, is left alone); ``take(step, pass)`` hands the all-reduces since the last call
+to the step as ``BucketRecord``s (bucket k = the k-th all-reduce: the reducer launches
+buckets in index order; the recorder calls it when the next backward starts or the step
+closes, by when every completion callback has run) and ``take_ready`` the gradient-ready times (C++ post hooks put
 in front of DDP's on each parameter's AccumulateGrad node); ``detach()`` gives the
 reducer its group back and takes the hooks off.
 
@@ -26,7 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tracer.capture.native import build as native
-from tracer.capture.recorder import BucketRecord, active_index
+from tracer.capture.recorder import BucketRecord
 
 
 def load_extension() -> tuple[Any, str | None]:
@@ -137,15 +138,15 @@ class CompiledBuckets:
         if self.group is not None and self.lag.holds_any_of(steps):
             self.lag.fill(self.ext.settle(self.group))
 
-    def take(self, step) -> None:
-        """The all-reduces since the last call, into ``step.buckets`` (autograd thread,
-        after DDP waited for them: no all-reduce of this model is in flight)."""
+    def take(self, step, k: int) -> None:
+        """The all-reduces since the last call, pass ``k``'s, into ``step.buckets`` (between
+        backwards: no all-reduce of this model is in flight)."""
         records = self.take_pending()
         if not records or step is None:
             return
         sizes = tuple(b for _, _, b in records)
         params = self._params.get(sizes) or self._from_ready_order(sizes) or self._bucket_params(sizes)
-        self._last_sync = (step.grads, active_index(step))  # read only if the layout changes next
+        self._last_sync = (step.grads, k)  # read only if the layout changes next
         if self.device is None:
             skew = self.skew_ns
             taken = [BucketRecord(k, nbytes, params[k], (launch + skew) / 1e3, (done + skew) / 1e3 if done else None)

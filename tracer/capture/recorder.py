@@ -106,9 +106,10 @@ class StepRecorder:
         self.device = params[0].device if params else torch.device("cpu")
         self.steps_written = 0
         self.on_close = on_close  # after a step closed (training thread); may raise to stop
-        # the compiled capture (compiled.CompiledBuckets): it times the all-reduces, handed
-        # to the step once DDP waited for them; None: the Python hook calls on_bucket_launch
+        # the compiled capture (compiled.CompiledBuckets): it times the all-reduces, taken
+        # into the step after DDP waited for them; None: the Python hook calls on_bucket_launch
         self.bucket_source = None
+        self._synced_pass: int | None = None  # a syncing backward whose all-reduces are not taken yet
         self.memory = MemoryMeter(params)
         self.measure = self.memory  # at close of a measured step (benchmarks/overhead.py times it apart)
         self.memory_interval_us = memory_interval_s * 1e6
@@ -159,6 +160,8 @@ class StepRecorder:
         p = cur.passes[k]
         if p.backward_start is None:
             p.backward_start = self.clock.stamp()
+        if self._synced_pass is not None:  # another syncing backward before: its all-reduces first
+            self._take_buckets(cur)
         if self.bucket_source is not None and not cur.first_grad_seen:
             # compiled capture: no Python hook per gradient, so the end-of-backward
             # callbacks are queued here (the engine is running this backward)
@@ -197,9 +200,20 @@ class StepRecorder:
         if p is not None:
             p.sync_end = self.clock.stamp()
             if self.bucket_source is not None and p.sync:
-                self.bucket_source.take(self.current)
+                # Its all-reduces are taken later (next backward, or the step's close): DDP's
+                # wait can return before a collective's completion callbacks have run, and
+                # waiting for them here cost up to ~1 ms a step (demo MLP, one 25 MiB bucket).
+                self._synced_pass = active_index(self.current)
         if self.current is not None:
             self.current.active = None
+
+    def _take_buckets(self, step: StepRecord) -> None:
+        """The compiled capture's all-reduces not taken yet, into ``step`` (those of the
+        last syncing pass, else of whatever launched them)."""
+        source, k = self.bucket_source, self._synced_pass
+        self._synced_pass = None
+        if source is not None:
+            source.take(step, active_index(step) if k is None else k)
 
     def on_bucket_launch(self, index: int, buffer: torch.Tensor, bucket) -> BucketRecord | None:
         cur = self.current
@@ -245,7 +259,7 @@ class StepRecorder:
         """Close the open step (``incomplete`` if aborted mid-step) and resolve everything."""
         cur = self.current
         if cur is not None and self.bucket_source is not None:
-            self.bucket_source.take(cur)  # its all-reduces, their device times too: is it finished?
+            self._take_buckets(cur)  # its all-reduces, their device times too: is it finished?
             self.bucket_source.settle([cur])
         if cur is not None:
             if aborted or not self._looks_finished(cur):
@@ -265,9 +279,7 @@ class StepRecorder:
         cur = self.current
         self.current = None
         cur.end = now
-        source = self.bucket_source
-        if source is not None:
-            source.take(cur)  # all-reduces not yet handed over (a step that ended early)
+        self._take_buckets(cur)
         if cur.measure_memory:
             self._measure(cur)
         self.pending.append(cur)
