@@ -73,11 +73,11 @@ class MemoryMeter:
         self.device = params[0].device if params else torch.device("cpu")
         self.params_bytes = distinct_bytes(params)  # parameters do not change size
         self._state = _OptimizerStateBytes()
-        self._statm: int | None = None
+        self._statm = None  # /proc/self/statm, kept open (a file object: closed when collected too)
         self._page = os.sysconf("SC_PAGE_SIZE")
         if self.device.type != "cuda":
             try:
-                self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+                self._statm = open("/proc/self/statm", "rb", buffering=0)
             except OSError:
                 self._statm = None
 
@@ -109,13 +109,13 @@ class MemoryMeter:
         if self._statm is None:
             return None
         try:
-            return int(os.pread(self._statm, 128, 0).split()[1]) * self._page
+            return int(os.pread(self._statm.fileno(), 128, 0).split()[1]) * self._page
         except (OSError, ValueError, IndexError):
             return None
 
     def close(self) -> None:
         if self._statm is not None:
-            os.close(self._statm)
+            self._statm.close()
             self._statm = None
 
 
