@@ -7,9 +7,9 @@ communication hook runs and DDP keeps its fused divide-while-copying path.
 broadcasts, is left alone); ``take(step, pass)`` hands the all-reduces since the last call
 to the step as ``BucketRecord``s (bucket k = the k-th all-reduce: the reducer launches
 buckets in index order; the recorder calls it when the next backward starts or the step
-closes, by when every completion callback has run) and ``take_ready`` the gradient-ready times (C++ post hooks put
-in front of DDP's on each parameter's AccumulateGrad node); ``detach()`` gives the
-reducer its group back and takes the hooks off.
+closes, by when every completion callback has run) and ``take_ready`` the gradient-ready
+times (C++ post hooks put in front of DDP's on each parameter's AccumulateGrad node);
+``detach()`` gives the reducer its group back and takes the hooks off.
 
 On CUDA (NCCL, or gloo with CUDA tensors) the host clock is wrong for a collective (an
 NCCL future completes when the kernel is enqueued): the wrapper also records CUDA events
@@ -138,15 +138,15 @@ class CompiledBuckets:
         if self.group is not None and self.lag.holds_any_of(steps):
             self.lag.fill(self.ext.settle(self.group))
 
-    def take(self, step, k: int) -> None:
-        """The all-reduces since the last call, pass ``k``'s, into ``step.buckets`` (between
+    def take(self, step, pass_index: int) -> None:
+        """The all-reduces since the last call, that pass's, into ``step.buckets`` (between
         backwards: no all-reduce of this model is in flight)."""
         records = self.take_pending()
         if not records or step is None:
             return
         sizes = tuple(b for _, _, b in records)
         params = self._params.get(sizes) or self._from_ready_order(sizes) or self._bucket_params(sizes)
-        self._last_sync = (step.grads, k)  # read only if the layout changes next
+        self._last_sync = (step.grads, pass_index)  # read only if the layout changes next
         if self.device is None:
             skew = self.skew_ns
             taken = [BucketRecord(k, nbytes, params[k], (launch + skew) / 1e3, (done + skew) / 1e3 if done else None)
