@@ -35,7 +35,8 @@ from tracer.capture.compiled import CompiledBuckets, load_extension, usable
 from tracer.capture.hooks import HookHandles, attach_comm_hook, attach_grad_hooks, attach_hooks, reducer_params
 from tracer.capture.live import LiveFile
 from tracer.capture.offsets import ClockOffset, estimate_offsets
-from tracer.capture.recorder import StepRecorder, header_events
+from tracer.capture.events import header_events
+from tracer.capture.recorder import StepRecorder
 from tracer.writer import TraceWriter, read_json, write_json_atomic
 
 NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
