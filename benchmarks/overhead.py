@@ -196,7 +196,7 @@ def where_the_time_goes(tracer, run_step, steps: int) -> dict[str, float]:
 
     for label, names in PIECES.items():
         for name in names:
-            owner = writer if name == "add" else rec
+            owner = writer if name == "add" else rec.step_events if name == "events" else rec
             setattr(owner, name, timed(label, getattr(owner, name), materialize=name == "events"))
     for _ in range(3):
         run_step()

@@ -310,7 +310,7 @@ class StepRecorder:
                 self.layouts.append({"from_step": s.step, "buckets": layout})
                 layout_changed = True
         self.steps_written += len(ready)
-        self.emit(self.events(ready, nccl), self.layouts if layout_changed else None)
+        self.emit(self.step_events.events(ready, nccl), self.layouts if layout_changed else None)
 
     def _layout_of(self, s: StepRecord) -> tuple[list[list[int]], int]:
         """The step's bucket layout (parameter indices per bucket, by bucket index) and its
@@ -329,10 +329,6 @@ class StepRecorder:
             return None if b.work is None else b.work._get_duration() * 1000.0  # ms -> µs
         except (RuntimeError, AttributeError):
             return None
-
-    def events(self, steps: list[StepRecord], nccl: list | None = None) -> Iterator:
-        """Chrome trace events for resolved steps (their stamps are µs): ``events.py``."""
-        return self.step_events.events(steps, nccl)
 
 def active_index(step: StepRecord) -> int:
     """The pass whose backward is running (the latest pass when no output gradient said)."""
