@@ -12,14 +12,24 @@ import os
 
 import streamlit as st
 
-from dashboard.common import (TRAINING_KINDS, command_policy, handle_upload, job_manager, job_status, list_runs,
-                              load_trace, of_kind, runs_dir, stamp_of)
-from dashboard.memory_page import render_memory
-from dashboard.ring_page import render_ring
-from dashboard.run_page import render_run
-from dashboard.timeline_page import render_compare, render_timeline
-from dashboard.whatif_page import render_whatif
-from viz.trace import TraceError
+from ddpscope.dashboard.common import (
+    TRAINING_KINDS,
+    command_policy,
+    handle_upload,
+    job_manager,
+    job_status,
+    list_runs,
+    load_trace,
+    of_kind,
+    runs_dir,
+    stamp_of,
+)
+from ddpscope.dashboard.memory_page import render_memory
+from ddpscope.dashboard.ring_page import render_ring
+from ddpscope.dashboard.run_page import render_run
+from ddpscope.dashboard.timeline_page import render_compare, render_timeline
+from ddpscope.dashboard.whatif_page import render_whatif
+from ddpscope.viz.trace import TraceError
 
 st.set_page_config(page_title="ddpscope", layout="wide")
 st.title("ddpscope")

@@ -22,8 +22,8 @@ import numpy as np
 import pandas as pd
 import plotly.express as px
 
-from viz.gantt import backward_segments, exposed_segments, make_timeline_figure, select_steps
-from viz.trace import RunTrace
+from ddpscope.viz.gantt import backward_segments, exposed_segments, make_timeline_figure, select_steps
+from ddpscope.viz.trace import RunTrace
 
 
 def synthetic_trace(ranks: int, steps: int, buckets: int, params: int = 100, seed: int = 0) -> RunTrace:

@@ -41,6 +41,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
 RESULT_PREFIX = "overhead-result "
 MODES = ("untraced", "buckets", "+ready", "+spans", "+memory", "full", "python")
 
@@ -52,11 +54,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from tracer import DDPTracer
-    from tracer.capture.compiled import load_extension
-    from tracer.capture.hooks import reducer_params
-    from tracer.workloads.affinity import bind_local_rank_to_cores
-    from tracer.workloads.demo.models import build_model
+    from ddpscope.tracer import DDPTracer
+    from ddpscope.tracer.capture.compiled import load_extension
+    from ddpscope.tracer.capture.hooks import reducer_params
+    from ddpscope.tracer.workloads.affinity import bind_local_rank_to_cores
+    from ddpscope.tracer.workloads.demo.models import build_model
 
     bind_local_rank_to_cores()  # as the demo job does
     dist.init_process_group("gloo")
@@ -221,8 +223,7 @@ def ratios(times: dict[str, list[float]], boot: int = 2000, seed: int = 0) -> di
 
 
 def run_one(model: str, cap: float, args: argparse.Namespace) -> dict | None:
-    from tracer.launch.runner import project_env
-    from tracer.launch.torchrun import LaunchConfig, launch
+    from ddpscope.tracer.launch.torchrun import LaunchConfig, launch
 
     results: list[dict] = []  # {"times": {mode: [s]}, "pieces": {piece: µs a step}}
 
@@ -232,7 +233,7 @@ def run_one(model: str, cap: float, args: argparse.Namespace) -> dict | None:
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = LaunchConfig(target="benchmarks.overhead", nproc=2, log_dir=Path(tmp) / "logs", timeout_s=1200,
-                           env=project_env(),
+                           env={"PYTHONPATH": str(ROOT)},  # benchmarks.overhead runs on every rank
                            args=["--worker", "--model", model, "--bucket-cap-mb", str(cap), "--rounds", str(args.rounds),
                                  "--pieces-steps", str(args.pieces_steps), "--modes", args.modes,
                                  "--out", str(Path(tmp) / "trace")])
@@ -264,7 +265,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    from tracer.launch.native import build_native
+    from ddpscope.tracer.launch.native import build_native
 
     if not build_native(lambda line: print(line, file=sys.stderr))["ok"]:
         return 1

@@ -69,15 +69,14 @@ USER_SCRIPT = textwrap.dedent('''
 
 def _free_port() -> int:
     sys.path.insert(0, str(ROOT))
-    from tracer.launch.torchrun import free_port
+    from ddpscope.tracer.launch.torchrun import free_port
 
     return free_port()
 
 
 def _serve(runs: Path, warm: bool) -> tuple[subprocess.Popen, int]:
     port = _free_port()
-    env = {**os.environ, "DDPSCOPE_RUNS_DIR": str(runs), "DDPSCOPE_WARM_LAUNCHER": "1" if warm else "0",
-           "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "DDPSCOPE_RUNS_DIR": str(runs), "DDPSCOPE_WARM_LAUNCHER": "1" if warm else "0"}
     proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
                              "--server.port", str(port), "--server.address", "127.0.0.1",
                              "--browser.gatherUsageStats", "false"],
@@ -182,8 +181,8 @@ def main() -> None:
         script.write_text(USER_SCRIPT)
         runs = tmp / "runs"
         # the traces the user has open: the demo sample, and their own script traced once by the CLI
-        cli = [sys.executable, "-m", "tracer", "run", "--nproc", "2", "--steps", "10"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        cli = [sys.executable, "-m", "ddpscope.tracer", "run", "--nproc", "2", "--steps", "10"]
+        env = dict(os.environ)
         subprocess.run([*cli, "--out", str(runs / "my-script"), "--", "train.py"], cwd=script.parent, env=env,
                        check=True, capture_output=True)
         traces = [("demo gpt", "sample: gpt-2rank-cap1mb"), ("script train.py", "run: my-script")]

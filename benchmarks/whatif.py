@@ -64,8 +64,8 @@ WIDE_SCRIPT = textwrap.dedent('''
 
 
 def ddpscope(*args: str) -> None:
-    cmd = [sys.executable, "-m", "tracer", *args]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cmd = [sys.executable, "-m", "ddpscope.tracer", *args]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
     if r.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
 
@@ -82,7 +82,7 @@ def trace(model: str, out: Path, cap: float | None, steps: int, script: Path) ->
 
 def medians(t) -> tuple[float, float, float]:
     """Step, exposed communication and forward (ms), medians over steps and ranks."""
-    from viz.overlap import compute_step_breakdown
+    from ddpscope.viz.overlap import compute_step_breakdown
 
     b = compute_step_breakdown(t)
     return float(b["step_ms"].median()), float(b["exposed_ms"].median()), float(b["forward_ms"].median())
@@ -95,9 +95,9 @@ def main() -> None:
     p.add_argument("--models", default="gpt,mlp,wide")
     p.add_argument("--no-calibrate", action="store_true")
     args = p.parse_args()
-    from viz.trace import load_run
-    from viz.whatif.model import fit_model
-    from viz.whatif.simulate import predict_run, traced_cap
+    from ddpscope.viz.trace import load_run
+    from ddpscope.viz.whatif.model import fit_model
+    from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 
     work = Path(tempfile.mkdtemp(prefix="ddpscope-whatif-"))
     script = work / "wide_train.py"

@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tracer import format as fmt
-from tracer.writer import TraceWriter, write_bytes_atomic
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer.writer import TraceWriter, write_bytes_atomic
 
 SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "gpt-2rank-cap1mb" / "rank-0.json"
 _SEP = (",", ":")

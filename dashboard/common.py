@@ -16,13 +16,13 @@ from typing import Callable
 
 import streamlit as st
 
-from tracer.launch.jobs import JobManager
-from viz.archive import extract_run_archive, safe_name
-from viz.perfetto import merge_run
-from viz.ring_trace import load_ring
-from viz.sources import KINETO, MIXED, folder_kind, load_training_trace
-from viz.trace import TraceError
-from viz.zero_trace import load_zero
+from ddpscope.tracer.launch.jobs import JobManager
+from ddpscope.viz.archive import extract_run_archive, safe_name
+from ddpscope.viz.perfetto import merge_run
+from ddpscope.viz.ring_trace import load_ring
+from ddpscope.viz.sources import KINETO, MIXED, folder_kind, load_training_trace
+from ddpscope.viz.trace import TraceError
+from ddpscope.viz.zero_trace import load_zero
 
 #: folder kinds the training pages (Timeline, Compare, What-if, Run) list
 TRAINING_KINDS = ("ddp", KINETO, MIXED)
@@ -121,7 +121,7 @@ def job_manager(runs_dir: str, warm: bool) -> JobManager:
     imported once, ranks forked from it: the rerun loop does not pay a cold start)."""
     if not warm:
         return JobManager(Path(runs_dir))
-    from tracer.launch.warm import shared_launcher
+    from ddpscope.tracer.launch.warm import shared_launcher
 
     return JobManager(Path(runs_dir), launcher=shared_launcher().launch)
 

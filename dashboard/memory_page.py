@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard.common import job_button, load_zero_trace, of_kind, pick_run, runs_dir, widget_now
-from tracer.launch.jobs import JobManager
-from viz.zero_figures import UNITS, make_zero_projection_figure, make_zero_run_figure
-from viz.zero_model import (PRECISIONS, PRESETS, Precision, compute_zero_memory, largest_model,
-                            transformer_activation_bytes)
-from viz.zero_trace import compute_zero_comparison
+from ddpscope.dashboard.common import job_button, load_zero_trace, of_kind, pick_run, runs_dir, widget_now
+from ddpscope.tracer.launch.jobs import JobManager
+from ddpscope.viz.zero_figures import UNITS, make_zero_projection_figure, make_zero_run_figure
+from ddpscope.viz.zero_model import (
+    PRECISIONS,
+    PRESETS,
+    Precision,
+    compute_zero_memory,
+    largest_model,
+    transformer_activation_bytes,
+)
+from ddpscope.viz.zero_trace import compute_zero_comparison
 
 # 0.1 to 1000 billion parameters, 8 steps a decade, and every preset's own size
 PARAM_OPTIONS_B = sorted({float(f"{10 ** (i / 8):.3g}") for i in range(-8, 25)} | {v / 1e9 for v in PRESETS.values()})

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard.common import job_button, load_ring_trace, of_kind, pick_run, runs_dir, widget_now
-from tracer.launch.jobs import JobManager
-from viz.ring import compute_ring_step_times, compute_ring_summary, default_round
-from viz.ring_anim import make_ring_animation_figure, make_ring_step_figure
-from viz.ring_cost import MAX_WHATIF_N, RingCostModel, compute_ring_whatif, fit_ring_cost, make_ring_whatif_figure
+from ddpscope.dashboard.common import job_button, load_ring_trace, of_kind, pick_run, runs_dir, widget_now
+from ddpscope.tracer.launch.jobs import JobManager
+from ddpscope.viz.ring import compute_ring_step_times, compute_ring_summary, default_round
+from ddpscope.viz.ring_anim import make_ring_animation_figure, make_ring_step_figure
+from ddpscope.viz.ring_cost import (
+    MAX_WHATIF_N,
+    RingCostModel,
+    compute_ring_whatif,
+    fit_ring_cost,
+    make_ring_whatif_figure,
+)
 
 
 def render_ring(all_runs: dict, jobs: JobManager, busy: bool) -> None:

@@ -9,13 +9,22 @@ from pathlib import Path
 
 import streamlit as st
 
-from dashboard.common import CommandPolicy, job_button, label_of, load_trace, show_outcome, show_progress, \
-    stamp_of, uploads_dir, widget_now
-from dashboard.timeline_page import show_comparison
-from tracer.launch.jobs import JobManager
-from tracer.launch.runner import file_sha256
-from tracer.options import DEMO_MODELS
-from viz.trace import TraceError
+from ddpscope.dashboard.common import (
+    CommandPolicy,
+    job_button,
+    label_of,
+    load_trace,
+    show_outcome,
+    show_progress,
+    stamp_of,
+    uploads_dir,
+    widget_now,
+)
+from ddpscope.dashboard.timeline_page import show_comparison
+from ddpscope.tracer.launch.jobs import JobManager
+from ddpscope.tracer.launch.runner import file_sha256
+from ddpscope.tracer.options import DEMO_MODELS
+from ddpscope.viz.trace import TraceError
 
 CAP_OPTIONS = [0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 5.0, 8.0, 10.0, 16.0, 25.0, 32.0, 50.0, 64.0, 100.0, 250.0, 500.0]  # MiB
 

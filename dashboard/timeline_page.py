@@ -7,15 +7,15 @@ from pathlib import Path
 
 import streamlit as st
 
-from dashboard.common import first_real_step, load_trace, merged_trace_bytes, stamp_of
-from viz.buckets import compute_bucket_table
-from viz.gantt import make_timeline_figure, timeline_extent_ms
-from viz.kernel_gantt import make_kernel_timeline_figure
-from viz.kernel_overlap import compute_hta_breakdown
-from viz.overlap import compute_rank_medians, compute_run_comparison, compute_step_breakdown
-from viz.profile_check import compute_profile_agreement, profile_folder
-from viz.stragglers import compute_straggler_summary, straggler_line
-from viz.trace import TraceError
+from ddpscope.dashboard.common import first_real_step, load_trace, merged_trace_bytes, stamp_of
+from ddpscope.viz.buckets import compute_bucket_table
+from ddpscope.viz.gantt import make_timeline_figure, timeline_extent_ms
+from ddpscope.viz.kernel_gantt import make_kernel_timeline_figure
+from ddpscope.viz.kernel_overlap import compute_hta_breakdown
+from ddpscope.viz.overlap import compute_rank_medians, compute_run_comparison, compute_step_breakdown
+from ddpscope.viz.profile_check import compute_profile_agreement, profile_folder
+from ddpscope.viz.stragglers import compute_straggler_summary, straggler_line
+from ddpscope.viz.trace import TraceError
 
 
 def render_timeline(path: Path, trace) -> None:

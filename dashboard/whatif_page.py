@@ -9,18 +9,25 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dashboard.common import CommandPolicy, first_real_step, job_button, label_of, load_trace, stamp_of, \
-    widget_now
-from dashboard.run_page import rerun_source
-from tracer.launch.jobs import JobManager
-from viz.gantt import make_timeline_figure, timeline_extent_ms
-from viz.overlap import compute_run_comparison
-from viz.trace import TraceError
-from viz.whatif.figures import make_cap_sweep_figure
-from viz.whatif.model import fit_model
-from viz.whatif.projection import LINK_PRESETS, Link, project_model
-from viz.whatif.simulate import predict_run, traced_cap
-from viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, compute_measured_points, recommend_cap, same_job
+from ddpscope.dashboard.common import (
+    CommandPolicy,
+    first_real_step,
+    job_button,
+    label_of,
+    load_trace,
+    stamp_of,
+    widget_now,
+)
+from ddpscope.dashboard.run_page import rerun_source
+from ddpscope.tracer.launch.jobs import JobManager
+from ddpscope.viz.gantt import make_timeline_figure, timeline_extent_ms
+from ddpscope.viz.overlap import compute_run_comparison
+from ddpscope.viz.trace import TraceError
+from ddpscope.viz.whatif.figures import make_cap_sweep_figure
+from ddpscope.viz.whatif.model import fit_model
+from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model
+from ddpscope.viz.whatif.simulate import predict_run, traced_cap
+from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, compute_measured_points, recommend_cap, same_job
 
 
 @st.cache_data(show_spinner="Fitting the model to the trace...", max_entries=8)

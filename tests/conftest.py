@@ -14,16 +14,24 @@ SAMPLES = ROOT / "samples"
 KINETO = ROOT.parent / "shared" / "data" / "kineto"
 
 
+def workers_env() -> dict[str, str]:
+    """For jobs that run ``-m tests.workers.X``: the checkout on their path (ddpscope
+    itself is the installed package; the CLI's own jobs never get the checkout)."""
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``python -m tracer ...`` in a fresh process, from a folder that is not the project."""
+    """``ddpscope ...`` (``python -m ddpscope.tracer``) in a fresh process, from a folder that is
+    not the project, with ddpscope imported as installed."""
     return subprocess.run(
-        [sys.executable, "-m", "tracer", *args], cwd="/", capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        [sys.executable, "-m", "ddpscope.tracer", *args], cwd="/", capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
 
 
 def assert_refused(command: str, args: list[str], message: str, out: Path) -> None:
-    """``python -m tracer COMMAND ARGS --out OUT`` refuses: exit 2, one line naming the
+    """``ddpscope COMMAND ARGS --out OUT`` refuses: exit 2, one line naming the
     problem, nothing written."""
     proc = run_cli(command, *args, "--out", str(out), timeout=60)
     assert proc.returncode == 2, proc.stderr
@@ -87,6 +95,6 @@ def compiled_capture() -> dict:
     """The compiled capture, built once before any test (as ``.ci/run`` and ``ddpscope
     run`` do) so the tests run the path users get; where it cannot be built, they run the
     Python hooks (tests/test_compiled.py then fails, saying why)."""
-    from tracer.capture.native.build import ensure_built
+    from ddpscope.tracer.capture.native.build import ensure_built
 
     return ensure_built()

@@ -5,10 +5,10 @@ import tarfile
 
 import pytest
 
+from ddpscope.viz import archive
+from ddpscope.viz.archive import extract_run_archive, safe_name
+from ddpscope.viz.trace import TraceError, load_run
 from tests.conftest import SAMPLES
-from viz import archive
-from viz.archive import extract_run_archive, safe_name
-from viz.trace import TraceError, load_run
 
 
 def _tar(add) -> bytes:
@@ -56,9 +56,9 @@ def test_a_profiled_run_keeps_its_profile_folder(tmp_path, top):
     import gzip
     import json
 
+    from ddpscope.viz.profile_check import profile_folder
+    from ddpscope.viz.sources import folder_kind
     from tests.test_kineto import gpu_profile
-    from viz.profile_check import profile_folder
-    from viz.sources import folder_kind
 
     src = SAMPLES / "mlp-2rank-cap1mb"
     prof = gzip.compress(json.dumps(gpu_profile(0)).encode())

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from ddpscope.viz.overlap import compute_ddp_logging_view, compute_step_breakdown
+from ddpscope.viz.trace import load_run
 from tests.conftest import ROOT, processes_mentioning, run_cli
-from viz.overlap import compute_ddp_logging_view, compute_step_breakdown
-from viz.trace import load_run
 
 pytestmark = pytest.mark.ddp
 WORKERS = ROOT / "tests" / "workers"
@@ -44,7 +44,7 @@ def untraced(tmp_path: Path, *script: str, name: str = "plain") -> Path:
 
 
 def _port() -> int:
-    from tracer.launch.torchrun import free_port
+    from ddpscope.tracer.launch.torchrun import free_port
 
     return free_port()
 
@@ -190,7 +190,7 @@ def test_steps_ends_a_long_script_cleanly(tmp_path):
 
 def test_a_module_run_with_dash_m_from_its_own_folder(tmp_path):
     out = tmp_path / "mod"
-    proc = subprocess.run([sys.executable, "-m", "tracer", "run", "--nproc", "2", "--out", str(out), "--", "-m",
+    proc = subprocess.run([sys.executable, "-m", "ddpscope.tracer", "run", "--nproc", "2", "--out", str(out), "--", "-m",
                            "tests.workers.user_train", "--steps", "3", "--report", str(tmp_path / "r")],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr

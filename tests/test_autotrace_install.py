@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
-from tracer.capture.autotrace import CAPTURE_ENV, CaptureConfig
-from tracer.launch.runner import BOOTSTRAP, capture_env
+from ddpscope.tracer.capture.autotrace import CAPTURE_ENV, CaptureConfig
+from ddpscope.tracer.launch.runner import BOOTSTRAP, capture_env
 
 PROBE = """
 import json, sys
@@ -54,7 +53,7 @@ def test_the_sitecustomize_it_shadows_still_runs(tmp_path):
     other.mkdir()
     (other / "sitecustomize.py").write_text("import sys\nsys._other_sitecustomize_ran = True\n")
     env = _capture(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP), str(ROOT), str(other)])
+    env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP), str(other)])
     seen = _probe(tmp_path, {**env, "RANK": "1"})
     assert seen["marker"] and seen["patched"]
 

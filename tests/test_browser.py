@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from ddpscope.tracer.launch.torchrun import free_port
 from tests.conftest import ROOT
-from tracer.launch.torchrun import free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 playwright = pytest.importorskip("playwright.sync_api")

@@ -47,7 +47,7 @@ def test_bad_arguments_one_line_exit_2(args, message):
 
 def test_the_parent_never_imports_torch():
     """The launch side is torch-free: checking arguments costs no torch import."""
-    code = ("import sys; from tracer.cli import build_parser; from tracer.launch.runner import RunConfig; "
-            "from tracer.launch.jobs import JobManager; build_parser(); print('torch' in sys.modules)")
+    code = ("import sys; from ddpscope.tracer.cli import build_parser; from ddpscope.tracer.launch.runner import RunConfig; "
+            "from ddpscope.tracer.launch.jobs import JobManager; build_parser(); print('torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
     assert proc.stdout.strip() == "False", proc.stderr

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tracer.capture.clock import SKEW_ENV, CpuClock, make_clock
-from tracer.capture.cuda_clock import CudaEventClock
+from ddpscope.tracer.capture.clock import SKEW_ENV, CpuClock, make_clock
+from ddpscope.tracer.capture.cuda_clock import CudaEventClock
 
 
 def test_cpu_clock_is_monotonic_and_resolves_to_itself():
@@ -98,7 +98,7 @@ def test_the_recorder_resolves_device_stamps_a_step_late_in_one_sync_each():
     import msgspec
     import torch
 
-    from tracer.capture.recorder import StepRecorder
+    from ddpscope.tracer.capture.recorder import StepRecorder
 
     gpu, host = FakeGpu(), FakeHost()
     clock = CudaEventClock(host_clock=host, event_factory=gpu.event, synchronize=gpu.synchronize)

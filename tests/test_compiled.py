@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from ddpscope.tracer.capture.native import build as native
+from ddpscope.viz.trace import read_rank_file
 from tests.conftest import ROOT, processes_mentioning, run_cli
 from tests.test_autotrace import USER, _port, checks, trace_script, untraced
-from tracer.capture.native import build as native
-from viz.trace import read_rank_file
 
 pytestmark = pytest.mark.ddp
 WORKER = str(ROOT / "tests" / "workers" / "compiled_check.py")
@@ -73,7 +73,7 @@ def test_a_compiled_run_of_a_users_script_matches_ddp_and_changes_nothing(tmp_pa
     assert proc.returncode == 0, proc.stderr
     run = json.loads((out / "run.json").read_text())
     assert run["capture_path"] == "compiled" and run["capture_path_note"] is None
-    from viz.trace import load_run
+    from ddpscope.viz.trace import load_run
 
     trace = load_run(out)
     for r in (0, 1):  # DDP's own bucket layout after its rebuild, from its runtime logging
@@ -119,7 +119,7 @@ def test_two_models_then_detached_run_on_untraced_and_bit_identical(tmp_path, bu
         assert traced["attached_after_exit"] == {"a": False, "b": False}
         assert traced["records_after_exit"] == {"a": 0, "b": 0}  # the reducers' own groups again
         assert traced["sha"] == plain["sha"]
-    from viz.trace import load_run
+    from ddpscope.viz.trace import load_run
 
     ddp_says = json.loads((tmp_path / "traced" / "report-0.json").read_text())["buckets"]
     for k in ("a", "b"):  # each model's own all-reduces, one record per bucket of its own, every step
@@ -148,8 +148,8 @@ def test_without_a_compiler_the_python_hook_times_the_run_and_says_so(tmp_path):
 def test_device_times_reach_the_buckets_of_the_take_before_and_settle_at_the_end():
     """On CUDA the wrapper hands each take's device times over at the next take (no sync
     inside a step). Plain bookkeeping: no GPU needed, nothing faked."""
-    from tracer.capture.compiled import DeviceLag
-    from tracer.capture.recorder import BucketRecord
+    from ddpscope.tracer.capture.compiled import DeviceLag
+    from ddpscope.tracer.capture.recorder import BucketRecord
 
     lag = DeviceLag()
     step3, step4 = object(), object()
@@ -176,12 +176,12 @@ def test_a_second_build_waits_on_the_lock_and_finds_the_first_ones_build(tmp_pat
     import time
 
     env = {**os.environ, "DDPSCOPE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
-    folder = Path(subprocess.run([sys.executable, "-c", "from tracer.capture.native import build; print(build.build_dir())"],
+    folder = Path(subprocess.run([sys.executable, "-c", "from ddpscope.tracer.capture.native import build; print(build.build_dir())"],
                                  env=env, capture_output=True, text=True, check=True).stdout.strip())
     folder.mkdir(parents=True)
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the first builder, mid-build
-        second = subprocess.Popen([sys.executable, "-m", "tracer.capture.native.build"], env=env,
+        second = subprocess.Popen([sys.executable, "-m", "ddpscope.tracer.capture.native.build"], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(2.0)
         assert second.poll() is None, second.communicate()  # waiting on the lock, not compiling
@@ -200,7 +200,7 @@ def test_the_gradients_bytes_counted_in_cxx_equal_pythons(built):
     a sparse gradient is left to Python (-1)."""
     import torch
 
-    from tracer.capture.memory import distinct_bytes
+    from ddpscope.tracer.capture.memory import distinct_bytes
 
     ext = native.load_built()
     model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))

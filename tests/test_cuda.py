@@ -18,9 +18,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"), pytest.mark.ddp]
 
+from ddpscope.viz.profile_check import compute_profile_agreement, load_run_profile  # noqa: E402
+from ddpscope.viz.trace import load_run  # noqa: E402
 from tests.conftest import ROOT, run_cli  # noqa: E402
-from viz.profile_check import compute_profile_agreement, load_run_profile  # noqa: E402
-from viz.trace import load_run  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "cuda_train.py"
 
@@ -56,7 +56,7 @@ def check_buckets(trace, profile, timed: bool) -> None:
 
 
 def capture_path_expected() -> str:
-    from tracer.capture.native import build as native
+    from ddpscope.tracer.capture.native import build as native
 
     return "compiled" if native.built_library() is not None else "python"
 

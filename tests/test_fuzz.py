@@ -12,17 +12,22 @@ import traceback
 import warnings
 from pathlib import Path
 
+from ddpscope.viz.buckets import compute_bucket_table
+from ddpscope.viz.gantt import make_timeline_figure
+from ddpscope.viz.overlap import (
+    compute_ddp_logging_view,
+    compute_rank_medians,
+    compute_run_comparison,
+    compute_step_breakdown,
+)
+from ddpscope.viz.ring import compute_ring_summary
+from ddpscope.viz.ring_trace import load_ring
+from ddpscope.viz.sources import folder_kind, load_training_trace
+from ddpscope.viz.stragglers import compute_straggler_summary
+from ddpscope.viz.trace import TraceError
+from ddpscope.viz.zero_trace import compute_zero_comparison, load_zero
 from tests.conftest import SAMPLES
 from tests.test_kineto import gpu_profile
-from viz.buckets import compute_bucket_table
-from viz.gantt import make_timeline_figure
-from viz.overlap import compute_ddp_logging_view, compute_rank_medians, compute_run_comparison, compute_step_breakdown
-from viz.ring import compute_ring_summary
-from viz.ring_trace import load_ring
-from viz.sources import folder_kind, load_training_trace
-from viz.stragglers import compute_straggler_summary
-from viz.trace import TraceError
-from viz.zero_trace import compute_zero_comparison, load_zero
 
 CASES = 300
 ODD = ["x", "", 0, -1, 1e308, -1e308, 10**30, None, float("nan"), float("inf"), True, [], {}, [1, 2], {"a": 1}, [[[]]]]

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
+from ddpscope.viz.buckets import bus_bandwidth_factor, compute_bucket_events, compute_bucket_table
+from ddpscope.viz.gantt import comm_lane, compute_lane, lane_position, make_timeline_figure
+from ddpscope.viz.overlap import compute_step_breakdown
+from ddpscope.viz.trace import load_run
 from tests.conftest import SAMPLES
-from viz.buckets import bus_bandwidth_factor, compute_bucket_events, compute_bucket_table
-from viz.gantt import comm_lane, compute_lane, lane_position, make_timeline_figure
-from viz.overlap import compute_step_breakdown
-from viz.trace import load_run
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, processes_mentioning
-from tracer import format as fmt
-from tracer.launch.hangs import HangWatch, diagnose
-from tracer.launch.torchrun import agent_exits
-from viz.trace import load_run
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer.launch.hangs import HangWatch, diagnose
+from ddpscope.tracer.launch.torchrun import agent_exits
+from ddpscope.viz.trace import load_run
+from tests.conftest import processes_mentioning
 
 AGENT_SUMMARY = """
 Failures:
@@ -86,10 +86,10 @@ def test_a_rank_without_heartbeat_is_the_one_named(tmp_path):
 
 
 def _start(out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tracer", "run", "--nproc", "2", "--demo", "mlp", "--steps", "400",
+    return subprocess.Popen([sys.executable, "-m", "ddpscope.tracer", "run", "--nproc", "2", "--demo", "mlp", "--steps", "400",
                              "--bucket-cap-mb", "1", "--out", str(out), *extra], cwd="/", stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                            env={**os.environ, **(env or {})})
 
 
 def _pid_after_steps(out: Path, rank: int, steps: int, timeout: float = 120) -> int:

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from tracer.launch.jobs import JobManager
+from ddpscope.tracer.launch.jobs import JobManager
 
 pytestmark = pytest.mark.ddp
 

@@ -14,15 +14,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.conftest import KINETO, ROOT, SAMPLES
-from viz.gantt import make_timeline_figure
-from viz.kernel_gantt import make_kernel_timeline_figure
-from viz.kernel_overlap import compute_hta_breakdown, compute_kernel_step_breakdown, intersection
-from viz.overlap import compute_rank_medians, merge_intervals
-from viz.perfetto import merge_run
-from viz.sources import KINETO as KIND, MIXED, folder_kind, load_training_trace
-from viz.sources import kineto_file
-from viz.trace import TraceError
+from ddpscope.viz.gantt import make_timeline_figure
+from ddpscope.viz.kernel_gantt import make_kernel_timeline_figure
+from ddpscope.viz.kernel_overlap import compute_hta_breakdown, compute_kernel_step_breakdown, intersection
+from ddpscope.viz.overlap import compute_rank_medians, merge_intervals
+from ddpscope.viz.perfetto import merge_run
+from ddpscope.viz.sources import KINETO as KIND
+from ddpscope.viz.sources import MIXED, folder_kind, kineto_file, load_training_trace
+from ddpscope.viz.trace import TraceError
+from tests.conftest import KINETO, SAMPLES
 
 shared = pytest.mark.skipif(not KINETO.is_dir(), reason="../shared/data/kineto is absent")
 
@@ -36,8 +36,8 @@ HTA = {
 
 
 def summary_json(path: Path) -> tuple[int, dict | str]:
-    proc = subprocess.run([sys.executable, "-m", "tracer", "summary", "--json", str(path)], cwd="/",
-                          capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
+    proc = subprocess.run([sys.executable, "-m", "ddpscope.tracer", "summary", "--json", str(path)], cwd="/",
+                          capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin"})
     return proc.returncode, (json.loads(proc.stdout) if proc.returncode == 0 else proc.stderr)
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from tracer.capture.memory import MemoryMeter, distinct_bytes
+from ddpscope.tracer.capture.memory import MemoryMeter, distinct_bytes
 
 
 def test_views_of_one_region_count_once():
@@ -73,8 +73,8 @@ def test_the_meter_sees_new_optimizer_state_and_new_gradients():
 def test_the_first_steps_then_one_a_interval_have_their_memory_measured():
     import time
 
-    from tracer.capture.clock import CpuClock
-    from tracer.capture.recorder import StepRecorder
+    from ddpscope.tracer.capture.clock import CpuClock
+    from ddpscope.tracer.capture.recorder import StepRecorder
 
     lin = torch.nn.Linear(8, 4)
     out: list[dict] = []

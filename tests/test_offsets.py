@@ -2,7 +2,7 @@
 
 import pytest
 
-from tracer.capture.offsets import best_offset
+from ddpscope.tracer.capture.offsets import best_offset
 
 
 def test_best_offset_uses_the_fastest_round_trip():

@@ -3,10 +3,15 @@
 import numpy as np
 import pytest
 
+from ddpscope.viz.overlap import (
+    compute_ddp_logging_view,
+    compute_step_breakdown,
+    covered,
+    merge_intervals,
+    merge_sorted_runs,
+)
+from ddpscope.viz.trace import load_run
 from tests.test_trace import _meta, _step_events, write_run
-from viz.overlap import (compute_ddp_logging_view, compute_step_breakdown, covered, merge_intervals,
-                         merge_sorted_runs)
-from viz.trace import load_run
 
 
 def test_merge_and_cover():

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
+from ddpscope.tracer import format as fmt
+from ddpscope.viz.perfetto import merge_run
+from ddpscope.viz.trace import TraceError, load_run
 from tests.chrome_trace import check_chrome_trace
 from tests.conftest import ROOT, SAMPLES
-from tracer import format as fmt
-from viz.perfetto import merge_run
-from viz.trace import TraceError, load_run
 
 
 @pytest.mark.parametrize("name", ["gpt-2rank-cap1mb", "ring-4rank-4mb", "zero-gpt-2rank"])
@@ -40,7 +40,7 @@ def test_merged_timestamps_are_on_rank_0s_clock():
 
 def test_cli_writes_once_and_refuses_bad_input(tmp_path):
     out = tmp_path / "merged.json"
-    run = lambda *a: subprocess.run([sys.executable, "-m", "viz", "perfetto", *a], cwd=ROOT, capture_output=True,
+    run = lambda *a: subprocess.run([sys.executable, "-m", "ddpscope.viz", "perfetto", *a], cwd=ROOT, capture_output=True,
                                     text=True, timeout=60)
     proc = run(str(SAMPLES / "mlp-2rank-cap1mb"), "--out", str(out))
     assert proc.returncode == 0 and "ui.perfetto.dev" in proc.stdout

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from viz.profile_check import compute_profile_agreement, load_run_profile, profile_folder
-from viz.sources import KINETO, folder_kind
-from viz.trace import TraceError, load_run
+from ddpscope.viz.profile_check import compute_profile_agreement, load_run_profile, profile_folder
+from ddpscope.viz.sources import KINETO, folder_kind
+from ddpscope.viz.trace import TraceError, load_run
 
 pytestmark = pytest.mark.ddp
 
@@ -50,8 +50,8 @@ def test_a_run_without_profile_says_how_to_make_one(mlp_run):
 
 
 def test_a_profiler_that_cannot_save_stops_alone(tmp_path, capfd):
-    from tracer.capture.clock import CpuClock
-    from tracer.capture.profile import PROFILE_DIR, StepProfiler
+    from ddpscope.tracer.capture.clock import CpuClock
+    from ddpscope.tracer.capture.profile import PROFILE_DIR, StepProfiler
 
     (tmp_path / PROFILE_DIR).write_text("a file where the folder should be")
     meta = {}

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from tracer.launch.torchrun import LaunchConfig, launch
-from tracer.workloads.ring import ALL_GATHER, REDUCE_SCATTER, chunk_bounds, ring_schedule
-from tracer.launch.runner import project_env
+from ddpscope.tracer.launch.torchrun import LaunchConfig, launch
+from ddpscope.tracer.workloads.ring import ALL_GATHER, REDUCE_SCATTER, chunk_bounds, ring_schedule
+from tests.conftest import workers_env
 
 ITEM = {"torch.float32": 4, "torch.float64": 8, "torch.bfloat16": 2, "torch.int64": 8, "torch.int32": 4}
 
@@ -50,7 +50,7 @@ def test_bad_arguments_raise():
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ring_equals_dist_all_reduce(tmp_path, n):
     result = launch(LaunchConfig(target="tests.workers.ring_check", args=["--out", str(tmp_path)], nproc=n,
-                                 log_dir=tmp_path / "logs", timeout_s=180, env=project_env()))
+                                 log_dir=tmp_path / "logs", timeout_s=180, env=workers_env()))
     assert result.ok, (result.reason, result.stderr_tail)
     per_rank = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(n)]
     cases = [c for c in per_rank[0] if not c.get("group")]

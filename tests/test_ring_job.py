@@ -1,4 +1,4 @@
-"""``python -m tracer ring`` end to end: a real 4-rank ring beside dist.all_reduce, its
+"""``ddpscope ring`` end to end: a real 4-rank ring beside dist.all_reduce, its
 trace, the bytes it moved, and failures, watchdog and bad input."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import time
 
 import pytest
 
+from ddpscope.viz.ring import compute_ring_rounds, compute_ring_traffic
+from ddpscope.viz.ring_trace import load_ring
+from ddpscope.viz.trace import read_rank_file
 from tests.chrome_trace import check_chrome_trace
 from tests.conftest import assert_refused, processes_mentioning, run_cli
-from viz.ring import compute_ring_rounds, compute_ring_traffic
-from viz.ring_trace import load_ring
-from viz.trace import read_rank_file
 
 pytestmark = pytest.mark.ddp
 MIB = 2**20

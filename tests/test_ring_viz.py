@@ -1,7 +1,7 @@
 """viz ring modules: trace model, chunk-state replay, animation, step figure, cost model.
 
 Figures and states are built from the bundled ring sample, a real 4-rank trace made by
-``python -m tracer ring``; the chunk states it replays are checked against the ring
+``ddpscope ring``; the chunk states it replays are checked against the ring
 algorithm's closed form (``expected_chunk_states``), which is derived independently."""
 
 from __future__ import annotations
@@ -13,14 +13,22 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from ddpscope.tracer.workloads.ring import ring_schedule
+from ddpscope.viz.ring import (
+    compute_ring_rounds,
+    compute_ring_step_times,
+    compute_ring_summary,
+    default_round,
+    expected_chunk_states,
+    replay_chunk_states,
+    ring_factor,
+    step_durations_ms,
+)
+from ddpscope.viz.ring_anim import FULL, OWN, make_ring_animation_figure, make_ring_step_figure
+from ddpscope.viz.ring_cost import RingCostModel, compute_ring_whatif, fit_ring_cost, make_ring_whatif_figure
+from ddpscope.viz.ring_trace import RingTrace, load_ring
+from ddpscope.viz.trace import TraceError, load_run
 from tests.conftest import SAMPLES
-from tracer.workloads.ring import ring_schedule
-from viz.ring import (compute_ring_rounds, compute_ring_step_times, compute_ring_summary, default_round,
-                      expected_chunk_states, replay_chunk_states, ring_factor, step_durations_ms)
-from viz.ring_anim import FULL, OWN, make_ring_animation_figure, make_ring_step_figure
-from viz.ring_cost import RingCostModel, compute_ring_whatif, fit_ring_cost, make_ring_whatif_figure
-from viz.ring_trace import RingTrace, load_ring
-from viz.trace import TraceError, load_run
 
 RING = SAMPLES / "ring-4rank-4mb"
 

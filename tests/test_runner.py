@@ -8,11 +8,10 @@ import time
 
 import pytest
 
+from ddpscope.tracer.launch.torchrun import free_port
+from ddpscope.viz.trace import load_run, read_rank_file
 from tests.chrome_trace import check_chrome_trace
 from tests.conftest import assert_refused, processes_mentioning, run_cli
-from tracer.launch.torchrun import free_port
-from viz.trace import load_run
-from viz.trace import read_rank_file
 
 pytestmark = pytest.mark.ddp
 
@@ -125,17 +124,16 @@ def test_two_nodes_with_a_skewed_clock_align(tmp_path):
     import shutil
     import subprocess
     import sys
-    from tests.conftest import ROOT
 
     port = free_port()
     common = ["--nnodes", "2", "--nproc", "1", "--demo", "mlp", "--steps", "6", "--bucket-cap-mb", "1",
               "--rdzv-endpoint", f"127.0.0.1:{port}"]
     # both "nodes" share this machine's cores: one compute thread each, as torchrun sets for nproc > 1
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # each "node" on its own core, as real nodes would be (the demo binds ranks within a node)
     pin = (lambda n: ["taskset", "-c", str(n)]) if shutil.which("taskset") and os.cpu_count() >= 2 else (lambda n: [])
     nodes = [
-        subprocess.Popen([*pin(n), sys.executable, "-m", "tracer", "run", *common, "--node-rank", str(n),
+        subprocess.Popen([*pin(n), sys.executable, "-m", "ddpscope.tracer", "run", *common, "--node-rank", str(n),
                           "--out", str(tmp_path / f"node{n}")], cwd="/", text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env={**env, "DDPSCOPE_TEST_CLOCK_SKEW_MS": "400"} if n == 1 else env)
@@ -163,16 +161,14 @@ def test_two_nodes_with_a_skewed_clock_align(tmp_path):
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_stopping_the_runner_stops_and_reaps_the_job(tmp_path, sig):
-    import os
     import signal
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
 
     out = tmp_path / "stopped"
-    proc = subprocess.Popen([sys.executable, "-m", "tracer", "run", "--nproc", "2", "--demo", "mlp", "--steps", "500", "--out", str(out)],
-                            cwd="/", env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "ddpscope.tracer", "run", "--nproc", "2", "--demo", "mlp", "--steps", "500", "--out", str(out)],
+                            cwd="/", text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (out / "rank-0.json").exists():

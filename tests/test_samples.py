@@ -4,12 +4,12 @@ import json
 
 import pytest
 
+from ddpscope.viz.ring import compute_ring_traffic
+from ddpscope.viz.ring_trace import load_ring
+from ddpscope.viz.trace import load_run, run_kind
+from ddpscope.viz.zero_trace import compute_zero_comparison, load_zero
 from tests.chrome_trace import check_chrome_trace
 from tests.conftest import SAMPLES
-from viz.ring import compute_ring_traffic
-from viz.ring_trace import load_ring
-from viz.trace import load_run, run_kind
-from viz.zero_trace import compute_zero_comparison, load_zero
 
 NAMES = sorted(p.name for p in SAMPLES.iterdir() if run_kind(p) == "ddp")
 RINGS = sorted(p.name for p in SAMPLES.iterdir() if run_kind(p) == "ring")

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer.launch.procfs import descendants
+from ddpscope.viz.sources import load_training_trace
+from ddpscope.viz.trace import read_rank_file
 from tests.conftest import processes_mentioning
 from tests.test_browser import CHROMIUM, dashboard_page
-from tracer import format as fmt
-from tracer.launch.procfs import descendants
-from viz.sources import load_training_trace
-from viz.trace import read_rank_file
 
 pytestmark = [pytest.mark.soak, pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed")]
 

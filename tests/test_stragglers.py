@@ -7,10 +7,10 @@ import json
 import pandas as pd
 import pytest
 
+from ddpscope.viz.gantt import make_timeline_figure
+from ddpscope.viz.stragglers import compute_launch_spread, compute_straggler_summary, compute_wait_caused
+from ddpscope.viz.trace import RunTrace, load_run
 from tests.conftest import SAMPLES, run_cli
-from viz.gantt import make_timeline_figure
-from viz.stragglers import compute_launch_spread, compute_straggler_summary, compute_wait_caused
-from viz.trace import RunTrace, load_run
 
 
 def _trace(launches: dict[int, list[list[float]]]) -> RunTrace:

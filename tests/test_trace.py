@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
+from ddpscope.viz.trace import TraceError, load_run
 from tests.conftest import KINETO
-from viz.trace import TraceError, load_run
 
 
 def _meta(rank, world=2, offset=None, **kw):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tracer.launch.torchrun import LaunchConfig, launch
-from tracer.launch.runner import project_env
-from viz.overlap import compute_ddp_logging_view
-from viz.trace import load_run
+from ddpscope.tracer.launch.torchrun import LaunchConfig, launch
+from ddpscope.viz.overlap import compute_ddp_logging_view
+from ddpscope.viz.trace import load_run
+from tests.conftest import workers_env
 
 pytestmark = pytest.mark.ddp
 
@@ -27,7 +27,7 @@ QUANTITIES = {  # DDP logging key (ns) -> our column (ms)
 def _check_run(tmp_path: Path, *extra: str, steps: int = 10, compare: bool = True) -> tuple[dict, object]:
     out = tmp_path / "check"
     result = launch(LaunchConfig(
-        target="tests.workers.ddp_check", nproc=2, log_dir=out / "logs", timeout_s=180, env=project_env(),
+        target="tests.workers.ddp_check", nproc=2, log_dir=out / "logs", timeout_s=180, env=workers_env(),
         args=["--out", str(out), "--steps", str(steps), *(["--compare-untraced"] if compare else []), *extra],
     ))
     assert result.ok, f"{result.reason}\n{result.stderr_tail}"
@@ -113,7 +113,7 @@ def test_the_tracer_leaves_no_gloo_group_behind_and_the_script_exits_cleanly(tmp
     tensors aborted the rank: "terminate called without an active exception")."""
     out = tmp_path / "exit"
     result = launch(LaunchConfig(target="tests.workers.exit_check", nproc=2, log_dir=out / "logs", timeout_s=120,
-                                 env=project_env(), args=["--out", str(out), "--capture", capture]))
+                                 env=workers_env(), args=["--out", str(out), "--capture", capture]))
     assert result.ok, f"{result.reason}\n{result.stderr_tail}"
     for r in (0, 1):
         counts = json.loads((out / f"exit-rank{r}.json").read_text())
@@ -125,7 +125,7 @@ def test_the_tracer_leaves_no_gloo_group_behind_and_the_script_exits_cleanly(tmp
 def test_bad_tracer_input_fails_loudly(tmp_path):
     import torch.nn as nn
 
-    from tracer import DDPTracer, TracerConfig
+    from ddpscope.tracer import DDPTracer, TracerConfig
 
     with pytest.raises(TypeError, match="needs a DistributedDataParallel model"):
         DDPTracer(nn.Linear(2, 2), out_dir=tmp_path)
@@ -136,33 +136,40 @@ def test_bad_tracer_input_fails_loudly(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_comm_hook_is_wrapped_when_registered_after_the_tracer_and_refused_before(tmp_path):
+def test_a_comm_hook_is_wrapped_when_registered_after_the_tracer_and_stepped_aside_before(tmp_path, capfd):
     """Library use, one gloo rank in this process: DDP takes one hook, so the tracer can
-    only wrap one registered after it starts; one registered before gets a clear error."""
+    only wrap one registered after it starts. With one registered before, it says so in
+    one line and steps aside: the block trains as it would untraced, nothing is written."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from tracer import DDPTracer
-    from tracer.capture.hooks import CommHookTaken
-    from tracer.launch.torchrun import free_port
+    from ddpscope.tracer import DDPTracer
+    from ddpscope.tracer.launch.torchrun import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
+        torch.manual_seed(0)
         before = DDP(nn.Linear(8, 8))
         before.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        with pytest.raises(CommHookTaken, match="fp16_compress_hook.*registered before the tracer"):
-            DDPTracer(before, out_dir=tmp_path / "before").__enter__()
-        assert not (tmp_path / "before" / "rank-0.json").exists()
+        opt = torch.optim.SGD(before.parameters(), lr=0.1)
+        with DDPTracer(before, "auto", out_dir=tmp_path / "before") as tracer:
+            assert not tracer.active and "registered before the tracer" in tracer.failure
+            for _ in range(2):
+                before(torch.ones(4, 8)).sum().backward()
+                opt.step()
+        said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ddpscope: ")]
+        assert len(said) == 1 and "fp16_compress_hook" in said[0] and "runs untraced" in said[0]
+        assert not (tmp_path / "before").exists()
 
         after = DDP(nn.Linear(8, 8))
         opt = torch.optim.SGD(after.parameters(), lr=0.1)
         with DDPTracer(after, "auto", out_dir=tmp_path / "after"):
-            after.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            after.register_comm_hook(state=None, hook=default_hooks.fp16_compress_hook)  # DDP's keyword form
             with pytest.raises(RuntimeError, match="can only be called once"):
-                after.register_comm_hook(None, default_hooks.fp16_compress_hook)
+                DDP.register_comm_hook(after, None, default_hooks.fp16_compress_hook)  # DDP's own rule
             for _ in range(3):
                 after(torch.randn(4, 8)).sum().backward()
                 opt.step()

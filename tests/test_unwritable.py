@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,18 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, processes_mentioning
+from ddpscope.tracer import format as fmt
+from ddpscope.viz.sources import load_training_trace
+from tests.conftest import processes_mentioning
 from tests.test_autotrace import USER, checks, untraced
-from tracer import format as fmt
-from viz.sources import load_training_trace
 
 pytestmark = pytest.mark.ddp
 
 
 def _traced(out: Path, report: Path, steps: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tracer", "run", "--nproc", "2", "--out", str(out), "--", USER,
+    return subprocess.Popen([sys.executable, "-m", "ddpscope.tracer", "run", "--nproc", "2", "--out", str(out), "--", USER,
                              "--steps", str(steps), "--report", str(report)], cwd="/", stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for_step(out: Path, step: int) -> None:

@@ -1,16 +1,16 @@
-"""``python -m viz summary``."""
+"""``python -m ddpscope.viz summary``."""
 
 import json
 import subprocess
 import sys
 
+from ddpscope.viz.overlap import compute_rank_medians
+from ddpscope.viz.trace import load_run
 from tests.conftest import ROOT, SAMPLES
-from viz.overlap import compute_rank_medians
-from viz.trace import load_run
 
 
 def _viz(*args):
-    return subprocess.run([sys.executable, "-m", "viz", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "ddpscope.viz", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 def test_summary_json_matches_the_metrics():

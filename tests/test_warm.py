@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from ddpscope.tracer.launch.procfs import alive
+from ddpscope.tracer.launch.runner import RunConfig, run_job
+from ddpscope.tracer.launch.warm import WarmLauncher
 from tests.conftest import processes_mentioning
-from tracer.launch.procfs import alive
-from tracer.launch.runner import RunConfig, run_job
-from tracer.launch.warm import WarmLauncher
 
 pytestmark = pytest.mark.ddp
 

@@ -13,15 +13,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from ddpscope.viz.overlap import compute_step_breakdown
+from ddpscope.viz.trace import RunTrace, TraceError, load_run
+from ddpscope.viz.whatif.cost import AllReduceCost, fit_line, read_calibration
+from ddpscope.viz.whatif.layout import assign_buckets, assign_buckets_python, cap_limits
+from ddpscope.viz.whatif.model import WhatIfModel, check_predictable, fit_model
+from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model, ring_cost
+from ddpscope.viz.whatif.simulate import predict_layout, predict_run, traced_cap
+from ddpscope.viz.whatif.sweep import compute_cap_sweep, recommend_cap
 from tests.conftest import ROOT, SAMPLES, run_cli
-from viz.overlap import compute_step_breakdown
-from viz.trace import RunTrace, TraceError, load_run
-from viz.whatif.cost import AllReduceCost, fit_line, read_calibration
-from viz.whatif.layout import assign_buckets, assign_buckets_python, cap_limits
-from viz.whatif.model import WhatIfModel, check_predictable, fit_model
-from viz.whatif.projection import LINK_PRESETS, Link, project_model, ring_cost
-from viz.whatif.simulate import predict_layout, predict_run, traced_cap
-from viz.whatif.sweep import compute_cap_sweep, recommend_cap
 
 MIB = 2**20
 
@@ -34,7 +34,7 @@ def test_predicted_layout_is_the_one_ddp_rebuilt(tmp_path):
     parameters: the layout predicted from the gradients' ready order equals DDP's own
     rebuilt layout (its runtime logging), bucket by bucket, sizes included."""
     caps = ["default", "0.25", "1", "4", "25"]
-    from tracer.launch.torchrun import free_port
+    from ddpscope.tracer.launch.torchrun import free_port
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), str(ROOT / "tests/workers/layout_check.py"),
@@ -187,8 +187,8 @@ def test_an_all_reduce_waits_for_the_last_rank_to_launch_it():
 
 
 def test_a_prediction_is_drawn_by_every_figure_like_a_trace():
-    from viz.buckets import compute_bucket_table
-    from viz.gantt import make_timeline_figure
+    from ddpscope.viz.buckets import compute_bucket_table
+    from ddpscope.viz.gantt import make_timeline_figure
 
     pred = predict_run(synthetic(), 2, model(latency_us=1e3))
     assert pred.status == "predicted" and pred.run["bucket_cap_mb"] == 2.0
@@ -327,7 +327,7 @@ def test_fit_on_a_sample_names_its_sources():
 
 
 def test_runs_of_the_same_job_are_recognised():
-    from viz.whatif.sweep import same_job
+    from ddpscope.viz.whatif.sweep import same_job
 
     t = load_run(SAMPLES / "gpt-2rank-cap1mb")
     other = load_run(SAMPLES / "gpt-2rank-cap25mb")
@@ -361,8 +361,8 @@ def test_ddps_default_cap_is_replayed_as_it_ran_beside_an_explicit_25():
 def test_output_cut_short_by_a_pipe_is_not_an_error():
     """``ddpscope whatif RUN | true``: the reader leaves before a line is written; no
     traceback, exit 0 (``PIPESTATUS``)."""
-    proc = subprocess.run(f"{sys.executable} -m tracer whatif {SAMPLES / 'gpt-2rank-cap1mb'} | true; "
+    proc = subprocess.run(f"{sys.executable} -m ddpscope.tracer whatif {SAMPLES / 'gpt-2rank-cap1mb'} | true; "
                           "echo rc=${PIPESTATUS[0]} >&2", shell=True, executable="/bin/bash",
                           capture_output=True, text=True, timeout=120, cwd="/",
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                          env={"PATH": "/usr/bin:/bin"})
     assert "rc=0" in proc.stderr and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer.writer import TraceWriter, write_json_atomic
+from ddpscope.viz.trace import TraceError, read_rank_file
 from tests.chrome_trace import check_chrome_trace
-from tracer import format as fmt
-from tracer.writer import TraceWriter, write_json_atomic
-from viz.trace import TraceError, read_rank_file
 
 
 def _wait_for(pred, timeout=5.0):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from tracer.workloads.zero import STEP_MARK, _collective, analyze_profile
+from ddpscope.tracer.workloads.zero import STEP_MARK, _collective, analyze_profile
 
 MIB = 2**20
 

@@ -1,4 +1,4 @@
-"""``python -m tracer zero`` end to end: real DDP, ZeroRedundancyOptimizer and FSDP runs,
+"""``ddpscope zero`` end to end: real DDP, ZeroRedundancyOptimizer and FSDP runs,
 what each rank holds and sends, against the ZeRO paper's model; failures, bad input."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from ddpscope.viz.zero_trace import compute_zero_comparison, load_zero
 from tests.chrome_trace import check_chrome_trace
 from tests.conftest import assert_refused, processes_mentioning, run_cli
-from viz.zero_trace import compute_zero_comparison, load_zero
 
 pytestmark = pytest.mark.ddp
 

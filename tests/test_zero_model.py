@@ -6,9 +6,18 @@ from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
 
-from viz.zero_model import (FP32, MIXED, Precision, bytes_per_param, compute_zero_memory, largest_model,
-                            model_state_bytes, run_precision, transformer_activation_bytes)
-from viz.zero_figures import make_zero_projection_figure
+from ddpscope.viz.zero_figures import make_zero_projection_figure
+from ddpscope.viz.zero_model import (
+    FP32,
+    MIXED,
+    Precision,
+    bytes_per_param,
+    compute_zero_memory,
+    largest_model,
+    model_state_bytes,
+    run_precision,
+    transformer_activation_bytes,
+)
 
 
 def _one_decimal(x: float) -> float:

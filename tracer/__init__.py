@@ -1,6 +1,6 @@
 """ddpscope's capture side: trace a real DistributedDataParallel run, bucket by bucket.
 
-``from tracer import DDPTracer, TracerConfig`` (torch is imported on first use, so
+``from ddpscope.tracer import DDPTracer, TracerConfig`` (torch is imported on first use, so
 that readers of ``tracer.format`` stay light).
 """
 
@@ -11,5 +11,5 @@ def __getattr__(name):
     if name in __all__:
         import importlib
 
-        return getattr(importlib.import_module("tracer.capture.tracer"), name)
+        return getattr(importlib.import_module("ddpscope.tracer.capture.tracer"), name)
     raise AttributeError(name)

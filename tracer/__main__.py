@@ -1,7 +1,7 @@
-"""``python -m tracer ...``: an alias of the ``ddpscope`` command (``tracer/cli.py``)."""
+"""``ddpscope ...``: an alias of the ``ddpscope`` command (``tracer/cli.py``)."""
 
 import sys
 
-from tracer.cli import main
+from ddpscope.tracer.cli import main
 
 sys.exit(main())

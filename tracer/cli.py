@@ -1,4 +1,4 @@
-"""The ``ddpscope`` command (also ``python -m tracer``):
+"""The ``ddpscope`` command (also ``python -m ddpscope.tracer``):
 
     ddpscope run [--nproc N] [--bucket-cap-mb X] [--steps S] --out DIR -- train.py [args]
     ddpscope run ... --out DIR -- -m package.module [args]
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tracer import options as o
+from ddpscope.tracer import options as o
 
 PROG = "ddpscope"
 
@@ -36,8 +36,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tracer.launch.calibrate import CalibrateConfig
-    from tracer.launch.runner import RingConfig, RunConfig, ZeroConfig
+    from ddpscope.tracer.launch.calibrate import CalibrateConfig
+    from ddpscope.tracer.launch.runner import RingConfig, RunConfig, ZeroConfig
 
     p = _Parser(prog=PROG, description="See distributed data-parallel training: trace real DDP runs, "
                                        "read them, open the dashboard.")
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--port", type=int, default=8501, help="port (default 8501)")
     d.add_argument("--allow-commands", action="store_true",
                    help="let the page start new training commands even when it listens beyond this machine")
-    from viz.cli import add_viz_commands  # light: argparse only
+    from ddpscope.viz.cli import add_viz_commands  # light: argparse only
 
     add_viz_commands(sub)
     return p
@@ -133,7 +133,7 @@ def calibrate_progress(rec: dict, cfg) -> str | None:
 
 def launch_command(args: argparse.Namespace) -> int:
     """parse (config) -> run (the job, through its runner) -> report, for run/ring/zero/calibrate."""
-    from tracer.launch import calibrate, runner
+    from ddpscope.tracer.launch import calibrate, runner
 
     config_cls, run, describe = {
         "run": (runner.RunConfig, runner.run_job, run_progress),
@@ -241,7 +241,7 @@ def _raise_interrupt(signum, frame) -> None:
 
 
 def build_command() -> int:
-    from tracer.launch.native import build_native
+    from ddpscope.tracer.launch.native import build_native
 
     result = build_native(lambda line: print(line, file=sys.stderr, flush=True))
     if not result["ok"]:
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         return dashboard_command(args)
     if args.command == "build":
         return build_command()
-    from viz.cli import run_viz_command
+    from ddpscope.viz.cli import run_viz_command
 
     return run_viz_command(args, prog=f"{PROG} {args.command}")
 

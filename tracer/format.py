@@ -70,7 +70,7 @@ UNTRACED = "untraced"  # the script ran, but built nothing ddpscope could trace
 # when it still can.
 INCOMPLETE = "incomplete"
 
-# Ring all-reduce runs (``python -m tracer ring``): ``run.json`` says ``"kind": "ring"``.
+# Ring all-reduce runs (``ddpscope ring``): ``run.json`` says ``"kind": "ring"``.
 KIND_DDP = "ddp"  # the default when run.json has no "kind"
 KIND_RING = "ring"
 TID_RING = 10  # one span per ring all-reduce, its 2(N-1) steps nested inside
@@ -80,4 +80,4 @@ CAT_RING_STEP = "ring_step"
 CAT_RING_REF = "allreduce_ref"
 REDUCE_SCATTER = "reduce-scatter"  # the two phases of a ring step ("phase" in its args)
 ALL_GATHER = "all-gather"
-KIND_ZERO = "zero"  # python -m tracer zero: memory and communication per ZeRO stage
+KIND_ZERO = "zero"  # ddpscope zero: memory and communication per ZeRO stage

@@ -1,7 +1,11 @@
-"""Progress lines: how a job's rank 0 tells the launcher how far it is.
+"""How a job's ranks talk to the launcher through their output.
 
-Rank 0 prints ``ddpscope-progress {json}`` lines on its stdout; the launcher (which
-reads every rank's output) takes them out of the stream and hands the records on.
+- Progress: rank 0 prints ``ddpscope-progress {json}`` lines on its stdout; the launcher
+  (which reads every rank's output) takes them out of the stream and hands the records on.
+- Messages: what the capture has to tell the user (``say``) is one line on stderr that
+  starts with ``ddpscope: ``; the launcher shows those lines apart from the script's own
+  output, and the dashboard lists them.
+
 Torch-free: both sides import it.
 """
 
@@ -11,6 +15,16 @@ import json
 import sys
 
 PROGRESS_PREFIX = "ddpscope-progress "
+MESSAGE_PREFIX = "ddpscope: "
+
+
+def say(text: str) -> None:
+    """One line for the user on stderr (never raises: a closed stream must not take
+    training down). Newlines in ``text`` are folded: a message is one line."""
+    try:
+        print(MESSAGE_PREFIX + " ".join(str(text).split("\n")), file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def emit_progress(**fields) -> None:

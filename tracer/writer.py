@@ -25,7 +25,7 @@ from typing import Iterable
 
 import msgspec
 
-from tracer import format as fmt
+from ddpscope.tracer import format as fmt
 
 _SEP = (",", ":")
 

@@ -1,7 +1,7 @@
-"""``python -m viz summary|perfetto``: an alias of ``ddpscope summary|perfetto``."""
+"""``python -m ddpscope.viz summary|perfetto``: an alias of ``ddpscope summary|perfetto``."""
 
 import sys
 
-from viz.cli import main
+from ddpscope.viz.cli import main
 
 sys.exit(main())

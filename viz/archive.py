@@ -18,9 +18,9 @@ import zipfile
 import zlib
 from pathlib import Path, PurePosixPath
 
-from tracer import format as fmt
-from viz.sources.kineto_file import FILE_RE
-from viz.trace import TraceError
+from ddpscope.tracer import format as fmt
+from ddpscope.viz.sources.kineto_file import FILE_RE
+from ddpscope.viz.trace import TraceError
 
 MAX_UNPACKED_BYTES = 512 * 2**20
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")

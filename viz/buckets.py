@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from viz.trace import RunTrace
+from ddpscope.viz.trace import RunTrace
 
 
 def bus_bandwidth_factor(world_size: int) -> float:

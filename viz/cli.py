@@ -1,4 +1,4 @@
-"""``ddpscope summary PATH [--json]`` (or ``python -m viz summary``): the figures of a
+"""``ddpscope summary PATH [--json]`` (or ``python -m ddpscope.viz summary``): the figures of a
 run folder; ``ddpscope perfetto PATH --out FILE``: every rank in one Perfetto trace
 (``perfetto.py``).
 
@@ -38,7 +38,7 @@ def add_viz_commands(sub) -> None:
                                    "communication per cap, and the recommended cap. Uses the run's "
                                    "calibration.json when `ddpscope calibrate` made one.")
     w.add_argument("path", help="a traced DDP run folder")
-    from tracer.options import WHATIF_CAPS
+    from ddpscope.tracer.options import WHATIF_CAPS
 
     w.add_argument(WHATIF_CAPS.flag, dest="caps", help=WHATIF_CAPS.help, metavar=WHATIF_CAPS.metavar)
     w.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -49,11 +49,11 @@ def add_viz_commands(sub) -> None:
 
 def run_viz_command(args, prog: str) -> int:
     """Run ``summary``, ``whatif`` or ``perfetto``; one line and exit 2 on bad input."""
-    from viz.trace import TraceError
+    from ddpscope.viz.trace import TraceError
 
     try:
         if args.command == "perfetto":
-            from viz.perfetto import write_merged
+            from ddpscope.viz.perfetto import write_merged
 
             size = write_merged(args.path, args.out)
             print(f"{args.out} ({size / 2**20:.2f} MiB): open it at https://ui.perfetto.dev")
@@ -73,8 +73,8 @@ def run_viz_command(args, prog: str) -> int:
 
 
 def _summary(path: str, as_json: bool) -> int:
-    from viz.overlap import compute_rank_medians
-    from viz.sources import folder_kind, load_training_trace
+    from ddpscope.viz.overlap import compute_rank_medians
+    from ddpscope.viz.sources import folder_kind, load_training_trace
 
     kind = folder_kind(path)
     if kind in ("ring", "zero"):
@@ -83,12 +83,12 @@ def _summary(path: str, as_json: bool) -> int:
     med = compute_rank_medians(trace)
     hta = None
     if trace.source == "kineto":
-        from viz.kernel_overlap import compute_hta_breakdown
+        from ddpscope.viz.kernel_overlap import compute_hta_breakdown
 
         hta = compute_hta_breakdown(trace)
     stragglers = line = None
     if trace.source == "ddpscope":
-        from viz.stragglers import compute_straggler_summary, straggler_line
+        from ddpscope.viz.stragglers import compute_straggler_summary, straggler_line
 
         stragglers = compute_straggler_summary(trace)
         line = straggler_line(stragglers)
@@ -134,11 +134,11 @@ def _json_safe(row: dict) -> dict:
 
 
 def _whatif(path: str, caps: str | None, as_json: bool) -> int:
-    from tracer.options import parse_caps
-    from viz.sources import KINETO, folder_kind
-    from viz.trace import TraceError, load_run
-    from viz.whatif.cost import read_calibration
-    from viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, recommend_cap
+    from ddpscope.tracer.options import parse_caps
+    from ddpscope.viz.sources import KINETO, folder_kind
+    from ddpscope.viz.trace import TraceError, load_run
+    from ddpscope.viz.whatif.cost import read_calibration
+    from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, recommend_cap
 
     wanted = parse_caps(caps) if caps is not None else list(DEFAULT_CAPS)
     kind = folder_kind(path)
@@ -178,22 +178,22 @@ def _whatif(path: str, caps: str | None, as_json: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m viz", description="Summaries of ddpscope traces.")
+    p = _Parser(prog="python -m ddpscope.viz", description="Summaries of ddpscope traces.")
     add_viz_commands(p.add_subparsers(dest="command", required=True, parser_class=_Parser))
     args = p.parse_args(argv)
-    return run_viz_command(args, prog=f"python -m viz {args.command}")
+    return run_viz_command(args, prog=f"python -m ddpscope.viz {args.command}")
 
 
 def _summary_table(path: str, kind: str, as_json: bool) -> int:
     """Ring or ZeRO runs: one table (TraceError propagates to the caller)."""
     if kind == "ring":
-        from viz.ring import compute_ring_summary
-        from viz.ring_trace import load_ring
+        from ddpscope.viz.ring import compute_ring_summary
+        from ddpscope.viz.ring_trace import load_ring
 
         trace = load_ring(path)
         table, title = compute_ring_summary(trace), f"ring all-reduce, {trace.world_size} ranks (medians, ms, GB/s)"
     else:
-        from viz.zero_trace import compute_zero_comparison, load_zero
+        from ddpscope.viz.zero_trace import compute_zero_comparison, load_zero
 
         trace = load_zero(path)
         table = compute_zero_comparison(trace)

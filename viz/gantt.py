@@ -15,10 +15,10 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 
-from viz.buckets import compute_bucket_events
-from viz.overlap import merge_sorted_runs
-from viz.stragglers import compute_launch_spread
-from viz.trace import RunTrace
+from ddpscope.viz.buckets import compute_bucket_events
+from ddpscope.viz.overlap import merge_sorted_runs
+from ddpscope.viz.stragglers import compute_launch_spread
+from ddpscope.viz.trace import RunTrace
 
 # Per-bar labels (module / parameter names in the hover) only up to this many bars in a
 # trace: strings travel one by one, numbers as packed arrays. Fewer steps: names return.
@@ -231,7 +231,7 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
     the exposed part, after backward compute ended, hatched in red). ``webgl``: draw
     WebGL segments (True), SVG bars (False), or choose by size (None)."""
     if trace.source != "ddpscope":  # a profiler trace: kernels, not phases (that module builds on this one)
-        from viz.kernel_gantt import make_kernel_timeline_figure
+        from ddpscope.viz.kernel_gantt import make_kernel_timeline_figure
 
         return make_kernel_timeline_figure(trace, steps, ranks, title=title, webgl=webgl)
     shown = select_steps(trace, steps, ranks, include_warmup)

@@ -15,9 +15,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from viz.gantt import COLORS, GL_THRESHOLD, TEXT_LIMIT, group_starts, lane_bars, select_steps
-from viz.overlap import merge_sorted_runs
-from viz.trace import RunTrace
+from ddpscope.viz.gantt import COLORS, GL_THRESHOLD, TEXT_LIMIT, group_starts, lane_bars, select_steps
+from ddpscope.viz.overlap import merge_sorted_runs
+from ddpscope.viz.trace import RunTrace
 
 COLLECTIVE_COLORS = ["#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D", "#EECA3B"]
 COMPUTE_COLOR = COLORS["backward"]

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from viz.overlap import covered, merge_intervals
-from viz.trace import RunTrace
+from ddpscope.viz.overlap import covered, merge_intervals
+from ddpscope.viz.trace import RunTrace
 
 
 def intersection(a: np.ndarray, b: np.ndarray) -> float:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from viz.trace import RunTrace
+from ddpscope.viz.trace import RunTrace
 
 
 def merge_sorted_runs(first: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -63,7 +63,7 @@ def compute_step_breakdown(trace: RunTrace, include_warmup: bool = False) -> pd.
     are summed over the step's micro-batches (``micro_batches`` of them). A profiler
     trace's steps come from its kernels (``viz.kernel_overlap``), in the same columns."""
     if trace.source != "ddpscope":
-        from viz.kernel_overlap import compute_kernel_step_breakdown  # it builds on this module
+        from ddpscope.viz.kernel_overlap import compute_kernel_step_breakdown  # it builds on this module
 
         return compute_kernel_step_breakdown(trace, include_warmup)
     steps = _steps(trace, include_warmup)

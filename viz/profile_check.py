@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tracer import format as fmt
-from viz.sources.kineto import load_kineto
-from viz.sources.kineto_file import FILE_RE
-from viz.trace import RunTrace, TraceError, clock_alignment
+from ddpscope.tracer import format as fmt
+from ddpscope.viz.sources.kineto import load_kineto
+from ddpscope.viz.sources.kineto_file import FILE_RE
+from ddpscope.viz.trace import RunTrace, TraceError, clock_alignment
 
 PROFILE_DIR = fmt.PROFILE_DIR
 

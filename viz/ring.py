@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from tracer.format import REDUCE_SCATTER
-from viz.ring_trace import RingTrace
+from ddpscope.tracer.format import REDUCE_SCATTER
+from ddpscope.viz.ring_trace import RingTrace
 
 
 def ring_factor(n: int) -> float:

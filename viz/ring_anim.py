@@ -15,9 +15,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from tracer.format import ALL_GATHER, REDUCE_SCATTER
-from viz.ring import compute_ring_step_times, replay_chunk_states, step_durations_ms
-from viz.ring_trace import RingTrace
+from ddpscope.tracer.format import ALL_GATHER, REDUCE_SCATTER
+from ddpscope.viz.ring import compute_ring_step_times, replay_chunk_states, step_durations_ms
+from ddpscope.viz.ring_trace import RingTrace
 
 MS_PER_MEDIAN_STEP = 800.0  # playback: a median-length step shows for this long
 START_FRAME_MS = 800.0

@@ -23,8 +23,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from viz.ring import compute_ring_rounds, ring_factor
-from viz.ring_trace import RingTrace
+from ddpscope.viz.ring import compute_ring_rounds, ring_factor
+from ddpscope.viz.ring_trace import RingTrace
 
 MAX_WHATIF_N = 64
 

@@ -1,4 +1,4 @@
-"""The ring trace model: a folder written by ``python -m tracer ring``, loaded and aligned.
+"""The ring trace model: a folder written by ``ddpscope ring``, loaded and aligned.
 
 ``load_ring(path)`` returns a ``RingTrace`` with three tables, times in µs on rank 0's
 clock (ranks aligned with the stored clock offsets, as for DDP runs):
@@ -14,14 +14,13 @@ clock (ranks aligned with the stored clock offsets, as for DDP runs):
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from tracer import format as fmt
-from viz.trace import TraceError, clock_alignment, frame_of, read_run_folder
+from ddpscope.tracer import format as fmt
+from ddpscope.viz.trace import TraceError, clock_alignment, frame_of, read_run_folder
 
 _STEP_FIELDS = ("step", "phase", "phase_step", "send_chunk", "recv_chunk", "send_to", "recv_from",
                 "send_bytes", "recv_bytes")

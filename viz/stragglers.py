@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from viz.trace import RunTrace
+from ddpscope.viz.trace import RunTrace
 
 
 def compute_launch_spread(trace: RunTrace, include_warmup: bool = False) -> pd.DataFrame:

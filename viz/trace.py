@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
-from tracer import format as fmt
+from ddpscope.tracer import format as fmt
 
 MAX_FILE_BYTES = 512 * 2**20  # a rank file beyond this is not something we parse in memory
 

@@ -116,7 +116,7 @@ def largest_model(device_bytes: float, n: int, precision: Precision = MIXED,
 
 
 def run_precision(stage: int) -> Precision:
-    """The precision a measured ``python -m tracer zero`` run uses at ``stage``: fp32
+    """The precision a measured ``ddpscope zero`` run uses at ``stage``: fp32
     Adam, the parameters being the optimizer's own copy (K = 8, two moments), except in
     stage 2, where FSDP computes with an unsharded copy held from forward to backward
     while the optimizer updates the fp32 shard, which then plays the master copy's role

@@ -1,4 +1,4 @@
-"""ZeRO runs (``python -m tracer zero``): loaded, and set beside the analytic model.
+"""ZeRO runs (``ddpscope zero``): loaded, and set beside the analytic model.
 
 ``load_zero(path)`` returns a ``ZeroTrace``: ``stages`` (one row per rank and stage:
 the bytes that rank held and sent; see ``tracer/zero.py`` for how each is measured) and
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from tracer import format as fmt
-from viz.trace import TraceError, frame_of, read_run_folder
-from viz.zero_model import model_state_bytes, run_precision, transformer_activation_bytes
+from ddpscope.tracer import format as fmt
+from ddpscope.viz.trace import TraceError, frame_of, read_run_folder
+from ddpscope.viz.zero_model import model_state_bytes, run_precision, transformer_activation_bytes
 
 _STAGE_FIELDS = ("params", "params_bytes", "grads_bytes", "optimizer_state_bytes", "model_state_bytes",
                  "step_start_bytes", "peak_bytes", "comm_volume_bytes", "step_ms")

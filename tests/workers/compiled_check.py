@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tracer import DDPTracer
-from tracer.capture.compiled import load_extension
+from ddpscope.tracer import DDPTracer
+from ddpscope.tracer.capture.compiled import load_extension
 
 
 def build(width: int, depth: int) -> nn.Module:

@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tracer import DDPTracer
-from tracer.workloads.affinity import bind_local_rank_to_cores
+from ddpscope.tracer import DDPTracer
+from ddpscope.tracer.workloads.affinity import bind_local_rank_to_cores
 
 LOG_KEYS = ("forward_compute_time", "backward_compute_time", "backward_comm_time",
             "backward_compute_comm_overlap_time")

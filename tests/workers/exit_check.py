@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tracer import DDPTracer
+from ddpscope.tracer import DDPTracer
 
 
 def gloo_threads() -> int:

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from tracer.workloads.demo.models import build_model  # noqa: E402
+from ddpscope.tracer.workloads.demo.models import build_model  # noqa: E402
 
 
 class Mixed(nn.Module):

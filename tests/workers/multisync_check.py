@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tracer import DDPTracer
-from viz.trace import read_rank_file
+from ddpscope.tracer import DDPTracer
+from ddpscope.viz.trace import read_rank_file
 
 capture, port, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)

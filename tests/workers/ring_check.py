@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tracer.workloads.ring import ring_all_reduce
+from ddpscope.tracer.workloads.ring import ring_all_reduce
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32]
 

@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--report", default=None)  # accepted like the other test scripts
     args = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from tracer.launch.torchrun import free_port
+    from ddpscope.tracer.launch.torchrun import free_port
 
     mp.spawn(rank_main, args=(args.world, free_port(), args.steps), nprocs=args.world, join=True)
 

@@ -39,11 +39,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from tracer import format as fmt
-
-from tracer.options import BUCKET_CAP_MB, CAPTURE, OUT, STEPS, check_fields
-from tracer.progress import emit_progress
-from tracer.writer import update_run_json
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer.options import BUCKET_CAP_MB, CAPTURE, OUT, STEPS, check_fields
+from ddpscope.tracer.progress import emit_progress, say
+from ddpscope.tracer.writer import update_run_json
 
 CAPTURE_ENV = "DDPSCOPE_CAPTURE"
 DDP_MODULE = "torch.nn.parallel.distributed"
@@ -114,7 +113,7 @@ class Session:
         if reason:
             self.note(f"{reason}; the script runs untraced")
             return
-        from tracer.capture.tracer import DDPTracer, TracerConfig
+        from ddpscope.tracer.capture.tracer import DDPTracer, TracerConfig
 
         self.times_us["ddp_built"] = _now_us()
         facts = {"capture_times_us": self.times_us, "capture": "ddpscope run", "bucket_cap_mb_script": script_cap,
@@ -123,10 +122,9 @@ class Session:
         tracer = DDPTracer(ddp, "auto", TracerConfig(out_dir=self.config.out, run_meta=facts,
                                                            capture=self.config.capture,
                                                            capture_note=self.config.capture_note), on_step=self.on_step)
-        try:
-            tracer.__enter__()
-        except Exception as e:  # noqa: BLE001 - training goes on, untraced
-            self.note(f"tracing could not start ({type(e).__name__}: {e}); the script runs untraced")
+        why = tracer.start()  # never raises: says why it could not
+        if why is not None:
+            self.note(why)
             return
         self.tracer = tracer
         if self.config.profile_steps:
@@ -183,7 +181,7 @@ class Session:
 def _start_profiler(tracer, config: CaptureConfig):
     """torch.profiler on the first ``config.profile_steps`` traced steps, or None (one
     line says why) if it cannot start: the trace goes on without it."""
-    from tracer.capture.profile import StepProfiler
+    from ddpscope.tracer.capture.profile import StepProfiler
 
     try:
         return StepProfiler(config.out, tracer.rank, config.profile_steps,
@@ -258,7 +256,7 @@ def _patch_ddp(session: Session, module) -> None:
     cap = session.config.bucket_cap_mb
 
     @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         try:
             bound = signature.bind(self, *args, **kwargs)
         except TypeError:  # DDP's own error, as the script would have had it
@@ -269,11 +267,12 @@ def _patch_ddp(session: Session, module) -> None:
             if bound.arguments.get("bucket_cap_mb_list"):
                 bound.arguments["bucket_cap_mb_list"] = None  # it would win over bucket_cap_mb
                 session.note(f"the script's bucket_cap_mb_list is replaced by --bucket-cap-mb {cap:g}")
-        original(*bound.args, **bound.kwargs)
+        original(*bound.args, **bound.kwargs)  # DDP's errors reach the script as they are
         try:
             session.on_ddp_built(self, script_cap, cap is not None)
         except Exception as e:  # noqa: BLE001 - training goes on, untraced
             session.note(f"tracing could not start ({type(e).__name__}: {e}); the script runs untraced")
+        return None
 
     __init__._ddpscope = True
     ddp_cls.__init__ = __init__
@@ -288,13 +287,19 @@ def _patch_destroy(session: Session) -> None:
     if getattr(original, "_ddpscope", False):
         return
 
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
-    def destroy_process_group(group=None):
+    def destroy_process_group(*args, **kwargs):
+        try:
+            group = signature.bind(*args, **kwargs).arguments.get("group")
+        except TypeError:  # torch's own error, as the script would have had it
+            return original(*args, **kwargs)
         if group is None or group is c10d.GroupMember.WORLD:
             exc = sys.exc_info()[1]  # inside a finally while an exception unwinds: a failed run
             session.finish(None if exc is None or isinstance(exc, SystemExit) and not exc.code
                            else f"{type(exc).__name__}: {exc}")
-        return original(group)
+        return original(*args, **kwargs)
 
     destroy_process_group._ddpscope = True
     c10d.destroy_process_group = destroy_process_group
@@ -308,9 +313,12 @@ def _patch_fsdp(session: Session, cls_name: str, module) -> None:
     original = cls.__init__
 
     @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         original(self, *args, **kwargs)
-        session.on_fsdp()
+        try:
+            session.on_fsdp()
+        except Exception:  # noqa: BLE001 - a note is not worth a training run
+            pass
 
     __init__._ddpscope = True
     cls.__init__ = __init__
@@ -320,10 +328,12 @@ def _chain_excepthook(session: Session) -> None:
     previous = sys.excepthook
 
     def excepthook(exc_type, exc, tb):
-        session.error = f"{exc_type.__name__}: {exc}"
-        session.finish(session.error)
-        _record_error(exc_type, exc, tb)
-        previous(exc_type, exc, tb)
+        try:
+            session.error = f"{exc_type.__name__}: {exc}"
+            session.finish(session.error)
+            _record_error(exc_type, exc, tb)
+        finally:  # the script's (or Python's) own hook, whatever happened above
+            previous(exc_type, exc, tb)
 
     sys.excepthook = excepthook
 
@@ -417,8 +427,4 @@ def _rank() -> int:
     return int(os.environ.get("RANK", 0))
 
 
-def _say(text: str) -> None:
-    try:
-        print(f"ddpscope: {text}", file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
+_say = say

@@ -78,7 +78,7 @@ class CpuClock:
 def make_clock(device: Any) -> Clock:
     """The clock for a model on ``device`` (a ``torch.device`` or string)."""
     if str(device).startswith("cuda"):
-        from tracer.capture.cuda_clock import CudaEventClock
+        from ddpscope.tracer.capture.cuda_clock import CudaEventClock
 
         return CudaEventClock(host_clock=CpuClock())
     return CpuClock()

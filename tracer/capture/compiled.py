@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tracer.capture.native import build as native
-from tracer.capture.recorder import BucketRecord
+from ddpscope.tracer.capture.native import build as native
+from ddpscope.tracer.capture.recorder import BucketRecord
 
 
 def load_extension() -> tuple[Any, str | None]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from tracer.capture.clock import CpuClock
+from ddpscope.tracer.capture.clock import CpuClock
 
 
 class CudaEventClock:

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Iterator
 
 import msgspec
 
-from tracer import format as fmt
+from ddpscope.tracer import format as fmt
 
 if TYPE_CHECKING:
-    from tracer.capture.recorder import StepRecord
+    from ddpscope.tracer.capture.recorder import StepRecord
 
 
 class _GradArgs(msgspec.Struct):

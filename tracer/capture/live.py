@@ -17,8 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from tracer import format as fmt
-from tracer.writer import write_bytes_atomic
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer.writer import write_bytes_atomic
 
 INTERVAL_S = 0.5
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from tracer import format as fmt
+from ddpscope.tracer import format as fmt
 
 PROFILE_DIR = fmt.PROFILE_DIR
 

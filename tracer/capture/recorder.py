@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from tracer.capture.clock import Clock
-from tracer.capture.events import StepEvents
-from tracer.capture.memory import MemoryMeter, reset_peak
+from ddpscope.tracer.capture.clock import Clock
+from ddpscope.tracer.capture.events import StepEvents
+from ddpscope.tracer.capture.memory import MemoryMeter, reset_peak
 
 
 @dataclass(slots=True)

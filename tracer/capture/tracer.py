@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import socket
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -29,15 +28,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tracer import format as fmt
-from tracer.capture.clock import make_clock
-from tracer.capture.compiled import CompiledBuckets, load_extension, usable
-from tracer.capture.hooks import HookHandles, attach_comm_hook, attach_grad_hooks, attach_hooks, reducer_params
-from tracer.capture.live import LiveFile
-from tracer.capture.offsets import ClockOffset, estimate_offsets
-from tracer.capture.events import header_events
-from tracer.capture.recorder import StepRecorder
-from tracer.writer import TraceWriter, read_json, write_json_atomic
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer.capture.clock import make_clock
+from ddpscope.tracer.capture.compiled import CompiledBuckets, load_extension, usable
+from ddpscope.tracer.capture.events import header_events
+from ddpscope.tracer.capture.hooks import (CommHookTaken, HookGuard, HookHandles, attach_comm_hook, attach_grad_hooks,
+                                           attach_hooks, ddp_register_builtin_comm_hook, reducer_params)
+from ddpscope.tracer.capture.live import LiveFile
+from ddpscope.tracer.capture.offsets import ClockOffset, estimate_offsets
+from ddpscope.tracer.capture.recorder import StepRecorder
+from ddpscope.tracer.progress import say
+from ddpscope.tracer.writer import TraceWriter, read_json, write_json_atomic
 
 NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 TEST_FAIL_ENV = "DDPSCOPE_TEST_TRACER_FAIL"  # test-only: this rank's tracer cannot start
@@ -121,25 +122,60 @@ class DDPTracer:
         self._compiled: CompiledBuckets | None = None
         self._cpu_group: dist.ProcessGroup | None = None
         self.capture_note: str | None = None
+        self._guard = HookGuard(self._tracing_failed)
+        self.failure: str | None = None  # why this tracer could not start, or stopped tracing
+
+    @property
+    def active(self) -> bool:
+        """Tracing now (started, not stopped by an error, not closed)."""
+        return self._recorder is not None and self.failure is None and not self._closed
 
     # -- lifecycle ----------------------------------------------------------------
     def __enter__(self) -> "DDPTracer":
+        """Start tracing. If it cannot start (a communication hook registered before it,
+        no process group, a rank that cannot write), it says why in one line (rank 0) and
+        steps aside: the ``with`` block trains as it would untraced."""
+        why = self.start()
+        if why is not None and _rank() == 0:
+            say(why)
+        return self
+
+    def start(self) -> str | None:
+        """Start tracing; None, or why it could not (then nothing of it is attached). Never
+        raises for what happens at run time: training comes first."""
         try:
-            return self._attach()
-        except BaseException:  # leave nothing half-attached: no hooks, no writer thread
-            self._handles.remove()
-            if self._compiled is not None:
-                self._compiled.detach()
-            if self._comm_state is not None:
-                self._comm_state.recorder = None
-            self._release_cpu_group()
-            if self._writer is not None:  # it holds no step: leave no file that says otherwise
-                try:
-                    self._writer.close(status=fmt.FAILED, error="the tracer could not start")
-                except OSError:
-                    pass
-                self._writer.path.unlink(missing_ok=True)
+            self._attach()
+            return None
+        except Exception as e:  # noqa: BLE001 - the script trains on, untraced
+            self._detach_partial()
+            reason = str(e) if isinstance(e, (CommHookTaken, RuntimeError)) else f"{type(e).__name__}: {e}"
+            self.failure = f"tracing could not start ({reason}); the script runs untraced"
+            return self.failure
+        except BaseException:
+            self._detach_partial()
             raise
+
+    def _detach_partial(self) -> None:
+        """Leave nothing of a tracer that could not start: no hooks, no writer thread, no file."""
+        self._handles.remove()
+        if self._compiled is not None:
+            self._compiled.detach()
+            self._compiled = None
+        if self._comm_state is not None:
+            self._comm_state.recorder = None
+        self._release_cpu_group()
+        if self._live is not None:
+            self._live.close(fmt.FAILED)
+            self._live.path.unlink(missing_ok=True)
+            self._live = None
+        if self._writer is not None:  # it holds no step: leave no file that says otherwise
+            try:
+                self._writer.close(status=fmt.FAILED, error="the tracer could not start")
+            except OSError:
+                pass
+            self._writer.path.unlink(missing_ok=True)
+            self._writer = None
+        self._recorder = None
 
     def _attach(self) -> "DDPTracer":
         if not dist.is_initialized():
@@ -200,7 +236,7 @@ class DDPTracer:
             memory_interval_s=cfg.memory_interval_s,
         )
         comm_state.keep_work = nccl_timing
-        comm_state.recorder = self._recorder
+        comm_state.recorder, comm_state.guard = self._recorder, self._guard
         self._comm_state = comm_state
         if ext is not None:
             self._compiled = CompiledBuckets(ext, self.model, self._recorder, device, getattr(self.clock, "skew_ns", 0))
@@ -208,7 +244,7 @@ class DDPTracer:
             self._recorder.memory.grad_bytes = ext.GradBytes(params)  # the gradients' bytes, counted in C++
             comm_state.before_register = self._python_capture  # the script's own hook: timed in Python
             comm_state.builtin_direct = self._builtin_hook  # DDP's built-in C++ hook: timed here
-        attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles,
+        attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles, self._guard,
                      grad_hooks=self._compiled is None or not self._compiled.host_ready)
         try:  # where this rank is, for the launcher's hang watchdog (optional: never fatal)
             self._live = LiveFile(cfg.out_dir, self.rank, self._recorder)
@@ -226,7 +262,7 @@ class DDPTracer:
         ext, why = load_extension()
         if why is not None:
             if dist.get_rank() == 0:
-                print(f"ddpscope: {why}; the Python hooks time this run", file=sys.stderr, flush=True)
+                say(f"{why}; the Python hooks time this run")
             return None, why
         return ext, None
 
@@ -240,7 +276,7 @@ class DDPTracer:
             if self._recorder is not None:
                 self._recorder.bucket_source = None
                 if host_ready:
-                    attach_grad_hooks(self._recorder.params, self._recorder, self._handles)
+                    attach_grad_hooks(self._recorder.params, self._recorder, self._handles, self._guard)
             self._meta["capture_path"] = "python"
             self._meta["capture_path_note"] = "the script registered a communication hook: timed in Python"
             if self._writer is not None:
@@ -252,7 +288,7 @@ class DDPTracer:
         collectives are timed there (FP16_COMPRESS: fp16 copies, half the bucket's bytes)."""
         if self._compiled is None or not self._compiled.attached:
             return False
-        DDP._register_builtin_comm_hook(self.model, comm_hook_type)  # DDP's own (ours shadows it)
+        ddp_register_builtin_comm_hook(self.model, comm_hook_type)  # DDP's own (ours shadows it)
         note = f"the script registered DDP's built-in {comm_hook_type.name} hook: timed by the compiled capture"
         self._meta["capture_path_note"] = note
         if self._writer is not None:
@@ -275,20 +311,25 @@ class DDPTracer:
         if self._closed or self._writer is None:
             return
         self._closed = True
-        failed = error is not None
+        failed = error is not None  # the job failed: no end collective (a failed peer would never answer)
+        broken = self.failure is not None  # this rank's tracing stopped early (a hook failed)
         if self._live is not None:  # where it stopped: before the open step is closed below
-            self._live.close(fmt.FAILED if failed else fmt.COMPLETE)
+            self._live.close(fmt.FAILED if failed or broken else fmt.COMPLETE)
         try:
             if self._recorder is not None:
-                self._recorder.finish(aborted=failed)
+                self._recorder.finish(aborted=failed or broken)
+        except Exception as e:  # noqa: BLE001 - the trace ends here, training does not
+            if not broken:
+                self.failure = f"could not close the last step ({type(e).__name__}: {e})"
+                broken = True
         finally:
             self._handles.remove()
             if self._compiled is not None:
                 self._compiled.detach()  # DDP's reducer gets its own process group back
             if self._comm_state is not None:
                 self._comm_state.recorder = None
-        status = fmt.FAILED if failed else fmt.COMPLETE
-        error = None if not failed else error[:2000]
+        status = fmt.FAILED if failed or broken else fmt.COMPLETE
+        error = error[:2000] if failed else self.failure
         offsets_end: list[ClockOffset] | None = None
         self._writer.set_meta(status=status, error=error)  # on disk even if the end sync dies
         if not failed:
@@ -346,6 +387,15 @@ class DDPTracer:
         self._writer.add(events)
         if layouts is not None:  # rare (DDP rebuilt its buckets): each change appends the metadata once
             self._writer.set_meta(bucket_layouts=[dict(l) for l in layouts])
+
+    def _tracing_failed(self, reason: str) -> None:
+        """A hook of the tracer's failed (its guard caught the exception, training did not
+        see it): this rank stops recording and says so once; the script trains on."""
+        rec = self._recorder
+        step = rec.current.step if rec is not None and rec.current is not None else self.steps
+        self.failure = f"rank {self.rank}: tracing stopped at step {step} ({reason}); training goes on untraced"
+        say(self.failure)
+        self._stop_recording()
 
     def _stop_recording(self) -> None:
         """The trace can no longer be written: nothing more is kept (the writer said so in
@@ -427,7 +477,7 @@ def bucket_caps(ddp: DDP) -> dict:
 
 def _comm_hook_name(ddp: DDP) -> str | None:
     """The script's own communication hook (wrapped by ddpscope's), if any."""
-    from tracer.capture.hooks import _STATE_ATTR
+    from ddpscope.tracer.capture.hooks import _STATE_ATTR
 
     state = getattr(ddp, _STATE_ATTR, None)
     if state is not None and state.builtin is not None:
@@ -435,3 +485,7 @@ def _comm_hook_name(ddp: DDP) -> str | None:
     if state is None or state.inner is None:
         return None
     return getattr(state.inner[0], "__qualname__", repr(state.inner[0]))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))

@@ -1,6 +1,6 @@
 """A warm rank factory: a process that has imported torch once and forks ranks on request.
 
-``tracer.launch.warm.WarmLauncher`` starts it (``python -m tracer.capture.zygote``) and
+``tracer.launch.warm.WarmLauncher`` starts it (``python -m ddpscope.tracer.capture.zygote``) and
 talks to it in JSON lines over its stdin/stdout. For a job it forks ``nproc`` ranks; each
 rank sets up the environment torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR/PORT, TORCHELASTIC_*, OMP_NUM_THREADS), writes its stdout/stderr to
@@ -27,12 +27,12 @@ import time
 _T0 = time.perf_counter()
 _PARENT = os.getppid()
 import torch  # noqa: E402  - the point of this process
+import torch._dynamo  # noqa: E402,F401  (DDP's constructor imports it: ~1.7 s on 2 cores, once here)
 import torch.distributed  # noqa: E402,F401
 import torch.distributed.elastic.multiprocessing.errors  # noqa: E402,F401  (scripts' @record)
 import torch.nn.parallel  # noqa: E402,F401
-import torch._dynamo  # noqa: E402,F401  (DDP's constructor imports it: ~1.7 s on 2 cores, once here)
 
-from tracer.launch.torchrun import kill_group  # noqa: E402  (stdlib only: the launcher's own reaping)
+from ddpscope.tracer.launch.torchrun import kill_group  # noqa: E402  (stdlib only: the launcher's own reaping)
 
 IMPORT_S = time.perf_counter() - _T0
 
@@ -144,7 +144,7 @@ def _rank_main(req: dict, rank: int) -> None:
         threads = os.environ.setdefault("OMP_NUM_THREADS", "1" if nproc > 1 else str(os.cpu_count() or 1))
         torch.set_num_threads(int(threads))
         _reseed_numpy()
-        from tracer.capture.autotrace import install_from_env
+        from ddpscope.tracer.capture.autotrace import install_from_env
 
         install_from_env()
         os.chdir(req["cwd"])

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tracer import format as fmt
-from tracer import options as o
-from tracer.launch.runner import Launcher, project_env
-from tracer.launch.torchrun import LaunchConfig, LaunchResult, launch
-from tracer.progress import parse_progress
-from tracer.writer import read_json
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer import options as o
+from ddpscope.tracer.launch.runner import Launcher
+from ddpscope.tracer.launch.torchrun import LaunchConfig, LaunchResult, launch
+from ddpscope.tracer.progress import parse_progress
+from ddpscope.tracer.writer import read_json
 
 
 @dataclass(kw_only=True)
@@ -56,8 +56,8 @@ class CalibrateConfig:
 
     def launch_config(self) -> LaunchConfig:
         args = ["--out", str(self.run.resolve()), "--max-mb", repr(self.max_mb)] + (["--bind"] if self.bind else [])
-        return LaunchConfig(target="tracer.workloads.calibrate_job", args=args, nproc=self.nproc,
-                            log_dir=self.run / "logs" / "calibrate", timeout_s=self.timeout_s, env=project_env())
+        return LaunchConfig(target="ddpscope.tracer.workloads.calibrate_job", args=args, nproc=self.nproc,
+                            log_dir=self.run / "logs" / "calibrate", timeout_s=self.timeout_s)
 
 
 def run_calibrate(cfg: CalibrateConfig, on_progress: Callable[[dict], None] = lambda p: None,

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tracer import format as fmt
+from ddpscope.tracer import format as fmt
 
 STALE_S = 5.0  # a live file not rewritten for this long: that process is not running
 PHASES = ["between steps", "forward", "after forward", "backward", "waiting for the all-reduces", "after backward",

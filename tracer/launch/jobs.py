@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from tracer.launch import torchrun
-from tracer.launch.torchrun import LaunchResult
-from tracer.launch.runner import RingConfig, RunConfig, ZeroConfig, run_job, run_ring, run_zero
+from ddpscope.tracer.launch import torchrun
+from ddpscope.tracer.launch.runner import RingConfig, RunConfig, ZeroConfig, run_job, run_ring, run_zero
+from ddpscope.tracer.launch.torchrun import LaunchResult
 
 Config = RunConfig | RingConfig | ZeroConfig
 
@@ -97,13 +97,13 @@ class JobManager:
         return self._start(make, "ddp", steps, source)
 
     def start_ring(self, *, nproc: int, mb: float, repeat: int, timeout_s: float = 600.0) -> Job | None:
-        """Start a ring all-reduce run (``python -m tracer ring``); as ``start``."""
+        """Start a ring all-reduce run (``ddpscope ring``); as ``start``."""
         return self._start(lambda out: RingConfig(out=out, nproc=nproc, mb=mb, repeat=repeat, timeout_s=timeout_s),
                            "ring", repeat)
 
     def start_zero(self, *, model: str, nproc: int, stages: str = "0,1,2,3",
                    timeout_s: float = 600.0) -> Job | None:
-        """Start a ZeRO memory run (``python -m tracer zero``); as ``start``."""
+        """Start a ZeRO memory run (``ddpscope zero``); as ``start``."""
         return self._start(lambda out: ZeroConfig(out=out, model=model, nproc=nproc, stages=stages,
                                                   timeout_s=timeout_s), "zero", len(stages.split(",")))
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from typing import Callable
 
-from tracer.capture.native import build as native
+from ddpscope.tracer.capture.native import build as native
 
 BUILD_TIMEOUT_S = 900.0
 
@@ -24,7 +24,7 @@ def build_native(say: Callable[[str], None]) -> dict:
         return {"ok": True, "built": False, "seconds": 0.0, "library": str(lib)}
     say(f"ddpscope: building the compiled capture for this torch, once (into {native.cache_root()}) ...")
     try:
-        proc = subprocess.run([sys.executable, "-m", "tracer.capture.native.build"], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "ddpscope.tracer.capture.native.build"], capture_output=True,
                               text=True, timeout=BUILD_TIMEOUT_S)
         result = json.loads(proc.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as e:

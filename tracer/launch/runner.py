@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.machinery
+import importlib.util
 import os
 import shlex
 import sys
@@ -23,20 +24,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tracer import format as fmt
-from tracer import options as o
-from tracer.capture.autotrace import CaptureConfig
-from tracer.launch.hangs import read_positions
-from tracer.launch.native import build_native
-from tracer.launch.torchrun import LaunchConfig, LaunchResult, launch
-from tracer.progress import parse_progress
-from tracer.writer import read_json, write_json_atomic
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer import options as o
+from ddpscope.tracer.capture.autotrace import CaptureConfig
+from ddpscope.tracer.launch.hangs import read_positions
+from ddpscope.tracer.launch.native import build_native
+from ddpscope.tracer.launch.torchrun import LaunchConfig, LaunchResult, launch
+from ddpscope.tracer.progress import parse_progress
+from ddpscope.tracer.writer import read_json, write_json_atomic
 
 Launcher = Callable[[LaunchConfig, Callable[[int | None, str], None]], LaunchResult]
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 BOOTSTRAP = Path(__file__).resolve().parents[1] / "capture" / "bootstrap"
-DEMO_SCRIPT = "tracer.workloads.demo.train"
+DEMO_SCRIPT = "ddpscope.tracer.workloads.demo.train"
 DEMO_STEPS = 20  # a demo run without --steps
 
 
@@ -109,7 +109,11 @@ class RunConfig:
     def program_path(self) -> Path:
         """The file that runs: the script, or the module's file (``ValueError`` if none)."""
         if self.module:
-            found = find_module_file(self.program, [str(self.cwd), str(PROJECT_ROOT), *sys.path[1:]])
+            if self.program.split(".")[0] == "ddpscope":  # ours (the demo): where Python finds this package
+                spec = importlib.util.find_spec(self.program)
+                found = Path(spec.origin) if spec is not None and spec.origin else None
+            else:
+                found = find_module_file(self.program, [str(self.cwd), *sys.path[1:]])
             if found is None:
                 raise ValueError(f"-m {self.program}: no such module (searched {self.cwd} and this Python's path)")
             return found
@@ -194,9 +198,11 @@ def file_sha256(path: Path) -> str | None:
 
 def capture_env() -> dict[str, str]:
     """PYTHONPATH for a traced job's ranks: the bootstrap first (its ``sitecustomize``
-    installs the capture), then ddpscope itself, then what was there."""
+    installs the capture), then what was there. Nothing else: ddpscope is imported as the
+    installed ``ddpscope`` package, so no name the user's code may own (``tracer``,
+    ``viz``, ``tests``) is put on the ranks' path."""
     path = os.environ.get("PYTHONPATH")
-    return {"PYTHONPATH": os.pathsep.join([str(BOOTSTRAP), str(PROJECT_ROOT)] + ([path] if path else []))}
+    return {"PYTHONPATH": os.pathsep.join([str(BOOTSTRAP)] + ([path] if path else []))}
 
 
 @dataclass(kw_only=True)
@@ -226,8 +232,8 @@ class RingConfig:
                 "--out", str(self.out.resolve())]
         if not self.calibration:
             args.append("--no-calibration")
-        return LaunchConfig(target="tracer.workloads.ring_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
-                            timeout_s=self.timeout_s, env=project_env())
+        return LaunchConfig(target="ddpscope.tracer.workloads.ring_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
+                            timeout_s=self.timeout_s)
 
 
 @dataclass(kw_only=True)
@@ -253,8 +259,8 @@ class ZeroConfig:
     def launch_config(self) -> LaunchConfig:
         args = ["--model", self.model, "--steps", str(self.steps), "--stages", self.stages,
                 "--out", str(self.out.resolve())]
-        return LaunchConfig(target="tracer.workloads.zero_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
-                            timeout_s=self.timeout_s, env=project_env())
+        return LaunchConfig(target="ddpscope.tracer.workloads.zero_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
+                            timeout_s=self.timeout_s)
 
 
 def _physical_memory_bytes() -> int | None:
@@ -262,12 +268,6 @@ def _physical_memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def project_env() -> dict[str, str]:
-    """Environment that lets torchrun's workers import ddpscope from any working folder."""
-    path = os.environ.get("PYTHONPATH")
-    return {"PYTHONPATH": str(PROJECT_ROOT) + (os.pathsep + path if path else "")}
 
 
 def _check_out_dir(out: Path) -> None:

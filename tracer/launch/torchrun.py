@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tracer.launch.hangs import Hang, HangWatch, read_positions
-from tracer.launch.procfs import alive, descendants
+from ddpscope.tracer.launch.hangs import Hang, HangWatch, read_positions
+from ddpscope.tracer.launch.procfs import alive, descendants
 
 # A rank that failed only because a peer died says so; it is not the root cause.
 _PEER_FAILURE = re.compile(

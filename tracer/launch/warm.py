@@ -24,9 +24,9 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from tracer.launch import torchrun
-from tracer.launch.hangs import HangWatch
-from tracer.launch.torchrun import LaunchConfig, LaunchResult
+from ddpscope.tracer.launch import torchrun
+from ddpscope.tracer.launch.hangs import HangWatch
+from ddpscope.tracer.launch.torchrun import LaunchConfig, LaunchResult
 
 
 class WarmLauncher:
@@ -46,9 +46,7 @@ class WarmLauncher:
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 return
-            root = str(Path(__file__).resolve().parents[2])
-            path = os.environ.get("PYTHONPATH")
-            env = {**os.environ, **self._env, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+            env = {**os.environ, **self._env}
             self._events, self.ready_s = queue.Queue(), None
             spawned: queue.Queue[subprocess.Popen | BaseException] = queue.Queue()
             # Started from a thread of its own that lives as long as the zygote: the zygote
@@ -65,7 +63,7 @@ class WarmLauncher:
     def _spawn_and_read(self, env: dict, events: queue.Queue, spawned: queue.Queue) -> None:
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tracer.capture.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                [sys.executable, "-m", "ddpscope.tracer.capture.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, env=env, start_new_session=True, bufsize=0)
         except BaseException as e:  # noqa: BLE001 - handed to start(), which raises it
             spawned.put(e)

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from tracer.progress import emit_progress as progress
-from tracer.workloads.worker import init_worker
-from tracer.writer import write_json_atomic
+from ddpscope.tracer.progress import emit_progress as progress
+from ddpscope.tracer.workloads.worker import init_worker
+from ddpscope.tracer.writer import write_json_atomic
 
 FORMAT = "ddpscope-calibration"
 FILE = "calibration.json"

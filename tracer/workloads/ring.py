@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tracer.capture.clock import CpuClock
-from tracer.format import ALL_GATHER, REDUCE_SCATTER
+from ddpscope.tracer.capture.clock import CpuClock
+from ddpscope.tracer.format import ALL_GATHER, REDUCE_SCATTER
 
 
 def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from tracer import format as fmt
-from tracer.capture.clock import CpuClock
-from tracer.capture.offsets import estimate_offsets
-from tracer.workloads.ring import ALL_GATHER, RingStepRecord, chunk_bounds, ring_all_reduce
-from tracer.progress import emit_progress as progress
-from tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected
-from tracer.writer import TraceWriter, update_run_json
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer.capture.clock import CpuClock
+from ddpscope.tracer.capture.offsets import estimate_offsets
+from ddpscope.tracer.progress import emit_progress as progress
+from ddpscope.tracer.workloads.ring import ALL_GATHER, RingStepRecord, chunk_bounds, ring_all_reduce
+from ddpscope.tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected
+from ddpscope.tracer.writer import TraceWriter, update_run_json
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-
 # Test-only failure injection, "RANK:AT": raise (FAIL) or block forever (HANG) when that
 # rank reaches step / round / stage AT (each job says which).
 FAIL_ENV = "DDPSCOPE_TEST_FAIL"
@@ -35,7 +34,7 @@ def init_worker(pg_timeout_s: float, bind: bool = True):
     import torch
     import torch.distributed as dist
 
-    from tracer.workloads.affinity import bind_local_rank_to_cores
+    from ddpscope.tracer.workloads.affinity import bind_local_rank_to_cores
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tracer.capture.memory import distinct_bytes, optimizer_state_tensors
+from ddpscope.tracer.capture.memory import distinct_bytes, optimizer_state_tensors
 
 STAGES = {0: "DDP + Adam", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP, reshard_after_forward=False",
           3: "FSDP, full sharding"}

@@ -23,12 +23,12 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from tracer import format as fmt
-from tracer.workloads.demo.models import MODELS, build_model, model_config
-from tracer.progress import emit_progress as progress
-from tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected
-from tracer.writer import TraceWriter, update_run_json
-from tracer.workloads.zero import STAGES, STEP_MARK, ModelStates, analyze_profile, build_stage
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer.progress import emit_progress as progress
+from ddpscope.tracer.workloads.demo.models import MODELS, build_model, model_config
+from ddpscope.tracer.workloads.worker import FAIL_ENV, HANG_ENV, init_worker, injected
+from ddpscope.tracer.workloads.zero import STAGES, STEP_MARK, ModelStates, analyze_profile, build_stage
+from ddpscope.tracer.writer import TraceWriter, update_run_json
 
 MAX_COUNTER_POINTS = 300  # tensor-memory counter samples written per stage
 

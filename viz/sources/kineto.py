@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from viz.sources.kineto_file import COMM_PREFIXES, FILE_RE, KinetoFile, rank_from_name, read_kineto_file
-from viz.trace import RunTrace, TraceError, frame_of
+from ddpscope.viz.sources.kineto_file import COMM_PREFIXES, FILE_RE, KinetoFile, rank_from_name, read_kineto_file
+from ddpscope.viz.trace import RunTrace, TraceError, frame_of
 
 KIND = "kineto"
 COMM_RE = re.compile(r"(^nccl.*)|(^hip)|(^hccl)|(.*ncclKernel.*)")

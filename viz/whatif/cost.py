@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from viz.trace import TraceError, read_json_file
+from ddpscope.viz.trace import TraceError, read_json_file
 
 CALIBRATION_FILE = "calibration.json"
 CALIBRATION_FORMAT = "ddpscope-calibration"

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from viz.overlap import covered, merge_intervals
-from viz.trace import RunTrace, TraceError
-from viz.whatif.cost import AllReduceCost, Calibration, fit_line, read_calibration
+from ddpscope.viz.overlap import covered, merge_intervals
+from ddpscope.viz.trace import RunTrace, TraceError
+from ddpscope.viz.whatif.cost import AllReduceCost, Calibration, fit_line, read_calibration
 
 #: all-reduces one process group runs at once: gloo's two worker threads, NCCL's one stream
 LANES = {"gloo": 2, "nccl": 1}

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from viz.whatif.cost import AllReduceCost
-from viz.whatif.model import WhatIfModel
+from ddpscope.viz.whatif.cost import AllReduceCost
+from ddpscope.viz.whatif.model import WhatIfModel
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,9 +25,9 @@ import dataclasses
 import numpy as np
 import pandas as pd
 
-from viz.trace import RunTrace, TraceError, frame_of
-from viz.whatif.layout import assign_buckets, cap_limits
-from viz.whatif.model import StepInputs, WhatIfModel, fit_model, step_inputs
+from ddpscope.viz.trace import RunTrace, TraceError, frame_of
+from ddpscope.viz.whatif.layout import assign_buckets, cap_limits
+from ddpscope.viz.whatif.model import StepInputs, WhatIfModel, fit_model, step_inputs
 
 _EPS = 1e-6
 

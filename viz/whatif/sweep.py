@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from viz.overlap import compute_step_breakdown
-from viz.trace import RunTrace
-from viz.whatif.model import WhatIfModel, fit_model
-from viz.whatif.simulate import predict_run, traced_cap
+from ddpscope.viz.overlap import compute_step_breakdown
+from ddpscope.viz.trace import RunTrace
+from ddpscope.viz.whatif.model import WhatIfModel, fit_model
+from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 
 DEFAULT_CAPS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 32.0, 64.0, 128.0, 256.0)
 #: a cap must beat the traced one by this much (fraction of step time) to be recommended

@@ -13,7 +13,7 @@ def _install() -> None:
     if not os.environ.get("DDPSCOPE_CAPTURE"):
         return
     try:
-        from tracer.capture.autotrace import install_from_env
+        from ddpscope.tracer.capture.autotrace import install_from_env
 
         install_from_env()
     except Exception as e:  # noqa: BLE001 - the script runs, untraced

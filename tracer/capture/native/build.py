@@ -1,7 +1,7 @@
 """ddpscope's C++ extension (``timed_group.cpp``): built once per torch version and
 source, into the user's cache folder, under a file lock; loaded by ranks without building.
 
-    python -m tracer.capture.native.build      # what ``ddpscope build`` runs
+    python -m ddpscope.tracer.capture.native.build      # what ``ddpscope build`` runs
 
 The launcher builds it before any rank starts (``ensure_built`` in a subprocess: it
 imports torch, the launcher does not), so a build (35-60 s on 2 cores) is never charged

@@ -1,1 +1,1 @@
-"""The bundled demo job that ``python -m tracer run`` launches (models + training script)."""
+"""The bundled demo job that ``ddpscope run`` launches (models + training script)."""

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tracer.options import DEMO_MODELS as MODELS  # noqa: E402  (declared torch-free)
+from ddpscope.tracer.options import DEMO_MODELS as MODELS  # noqa: E402  (declared torch-free)
 
 
 @dataclass(kw_only=True)

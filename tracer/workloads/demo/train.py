@@ -4,7 +4,7 @@
 tracer.workloads.demo.train``), traced by the zero-code capture; ``--bucket-cap-mb``
 reaches DDP through the capture's override. Run it yourself with torchrun too::
 
-    torchrun --nproc-per-node 2 -m tracer.workloads.demo.train --model gpt --steps 20
+    torchrun --nproc-per-node 2 -m ddpscope.tracer.workloads.demo.train --model gpt --steps 20
 
 ``--accumulate K``: gradient accumulation over K micro-batches (``no_sync()`` on the
 first K-1).
@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tracer.options import DEMO_MODELS
-from tracer.workloads.demo.models import build_model
-from tracer.workloads.worker import DELAY_ENV, FAIL_ENV, HANG_ENV, STALL_ENV, init_worker, injected
+from ddpscope.tracer.options import DEMO_MODELS
+from ddpscope.tracer.workloads.demo.models import build_model
+from ddpscope.tracer.workloads.worker import DELAY_ENV, FAIL_ENV, HANG_ENV, STALL_ENV, init_worker, injected
 
 
 def parse_args(argv=None) -> argparse.Namespace:
