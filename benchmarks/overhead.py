@@ -227,7 +227,7 @@ def run_one(model: str, cap: float, args: argparse.Namespace) -> dict | None:
 
     results: list[dict] = []  # {"times": {mode: [s]}, "pieces": {piece: µs a step}}
 
-    def on_line(rank, line):
+    def on_line(rank, line, err):
         if line.startswith(RESULT_PREFIX):
             results.append(json.loads(line[len(RESULT_PREFIX):]))
 

@@ -51,3 +51,40 @@ def test_the_parent_never_imports_torch():
             "from ddpscope.tracer.launch.jobs import JobManager; build_parser(); print('torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+CHATTY = str(Path(__file__).resolve().parent / "workers" / "chatty_train.py")
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("flag", ["", "-q", "-v"])
+def test_the_scripts_own_output_is_shown_as_under_torchrun(tmp_path, flag):
+    """By default rank 0's output comes as it would under torchrun (stdout to stdout,
+    warnings to stderr) beside ddpscope's own lines, each marked ``ddpscope: ``; the other
+    ranks' output is in the logs, and the run says where. ``-q``: ddpscope's lines only;
+    ``-v``: every rank's, marked with its rank."""
+    out = tmp_path / "run"
+    proc = _run("run", "--nproc", "2", *([flag] if flag else []), "--out", str(out), "--", CHATTY)
+    assert proc.returncode == 0, proc.stderr
+    mine = [line for line in proc.stderr.splitlines() if line.startswith("ddpscope: ")]
+    assert any(line.startswith("ddpscope: step 2") for line in mine)  # progress, marked
+    assert any(f"kept in {out / 'logs'}" in line for line in mine)
+    assert proc.stdout.strip().splitlines()[-1] == str(out)
+    logs = {p.parent.name + "/" + p.name: p.read_text() for p in (out / "logs").glob("*/attempt_0/*/std*.log")}
+    assert "loss line from rank 1, step 1" in logs["1/stdout.log"] and "a warning from rank 1" in logs["1/stderr.log"]
+    if flag == "":
+        assert "loss line from rank 0, step 0" in proc.stdout and "loss line from rank 0, step 1" in proc.stdout
+        assert "a warning from rank 0, step 1" in proc.stderr and "the script's last line, rank 0" in proc.stderr
+        assert "rank 0" not in proc.stdout.replace("loss line from rank 0", "")
+        assert "rank 1" not in proc.stdout + proc.stderr
+    elif flag == "-q":
+        assert "loss line" not in proc.stdout + proc.stderr and "a warning" not in proc.stderr
+    else:
+        assert "[rank 1] loss line from rank 1, step 1" in proc.stdout
+        assert "a warning from rank 1, step 0" in proc.stderr and "[rank 0] loss line from rank 0" in proc.stdout
+
+
+def test_verbose_and_quiet_together_are_refused():
+    proc = _run("run", "-v", "-q", "--out", "/tmp/never-made", "--demo", "mlp")
+    assert proc.returncode == 2 and "either --verbose or --quiet" in proc.stderr
+    assert not Path("/tmp/never-made").exists()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpscope.tracer import options as o
+from ddpscope.tracer.progress import MESSAGE_PREFIX
 
 PROG = "ddpscope"
 
@@ -49,26 +50,26 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples: ddpscope run --nproc 2 --bucket-cap-mb 4 --steps 20 --out runs/mine -- train.py --lr 3e-4"
                " | ddpscope run --out runs/m -- -m mypkg.train | ddpscope run --demo gpt --out runs/demo")
     o.add_arguments(r, RunConfig)
-    o.add_arguments(r, _Verbose)
+    o.add_arguments(r, _Output)
     r.add_argument("script", nargs=argparse.REMAINDER, help="the script and its arguments (after --)")
     g = sub.add_parser("ring", help="run a traced ring all-reduce beside dist.all_reduce",
                        description="Run a ring all-reduce built from send/recv on N local ranks, step by step "
                                    "traced, and PyTorch's dist.all_reduce on the same tensor for comparison.")
     o.add_arguments(g, RingConfig)
-    o.add_arguments(g, _Verbose)
+    o.add_arguments(g, _Output)
     z = sub.add_parser("zero", help="measure memory and communication per ZeRO stage",
                        description="Train the demo model a few steps under each ZeRO stage (0: DDP + Adam, "
                                    "1: ZeroRedundancyOptimizer, 2: FSDP without resharding after forward, "
                                    "3: FSDP full sharding) and measure what each rank holds and sends.")
     o.add_arguments(z, ZeroConfig)
-    o.add_arguments(z, _Verbose)
+    o.add_arguments(z, _Output)
     c = sub.add_parser("calibrate", help="measure all-reduce times and contention for a run's what-if",
                        description="On as many local ranks as a traced run had: dist.all_reduce of 4 KiB .. "
                                    "--max-mb, then compute and all-reduces side by side. Stored as "
                                    "calibration.json in the run's folder; `ddpscope whatif` uses it.")
     c.add_argument("run", help="a traced DDP run folder")
     o.add_arguments(c, CalibrateConfig)
-    o.add_arguments(c, _Verbose)
+    o.add_arguments(c, _Output)
     sub.add_parser("build", help="build the compiled capture (--capture compiled) once for this torch",
                    description="Build ddpscope's C++ extension for this torch and Python into the cache folder "
                                "($DDPSCOPE_CACHE, else ~/.cache/ddpscope): once, under a file lock. `ddpscope run "
@@ -90,8 +91,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @dataclass
-class _Verbose:
+class _Output:
+    """What of the job's output the command shows (``OutputFilter``)."""
+
     verbose: bool = o.VERBOSE.field()
+    quiet: bool = o.QUIET.field()
+
+
+class OutputFilter:
+    """Which lines of a job's output reach the terminal, and where.
+
+    Default: rank 0's own output as it comes (its stdout to stdout, its stderr to stderr,
+    as under torchrun), ddpscope's lines from any rank (they start with ``ddpscope: ``),
+    nothing of the other ranks (their output is in the run's logs). ``verbose``: every
+    rank's, marked ``[rank r]``, and torchrun's own. ``quiet``: ddpscope's lines only.
+    ``first_rank``: the global rank of this node's local rank 0."""
+
+    def __init__(self, verbose: bool, quiet: bool, first_rank: int = 0) -> None:
+        self.verbose, self.quiet, self.first_rank = verbose, quiet, first_rank
+
+    def __call__(self, rank: int | None, line: str, err: bool) -> None:
+        if self.verbose:
+            text = line if rank is None else f"[rank {self.first_rank + rank}] {line}"
+            print(text, file=sys.stderr if err or rank is None else sys.stdout, flush=True)
+        elif line.startswith(MESSAGE_PREFIX):  # the capture's own line (a note, a warning)
+            print(line, file=sys.stderr, flush=True)
+        elif not self.quiet and rank == 0 and self.first_rank == 0:
+            print(line, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def say(text: str) -> None:
+    """One of ddpscope's own lines on the terminal, marked as the capture's are."""
+    print(MESSAGE_PREFIX + text, file=sys.stderr, flush=True)
 
 
 def run_progress(rec: dict, cfg) -> str | None:
@@ -142,10 +173,12 @@ def launch_command(args: argparse.Namespace) -> int:
         "calibrate": (calibrate.CalibrateConfig, calibrate.run_calibrate, calibrate_progress),
     }[args.command]
     prog = f"{PROG} {args.command}"
-    settings = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("command", "verbose", "quiet")}
     if settings.get("script", [])[:1] == ["--"]:  # argparse keeps the separator
         settings["script"] = settings["script"][1:]
     try:
+        if args.verbose and args.quiet:
+            raise ValueError("give either --verbose or --quiet, not both")
         cfg = config_cls(**settings)
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -160,20 +193,21 @@ def launch_command(args: argparse.Namespace) -> int:
         final = rec.get("event") != "step" or rec.get("step") == rec.get("steps")
         if line and (final or now - last[0] >= 0.5):
             last[0], unsaid[0] = now, None
-            print(line, file=sys.stderr)
+            say(line)
         elif line:
             unsaid[0] = line
 
-    def output(rank, line) -> None:
-        if args.verbose:
-            print(f"[rank {rank}] {line}" if rank is not None else line, file=sys.stderr)
-        elif line.startswith("ddpscope: "):  # what the capture says inside a rank (rank 0 only)
-            print(line, file=sys.stderr)
-
+    output = OutputFilter(args.verbose, args.quiet, getattr(cfg, "node_rank", 0) * getattr(cfg, "nproc", 0))
     if args.command == "run":
         what = cfg.demo or " ".join(cfg.script)
         cap = "the script's" if cfg.bucket_cap_mb is None else f"{cfg.bucket_cap_mb:g} MiB"
-        print(f"tracing {what} on {cfg.nproc * cfg.nnodes} ranks, bucket_cap_mb: {cap}", file=sys.stderr)
+        ranks = cfg.nproc * cfg.nnodes
+        node = f" (node {cfg.node_rank} of {cfg.nnodes}: ranks {output.first_rank}..{output.first_rank + cfg.nproc - 1})" \
+            if cfg.nnodes > 1 else ""
+        say(f"tracing {what} on {ranks} ranks{node}, bucket_cap_mb: {cap}")
+        shown = ("ddpscope's lines only" if args.quiet else "every rank's output" if args.verbose else
+                 "rank 0's output" if output.first_rank == 0 else "no rank's output (rank 0 is on node 0)")
+        say(f"showing {shown}; every rank's stdout and stderr are kept in {cfg.out / 'logs'}")
     # SIGTERM (a scheduler, `kill`) ends the job like Ctrl-C does: stopped and reaped.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -182,7 +216,7 @@ def launch_command(args: argparse.Namespace) -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     if unsaid[0]:
-        print(unsaid[0], file=sys.stderr)
+        say(unsaid[0])
     if not result.ok:
         print(f"{prog}: run failed: {result.reason}", file=sys.stderr)
         for line in result.details:  # a hang: where every rank was
@@ -199,6 +233,8 @@ def launch_command(args: argparse.Namespace) -> int:
         return result.returncode
     if getattr(result, "incomplete", None):  # training is fine: exit 0, and say what was lost
         print(f"{prog}: warning: {result.incomplete}; what was written is kept in {cfg.out}", file=sys.stderr)
+    if getattr(result, "elsewhere", None):  # a multi-node job whose nodes each wrote their own folder
+        say(result.elsewhere)
     print(cfg.run / "calibration.json" if args.command == "calibrate" else cfg.out)
     return 0
 

@@ -37,6 +37,21 @@ PROFILE_DIR = "profile"  # ddpscope run --profile: torch.profiler's traces, one 
 STACKS_SIGNAL_NAME = "SIGUSR1"
 
 
+# A multi-node run (``tracer/launch/nodes.py``): each node's launcher keeps its record in
+# RUN/nodes/node-<k>.json and its torchrun logs in RUN/logs/node-<k>/; node 0 owns run.json.
+NODES_DIR = "nodes"
+LOGS_DIR = "logs"
+
+
+def node_file(node_rank: int) -> str:
+    return f"{NODES_DIR}/node-{node_rank}.json"
+
+
+def node_logs(node_rank: int, nnodes: int) -> str:
+    """Where a node's torchrun logs go: ``logs`` alone, ``logs/node-<k>`` of several."""
+    return LOGS_DIR if nnodes == 1 else f"{LOGS_DIR}/node-{node_rank}"
+
+
 def live_file(rank: int) -> str:
     return f"{LIVE_DIR}/rank-{rank}.json"
 

@@ -96,7 +96,10 @@ CAPTURE = Option("--capture", "how all-reduces and gradient-ready times are take
                  "reducer, built once per torch version before the ranks start; the python hooks where it cannot be "
                  "had: no compiler, CUDA, a script's own comm hook) or python (DDP communication hook and gradient "
                  "hooks)", "compiled", str, one_of(CAPTURES))
-VERBOSE = Option("--verbose", "also show the workers' own output", False, action="store_true")
+VERBOSE = Option("--verbose", "show every rank's output, each line marked with its rank (default: rank 0's output "
+                 "as it comes; every rank's is kept in RUN/logs/)", False, action="store_true")
+QUIET = Option("--quiet", "show ddpscope's own lines only (progress, notes), none of the script's output", False,
+               action="store_true")
 # ring
 RING_NPROC = Option("--nproc", "ranks in the ring", 4, int, in_range(2, MAX_NPROC, " (a ring needs two ranks)"))
 RING_MB = Option("--mb", "tensor size per rank, in MiB", 4.0, float, in_range(0, 4096.0, " (MiB)", lo_open=True))
@@ -129,6 +132,9 @@ def parse_caps(text: str) -> list[float]:
     return caps
 
 
+SHORT_FLAGS = {"--verbose": ("-v",), "--quiet": ("-q",)}
+
+
 def option_fields(cls) -> list[tuple[dataclasses.Field, Option]]:
     return [(f, f.metadata["option"]) for f in dataclasses.fields(cls) if "option" in f.metadata]
 
@@ -144,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
             kw["action"] = o.action
         else:
             kw.update(type=o.type or str, default=default, metavar=o.metavar)
-        flags = [o.flag, "-v"] if o.flag == "--verbose" else [o.flag]
+        flags = [o.flag, *SHORT_FLAGS.get(o.flag, ())]
         parser.add_argument(*flags, **kw)
 
 

@@ -45,6 +45,12 @@ def add_viz_commands(sub) -> None:
     m = sub.add_parser("perfetto", help="merge a run's rank files into one Perfetto trace on rank 0's clock")
     m.add_argument("path", help="a run folder (run.json + rank-<r>.json)")
     m.add_argument("--out", required=True, help="the merged trace to write (a new .json file)")
+    j = sub.add_parser("merge", help="join the folders the nodes of one multi-node run wrote apart into one run",
+                       description="Join the run folders that the nodes of one multi-node `ddpscope run` wrote "
+                                   "apart (each node given its own --out) into one run folder: every node and "
+                                   "rank once, node 0's run.json. Nothing is changed in the node folders.")
+    j.add_argument("folders", nargs="+", metavar="FOLDER", help="every node's run folder")
+    j.add_argument("--out", required=True, help="the merged run folder to make (new)")
 
 
 def run_viz_command(args, prog: str) -> int:
@@ -52,7 +58,12 @@ def run_viz_command(args, prog: str) -> int:
     from ddpscope.viz.trace import TraceError
 
     try:
-        if args.command == "perfetto":
+        if args.command == "merge":
+            from ddpscope.viz.merge import merge_runs
+
+            print(merge_runs(args.folders, args.out))
+            code = 0
+        elif args.command == "perfetto":
             from ddpscope.viz.perfetto import write_merged
 
             size = write_merged(args.path, args.out)
@@ -66,6 +77,9 @@ def run_viz_command(args, prog: str) -> int:
         return code
     except (TraceError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a folder that cannot be read or written (the merge leaves nothing half-made)
+        print(f"{prog}: error: {e.strerror or e}: {e.filename or ''}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `ddpscope whatif RUN | head`: the reader left early; nothing went wrong here
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit

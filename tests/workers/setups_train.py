@@ -13,6 +13,7 @@ compare every parameter bit for bit (``--report``: one JSON file per rank).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -102,8 +103,11 @@ def main() -> None:
         os.makedirs(args.report, exist_ok=True)
         with open(os.path.join(args.report, f"check-rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, **result}, f)
-        dist.barrier()  # a clean gloo teardown (see user_train.py)
+        # A clean gloo teardown (see user_train.py): every rank past its last collective, the
+        # DDP models (reference cycles: hence the collection) released before their group goes
+        dist.barrier()
         del models
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

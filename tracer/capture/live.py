@@ -2,8 +2,8 @@
 
 A thread of its own writes ``RUN/live/rank-<r>.json`` (atomically) twice a second: the
 step, the phase (forward, backward, waiting for the all-reduces, optimizer, between
-steps), the buckets launched this step and those still in flight, the pid and the Unix
-time of writing. It reads the recorder's state without locks (a snapshot may be a
+steps), the buckets launched this step and those still in flight, the pid, the host and
+the Unix time of writing. It reads the recorder's state without locks (a snapshot may be a
 moment old; it is only read to say where a rank stopped). The thread keeps writing while
 the training thread is stuck in Python; a stopped process (SIGSTOP) writes nothing, and
 the file's time says since when.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -67,6 +68,7 @@ class LiveFile:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._status = "running"
+        self.host = socket.gethostname()  # the launcher signals only pids of its own host
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._write()
         self._thread = threading.Thread(target=self._loop, name="ddpscope-live", daemon=True)
@@ -89,7 +91,8 @@ class LiveFile:
 
     def _write(self) -> None:
         try:
-            state = {"rank": self.rank, "pid": os.getpid(), "time_unix": time.time(), "status": self._status,
+            state = {"rank": self.rank, "pid": os.getpid(), "host": self.host, "time_unix": time.time(),
+                     "status": self._status,
                      **position(self.recorder)}
             write_bytes_atomic(self.path, [json.dumps(state).encode()])
         except Exception:  # noqa: BLE001 - a heartbeat that cannot be written is not worth a training run

@@ -32,8 +32,16 @@ from ddpscope.tracer import format as fmt
 from ddpscope.tracer.capture.clock import make_clock
 from ddpscope.tracer.capture.compiled import CompiledBuckets, load_extension, usable
 from ddpscope.tracer.capture.events import header_events
-from ddpscope.tracer.capture.hooks import (CommHookTaken, HookGuard, HookHandles, attach_comm_hook, attach_grad_hooks,
-                                           attach_hooks, ddp_register_builtin_comm_hook, reducer_params)
+from ddpscope.tracer.capture.hooks import (
+    CommHookTaken,
+    HookGuard,
+    HookHandles,
+    attach_comm_hook,
+    attach_grad_hooks,
+    attach_hooks,
+    ddp_register_builtin_comm_hook,
+    reducer_params,
+)
 from ddpscope.tracer.capture.live import LiveFile
 from ddpscope.tracer.capture.offsets import ClockOffset, estimate_offsets
 from ddpscope.tracer.capture.recorder import StepRecorder

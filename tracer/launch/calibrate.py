@@ -14,7 +14,7 @@ from typing import Callable
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer import options as o
 from ddpscope.tracer.launch.runner import Launcher
-from ddpscope.tracer.launch.torchrun import LaunchConfig, LaunchResult, launch
+from ddpscope.tracer.launch.torchrun import LaunchConfig, LaunchResult, OnLine, launch
 from ddpscope.tracer.progress import parse_progress
 from ddpscope.tracer.writer import read_json
 
@@ -61,17 +61,17 @@ class CalibrateConfig:
 
 
 def run_calibrate(cfg: CalibrateConfig, on_progress: Callable[[dict], None] = lambda p: None,
-                  on_output: Callable[[int | None, str], None] = lambda r, l: None, launcher: Launcher = launch
+                  on_output: OnLine = lambda r, l, e: None, launcher: Launcher = launch
                   ) -> LaunchResult:
     """Run the calibration job against an existing run folder; only ``calibration.json``
     (written atomically by rank 0) and its logs are added there."""
     shutil.rmtree(cfg.run / "logs" / "calibrate", ignore_errors=True)
 
-    def _line(local_rank: int | None, text: str) -> None:
+    def _line(local_rank: int | None, text: str, err: bool) -> None:
         rec = parse_progress(text)
         if rec is not None:
             on_progress(rec)
         else:
-            on_output(local_rank, text)
+            on_output(local_rank, text, err)
 
     return launcher(cfg.launch_config(), _line)

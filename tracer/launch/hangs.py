@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,12 +147,15 @@ def describe(rank: int, p: dict, pos: dict[int, dict], now: float) -> str:
 
 
 def request_stacks(out: Path, pos: dict[int, dict], wait_s: float = 3.0) -> dict[int, str]:
-    """SIGUSR1 to every rank (faulthandler dumps its stacks); the files that got written."""
+    """SIGUSR1 to every rank of this host (faulthandler dumps its stacks); the files that got written."""
     sig = getattr(signal, fmt.STACKS_SIGNAL_NAME)
     sizes = {}
+    host = socket.gethostname()
     for r, p in pos.items():
         path = Path(out) / fmt.stacks_file(r)
         sizes[r] = path.stat().st_size if path.exists() else 0
+        if p.get("host", host) != host:  # another node's rank (a shared folder): its pid means nothing here
+            continue
         try:
             os.kill(int(p["pid"]), sig)
         except (ProcessLookupError, PermissionError, KeyError, ValueError, TypeError):

@@ -19,6 +19,7 @@ from typing import Callable
 from ddpscope.tracer.launch import torchrun
 from ddpscope.tracer.launch.runner import RingConfig, RunConfig, ZeroConfig, run_job, run_ring, run_zero
 from ddpscope.tracer.launch.torchrun import LaunchResult
+from ddpscope.tracer.progress import MESSAGE_PREFIX
 
 Config = RunConfig | RingConfig | ZeroConfig
 
@@ -134,10 +135,10 @@ class JobManager:
             elif event == "stage":
                 job.done += 1
 
-        def output(rank, line: str) -> None:
+        def output(rank, line: str, err: bool) -> None:
             job.lines = (job.lines + [line])[-50:]
-            if line.startswith("ddpscope: "):  # what the capture says (rank 0): shown on the page
-                job.notes.append(line[len("ddpscope: "):])
+            if line.startswith(MESSAGE_PREFIX):  # what the capture says (rank 0): shown on the page
+                job.notes.append(line[len(MESSAGE_PREFIX):])
 
         try:
             job.result = _RUNNERS[type(job.config)](job.config, progress, output, launcher=self.launcher)

@@ -27,13 +27,15 @@ from typing import Callable
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer import options as o
 from ddpscope.tracer.capture.autotrace import CaptureConfig
+from ddpscope.tracer.launch import nodes
 from ddpscope.tracer.launch.hangs import read_positions
 from ddpscope.tracer.launch.native import build_native
-from ddpscope.tracer.launch.torchrun import LaunchConfig, LaunchResult, launch
+from ddpscope.tracer.launch.nodes import check_out_dir
+from ddpscope.tracer.launch.torchrun import LaunchConfig, LaunchResult, OnLine, launch
 from ddpscope.tracer.progress import parse_progress
 from ddpscope.tracer.writer import read_json, write_json_atomic
 
-Launcher = Callable[[LaunchConfig, Callable[[int | None, str], None]], LaunchResult]
+Launcher = Callable[[LaunchConfig, OnLine], LaunchResult]
 
 BOOTSTRAP = Path(__file__).resolve().parents[1] / "capture" / "bootstrap"
 DEMO_SCRIPT = "ddpscope.tracer.workloads.demo.train"
@@ -80,7 +82,15 @@ class RunConfig:
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
         self.program_path()  # the script or module exists
-        _check_out_dir(self.out)
+        check_out_dir(self.out, self.job if self.nnodes > 1 else None, self.node_rank)
+
+    @property
+    def job(self) -> str:
+        """This job's identity, the same on every node: what every node was asked to run."""
+        return nodes.job_key({"argv": self.argv, "nproc": self.nproc, "nnodes": self.nnodes,
+                              "rdzv_endpoint": self.rdzv_endpoint, "bucket_cap_mb": self.bucket_cap_mb,
+                              "steps": self.steps, "capture": self.capture,
+                              "profile_steps": self.profile_steps if self.profile else None})
 
     @property
     def argv(self) -> list[str]:
@@ -136,7 +146,8 @@ class RunConfig:
                                 capture="python" if capture_note else self.capture, capture_note=capture_note)
         return LaunchConfig(target=self.program, args=self.program_args, module=self.module, cwd=self.cwd,
                             nproc=self.nproc, nnodes=self.nnodes, node_rank=self.node_rank,
-                            rdzv_endpoint=self.rdzv_endpoint, log_dir=self.out / "logs", timeout_s=self.timeout_s,
+                            rdzv_endpoint=self.rdzv_endpoint, log_dir=self.out / fmt.node_logs(self.node_rank, self.nnodes),
+                            timeout_s=self.timeout_s,
                             env={**capture_env(), **capture.to_env()}, run_dir=self.out.resolve(),
                             hang_timeout_s=self.hang_timeout_s)
 
@@ -145,7 +156,7 @@ class RunConfig:
         what DDP really used)."""
         path = self.program_path()
         return {
-            "kind": fmt.KIND_DDP, "model": self.label(), "demo": self.demo,
+            "kind": fmt.KIND_DDP, "model": self.label(), "demo": self.demo, "job": self.job,
             "script": {"argv": self.argv, "module": self.module, "path": str(path),
                        "sha256": file_sha256(path), "cwd": str(self.cwd)},
             "nproc_per_node": self.nproc, "nnodes": self.nnodes,
@@ -225,7 +236,7 @@ class RingConfig:
         if total and need > 0.8 * total:
             raise ValueError(f"--mb {self.mb:g} x --nproc {self.nproc} needs about {need / 2**30:.1f} GiB, "
                              f"more than this machine's {total / 2**30:.1f} GiB allows; lower --mb")
-        _check_out_dir(self.out)
+        check_out_dir(self.out)
 
     def launch_config(self) -> LaunchConfig:
         args = ["--mb", repr(self.mb), "--repeat", str(self.repeat), "--dtype", self.dtype,
@@ -254,7 +265,7 @@ class ZeroConfig:
         if not parts or any(p not in ("0", "1", "2", "3") for p in parts) or len(set(parts)) != len(parts):
             raise ValueError(f"--stages must list distinct stages from 0,1,2,3 (e.g. 0,3), got {self.stages!r}")
         self.stages = ",".join(parts)
-        _check_out_dir(self.out)
+        check_out_dir(self.out)
 
     def launch_config(self) -> LaunchConfig:
         args = ["--model", self.model, "--steps", str(self.steps), "--stages", self.stages,
@@ -270,24 +281,6 @@ def _physical_memory_bytes() -> int | None:
         return None
 
 
-def _check_out_dir(out: Path) -> None:
-    """--out must be a new or empty folder we can write to; nothing is created here."""
-    if out.exists():
-        if not out.is_dir():
-            raise ValueError(f"--out {out} exists and is not a folder")
-        if any(out.iterdir()):
-            raise ValueError(f"--out {out} is not empty; choose a new folder (traces are never overwritten)")
-        probe = out
-    else:
-        probe = out.parent
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        if not probe.is_dir():
-            raise ValueError(f"--out {out}: {probe} is not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out} is not writable ({probe} denies writing)")
-
-
 def create_out_dir(out: Path) -> None:
     """Create --out and prove it takes files; ``ValueError`` (one line) if it does not."""
     try:
@@ -300,7 +293,7 @@ def create_out_dir(out: Path) -> None:
 
 
 def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None,
-            on_output: Callable[[int | None, str], None] = lambda r, l: None, launcher: Launcher = launch
+            on_output: OnLine = lambda r, l, e: None, launcher: Launcher = launch
             ) -> LaunchResult:
     """Run the traced script to its end and leave the run folder consistent.
     ``launcher``: torchrun (default) or a warm launcher (``tracer.launch.warm``).
@@ -308,10 +301,11 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
     Raises ``ValueError`` if the run folder cannot be created (nothing is launched)."""
     note = None
     if cfg.capture == "compiled":  # built before any rank starts: no traced step pays for it
-        built = build_native(lambda line: on_output(None, line))
+        built = build_native(lambda line: on_output(None, line, True))
         note = None if built["ok"] else f"the compiled capture could not be built: {built['error'][:300]}"
+    node = None if cfg.nnodes == 1 else Node(job=cfg.job, rank=cfg.node_rank, count=cfg.nnodes, nproc=cfg.nproc)
     result = _launch_traced(cfg.launch_config(note), cfg.out, {**cfg.facts(), "command": shlex.join(cfg.command())},
-                            cfg.node_rank, on_progress, on_output, launcher)
+                            on_progress, on_output, launcher, node)
     if not cfg.out.is_dir():
         result.untraced = f"the run folder {cfg.out} was removed during the run: its trace is lost (training ran)"
         return result
@@ -327,65 +321,98 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
 
 
 def run_ring(cfg: RingConfig, on_progress: Callable[[dict], None] = lambda p: None,
-             on_output: Callable[[int | None, str], None] = lambda r, l: None, launcher: Launcher = launch
+             on_output: OnLine = lambda r, l, e: None, launcher: Launcher = launch
              ) -> LaunchResult:
     """Run the traced ring job (``tracer/workloads/ring_job.py``) to its end; as ``run_job``."""
     return _launch_traced(cfg.launch_config(), cfg.out, {
         "kind": fmt.KIND_RING, "mb": cfg.mb, "repeat": cfg.repeat, "dtype": cfg.dtype,
-        "nproc_per_node": cfg.nproc, "nnodes": 1}, 0, on_progress, on_output, launcher)
+        "nproc_per_node": cfg.nproc, "nnodes": 1}, on_progress, on_output, launcher)
 
 
 def run_zero(cfg: ZeroConfig, on_progress: Callable[[dict], None] = lambda p: None,
-             on_output: Callable[[int | None, str], None] = lambda r, l: None, launcher: Launcher = launch
+             on_output: OnLine = lambda r, l, e: None, launcher: Launcher = launch
              ) -> LaunchResult:
     """Run the ZeRO memory job (``tracer/workloads/zero_job.py``) to its end; as ``run_job``."""
     return _launch_traced(cfg.launch_config(), cfg.out, {
         "kind": fmt.KIND_ZERO, "model": cfg.model, "steps": cfg.steps, "nproc_per_node": cfg.nproc,
-        "nnodes": 1}, 0, on_progress, on_output, launcher)
+        "nnodes": 1}, on_progress, on_output, launcher)
 
 
-def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int, on_progress: Callable[[dict], None],
-                   on_output: Callable[[int | None, str], None], launcher: Launcher) -> LaunchResult:
+@dataclass(frozen=True)
+class Node:
+    """This launcher's node of a multi-node job (``tracer/launch/nodes.py``)."""
+
+    job: str
+    rank: int
+    count: int
+    nproc: int
+
+
+def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, on_progress: Callable[[dict], None],
+                   on_output: OnLine, launcher: Launcher, node: Node | None = None) -> LaunchResult:
+    """Launch, and leave the run folder consistent. ``node``: one node of several sharing
+    ``out`` (only node 0 writes run.json; see ``nodes``)."""
     create_out_dir(out)
     run_path = out / fmt.RUN_FILE
     # when the launcher started the job and saw it end: µs on the host monotonic clock,
     # the ranks' own (time.perf_counter), so launch and teardown show beside the steps
     launched_us = time.perf_counter_ns() / 1000.0
-    write_json_atomic(run_path, {"format": fmt.FORMAT, "version": fmt.VERSION, "status": fmt.RUNNING, **facts,
-                                 "launcher_us": {"launched": launched_us}})
+    if node is not None:
+        nodes.announce(out, node.job, node.rank, node.count, node.nproc)
+    if node is None or node.rank == 0:
+        write_json_atomic(run_path, {"format": fmt.FORMAT, "version": fmt.VERSION, "status": fmt.RUNNING, **facts,
+                                     "launcher_us": {"launched": launched_us}})
     seen = [0]
 
-    def _line(local_rank: int | None, text: str) -> None:
+    def _line(local_rank: int | None, text: str, err: bool) -> None:
         rec = parse_progress(text)
         if rec is not None:
             seen[0] += 1
             on_progress(rec)
         else:
-            on_output(local_rank, text)
+            on_output(local_rank, text, err)
 
     result = launcher(lc, _line)
     # torchrun's console copy of the ranks' output can lose its last lines when a rank
     # exits; rank 0's own log holds them all: hand on the progress records not yet seen
     for rec in _logged_progress(lc.log_dir)[seen[0]:]:
         on_progress(rec)
+    ended_us = time.perf_counter_ns() / 1000.0
+    if node is not None:
+        nodes.finish(out, node.rank, fmt.COMPLETE if result.ok and not result.interrupted else fmt.FAILED,
+                     result.reason)
+        if node.rank != 0:  # run.json is node 0's
+            return result
     try:
         run = read_json(run_path) if run_path.exists() else {}
     except (OSError, ValueError):
         run = {}
-    run["launcher_us"] = {"launched": launched_us, "ended": time.perf_counter_ns() / 1000.0}
+    run["launcher_us"] = {"launched": launched_us, "ended": ended_us}
     if not result.ok or result.interrupted:
         run.update({"status": fmt.FAILED, "error": result.reason, "failed_rank": result.failed_rank,
                     "failure": {"rank": result.failed_rank, "how": result.how, "where": result.where,
                                 "hung": result.hung, "consequences": result.consequences,
                                 "ranks": result.details}})
-    elif node_rank != 0 and run.get("status") == fmt.RUNNING:  # rank 0 wrote the run's metadata elsewhere
-        run.update({"status": fmt.COMPLETE, "node_rank": node_rank,
-                    "note": "ranks of one node; the run's metadata is in node 0's run.json"})
-    elif out.is_dir() and (unfinished := unfinished_ranks(out, run)) is not None:
-        # the job ran to its end, its trace did not (a full disk, a file that could not be
-        # replaced): what was written stays readable, and is said to be incomplete
-        result.incomplete = f"the trace is incomplete ({unfinished}); the job ran to its end"
-        run.update({"status": fmt.INCOMPLETE, "error": result.incomplete})
+    elif out.is_dir():
+        elsewhere = []
+        if node is not None:  # the other nodes' ranks: here (a shared folder) or in their own folders
+            elsewhere, late = nodes.wait_for_nodes(out, node.count)
+            if late:
+                run.setdefault("notes", []).append(
+                    f"node{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not say how "
+                    f"{'they' if len(late) > 1 else 'it'} ended within {nodes.FINISH_WAIT_S:g} s")
+        if elsewhere:
+            ranks = [r for k in elsewhere for r in range(k * node.nproc, (k + 1) * node.nproc)]
+            result.elsewhere = (f"this folder holds node 0's ranks; node{'s' if len(elsewhere) > 1 else ''} "
+                                f"{', '.join(map(str, elsewhere))} wrote ranks {_span(ranks)} into "
+                                f"{'their' if len(elsewhere) > 1 else 'its'} own --out: join the folders with "
+                                f"`ddpscope merge {out} OTHER_NODE_FOLDER... --out MERGED`")
+            run["nodes_elsewhere"] = elsewhere
+        if (unfinished := unfinished_ranks(out, run, skip=set(ranks) if elsewhere else set())) is not None:
+            # the job ran to its end, its trace did not (a full disk, a file that could not be
+            # replaced): what was written stays readable, and is said to be incomplete
+            result.incomplete = f"the trace is incomplete ({unfinished}); the job ran to its end"
+            run.update({"status": fmt.INCOMPLETE, "error": result.incomplete})
     try:
         write_json_atomic(run_path, run)
     except OSError:
@@ -393,7 +420,11 @@ def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, node_rank: int, on_
     return result
 
 
-def unfinished_ranks(out: Path, run: dict) -> str | None:
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}..{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+
+
+def unfinished_ranks(out: Path, run: dict, skip: set[int] = frozenset()) -> str | None:
     """After a job that ended well: which ranks did not finish their trace ("rank 1
     stopped tracing at step 12"), from their live files (small: never the rank files), or None. A rank
     whose live file is missing or not ``complete`` never closed its trace; a run.json still
@@ -404,7 +435,7 @@ def unfinished_ranks(out: Path, run: dict) -> str | None:
         return None  # nothing was traced (no DDP model): run_job says so
     live = read_positions(out)
     world = int(run.get("world_size") or 0) or int(run.get("nproc_per_node") or 0) * int(run.get("nnodes") or 1)
-    bad = [r for r in range(world) if live.get(r, {}).get("status") != fmt.COMPLETE]
+    bad = [r for r in range(world) if r not in skip and live.get(r, {}).get("status") != fmt.COMPLETE]
     if not bad and run.get("status") != fmt.RUNNING:
         return None
     if not bad:

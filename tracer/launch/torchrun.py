@@ -83,6 +83,7 @@ class LaunchResult:
     stderr_tail: str = ""
     untraced: str | None = None  # the job ran, but nothing could be traced: why
     incomplete: str | None = None  # the job ran to its end, its trace did not: which ranks stopped where
+    elsewhere: str | None = None  # a multi-node job whose other nodes wrote their own folders: how to join them
     hung: bool = False  # the hang watchdog stopped it
     how: str | None = None  # how the failed rank ended: "SIGKILL", "exit code 3", "RuntimeError: ..."
     where: str | None = None  # what it last recorded: "step 12, backward"
@@ -107,17 +108,26 @@ def torchrun_command(cfg: LaunchConfig) -> list[str]:
     ]
 
 
-def launch(cfg: LaunchConfig, on_line: Callable[[int | None, str], None] = lambda r, l: None) -> LaunchResult:
-    """Run the job to its end; ``on_line(local_rank or None, text)`` sees its output."""
+OnLine = Callable[[int | None, str, bool], None]
+"""``on_line(rank, text, err)``: a line of the job's output. ``rank``: the local rank whose
+output it is (None: the launcher's own); ``err``: it came on stderr."""
+
+
+def launch(cfg: LaunchConfig, on_line: OnLine = lambda r, l, e: None) -> LaunchResult:
+    """Run the job to its end; ``on_line`` sees its output as it comes (``OnLine``)."""
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **cfg.env}
     proc = subprocess.Popen(
-        torchrun_command(cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        torchrun_command(cfg), stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
         env=env, start_new_session=True, text=True, errors="replace", bufsize=1, cwd=cfg.cwd,
     )
-    lines: queue.Queue[str | None] = queue.Queue()
-    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
-    reader.start()
+    # torchrun --tee copies each rank's stdout to its stdout and stderr to its stderr
+    lines: queue.Queue[tuple[str, bool] | None] = queue.Queue()
+    readers = [threading.Thread(target=_pump, args=(stream, lines, err), daemon=True)
+               for stream, err in ((proc.stdout, False), (proc.stderr, True))]
+    for reader in readers:
+        reader.start()
+    open_streams = len(readers)
     deadline = time.monotonic() + cfg.timeout_s
     timed_out = interrupted = False
     hang = None
@@ -125,38 +135,41 @@ def launch(cfg: LaunchConfig, on_line: Callable[[int | None, str], None] = lambd
     agent: deque[str] = deque(maxlen=400)  # torchrun's own lines: its summary of how each rank ended
     workers: set[int] = set()
     try:
-        while True:
+        while open_streams:
             if watch is not None and (hang := watch.poll()) is not None:
                 break
             try:
-                line = lines.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                item = lines.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
             except queue.Empty:
                 workers |= descendants(proc.pid)  # remember them: torchrun may die first
                 if time.monotonic() >= deadline:
                     timed_out = True
                     break
                 continue
-            if line is None:
-                break
+            if item is None:
+                open_streams -= 1
+                continue
+            line, err = item
             m = _RANK_PREFIX.match(line)
             if m:
-                on_line(int(m.group(1)), m.group(2))
+                on_line(int(m.group(1)), m.group(2), err)
             else:
                 agent.append(line)
-                on_line(None, line)
+                on_line(None, line, err)
     except KeyboardInterrupt:
         interrupted = True
     finally:
         workers |= descendants(proc.pid)
         _terminate(proc, workers)
-        reader.join(timeout=5)
-        while True:  # what the reader had left: torchrun's summary comes last
+        for reader in readers:
+            reader.join(timeout=5)
+        while True:  # what the readers had left: torchrun's summary comes last
             try:
-                line = lines.get_nowait()
+                item = lines.get_nowait()
             except queue.Empty:
                 break
-            if line is not None and not _RANK_PREFIX.match(line):
-                agent.append(line)
+            if item is not None and not _RANK_PREFIX.match(item[0]):
+                agent.append(item[0])
     return job_result(cfg, proc.returncode, timed_out, interrupted, hang=hang, exits=agent_exits(list(agent)))
 
 
@@ -227,9 +240,9 @@ def _how_killed(code: int) -> str:
     return f"was killed by {name}"
 
 
-def _pump(stream, lines: queue.Queue) -> None:
+def _pump(stream, lines: queue.Queue, err: bool) -> None:
     for line in stream:
-        lines.put(line.rstrip("\n"))
+        lines.put((line.rstrip("\n"), err))
     lines.put(None)
 
 

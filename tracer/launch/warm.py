@@ -22,7 +22,6 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
 
 from ddpscope.tracer.launch import torchrun
 from ddpscope.tracer.launch.hangs import HangWatch
@@ -101,8 +100,7 @@ class WarmLauncher:
                 proc.wait()
 
     # -- a job ---------------------------------------------------------------------------
-    def launch(self, cfg: LaunchConfig, on_line: Callable[[int | None, str], None] = lambda r, l: None
-               ) -> LaunchResult:
+    def launch(self, cfg: LaunchConfig, on_line: torchrun.OnLine = lambda r, l, e: None) -> LaunchResult:
         """Run the job to its end (like ``torchrun.launch``); through torchrun when it
         spans nodes or the zygote cannot be had."""
         self.start()
@@ -190,14 +188,15 @@ def shared_launcher() -> WarmLauncher:
 class _Tails:
     """Follows every rank's stdout.log and stderr.log, line by line."""
 
-    def __init__(self, folder: Path, nproc: int, on_line: Callable[[int | None, str], None]) -> None:
-        self._files = [(rank, folder / str(rank) / name) for rank in range(nproc) for name in ("stdout.log", "stderr.log")]
-        self._pos = {p: 0 for _, p in self._files}
-        self._rest = {p: b"" for _, p in self._files}
+    def __init__(self, folder: Path, nproc: int, on_line: torchrun.OnLine) -> None:
+        self._files = [(rank, folder / str(rank) / name, name == "stderr.log") for rank in range(nproc)
+                       for name in ("stdout.log", "stderr.log")]
+        self._pos = {p: 0 for _, p, _ in self._files}
+        self._rest = {p: b"" for _, p, _ in self._files}
         self._on_line = on_line
 
     def poll(self) -> None:
-        for rank, path in self._files:
+        for rank, path, err in self._files:
             try:
                 with open(path, "rb") as f:
                     f.seek(self._pos[path])
@@ -210,4 +209,4 @@ class _Tails:
             lines = (self._rest[path] + data).split(b"\n")
             self._rest[path] = lines.pop()
             for line in lines:
-                self._on_line(rank, line.decode(errors="replace"))
+                self._on_line(rank, line.decode(errors="replace"), err)
