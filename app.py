@@ -21,6 +21,7 @@ from ddpscope.dashboard.common import (
     list_runs,
     load_trace,
     of_kind,
+    page_guard,
     runs_dir,
     stamp_of,
 )
@@ -59,24 +60,24 @@ with st.sidebar:
 path = traces[choice]
 try:
     trace = load_trace(str(path), stamp_of(path))
-except TraceError as e:
-    st.error(str(e))
+except Exception as e:  # noqa: BLE001 - TraceError, or anything no check foresaw: one line, the page stays
+    st.error(str(e) if isinstance(e, TraceError) else f"{choice} could not be read: {type(e).__name__}: {e}")
     trace = None
 
 # -- the pages ------------------------------------------------------------------------------
 timeline_tab, compare_tab, whatif_tab, run_tab, ring_tab, memory_tab = st.tabs(
     ["Timeline", "Compare runs", "What-if", "Run", "Ring all-reduce", "Memory (ZeRO)"])
-with run_tab:
+with run_tab, page_guard("The Run page"):
     render_run(path, trace, jobs, busy, command_policy())
-with timeline_tab:
+with timeline_tab, page_guard("The Timeline"):
     if trace is not None:
         render_timeline(path, trace)
-with compare_tab:
+with compare_tab, page_guard("The comparison"):
     render_compare(traces)
-with whatif_tab:
+with whatif_tab, page_guard("The What-if page"):
     if trace is not None:
         render_whatif(path, trace, traces, jobs, busy, command_policy())
-with ring_tab:
+with ring_tab, page_guard("The Ring page"):
     render_ring(all_runs, jobs, busy)
-with memory_tab:
+with memory_tab, page_guard("The Memory page"):
     render_memory(all_runs, jobs, busy)

@@ -4,6 +4,7 @@ whether this page may start commands."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -142,12 +143,27 @@ def handle_upload(upload) -> None:
         extract_run_archive(upload.getvalue(), upload.name, dest)
         kind = folder_kind(dest) or "ddp"
         {"ring": load_ring, "zero": load_zero}.get(kind, load_training_trace)(dest)
-    except TraceError as e:
+    except Exception as e:  # noqa: BLE001 - nothing that does not load stays in uploads/ (every page lists it)
         shutil.rmtree(dest, ignore_errors=True)
-        st.session_state["upload_error"] = f"{upload.name}: {e}"
+        st.session_state["upload_error"] = f"{upload.name}: {_one_line(e)}"
         return
     st.session_state.pop("upload_error", None)
     st.session_state[{"ring": "ring_trace", "zero": "zero_trace"}.get(kind, "trace")] = f"upload: {dest.name}"
+
+
+def _one_line(e: Exception) -> str:
+    return str(e) if isinstance(e, TraceError) else str(TraceError(f"{type(e).__name__}: {e}"))
+
+
+@contextlib.contextmanager
+def page_guard(what: str):
+    """Draw a page; if it fails, say so in one line where it would have been and keep the
+    other pages (a trace no check foresaw, or a bug: never a traceback on the page).
+    Streamlit's own stop and rerun pass (they are not ``Exception``s)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001
+        st.error(f"{what} could not be drawn: {_one_line(e)}")
 
 
 @dataclass(frozen=True)

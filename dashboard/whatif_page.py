@@ -108,10 +108,10 @@ def _measured_runs(trace, traces: dict[str, Path]) -> dict:
     for label, p in traces.items():
         try:
             t = load_trace(str(p), stamp_of(p))
-        except TraceError:
+            if same_job(trace, t) and t.run.get("bucket_cap_mb"):
+                out[label] = t
+        except Exception:  # noqa: BLE001 - a run that cannot be read is left out here; opening it says why
             continue
-        if same_job(trace, t) and t.run.get("bucket_cap_mb"):
-            out[label] = t
     return out
 
 

@@ -88,12 +88,20 @@ def test_upload_of_a_run_archive_opens_it(app):
     assert _metric(app, "buckets") == "1"
 
 
+def _sample_with(sample: str, name: str, old: bytes, new: bytes) -> dict[str, bytes]:
+    """A sample's files, ``old`` replaced by ``new`` once in the file ``name``."""
+    files = {p.name: p.read_bytes() for p in (SAMPLES / sample).iterdir()}
+    assert old in files[name]
+    files[name] = files[name].replace(old, new, 1)
+    return files
+
+
 @pytest.mark.parametrize("name, make, message", [
     ("notes.zip", lambda: b"just some text", "not a readable .zip or .tar(.gz) archive"),
     ("empty.zip", lambda: _zip({"readme.txt": b"hi"}), "holds no rank-<r>.json"),
     ("trunc.zip", lambda: _zip({"rank-0.json": (SAMPLES / "mlp-2rank-cap1mb" / "rank-0.json").read_bytes()[:5000],
                                 "rank-1.json": (SAMPLES / "mlp-2rank-cap1mb" / "rank-1.json").read_bytes()}),
-     "is not valid JSON (truncated?)"),
+     "is not valid JSON (truncated"),
     ("kineto.zip", lambda: _zip({"rank-0.json": json.dumps({"traceEvents": [], "schemaVersion": 1}).encode()}),
      "holds no timed events"),
     ("trunc.json.gz", lambda: gzip.compress(json.dumps(gpu_profile(0)).encode())[:-100],
@@ -102,6 +110,12 @@ def test_upload_of_a_run_archive_opens_it(app):
                                "run.json": (SAMPLES / "mlp-2rank-cap1mb" / "run.json").read_bytes()}),
      "rank 1 of 2 are missing"),
     ("evil.zip", lambda: _zip({"../../escape/rank-0.json": b"{}"}), "unsafe path"),
+    ("surrogate.zip", lambda: _zip(_sample_with("mlp-2rank-cap1mb", "rank-0.json", b'"layers.0.weight"', b'"layers.0.\\ud800"')),
+     "rank-0.json is not valid JSON"),
+    ("version.zip", lambda: _zip(_sample_with("mlp-2rank-cap1mb", "run.json", b'"version": 1', b'"version": "abc"')),
+     "is not a version number"),
+    ("digits.zip", lambda: _zip(_sample_with("gpt-2rank-cap1mb", "run.json", b'"world_size": 2',
+                                             b'"world_size": 1' + b"0" * 5000)), "run.json is not valid JSON"),
 ])
 def test_bad_uploads_give_one_line_and_the_page_keeps_working(app, tmp_path, name, make, message):
     app.sidebar.file_uploader(key="upload").upload(name, make())
@@ -571,3 +585,28 @@ def test_a_click_from_a_page_drawn_before_a_run_began_is_answered_not_dropped(ap
     assert any("A run is already going" in i.value for i in other.info)
     _wait_for_job(app)
     assert len([p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]) == 1
+
+
+def test_a_bad_run_left_in_uploads_breaks_no_session(tmp_path, monkeypatch):
+    """A run folder that does not load (here: a parameter name that is a lone surrogate,
+    and a run.json with version "abc", put straight into uploads/ as an older ddpscope
+    could have) never takes a session down: every page draws, the folders are listed,
+    and each says what is wrong when opened."""
+    for name, (file, old, new) in {"surrogate": ("rank-0.json", b'"layers.0.weight"', b'"layers.0.\\ud800"'),
+                                   "abc": ("run.json", b'"version": 1', b'"version": "abc"')}.items():
+        folder = tmp_path / "runs" / "uploads" / name
+        folder.mkdir(parents=True)
+        for f, data in _sample_with("mlp-2rank-cap1mb", file, old, new).items():
+            (folder / f).write_bytes(data)
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(tmp_path / "runs"))
+    st_config.set_option("server.address", "127.0.0.1")
+    for _ in range(2):  # a fresh session, twice
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+        assert not at.exception and not at.error, [e.value for e in at.error]
+        options = at.sidebar.selectbox(key="trace").options
+        assert "upload: surrogate" in options and "upload: abc" in options
+    for label, message in (("upload: surrogate", "rank-0.json is not valid JSON"), ("upload: abc", "version number")):
+        at.sidebar.selectbox(key="trace").set_value(label).run()
+        assert not at.exception
+        errors = [e.value for e in at.error]
+        assert any(message in e for e in errors) and all("\n" not in e for e in errors), errors

@@ -59,8 +59,8 @@ def test_offsets_align_ranks_with_drift(tmp_path):
 @pytest.mark.parametrize("setup, message", [
     ("not_a_folder", "is not a folder"),
     ("empty", "holds no rank-<r>.json"),
-    ("truncated", "is not valid JSON (truncated?)"),
-    ("binary", "is not text"),
+    ("truncated", "is not valid JSON (truncated"),
+    ("binary", "is not UTF-8 text"),
     ("other_tool", "is not a ddpscope trace"),
     ("missing_rank", "rank 1 of 2 are missing"),
     ("future_version", "trace format version 99"),

@@ -78,12 +78,12 @@ def run_viz_command(args, prog: str) -> int:
     except (TraceError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # a folder that cannot be read or written (the merge leaves nothing half-made)
-        print(f"{prog}: error: {e.strerror or e}: {e.filename or ''}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # `ddpscope whatif RUN | head`: the reader left early; nothing went wrong here
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
+    except OSError as e:  # a folder that cannot be read or written (the merge leaves nothing half-made)
+        print(f"{prog}: error: {e.strerror or e}: {e.filename or ''}", file=sys.stderr)
+        return 2
 
 
 def _summary(path: str, as_json: bool) -> int:

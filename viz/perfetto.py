@@ -69,13 +69,14 @@ def merge_kineto(path: str | Path) -> dict:
         f = Path(path) / meta["file"]
         try:
             data = msgspec.json.decode(read_bytes(f))
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
             raise TraceError(f"{f.name} is not valid JSON: {e}") from None
         shift = float(meta["offset_us"])
         for e in data.get("traceEvents") or [] if isinstance(data, dict) else []:
             if not isinstance(e, dict):
                 continue
-            e["pid"] = pids.setdefault((rank, e.get("pid")), len(pids))
+            pid = e.get("pid")  # a number or a name ("GPU 0"); anything else is named by its text
+            e["pid"] = pids.setdefault((rank, pid if isinstance(pid, (int, str)) else json.dumps(pid)), len(pids))
             if isinstance(e.get("ts"), (int, float)):
                 e["ts"] = float(e["ts"]) + shift
             if "id" in e and e.get("ph") in ("s", "t", "f"):

@@ -12,6 +12,7 @@ import pandas as pd
 
 from ddpscope.tracer.format import REDUCE_SCATTER
 from ddpscope.viz.ring_trace import RingTrace
+from ddpscope.viz.trace import TraceError
 
 
 def ring_factor(n: int) -> float:
@@ -73,7 +74,7 @@ def default_round(trace: RingTrace) -> int:
     if not len(main):  # only warm-up or calibration rounds finished everywhere
         complete = trace.complete_rounds()
         if not complete:
-            raise ValueError("no ring round finished on every rank")
+            raise TraceError(f"{trace.path.name}: no ring round finished on every rank")
         return complete[-1]
     return int(main["round"].iloc[(len(main) - 1) // 2])
 

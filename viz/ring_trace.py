@@ -24,6 +24,9 @@ from ddpscope.viz.trace import TraceError, clock_alignment, frame_of, read_run_f
 
 _STEP_FIELDS = ("step", "phase", "phase_step", "send_chunk", "recv_chunk", "send_to", "recv_from",
                 "send_bytes", "recv_bytes")
+ROUND_COLUMNS = ["rank", "round", "repeat", "bytes", "calibration", "warmup", "start_us", "end_us", "max_abs_diff"]
+STEP_COLUMNS = ["rank", "round", "size_bytes", *_STEP_FIELDS, "start_us", "end_us", "comm_us", "reduce_us"]
+REF_COLUMNS = ["rank", "round", "bytes", "calibration", "warmup", "start_us", "end_us"]
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,11 @@ def load_ring(path: str | Path) -> RingTrace:
             raise TraceError(f"rank {rank}: malformed ring trace event ({type(e).__name__}: {str(e)[:200]})") from None
     if not rows["rounds"]:
         raise TraceError(f"{path.name} holds no finished ring round")
-    steps = frame_of(rows["steps"], ["rank", "round", "step"])
+    steps = frame_of(rows["steps"], ["rank", "round", "step"], STEP_COLUMNS)
     bad = steps[(steps["step"] < 0) | (steps["step"] > 2 * world - 3)]
     if len(bad):
         raise TraceError(f"{path.name}: step {int(bad['step'].iloc[0])} is outside 0..{2 * world - 3} "
                          f"for a ring of {world} ranks")
     return RingTrace(path=path, run=run, ranks={r: m for r, (m, _) in files.items()},
-                     rounds=frame_of(rows["rounds"], ["rank", "round"]), steps=steps,
-                     refs=frame_of(rows["refs"], ["rank", "round"]))
+                     rounds=frame_of(rows["rounds"], ["rank", "round"], ROUND_COLUMNS), steps=steps,
+                     refs=frame_of(rows["refs"], ["rank", "round"], REF_COLUMNS))

@@ -8,11 +8,11 @@ Bad input raises ``TraceError`` with a one-line message; nothing half-built is r
 
 from __future__ import annotations
 
-import json
 import math
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 import pandas as pd
@@ -27,7 +27,12 @@ MAX_INDEX = 10**9  # steps, buckets, parameters: beyond this a number is not one
 
 
 class TraceError(ValueError):
-    """A trace that cannot be read; the message is one line, fit for a user."""
+    """A trace that cannot be read; the message is one line, fit for a user: whatever the
+    file held (a newline in a name, a lone surrogate) is folded into one printable line."""
+
+    def __init__(self, message: object) -> None:
+        text = " ".join(str(message).split())
+        super().__init__(text.encode("utf-8", "backslashreplace").decode("utf-8")[:1000])
 
 
 # What readers take from a rank's metadata and run.json, typed (msgspec checks them: a
@@ -42,27 +47,50 @@ class _ClockOffsets(msgspec.Struct):
     end: _Offset | None = None
 
 
+Count = Annotated[int, msgspec.Meta(ge=0, lt=MAX_INDEX)]  # steps, indices
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**50)]  # a parameter's or a bucket's bytes
+World = Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD)]
+Text = Annotated[str, msgspec.Meta(max_length=100_000)]
+
+
 class _RankMeta(msgspec.Struct):
-    rank: int
-    world_size: int
-    param_names: list[str] = []
+    rank: Count
+    world_size: World
+    param_names: list[Text] = []
+    param_bytes: list[Bytes] = []
+    param_dtypes: list[Text] = []
     clock_offset: _ClockOffsets | None = None
+    status: Text | None = None
+    error: Text | None = None
+    steps: Count | None = None
+    host: Text | None = None
+    backend: Text | None = None
 
 
 class _RunMeta(msgspec.Struct):
-    world_size: int | None = None
-    kind: str | None = None
-    status: str | None = None
-    bucket_cap_mb: float | None = None
-    bucket_layout: list[list[int | str]] | None = None
-    notes: list[str] | None = None
-    model: str | int | None = None
+    world_size: World | None = None
+    kind: Text | None = None
+    status: Text | None = None
+    error: Text | None = None
+    bucket_cap_mb: Annotated[float, msgspec.Meta(gt=0, le=2**30)] | None = None
+    bucket_cap_default: bool | None = None
+    first_bucket_cap_bytes: Bytes | None = None
+    bucket_layout: list[list[Count]] | None = None
+    notes: list[Text] | None = None
+    model: Text | int | None = None
+    param_names: list[Text] | None = None
+    param_bytes: list[Bytes] | None = None
+    param_dtypes: list[Text] | None = None
+    steps: Count | None = None
+    backend: Text | None = None
+    nproc_per_node: World | None = None
 
 
 def check_meta(meta: dict, where: str, schema=_RankMeta) -> None:
-    """``meta`` has the fields readers use, of the right types, finite and in range."""
+    """``meta`` has the fields readers use, of the right types (a number written as text is
+    not a number), finite and in range."""
     try:
-        m = msgspec.convert(meta, schema, strict=False)
+        m = msgspec.convert(meta, schema)
     except msgspec.ValidationError as e:
         raise TraceError(f"{where}: {e}") from None
     world = getattr(m, "world_size", None)
@@ -75,8 +103,14 @@ def check_meta(meta: dict, where: str, schema=_RankMeta) -> None:
             if o is not None and not (math.isfinite(o.offset_us) and math.isfinite(o.at_us)
                                       and abs(o.offset_us) < 1e13 and abs(o.at_us) < 1e16):
                 raise TraceError(f"{where}: its clock offset is not a finite, sensible number of µs")
-    if isinstance(m, _RunMeta) and m.bucket_cap_mb is not None and not math.isfinite(m.bucket_cap_mb):
-        raise TraceError(f"{where}: bucket_cap_mb is not a finite number")
+    names, sizes, dtypes = m.param_names, m.param_bytes, m.param_dtypes
+    given = [len(x) for x in (names, sizes, dtypes) if x]
+    if len(set(given)) > 1:
+        raise TraceError(f"{where}: it names {len(names or [])} parameters, with {len(sizes or [])} sizes and "
+                         f"{len(dtypes or [])} dtypes")
+    layout = getattr(m, "bucket_layout", None)
+    if layout and given and max((i for b in layout for i in b), default=0) >= given[0]:
+        raise TraceError(f"{where}: its bucket layout names a parameter beyond its {given[0]} parameters")
 
 
 @dataclass(frozen=True)
@@ -193,14 +227,24 @@ def read_file_bytes(path: Path, what: str) -> bytes:
 
 
 def _parse_json(raw: bytes, name: str, what: str):
+    """JSON as a trace holds it. Decoded strictly (msgspec): text that is not UTF-8, a lone
+    surrogate, NaN or infinities, numbers no 64-bit integer or double holds, and nesting
+    deeper than Python's stack are each one ``TraceError`` line, never a value that fails
+    later (a 5,000-digit integer, a string that cannot be printed)."""
     try:
-        return json.loads(raw)
+        return msgspec.json.decode(raw)
     except UnicodeDecodeError:
-        raise TraceError(f"{what} {name} is not text (not a trace?)") from None
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{what} {name} is not valid JSON (truncated?): {e.msg} at line {e.lineno}") from None
+        raise TraceError(f"{what} {name} is not UTF-8 text (not a trace?)") from None
     except RecursionError:
         raise TraceError(f"{what} {name} is nested too deeply to be a trace") from None
+    except (msgspec.MsgspecError, ValueError) as e:
+        try:
+            raw[:4096].decode("utf-8")
+        except UnicodeDecodeError as bad:
+            if bad.start < 4090:  # not a character cut at the end of the sample: binary, not JSON
+                raise TraceError(f"{what} {name} is not UTF-8 text (not a trace?)") from None
+        raise TraceError(f"{what} {name} is not valid JSON (truncated, or numbers JSON cannot hold?): "
+                         f"{str(e)[:120]}") from None
 
 
 def read_json_file(path: Path, what: str) -> dict:
@@ -218,12 +262,13 @@ def _parse_growing_array(raw: bytes, name: str) -> list:
     body = raw.rstrip()
     before_last_line = body[:body.rfind(b"\n")].rstrip()
     # as it is (closed), closed after its last line, closed after the line before that
+    error = None
     for text in (body, body.rstrip(b",") + b"]", before_last_line.rstrip(b",") + b"]"):
         try:
-            return json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            continue
-    raise TraceError(f"rank file {name} is not valid JSON, even read as an unfinished trace (truncated?)")
+            return _parse_json(text, name, "rank file")
+        except TraceError as e:
+            error = error or e
+    raise TraceError(f"{error}; not even read as an unfinished trace")
 
 
 def read_rank_file(path: Path) -> tuple[dict, list[dict]]:
@@ -249,14 +294,22 @@ def read_rank_file(path: Path) -> tuple[dict, list[dict]]:
         events = data.get("traceEvents")
     if not isinstance(meta, dict) or meta.get("format") != fmt.FORMAT:
         raise TraceError(f"{path.name} is not a ddpscope trace (no ddpscope metadata; another tool's file?)")
-    if int(meta.get("version", 0)) > fmt.VERSION:
-        raise TraceError(f"{path.name} has trace format version {meta.get('version')}; this ddpscope reads up to {fmt.VERSION}")
+    check_version(meta, path.name)
     if not isinstance(events, list):
         raise TraceError(f"{path.name} has no traceEvents list")
     check_meta(meta, path.name)
     if not all(isinstance(e, dict) for e in events):
         raise TraceError(f"{path.name}: an entry of traceEvents is not an event (JSON object)")
     return meta, events
+
+
+def check_version(meta: dict, where: str) -> None:
+    """A format version this reader knows: a whole number from 1 to ``fmt.VERSION``."""
+    version = meta.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise TraceError(f"{where}: its trace format version {version!r} is not a version number")
+    if version > fmt.VERSION:
+        raise TraceError(f"{where} has trace format version {version}; this ddpscope reads up to {fmt.VERSION}")
 
 
 def run_kind(path: str | Path) -> str | None:
@@ -286,6 +339,7 @@ def read_run_folder(path: str | Path, kind: str, *, allow_missing_ranks: bool = 
     if run and run.get("format") != fmt.FORMAT:
         raise TraceError(f"{run_path.name} in {path} is not ddpscope run metadata")
     if run:
+        check_version(run, f"{path.name}/{run_path.name}")
         check_meta(run, f"{path.name}/{run_path.name}", _RunMeta)
     found = str(run.get("kind") or fmt.KIND_DDP)
     if found != kind:
@@ -321,20 +375,49 @@ def load_run(path: str | Path, *, allow_missing_ranks: bool = False) -> RunTrace
         _parse_events(rank, meta, events, rows)
     return RunTrace(
         path=path, run=run, ranks=ranks,
-        steps=frame_of(rows["steps"], ["rank", "step"]),
-        buckets=frame_of(rows["buckets"], ["rank", "step", "bucket"]),
-        grads=frame_of(rows["grads"], ["rank", "step", "ready_us"]),
-        memory=frame_of(rows["memory"], ["rank", "step"]),
-        passes=frame_of(rows["passes"], ["rank", "step", "micro"]),
+        steps=frame_of(rows["steps"], ["rank", "step"], STEP_COLUMNS),
+        buckets=frame_of(rows["buckets"], ["rank", "step", "bucket"], BUCKET_COLUMNS),
+        grads=frame_of(rows["grads"], ["rank", "step", "ready_us"], GRAD_COLUMNS),
+        memory=frame_of(rows["memory"], ["rank", "step"], ["rank", "step"]),
+        passes=frame_of(rows["passes"], ["rank", "step", "micro"], PASS_COLUMNS),
     )
 
 
-def frame_of(rows: list[dict], order: list[str]) -> pd.DataFrame:
+# Every table has its columns whatever the trace held (a trace without backward spans
+# has NaN backward times, not a table without the column); see ``RunTrace``.
+_SPAN_COLUMNS = [f"{phase}_{end}_us" for phase in ("forward", "backward", "sync") for end in ("start", "end")]
+STEP_COLUMNS = ["rank", "step", "warmup", "incomplete", "start_us", "end_us", "micro_batches", "forward_us",
+                "backward_us", *_SPAN_COLUMNS, "optimizer_start_us", "optimizer_end_us"]
+PASS_COLUMNS = ["rank", "step", "micro", "sync", *_SPAN_COLUMNS]
+BUCKET_COLUMNS = ["rank", "step", "bucket", "bytes", "num_params", "params", "launch_us", "done_us", "incomplete"]
+GRAD_COLUMNS = ["rank", "step", "micro", "param", "name", "ready_us"]
+_INT_COLUMNS = {"rank", "step", "micro", "bucket", "bytes", "num_params", "param", "micro_batches"}
+_BOOL_COLUMNS = {"warmup", "incomplete", "sync"}
+
+
+def frame_of(rows: list[dict], order: list[str], columns: list[str] | None = None) -> pd.DataFrame:
+    """The rows as a table sorted by ``order``, with at least ``columns`` (NaN where a row
+    has none; an empty table keeps them too, typed)."""
+    columns = columns or []
+    if not rows:
+        return pd.DataFrame({c: pd.Series(dtype="int64" if c in _INT_COLUMNS else "bool" if c in _BOOL_COLUMNS
+                                          else "object" if c in ("params", "name") else "float64") for c in columns})
     df = pd.DataFrame(rows)
-    return df.sort_values(order, kind="stable").reset_index(drop=True) if len(df) else df
+    for c in columns:
+        if c not in df:
+            df[c] = float("nan")
+    return df.sort_values(order, kind="stable").reset_index(drop=True)
 
 
 _PHASES = {fmt.CAT_FORWARD: "forward", fmt.CAT_BACKWARD: "backward", fmt.CAT_GRAD_SYNC: "sync"}
+
+
+def _byte_counts(memory: dict) -> dict:
+    """A step's memory record: names -> finite byte counts (anything else is malformed)."""
+    for k, v in memory.items():
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) < 2**62):
+            raise ValueError(f"memory[{k!r}] is not a byte count")
+    return memory
 _STEP_PHASES = ("forward", "backward", "sync")
 
 
@@ -360,7 +443,7 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
                 row.update(start_us=ts, end_us=te, warmup=bool(args.get("warmup", False)),
                            incomplete=bool(args.get("incomplete", False)))
                 if isinstance(args.get("memory"), dict):
-                    rows["memory"].append({"rank": rank, "step": step, **args["memory"]})
+                    rows["memory"].append({"rank": rank, "step": step, **_byte_counts(args["memory"])})
             elif cat in _PHASES:
                 key = _PHASES[cat]
                 n = seen[(step, key)] = seen.get((step, key), -1) + 1

@@ -36,6 +36,13 @@ class ZeroTrace:
         return int(self.stages["params"].iloc[0])
 
 
+def _amount(value, what: str) -> float:
+    """A measured amount (bytes, ms, a count): a finite number >= 0, never text."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 2**62:
+        raise ValueError(f"{what} {value!r} is not a finite amount >= 0")
+    return float(value)
+
+
 def load_zero(path: str | Path) -> ZeroTrace:
     """Load a ZeRO run folder; ``TraceError`` (one line) if it is not one or is malformed."""
     path = Path(path)
@@ -47,11 +54,16 @@ def load_zero(path: str | Path) -> ZeroTrace:
             raise TraceError(f"rank-{rank}.json holds no ZeRO stage measurements")
         try:
             for s in stages:
-                rows.append({"rank": rank, "stage": int(s["stage"]), "name": str(s["name"]),
-                             **{k: float("nan") if s[k] is None else float(s[k]) for k in _STAGE_FIELDS}})
+                stage = s["stage"]
+                if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+                    raise ValueError(f"stage {stage!r} is not a ZeRO stage (0-3)")
+                rows.append({"rank": rank, "stage": stage, "name": str(s["name"]),
+                             **{k: float("nan") if s[k] is None else _amount(s[k], k) for k in _STAGE_FIELDS}})
                 for coll, c in (s.get("comm") or {}).items():
-                    comm.append({"rank": rank, "stage": int(s["stage"]), "collective": coll, "calls": int(c["calls"]),
-                                 "message_bytes": float(c["message_bytes"]), "volume_bytes": float(c["volume_bytes"])})
+                    comm.append({"rank": rank, "stage": stage, "collective": str(coll),
+                                 "calls": int(_amount(c["calls"], "calls")),
+                                 "message_bytes": _amount(c["message_bytes"], "message_bytes"),
+                                 "volume_bytes": _amount(c["volume_bytes"], "volume_bytes")})
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise TraceError(f"rank-{rank}.json: malformed stage measurement ({type(e).__name__}: {str(e)[:200]})") \
                 from None

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.viz.sources.kineto_file import COMM_PREFIXES, FILE_RE, KinetoFile, rank_from_name, read_kineto_file
-from ddpscope.viz.trace import RunTrace, TraceError, frame_of
+from ddpscope.viz.trace import GRAD_COLUMNS, PASS_COLUMNS, STEP_COLUMNS, RunTrace, TraceError, frame_of
 
 KIND = "kineto"
 COMM_RE = re.compile(r"(^nccl.*)|(^hip)|(^hccl)|(.*ncclKernel.*)")
@@ -111,9 +111,10 @@ def load_kineto(path: str | Path) -> RunTrace:
     ranks = {r: {"rank": r, "file": f.path.name, "world_size": f.world_size, "offset_us": shifts[r],
                  "base_time_ns": f.base_time_ns, "float_times": f.float_times, "devices": f.devices}
              for r, f in by_rank.items()}
-    return RunTrace(path=path, run=run, ranks=ranks, steps=frame_of(steps.to_dict("records"), ["rank", "step"]),
-                    buckets=buckets, grads=pd.DataFrame(columns=["rank", "step", "micro", "param", "name", "ready_us"]),
-                    memory=pd.DataFrame(), kernels=kernels, source=KIND)
+    return RunTrace(path=path, run=run, ranks=ranks,
+                    steps=frame_of(steps.to_dict("records"), ["rank", "step"], STEP_COLUMNS),
+                    buckets=buckets, grads=frame_of([], [], GRAD_COLUMNS), memory=frame_of([], [], ["rank", "step"]),
+                    passes=frame_of([], [], PASS_COLUMNS), kernels=kernels, source=KIND)
 
 
 def _ranks(files: list[Path]) -> dict[int, KinetoFile]:

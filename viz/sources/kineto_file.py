@@ -334,12 +334,16 @@ def read_kineto_file(path: Path, cap: int | None = None) -> KinetoFile:
         else:
             f = _DECODER.decode(b'{"traceEvents":[' + buf)  # the last events and what follows them
             head = _DECODER.decode(header + b'"traceEvents":[]}')  # the fields before the event list
+        cols.add(f.traceEvents)
+        ops, gpu = cols.arrays()
     except msgspec.ValidationError as e:
         raise TraceError(f"{path.name} is not a profiler trace: {e}") from None
-    except msgspec.DecodeError as e:
-        raise TraceError(f"{path.name} is not valid JSON (truncated?): {e}") from None
-    cols.add(f.traceEvents)
-    ops, gpu = cols.arrays()
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise TraceError(f"{path.name} is not valid JSON (truncated, or not UTF-8 text?): {e}") from None
+    except RecursionError:
+        raise TraceError(f"{path.name} is nested too deeply to be a profiler trace") from None
+    except OverflowError as e:  # an id or a count past 64 bits
+        raise TraceError(f"{path.name} holds a number no 64-bit integer holds: {e}") from None
     for table in (ops, gpu):
         if len(table["ts"]) and not (np.isfinite(table["ts"]).all() and np.isfinite(table["dur"]).all()):
             raise TraceError(f"{path.name} has events with a non-finite ts or dur")

@@ -25,7 +25,7 @@ import dataclasses
 import numpy as np
 import pandas as pd
 
-from ddpscope.viz.trace import RunTrace, TraceError, frame_of
+from ddpscope.viz.trace import BUCKET_COLUMNS, GRAD_COLUMNS, PASS_COLUMNS, STEP_COLUMNS, RunTrace, TraceError, frame_of
 from ddpscope.viz.whatif.layout import assign_buckets, cap_limits
 from ddpscope.viz.whatif.model import StepInputs, WhatIfModel, fit_model, step_inputs
 
@@ -61,7 +61,10 @@ def predict_layout(trace: RunTrace, cap_mb: float | None) -> list[list[int]]:
     run = trace.run
     sizes = run.get("param_bytes") or []
     dtypes = run.get("param_dtypes") or ["float32"] * len(sizes)
-    return assign_buckets(sizes, dtypes, ready_order(trace), cap_limits(cap_mb))
+    try:
+        return assign_buckets(sizes, dtypes, ready_order(trace), cap_limits(cap_mb))
+    except ValueError as e:  # what the trace says of its parameters does not hold together
+        raise TraceError(f"{trace.path.name}: cannot lay out its buckets: {e}") from None
 
 
 def simulate_step(inputs: StepInputs, layout: list[list[int]], bucket_bytes: list[float],
@@ -211,10 +214,10 @@ def predict_run(trace: RunTrace, cap_mb: float | None, model: WhatIfModel | None
     if len(memory):
         memory = memory[[k in keep for k in memory.set_index(["rank", "step"]).index]].reset_index(drop=True)
     return RunTrace(path=trace.path, run=run, ranks=trace.ranks,
-                    steps=frame_of(rows["steps"], ["rank", "step"]),
-                    buckets=frame_of(rows["buckets"], ["rank", "step", "bucket"]),
-                    grads=frame_of(rows["grads"], ["rank", "step", "ready_us"]),
-                    memory=memory, passes=frame_of(rows["passes"], ["rank", "step", "micro"]))
+                    steps=frame_of(rows["steps"], ["rank", "step"], STEP_COLUMNS),
+                    buckets=frame_of(rows["buckets"], ["rank", "step", "bucket"], BUCKET_COLUMNS),
+                    grads=frame_of(rows["grads"], ["rank", "step", "ready_us"], GRAD_COLUMNS),
+                    memory=memory, passes=frame_of(rows["passes"], ["rank", "step", "micro"], PASS_COLUMNS))
 
 
 def _emit_rank_step(rows, m, r, inp: StepInputs, res, sim, layout, bucket_bytes, names) -> None:
