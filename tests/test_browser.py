@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from ddpscope.tracer.launch.torchrun import free_port
 from tests.conftest import ROOT
 
 CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOT = ROOT / "docs" / "images" / "timeline.png"  # README.md shows it
 playwright = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed")
 
@@ -79,6 +81,11 @@ def test_dashboard_renders_the_timeline_for_both_ranks(tmp_path):
         assert max(ys) - min(ys) > 100
         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
         assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+        # the README's picture, made here from the sample so that it shows the page as it is
+        page.locator(".js-plotly-plot").first.screenshot(path=str(tmp_path / "timeline.png"))
+        assert (tmp_path / "timeline.png").stat().st_size > 10_000
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tmp_path / "timeline.png", SCREENSHOT)
         _ring_animation_plays(page, tmp_path)
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
