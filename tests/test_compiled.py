@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddpscope.tracer.capture.native import build as native
-from ddpscope.viz.trace import read_rank_file
+from ddpscope.viz.run_files import read_rank_file
 from tests.conftest import ROOT, processes_mentioning, run_cli
 from tests.test_autotrace import USER, _port, checks, trace_script, untraced
 

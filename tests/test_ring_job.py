@@ -10,7 +10,7 @@ import pytest
 
 from ddpscope.viz.ring import compute_ring_rounds, compute_ring_traffic
 from ddpscope.viz.ring_trace import load_ring
-from ddpscope.viz.trace import read_rank_file
+from ddpscope.viz.run_files import read_rank_file
 from tests.chrome_trace import check_chrome_trace
 from tests.conftest import assert_refused, processes_mentioning, run_cli
 

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from ddpscope.viz.trace import load_run, read_rank_file
+from ddpscope.viz.run_files import read_rank_file
+from ddpscope.viz.trace import load_run
 from tests.chrome_trace import check_chrome_trace
 from tests.conftest import assert_refused, processes_mentioning, run_cli
 

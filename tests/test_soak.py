@@ -19,8 +19,8 @@ import pytest
 
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer.launch.procfs import descendants
+from ddpscope.viz.run_files import read_rank_file
 from ddpscope.viz.sources import load_training_trace
-from ddpscope.viz.trace import read_rank_file
 from tests.conftest import processes_mentioning
 from tests.test_browser import CHROMIUM, dashboard_page
 

@@ -10,7 +10,8 @@ import pytest
 
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer.writer import TraceWriter, write_json_atomic
-from ddpscope.viz.trace import TraceError, read_rank_file
+from ddpscope.viz.run_files import read_rank_file
+from ddpscope.viz.trace import TraceError
 from tests.chrome_trace import check_chrome_trace
 
 

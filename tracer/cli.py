@@ -38,7 +38,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from ddpscope.tracer.launch.calibrate import CalibrateConfig
-    from ddpscope.tracer.launch.runner import RingConfig, RunConfig, ZeroConfig
+    from ddpscope.tracer.launch.own_jobs import RingConfig, ZeroConfig
+    from ddpscope.tracer.launch.runner import RunConfig
 
     p = _Parser(prog=PROG, description="See distributed data-parallel training: trace real DDP runs, "
                                        "read them, open the dashboard.")
@@ -164,12 +165,12 @@ def calibrate_progress(rec: dict, cfg) -> str | None:
 
 def launch_command(args: argparse.Namespace) -> int:
     """parse (config) -> run (the job, through its runner) -> report, for run/ring/zero/calibrate."""
-    from ddpscope.tracer.launch import calibrate, runner
+    from ddpscope.tracer.launch import calibrate, own_jobs, runner
 
     config_cls, run, describe = {
         "run": (runner.RunConfig, runner.run_job, run_progress),
-        "ring": (runner.RingConfig, runner.run_ring, ring_progress),
-        "zero": (runner.ZeroConfig, runner.run_zero, zero_progress),
+        "ring": (own_jobs.RingConfig, own_jobs.run_ring, ring_progress),
+        "zero": (own_jobs.ZeroConfig, own_jobs.run_zero, zero_progress),
         "calibrate": (calibrate.CalibrateConfig, calibrate.run_calibrate, calibrate_progress),
     }[args.command]
     prog = f"{PROG} {args.command}"

@@ -94,7 +94,7 @@ PROFILE_STEPS = Option("--profile-steps", "traced steps --profile records (steps
 CAPTURES = ("python", "compiled")
 CAPTURE = Option("--capture", "how all-reduces and gradient-ready times are taken: compiled (C++ beside DDP's "
                  "reducer, built once per torch version before the ranks start; the python hooks where it cannot be "
-                 "had: no compiler, CUDA, a script's own comm hook) or python (DDP communication hook and gradient "
+                 "had: no compiler, a device other than CPU or CUDA, a script's own Python comm hook) or python (DDP communication hook and gradient "
                  "hooks)", "compiled", str, one_of(CAPTURES))
 VERBOSE = Option("--verbose", "show every rank's output, each line marked with its rank (default: rank 0's output "
                  "as it comes; every rank's is kept in RUN/logs/)", False, action="store_true")

@@ -18,7 +18,8 @@ import shutil
 from pathlib import Path
 
 from ddpscope.tracer import format as fmt
-from ddpscope.viz.trace import TraceError, read_json_file, read_rank_file
+from ddpscope.viz.run_files import read_json_file, read_rank_file
+from ddpscope.viz.trace import TraceError
 
 
 def _nodes_of(folder: Path) -> dict[int, dict]:

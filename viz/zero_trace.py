@@ -13,7 +13,8 @@ from pathlib import Path
 import pandas as pd
 
 from ddpscope.tracer import format as fmt
-from ddpscope.viz.trace import TraceError, frame_of, read_run_folder
+from ddpscope.viz.run_files import read_run_folder
+from ddpscope.viz.trace import TraceError, frame_of
 from ddpscope.viz.zero_model import model_state_bytes, run_precision, transformer_activation_bytes
 
 _STAGE_FIELDS = ("params", "params_bytes", "grads_bytes", "optimizer_state_bytes", "model_state_bytes",

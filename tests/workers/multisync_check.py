@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpscope.tracer import DDPTracer
-from ddpscope.viz.trace import read_rank_file
+from ddpscope.viz.run_files import read_rank_file
 
 capture, port, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)

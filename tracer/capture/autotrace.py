@@ -26,8 +26,6 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import functools
-import importlib.abc
-import importlib.util
 import inspect
 import json
 import os
@@ -37,9 +35,10 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ddpscope.tracer import format as fmt
+from ddpscope.tracer.capture.after_import import after_import
 from ddpscope.tracer.options import BUCKET_CAP_MB, CAPTURE, OUT, STEPS, check_fields
 from ddpscope.tracer.progress import emit_progress, say
 from ddpscope.tracer.writer import update_run_json
@@ -165,13 +164,13 @@ class Session:
         try:
             tracer.close(error or self.error)
         except Exception as e:  # noqa: BLE001
-            _say(f"could not finish the trace: {type(e).__name__}: {e}")
+            say(f"could not finish the trace: {type(e).__name__}: {e}")
 
     def note(self, text: str) -> None:
         """Say something once on stderr (rank 0) and keep it in run.json's notes."""
         self.notes.append(text)
         if _rank() == 0:
-            _say(text)
+            say(text)
             try:
                 update_run_json(self.config.out, {"notes": self.notes})
             except OSError:
@@ -188,7 +187,7 @@ def _start_profiler(tracer, config: CaptureConfig):
                             cuda=str(tracer.clock.kind).startswith("cuda"), host_us=tracer.clock.host_us,
                             set_meta=tracer.set_meta).start()
     except Exception as e:  # noqa: BLE001 - training goes on
-        _say(f"rank {tracer.rank}: torch.profiler could not start ({type(e).__name__}: {e}); tracing goes on")
+        say(f"rank {tracer.rank}: torch.profiler could not start ({type(e).__name__}: {e}); tracing goes on")
         return None
 
 
@@ -338,47 +337,6 @@ def _chain_excepthook(session: Session) -> None:
     sys.excepthook = excepthook
 
 
-class _PatchAfterExec(importlib.abc.Loader):
-    """Runs the real loader, then ``callback(module)``."""
-
-    def __init__(self, loader, callback: Callable) -> None:
-        self._loader, self._callback = loader, callback
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
-        try:
-            self._callback(module)
-        except Exception as e:  # noqa: BLE001 - never break the import of torch
-            _say(f"tracing disabled: could not patch {module.__name__}: {type(e).__name__}: {e}")
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """A one-shot finder that wraps one module's loader."""
-
-    def __init__(self, name: str, callback: Callable) -> None:
-        self.name, self.callback = name, callback
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _PatchAfterExec(spec.loader, self.callback)
-        return spec
-
-
-def after_import(name: str, callback: Callable) -> None:
-    """``callback(module)`` once ``name`` is imported (at once if it already is)."""
-    if name in sys.modules:
-        callback(sys.modules[name])
-    else:
-        sys.meta_path.insert(0, _AfterImport(name, callback))
-
-
 def _record_error(exc_type, exc, tb) -> None:
     """What torch's ``@record`` writes for an uncaught exception (torchrun's error file),
     for scripts without it: the launcher names the rank that failed first from these."""
@@ -425,6 +383,3 @@ def _rank() -> int:
     except Exception:  # noqa: BLE001
         pass
     return int(os.environ.get("RANK", 0))
-
-
-_say = say

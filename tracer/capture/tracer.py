@@ -20,8 +20,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import socket
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -45,58 +43,13 @@ from ddpscope.tracer.capture.hooks import (
 from ddpscope.tracer.capture.live import LiveFile
 from ddpscope.tracer.capture.offsets import ClockOffset, estimate_offsets
 from ddpscope.tracer.capture.recorder import StepRecorder
+from ddpscope.tracer.capture.run_facts import ddp_facts
+from ddpscope.tracer.capture.tracer_config import TracerConfig
 from ddpscope.tracer.progress import say
 from ddpscope.tracer.writer import TraceWriter, read_json, write_json_atomic
 
 NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 TEST_FAIL_ENV = "DDPSCOPE_TEST_TRACER_FAIL"  # test-only: this rank's tracer cannot start
-CAPTURES = ("python", "compiled")
-
-
-@dataclass(kw_only=True)
-class TracerConfig:
-    """Where and how a tracer writes.
-
-    out_dir: run folder; each rank writes ``rank-<r>.json``, rank 0 also ``run.json``.
-    step_boundary: ``"auto"`` (forward ... ``optimizer.step()``) or ``"explicit"``
-        (``tracer.step()`` ends a step).
-    offset_rounds: ping-pong rounds per rank for the clock-offset estimate.
-    sync_timeout_s: how long the tracer's own collectives (start, end) wait for a peer.
-    flush_interval_s: the writer appends to the file at most this often (seconds).
-    memory_interval_s: a step's memory is measured (tensor accounting, RSS or the CUDA
-        allocator's peak) on the first 3 steps, then on one step in each this many
-        seconds (0: every step).
-    run_meta: extra JSON-able facts about the run (model name, batch size, ...).
-    capture: how all-reduces and gradient-ready times are taken: ``"compiled"`` (C++
-        beside DDP's reducer, ``compiled.py``; the Python hooks where it cannot be had:
-        not built, said once; CUDA; recorded in the metadata either way) or ``"python"``.
-    capture_note: why the launcher chose ``"python"`` (recorded in the metadata).
-    """
-
-    out_dir: Path | str
-    step_boundary: str = "auto"
-    offset_rounds: int = 16
-    sync_timeout_s: float = 60.0
-    flush_interval_s: float = 0.25
-    memory_interval_s: float = 1.0
-    run_meta: dict = field(default_factory=dict)
-    capture: str = "compiled"
-    capture_note: str | None = None
-
-    def __post_init__(self) -> None:
-        self.out_dir = Path(self.out_dir)
-        if self.capture not in CAPTURES:
-            raise ValueError(f"--capture must be one of {', '.join(CAPTURES)}, got {self.capture!r}")
-        if self.step_boundary not in ("auto", "explicit"):
-            raise ValueError(f"step_boundary must be 'auto' or 'explicit', got {self.step_boundary!r}")
-        if not 1 <= self.offset_rounds <= 1000:
-            raise ValueError(f"offset_rounds must be in 1..1000, got {self.offset_rounds}")
-        if not 1 <= self.sync_timeout_s <= 3600:
-            raise ValueError(f"sync_timeout_s must be in 1..3600 seconds, got {self.sync_timeout_s}")
-        if not 0 <= self.flush_interval_s <= 60:
-            raise ValueError(f"flush_interval_s must be in 0..60 seconds, got {self.flush_interval_s}")
-        if not 0 <= self.memory_interval_s <= 3600:
-            raise ValueError(f"memory_interval_s must be in 0..3600 seconds, got {self.memory_interval_s}")
 
 
 class DDPTracer:
@@ -431,17 +384,9 @@ class DDPTracer:
             "format": fmt.FORMAT, "version": fmt.VERSION, "status": status,
             "world_size": self.world_size, "backend": self.backend, "device": self._meta["device"],
             "clock": self.clock.kind, "hosts": self.hosts, "torch_version": str(torch.__version__),
-            **bucket_caps(ddp),
-            "model_class": type(ddp.module).__name__,
-            "model_params": sum(p.numel() for p in reducer_params(ddp)[1]),
-            "comm_hook": _comm_hook_name(ddp),
-            "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
-            "static_graph": bool(ddp.static_graph),
-            "find_unused_parameters": bool(ddp.find_unused_parameters),
+            **ddp_facts(ddp),
             "param_names": self._meta["param_names"], "param_bytes": self._meta["param_bytes"],
             "param_dtypes": self._meta["param_dtypes"],
-            # a calibration binds its ranks to cores as the run's were (contention differs)
-            "ranks_bound_to_cores": _bound_to_cores(),
             # DDP's layout after its rebuild, as the communication hook saw it
             "bucket_layout": layouts[-1]["buckets"] if layouts else None,
             "clock_offsets": {
@@ -457,42 +402,6 @@ class DDPTracer:
         if error:
             run["error"] = error
         write_json_atomic(path, run)
-
-
-def _bound_to_cores() -> bool:
-    """Whether this process may run on fewer cores than the machine has."""
-    try:
-        return len(os.sched_getaffinity(0)) < (os.cpu_count() or 0)
-    except (AttributeError, OSError):
-        return False
-
-
-def bucket_caps(ddp: DDP) -> dict:
-    """The bucket sizes DDP really uses (bytes; MiB = 2^20 bytes). DDP treats "no
-    bucket_cap_mb given" apart from an explicit 25: both cap buckets at 25 MiB, but only
-    the default makes the first bucket (the last gradients) 1 MiB
-    (``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
-    cap = int(ddp.bucket_bytes_cap)
-    config = getattr(ddp, "_bucket_config", None)
-    if config is not None:
-        first = int(config.first_bucket_bytes_cap)
-    else:  # older DDP: the flag alone says whether the default first bucket applies
-        first = int(dist._DEFAULT_FIRST_BUCKET_BYTES) if getattr(ddp, "bucket_bytes_cap_default", False) else cap
-    per_bucket = [int(b) for b in getattr(ddp, "bucket_bytes_cap_list", []) or []]
-    return {"bucket_cap_bytes": cap, "bucket_cap_mb": cap / 2**20, "first_bucket_cap_bytes": first,
-            "bucket_cap_default": first < cap and not per_bucket, "bucket_cap_bytes_list": per_bucket or None}
-
-
-def _comm_hook_name(ddp: DDP) -> str | None:
-    """The script's own communication hook (wrapped by ddpscope's), if any."""
-    from ddpscope.tracer.capture.hooks import _STATE_ATTR
-
-    state = getattr(ddp, _STATE_ATTR, None)
-    if state is not None and state.builtin is not None:
-        return f"{state.builtin} (DDP's built-in C++ hook)"
-    if state is None or state.inner is None:
-        return None
-    return getattr(state.inner[0], "__qualname__", repr(state.inner[0]))
 
 
 def _rank() -> int:

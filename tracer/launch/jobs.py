@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from ddpscope.tracer.launch import torchrun
-from ddpscope.tracer.launch.runner import RingConfig, RunConfig, ZeroConfig, run_job, run_ring, run_zero
+from ddpscope.tracer.launch.own_jobs import RingConfig, ZeroConfig, run_ring, run_zero
+from ddpscope.tracer.launch.runner import RunConfig, run_job
 from ddpscope.tracer.launch.torchrun import LaunchResult
 from ddpscope.tracer.progress import MESSAGE_PREFIX
 

@@ -1,14 +1,15 @@
-"""``ddpscope run``, ``ring`` and ``zero``: launch a job under torchrun, traced.
+"""``ddpscope run``: launch a training script under torchrun, traced (``own_jobs.py``
+launches ddpscope's own ring and ZeRO jobs the same way, through ``launch_traced``).
 
 ``run`` traces a training script as it is (the user's, or the bundled demo with
 ``--demo``): its ranks start with the capture bootstrap on ``PYTHONPATH`` and the
-capture settings in the environment (``tracer.capture.autotrace``). ``ring`` and
-``zero`` run ddpscope's own workloads. Torch-free: the dashboard validates settings
-with these configs without importing torch.
+capture settings in the environment (``tracer.capture.autotrace``). Torch-free: the
+dashboard validates settings with these configs without importing torch.
 
 The run folder gets ``run.json`` (status ``running`` until rank 0 marks it ``complete``;
 ``failed`` with the reason if the job fails; what a rerun needs), ``rank-<r>.json`` per
-rank and ``logs/`` (torchrun's per-rank stdout/stderr and error files).
+rank and ``logs/`` (torchrun's per-rank stdout/stderr and error files); a multi-node run
+also ``nodes/`` and one log folder per node (``nodes.py``).
 """
 
 from __future__ import annotations
@@ -216,71 +217,6 @@ def capture_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(BOOTSTRAP)] + ([path] if path else []))}
 
 
-@dataclass(kw_only=True)
-class RingConfig:
-    """A ring all-reduce run: ``nproc`` ranks on this machine, a tensor of ``mb`` MiB."""
-
-    out: Path | str = o.OUT.field()
-    nproc: int = o.RING_NPROC.field()
-    mb: float = o.RING_MB.field()
-    repeat: int = o.RING_REPEAT.field()
-    dtype: str = o.RING_DTYPE.field()
-    calibration: bool = o.RING_CALIBRATION.field()
-    timeout_s: float = o.TIMEOUT.field(600.0)
-
-    def __post_init__(self) -> None:
-        o.check_fields(self)
-        self.out = Path(self.out)
-        need = 3.5 * self.mb * 2**20 * self.nproc
-        total = _physical_memory_bytes()
-        if total and need > 0.8 * total:
-            raise ValueError(f"--mb {self.mb:g} x --nproc {self.nproc} needs about {need / 2**30:.1f} GiB, "
-                             f"more than this machine's {total / 2**30:.1f} GiB allows; lower --mb")
-        check_out_dir(self.out)
-
-    def launch_config(self) -> LaunchConfig:
-        args = ["--mb", repr(self.mb), "--repeat", str(self.repeat), "--dtype", self.dtype,
-                "--out", str(self.out.resolve())]
-        if not self.calibration:
-            args.append("--no-calibration")
-        return LaunchConfig(target="ddpscope.tracer.workloads.ring_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
-                            timeout_s=self.timeout_s)
-
-
-@dataclass(kw_only=True)
-class ZeroConfig:
-    """A ZeRO memory run: the demo ``model`` trained ``steps`` steps under each of ``stages``."""
-
-    out: Path | str = o.OUT.field()
-    nproc: int = o.ZERO_NPROC.field()
-    model: str = o.MODEL.field()
-    steps: int = o.ZERO_STEPS.field()
-    stages: str = o.ZERO_STAGES.field()
-    timeout_s: float = o.TIMEOUT.field(600.0)
-
-    def __post_init__(self) -> None:
-        o.check_fields(self)
-        self.out = Path(self.out)
-        parts = [p.strip() for p in str(self.stages).split(",")]
-        if not parts or any(p not in ("0", "1", "2", "3") for p in parts) or len(set(parts)) != len(parts):
-            raise ValueError(f"--stages must list distinct stages from 0,1,2,3 (e.g. 0,3), got {self.stages!r}")
-        self.stages = ",".join(parts)
-        check_out_dir(self.out)
-
-    def launch_config(self) -> LaunchConfig:
-        args = ["--model", self.model, "--steps", str(self.steps), "--stages", self.stages,
-                "--out", str(self.out.resolve())]
-        return LaunchConfig(target="ddpscope.tracer.workloads.zero_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
-                            timeout_s=self.timeout_s)
-
-
-def _physical_memory_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def create_out_dir(out: Path) -> None:
     """Create --out and prove it takes files; ``ValueError`` (one line) if it does not."""
     try:
@@ -304,7 +240,7 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
         built = build_native(lambda line: on_output(None, line, True))
         note = None if built["ok"] else f"the compiled capture could not be built: {built['error'][:300]}"
     node = None if cfg.nnodes == 1 else Node(job=cfg.job, rank=cfg.node_rank, count=cfg.nnodes, nproc=cfg.nproc)
-    result = _launch_traced(cfg.launch_config(note), cfg.out, {**cfg.facts(), "command": shlex.join(cfg.command())},
+    result = launch_traced(cfg.launch_config(note), cfg.out, {**cfg.facts(), "command": shlex.join(cfg.command())},
                             on_progress, on_output, launcher, node)
     if not cfg.out.is_dir():
         result.untraced = f"the run folder {cfg.out} was removed during the run: its trace is lost (training ran)"
@@ -320,24 +256,6 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
     return result
 
 
-def run_ring(cfg: RingConfig, on_progress: Callable[[dict], None] = lambda p: None,
-             on_output: OnLine = lambda r, l, e: None, launcher: Launcher = launch
-             ) -> LaunchResult:
-    """Run the traced ring job (``tracer/workloads/ring_job.py``) to its end; as ``run_job``."""
-    return _launch_traced(cfg.launch_config(), cfg.out, {
-        "kind": fmt.KIND_RING, "mb": cfg.mb, "repeat": cfg.repeat, "dtype": cfg.dtype,
-        "nproc_per_node": cfg.nproc, "nnodes": 1}, on_progress, on_output, launcher)
-
-
-def run_zero(cfg: ZeroConfig, on_progress: Callable[[dict], None] = lambda p: None,
-             on_output: OnLine = lambda r, l, e: None, launcher: Launcher = launch
-             ) -> LaunchResult:
-    """Run the ZeRO memory job (``tracer/workloads/zero_job.py``) to its end; as ``run_job``."""
-    return _launch_traced(cfg.launch_config(), cfg.out, {
-        "kind": fmt.KIND_ZERO, "model": cfg.model, "steps": cfg.steps, "nproc_per_node": cfg.nproc,
-        "nnodes": 1}, on_progress, on_output, launcher)
-
-
 @dataclass(frozen=True)
 class Node:
     """This launcher's node of a multi-node job (``tracer/launch/nodes.py``)."""
@@ -348,7 +266,7 @@ class Node:
     nproc: int
 
 
-def _launch_traced(lc: LaunchConfig, out: Path, facts: dict, on_progress: Callable[[dict], None],
+def launch_traced(lc: LaunchConfig, out: Path, facts: dict, on_progress: Callable[[dict], None],
                    on_output: OnLine, launcher: Launcher, node: Node | None = None) -> LaunchResult:
     """Launch, and leave the run folder consistent. ``node``: one node of several sharing
     ``out`` (only node 0 writes run.json; see ``nodes``)."""

@@ -1,4 +1,4 @@
-"""The ring job: one process per rank, started by torchrun (see ``runner.run_ring``).
+"""The ring job: one process per rank, started by torchrun (see ``own_jobs.run_ring``).
 
 For each size (two small calibration sizes, then the requested one) it runs one warm-up
 and then ``--repeat`` rounds of: our ring all-reduce (``tracer/ring.py``) and PyTorch's

@@ -1,4 +1,4 @@
-"""The ZeRO job: one process per rank, started by torchrun (see ``runner.run_zero``).
+"""The ZeRO job: one process per rank, started by torchrun (see ``own_jobs.run_zero``).
 
 Trains the same demo model (same seed, same batches) for ``--steps`` steps under each
 requested ZeRO stage in turn (``tracer/zero.py``), profiling each stage with

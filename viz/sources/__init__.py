@@ -17,10 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddpscope.tracer import format as fmt
+from ddpscope.viz.run_files import run_kind
 from ddpscope.viz.sources.kineto import KIND as KINETO
 from ddpscope.viz.sources.kineto import kineto_files, load_kineto
 from ddpscope.viz.sources.kineto_file import peek_text
-from ddpscope.viz.trace import RunTrace, TraceError, load_run, run_kind
+from ddpscope.viz.trace import RunTrace, TraceError, load_run
 
 MIXED = "mixed"
 #: JSON files a ddpscope run folder holds besides its rank files

@@ -24,7 +24,8 @@ import msgspec
 import numpy as np
 import pandas as pd
 
-from ddpscope.viz.trace import MAX_FILE_BYTES, TraceError
+from ddpscope.viz.run_files import MAX_FILE_BYTES
+from ddpscope.viz.trace import TraceError
 
 #: file names a Kineto trace folder may hold (torch.profiler's tensorboard_trace_handler
 #: writes ``<worker>.<ts>.pt.trace.json[.gz]``; people rename them ``rank-0.json.gz``)

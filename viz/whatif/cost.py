@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpscope.viz.trace import TraceError, read_json_file
+from ddpscope.viz.run_files import read_json_file
+from ddpscope.viz.trace import TraceError
 
 CALIBRATION_FILE = "calibration.json"
 CALIBRATION_FORMAT = "ddpscope-calibration"

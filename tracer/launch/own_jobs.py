@@ -1,0 +1,100 @@
+"""ddpscope's own jobs, launched as a script is: ``ddpscope ring`` (a ring all-reduce built
+from send/recv, traced step by step beside ``dist.all_reduce``) and ``ddpscope zero`` (the
+demo model under each ZeRO stage). Their configs and runners; the jobs themselves are in
+``tracer/workloads/``. Torch-free."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer import options as o
+from ddpscope.tracer.launch.nodes import check_out_dir
+from ddpscope.tracer.launch.runner import Launcher, launch_traced
+from ddpscope.tracer.launch.torchrun import LaunchConfig, LaunchResult, OnLine, launch
+
+
+@dataclass(kw_only=True)
+class RingConfig:
+    """A ring all-reduce run: ``nproc`` ranks on this machine, a tensor of ``mb`` MiB."""
+
+    out: Path | str = o.OUT.field()
+    nproc: int = o.RING_NPROC.field()
+    mb: float = o.RING_MB.field()
+    repeat: int = o.RING_REPEAT.field()
+    dtype: str = o.RING_DTYPE.field()
+    calibration: bool = o.RING_CALIBRATION.field()
+    timeout_s: float = o.TIMEOUT.field(600.0)
+
+    def __post_init__(self) -> None:
+        o.check_fields(self)
+        self.out = Path(self.out)
+        need = 3.5 * self.mb * 2**20 * self.nproc
+        total = _physical_memory_bytes()
+        if total and need > 0.8 * total:
+            raise ValueError(f"--mb {self.mb:g} x --nproc {self.nproc} needs about {need / 2**30:.1f} GiB, "
+                             f"more than this machine's {total / 2**30:.1f} GiB allows; lower --mb")
+        check_out_dir(self.out)
+
+    def launch_config(self) -> LaunchConfig:
+        args = ["--mb", repr(self.mb), "--repeat", str(self.repeat), "--dtype", self.dtype,
+                "--out", str(self.out.resolve())]
+        if not self.calibration:
+            args.append("--no-calibration")
+        return LaunchConfig(target="ddpscope.tracer.workloads.ring_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
+                            timeout_s=self.timeout_s)
+
+
+@dataclass(kw_only=True)
+class ZeroConfig:
+    """A ZeRO memory run: the demo ``model`` trained ``steps`` steps under each of ``stages``."""
+
+    out: Path | str = o.OUT.field()
+    nproc: int = o.ZERO_NPROC.field()
+    model: str = o.MODEL.field()
+    steps: int = o.ZERO_STEPS.field()
+    stages: str = o.ZERO_STAGES.field()
+    timeout_s: float = o.TIMEOUT.field(600.0)
+
+    def __post_init__(self) -> None:
+        o.check_fields(self)
+        self.out = Path(self.out)
+        parts = [p.strip() for p in str(self.stages).split(",")]
+        if not parts or any(p not in ("0", "1", "2", "3") for p in parts) or len(set(parts)) != len(parts):
+            raise ValueError(f"--stages must list distinct stages from 0,1,2,3 (e.g. 0,3), got {self.stages!r}")
+        self.stages = ",".join(parts)
+        check_out_dir(self.out)
+
+    def launch_config(self) -> LaunchConfig:
+        args = ["--model", self.model, "--steps", str(self.steps), "--stages", self.stages,
+                "--out", str(self.out.resolve())]
+        return LaunchConfig(target="ddpscope.tracer.workloads.zero_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
+                            timeout_s=self.timeout_s)
+
+
+def _physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def run_ring(cfg: RingConfig, on_progress: Callable[[dict], None] = lambda p: None,
+             on_output: OnLine = lambda r, l, e: None, launcher: Launcher = launch
+             ) -> LaunchResult:
+    """Run the traced ring job (``tracer/workloads/ring_job.py``) to its end; as ``run_job``."""
+    return launch_traced(cfg.launch_config(), cfg.out, {
+        "kind": fmt.KIND_RING, "mb": cfg.mb, "repeat": cfg.repeat, "dtype": cfg.dtype,
+        "nproc_per_node": cfg.nproc, "nnodes": 1}, on_progress, on_output, launcher)
+
+
+def run_zero(cfg: ZeroConfig, on_progress: Callable[[dict], None] = lambda p: None,
+             on_output: OnLine = lambda r, l, e: None, launcher: Launcher = launch
+             ) -> LaunchResult:
+    """Run the ZeRO memory job (``tracer/workloads/zero_job.py``) to its end; as ``run_job``."""
+    return launch_traced(cfg.launch_config(), cfg.out, {
+        "kind": fmt.KIND_ZERO, "model": cfg.model, "steps": cfg.steps, "nproc_per_node": cfg.nproc,
+        "nnodes": 1}, on_progress, on_output, launcher)

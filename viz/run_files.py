@@ -1,0 +1,271 @@
+"""A ddpscope run folder's files, read and checked: the one place where what a file
+holds becomes values the readers trust.
+
+Files are read as regular files only (a link, a FIFO or a device is refused, never
+opened), within a size limit, and decoded strictly (msgspec): text that is not UTF-8,
+lone surrogates, NaN and infinities, numbers no 64-bit integer or double holds, and
+nesting deeper than the stack are each one ``TraceError`` line. Every metadata field a
+reader uses is typed, with its range (``check_meta``); a rank file may be unfinished
+(its rank is running, or stopped): it is read up to its last whole line.
+"""
+
+from __future__ import annotations
+
+import math
+import stat
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from ddpscope.tracer import format as fmt
+
+MAX_FILE_BYTES = 512 * 2**20  # a rank file beyond this is not something we parse in memory
+
+
+MAX_WORLD = 65536
+MAX_INDEX = 10**9  # steps, buckets, parameters: beyond this a number is not one of ours
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read; the message is one line, fit for a user: whatever the
+    file held (a newline in a name, a lone surrogate) is folded into one printable line."""
+
+    def __init__(self, message: object) -> None:
+        text = " ".join(str(message).split())
+        super().__init__(text.encode("utf-8", "backslashreplace").decode("utf-8")[:1000])
+
+
+# What readers take from a rank's metadata and run.json, typed (msgspec checks them: a
+# field of the wrong type is one TraceError line; fields not named here are not read).
+class _Offset(msgspec.Struct):
+    offset_us: float
+    at_us: float
+
+
+class _ClockOffsets(msgspec.Struct):
+    start: _Offset | None = None
+    end: _Offset | None = None
+
+
+Count = Annotated[int, msgspec.Meta(ge=0, lt=MAX_INDEX)]  # steps, indices
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**50)]  # a parameter's or a bucket's bytes
+World = Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD)]
+Text = Annotated[str, msgspec.Meta(max_length=100_000)]
+
+
+class _RankMeta(msgspec.Struct):
+    rank: Count
+    world_size: World
+    param_names: list[Text] = []
+    param_bytes: list[Bytes] = []
+    param_dtypes: list[Text] = []
+    clock_offset: _ClockOffsets | None = None
+    status: Text | None = None
+    error: Text | None = None
+    steps: Count | None = None
+    host: Text | None = None
+    backend: Text | None = None
+
+
+class _RunMeta(msgspec.Struct):
+    world_size: World | None = None
+    kind: Text | None = None
+    status: Text | None = None
+    error: Text | None = None
+    bucket_cap_mb: Annotated[float, msgspec.Meta(gt=0, le=2**30)] | None = None
+    bucket_cap_default: bool | None = None
+    first_bucket_cap_bytes: Bytes | None = None
+    bucket_layout: list[list[Count]] | None = None
+    notes: list[Text] | None = None
+    model: Text | int | None = None
+    param_names: list[Text] | None = None
+    param_bytes: list[Bytes] | None = None
+    param_dtypes: list[Text] | None = None
+    steps: Count | None = None
+    backend: Text | None = None
+    nproc_per_node: World | None = None
+
+
+def check_meta(meta: dict, where: str, schema=_RankMeta) -> None:
+    """``meta`` has the fields readers use, of the right types (a number written as text is
+    not a number), finite and in range."""
+    try:
+        m = msgspec.convert(meta, schema)
+    except msgspec.ValidationError as e:
+        raise TraceError(f"{where}: {e}") from None
+    world = getattr(m, "world_size", None)
+    if world is not None and not 1 <= world <= MAX_WORLD:
+        raise TraceError(f"{where}: world_size {world} is outside 1..{MAX_WORLD}")
+    if isinstance(m, _RankMeta):
+        if not 0 <= m.rank < m.world_size:
+            raise TraceError(f"{where}: rank {m.rank} is outside a job of {m.world_size}")
+        for o in (m.clock_offset.start, m.clock_offset.end) if m.clock_offset else ():
+            if o is not None and not (math.isfinite(o.offset_us) and math.isfinite(o.at_us)
+                                      and abs(o.offset_us) < 1e13 and abs(o.at_us) < 1e16):
+                raise TraceError(f"{where}: its clock offset is not a finite, sensible number of µs")
+    names, sizes, dtypes = m.param_names, m.param_bytes, m.param_dtypes
+    given = [len(x) for x in (names, sizes, dtypes) if x]
+    if len(set(given)) > 1:
+        raise TraceError(f"{where}: it names {len(names or [])} parameters, with {len(sizes or [])} sizes and "
+                         f"{len(dtypes or [])} dtypes")
+    layout = getattr(m, "bucket_layout", None)
+    if layout and given and max((i for b in layout for i in b), default=0) >= given[0]:
+        raise TraceError(f"{where}: its bucket layout names a parameter beyond its {given[0]} parameters")
+
+
+def read_file_bytes(path: Path, what: str) -> bytes:
+    """A regular file's bytes: links, FIFOs and devices are refused, never opened (a FIFO
+    would block the reader; a link could point anywhere), and so is a file too big to parse."""
+    try:
+        st = path.lstat()
+    except OSError as e:
+        raise TraceError(f"cannot read {what} {path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a link" if stat.S_ISLNK(st.st_mode) else "not a regular file (a FIFO or device?)"
+        raise TraceError(f"{what} {path.name} is {kind}; refused")
+    if st.st_size > MAX_FILE_BYTES:
+        raise TraceError(f"{what} {path} is {st.st_size / 2**20:.0f} MiB, over the {MAX_FILE_BYTES // 2**20} MiB limit")
+    try:
+        with open(path, "rb") as f:
+            return f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise TraceError(f"cannot read {what} {path}: {e.strerror}") from None
+
+
+def _parse_json(raw: bytes, name: str, what: str):
+    """JSON as a trace holds it. Decoded strictly (msgspec): text that is not UTF-8, a lone
+    surrogate, NaN or infinities, numbers no 64-bit integer or double holds, and nesting
+    deeper than Python's stack are each one ``TraceError`` line, never a value that fails
+    later (a 5,000-digit integer, a string that cannot be printed)."""
+    try:
+        return msgspec.json.decode(raw)
+    except UnicodeDecodeError:
+        raise TraceError(f"{what} {name} is not UTF-8 text (not a trace?)") from None
+    except RecursionError:
+        raise TraceError(f"{what} {name} is nested too deeply to be a trace") from None
+    except (msgspec.MsgspecError, ValueError) as e:
+        try:
+            raw[:4096].decode("utf-8")
+        except UnicodeDecodeError as bad:
+            if bad.start < 4090:  # not a character cut at the end of the sample: binary, not JSON
+                raise TraceError(f"{what} {name} is not UTF-8 text (not a trace?)") from None
+        raise TraceError(f"{what} {name} is not valid JSON (truncated, or numbers JSON cannot hold?): "
+                         f"{str(e)[:120]}") from None
+
+
+def read_json_file(path: Path, what: str) -> dict:
+    """A JSON object from a regular file (see ``read_file_bytes``)."""
+    data = _parse_json(read_file_bytes(path, what), path.name, what)
+    if not isinstance(data, dict):
+        raise TraceError(f"{what} {path.name} is not a JSON object")
+    return data
+
+
+def _parse_growing_array(raw: bytes, name: str) -> list:
+    """A trace in the array form, which may be unterminated (its rank is running, or
+    stopped): closed after its last whole line; a torn last line (a write cut short) is
+    dropped."""
+    body = raw.rstrip()
+    before_last_line = body[:body.rfind(b"\n")].rstrip()
+    # as it is (closed), closed after its last line, closed after the line before that
+    error = None
+    for text in (body, body.rstrip(b",") + b"]", before_last_line.rstrip(b",") + b"]"):
+        try:
+            return _parse_json(text, name, "rank file")
+        except TraceError as e:
+            error = error or e
+    raise TraceError(f"{error}; not even read as an unfinished trace")
+
+
+def read_rank_file(path: Path) -> tuple[dict, list[dict]]:
+    """(metadata, events) of one rank file, checked to be ours: the array form the tracer
+    writes (finished or not: its last metadata event; a rank still running counts its
+    steps from its events) or the object form of version 1 (``otherData.ddpscope``)."""
+    raw = read_file_bytes(path, "rank file")
+    if raw.lstrip()[:1] == b"[":
+        meta, events = None, []
+        for e in _parse_growing_array(raw, path.name):
+            if isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == fmt.META_EVENT:
+                meta = e.get("args")  # the last one counts
+            else:
+                events.append(e)
+        if isinstance(meta, dict) and meta.get("status") == fmt.RUNNING:
+            meta = {**meta, "steps": sum(1 for e in events if isinstance(e, dict) and e.get("cat") == fmt.CAT_STEP)}
+    else:
+        data = _parse_json(raw, path.name, "rank file")
+        if not isinstance(data, dict):
+            raise TraceError(f"rank file {path.name} is not a JSON object or array")
+        other = data.get("otherData")
+        meta = other.get("ddpscope") if isinstance(other, dict) else None
+        events = data.get("traceEvents")
+    if not isinstance(meta, dict) or meta.get("format") != fmt.FORMAT:
+        raise TraceError(f"{path.name} is not a ddpscope trace (no ddpscope metadata; another tool's file?)")
+    check_version(meta, path.name)
+    if not isinstance(events, list):
+        raise TraceError(f"{path.name} has no traceEvents list")
+    check_meta(meta, path.name)
+    if not all(isinstance(e, dict) for e in events):
+        raise TraceError(f"{path.name}: an entry of traceEvents is not an event (JSON object)")
+    return meta, events
+
+
+def check_version(meta: dict, where: str) -> None:
+    """A format version this reader knows: a whole number from 1 to ``fmt.VERSION``."""
+    version = meta.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise TraceError(f"{where}: its trace format version {version!r} is not a version number")
+    if version > fmt.VERSION:
+        raise TraceError(f"{where} has trace format version {version}; this ddpscope reads up to {fmt.VERSION}")
+
+
+def run_kind(path: str | Path) -> str | None:
+    """``"ddp"``, ``"ring"`` or ``"zero"`` for a run folder (from ``run.json``; ``"ddp"``
+    when it has none or it cannot be read: the DDP pages then say what is wrong), or None
+    when the folder holds no rank files."""
+    path = Path(path)
+    if not path.is_dir() or not any(fmt.RANK_FILE_RE.match(p.name) for p in path.iterdir()):
+        return None
+    try:
+        run = read_json_file(path / fmt.RUN_FILE, "run metadata") if (path / fmt.RUN_FILE).exists() else {}
+    except TraceError:  # listed as a DDP run: opening it says what is wrong
+        return fmt.KIND_DDP
+    kind = run.get("kind") if isinstance(run, dict) else None
+    return kind if kind in (fmt.KIND_DDP, fmt.KIND_RING, fmt.KIND_ZERO) else fmt.KIND_DDP
+
+
+def read_run_folder(path: str | Path, kind: str, *, allow_missing_ranks: bool = False
+                    ) -> tuple[dict, dict[int, tuple[dict, list]], int]:
+    """``(run.json, {rank: (metadata, events)}, world size)`` of a run folder of ``kind``,
+    checked: every rank file ours and present (unless ``allow_missing_ranks``)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise TraceError(f"{path} is not a folder")
+    run_path = path / fmt.RUN_FILE
+    run = read_json_file(run_path, "run metadata") if run_path.exists() else {}
+    if run and run.get("format") != fmt.FORMAT:
+        raise TraceError(f"{run_path.name} in {path} is not ddpscope run metadata")
+    if run:
+        check_version(run, f"{path.name}/{run_path.name}")
+        check_meta(run, f"{path.name}/{run_path.name}", _RunMeta)
+    found = str(run.get("kind") or fmt.KIND_DDP)
+    if found != kind:
+        what = {fmt.KIND_RING: "a ring all-reduce run (see the Ring page)", fmt.KIND_DDP: "a DDP training run",
+                fmt.KIND_ZERO: "a ZeRO memory run (see the Memory page)"}
+        raise TraceError(f"{path.name} is {what.get(found, repr(found))}, not {what.get(kind, repr(kind))}")
+    files = {int(m.group(1)): p for p in path.iterdir() if (m := fmt.RANK_FILE_RE.match(p.name))}
+    if not files:
+        raise TraceError(f"{path} holds no rank-<r>.json trace files")
+    ranks = {}
+    for rank in sorted(files):
+        meta, events = read_rank_file(files[rank])
+        if int(meta.get("rank", -1)) != rank:
+            raise TraceError(f"{files[rank].name} says it is rank {meta.get('rank')}")
+        ranks[rank] = (meta, events)
+    world = int(run.get("world_size") or max(int(m.get("world_size", 0)) for m, _ in ranks.values()))
+    if not 1 <= world <= MAX_WORLD or max(ranks) >= world:
+        raise TraceError(f"{path}: world size {world} does not fit its rank files (ranks {min(ranks)}..{max(ranks)})")
+    missing = sorted(set(range(world)) - set(ranks))
+    if missing and not allow_missing_ranks:
+        raise TraceError(f"{path}: rank file(s) for rank {', '.join(map(str, missing))} of {world} are missing")
+    return run or {"world_size": world, "status": "unknown"}, ranks, world
