@@ -255,10 +255,16 @@ def test_ddp_under_the_python_reducer_is_said_to_be_untraced(tmp_path):
 
 def test_ranks_a_script_spawns_itself_are_traced(tmp_path):
     """``ddpscope run --nproc 1`` of a script that spawns its own 2 ranks
-    (``torch.multiprocessing.spawn``): the capture reaches them through the environment."""
+    (``torch.multiprocessing.spawn``), twice, one job after the other, as PyTorch's ZeRO
+    recipe does: the capture reaches them through the environment, they host their own
+    store (under torchrun alone they would wait for torchrun's), the first job is traced
+    and the second, finding its trace, is not and says so: nothing is overwritten."""
     out = tmp_path / "spawned"
-    proc = run_cli("run", "--nproc", "1", "--out", str(out), "--", str(WORKERS / "spawn_train.py"), "--steps", "4")
+    proc = run_cli("run", "--nproc", "1", "--out", str(out), "--", str(WORKERS / "spawn_train.py"), "--steps", "4",
+                   "--jobs", "2")
     assert proc.returncode == 0, proc.stderr
+    assert "already holds rank 0's trace of an earlier job" in proc.stderr
+    assert any("earlier job" in n for n in json.loads((out / "run.json").read_text())["notes"])
     trace = load_run(out)
     assert trace.world_size == 2 and trace.steps.groupby("rank").size().to_dict() == {0: 4, 1: 4}
     assert trace.run["bucket_cap_bytes"] == int(0.1 * 2**20)

@@ -1,12 +1,12 @@
 """A script that launches its own ranks (``torch.multiprocessing.spawn``, as frameworks
-that relaunch themselves do): ``ddpscope run --nproc 1`` starts it once, and the ranks
-it spawns must be traced (the capture reaches them through the environment)."""
+that relaunch themselves do, and as PyTorch's ZeRO recipe does): ``ddpscope run --nproc 1``
+starts it once, and the ranks it spawns must be traced (the capture reaches them through
+the environment). Nothing in it knows it runs under torchrun."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
+import socket
 
 import torch
 import torch.distributed as dist
@@ -16,9 +16,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def rank_main(rank: int, world: int, port: int, steps: int) -> None:
-    # under torchrun (as `ddpscope run` starts it) the store belongs to torchrun's agent;
-    # ranks this script makes itself host their own, like those of a plain `python script.py`
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
@@ -36,12 +33,18 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--jobs", type=int, default=1, help="spawn this many jobs, one after the other (as "
+                                                         "PyTorch's ZeRO recipe does: with and without ZeRO)")
     p.add_argument("--report", default=None)  # accepted like the other test scripts
     args = p.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from ddpscope.tracer.launch.torchrun import free_port
+    for _ in range(args.jobs):
+        mp.spawn(rank_main, args=(args.world, _free_port(), args.steps), nprocs=args.world, join=True)
 
-    mp.spawn(rank_main, args=(args.world, free_port(), args.steps), nprocs=args.world, join=True)
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

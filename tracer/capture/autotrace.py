@@ -197,6 +197,22 @@ def is_worker(environ=os.environ) -> bool:
     return "RANK" in environ or "LOCAL_RANK" in environ
 
 
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+def release_agent_store(environ=os.environ, argv: list[str] | None = None) -> None:
+    """In a process the script spawns itself (``torch.multiprocessing.spawn``, the ZeRO
+    recipe's ``mp.spawn(example, ...)``), forget the torchrun rank's
+    ``TORCHELASTIC_USE_AGENT_STORE``: inherited, it makes ``init_process_group`` join
+    torchrun's agent store instead of hosting the script's own, and rank 0 waits for a
+    store nobody hosts. ``ddpscope run`` puts every script under torchrun; the ranks such
+    a script makes host their store as under ``python script.py``. Only spawned
+    processes (``--multiprocessing-fork`` on their command line) are touched."""
+    argv = sys.orig_argv if argv is None else argv
+    if "--multiprocessing-fork" in argv:
+        environ.pop(AGENT_STORE_ENV, None)
+
+
 def untraceable(ddp) -> str | None:
     """Why this DDP model cannot be traced, or None."""
     if getattr(ddp, "_use_python_reducer", False):
@@ -219,7 +235,10 @@ def install_from_env() -> Session | None:
     if _session is not None:
         return _session
     config = CaptureConfig.from_env()
-    if config is None or not is_worker():
+    if config is None:
+        return None
+    release_agent_store()
+    if not is_worker():
         return None
     _session = Session(config)
     _session.stacks = _register_stack_dump(config.out)

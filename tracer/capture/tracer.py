@@ -177,10 +177,16 @@ class DDPTracer:
             if os.environ.get(TEST_FAIL_ENV) == str(self.rank):
                 raise OSError(f"injected by {TEST_FAIL_ENV}")
             cfg.out_dir.mkdir(parents=True, exist_ok=True)
+            if (cfg.out_dir / fmt.rank_file(self.rank)).exists():  # traces are never overwritten
+                raise FileExistsError(f"{cfg.out_dir} already holds rank {self.rank}'s trace of an earlier job "
+                                      "(a script that runs several, or a folder used twice): it is kept, this "
+                                      "job is not traced")
             self._writer = TraceWriter(cfg.out_dir / fmt.rank_file(self.rank), self._meta, cfg.flush_interval_s)
             self._writer.add(header_events(self.rank, hosts[self.rank]))
             if self.rank == 0:
                 self._write_run_json(status=fmt.RUNNING)
+        except FileExistsError as e:
+            problem = str(e)
         except OSError as e:
             problem = f"rank {self.rank} cannot write its trace in {cfg.out_dir}: {e.strerror or e}"
         problems: list[Any] = [None] * self.world_size
