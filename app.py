@@ -20,6 +20,7 @@ from ddpscope.dashboard.common import (
     job_status,
     list_runs,
     load_trace,
+    newest_run,
     of_kind,
     page_guard,
     runs_dir,
@@ -48,8 +49,8 @@ traces = of_kind(all_runs, *TRAINING_KINDS)
 if not traces:
     st.error(f"No traces found. Make one with: ddpscope run --out {runs_dir() / 'first'} -- train.py")
     st.stop()
-if st.session_state.get("trace") not in traces:
-    st.session_state["trace"] = next(iter(traces))
+if st.session_state.get("trace") not in traces:  # the user's newest run, else the first sample
+    st.session_state["trace"] = newest_run(traces) or next(iter(traces))
 choice = st.sidebar.selectbox("Trace", list(traces), key="trace")
 jobs = job_manager(str(runs_dir()), warm=os.environ.get("DDPSCOPE_WARM_LAUNCHER", "1") != "0")
 busy = jobs.current is not None and jobs.current.running

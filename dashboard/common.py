@@ -60,6 +60,18 @@ def list_runs() -> dict[str, tuple[Path, str]]:
     return found
 
 
+def newest_run(runs: dict[str, Path]) -> str | None:
+    """The label of the most recently written run of the user's (runs folder), if any."""
+    mine = []
+    for label, p in runs.items():
+        if label.startswith("run: "):
+            try:
+                mine.append((stamp_of(p), label))
+            except OSError:  # gone since it was listed
+                continue
+    return max(mine)[1] if mine else None
+
+
 def of_kind(runs: dict[str, tuple[Path, str]], *kinds: str) -> dict[str, Path]:
     return {label: path for label, (path, k) in runs.items() if k in kinds}
 

@@ -610,3 +610,16 @@ def test_a_bad_run_left_in_uploads_breaks_no_session(tmp_path, monkeypatch):
         assert not at.exception
         errors = [e.value for e in at.error]
         assert any(message in e for e in errors) and all("\n" not in e for e in errors), errors
+
+
+def test_the_page_opens_on_the_users_newest_run(tmp_path, monkeypatch):
+    """`ddpscope dashboard runs` after `ddpscope run --out runs/...`: the user's newest run
+    is shown first, not a sample."""
+    for name in ("older", "newer"):
+        shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", tmp_path / "runs" / name)
+        time.sleep(0.05)
+        (tmp_path / "runs" / name / "run.json").touch()
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(tmp_path / "runs"))
+    st_config.set_option("server.address", "127.0.0.1")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and at.sidebar.selectbox(key="trace").value == "run: newer"
