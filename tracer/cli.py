@@ -226,8 +226,10 @@ def launch_command(args: argparse.Namespace) -> int:
             print(f"  consequence: {line}", file=sys.stderr)
         if result.stderr_tail and not result.hung:
             print(f"--- rank {result.failed_rank} stderr (last lines) ---\n{result.stderr_tail}", file=sys.stderr)
-        if args.command != "calibrate":
-            print(f"partial trace kept in {cfg.out} (run.json says failed)", file=sys.stderr)
+        if args.command != "calibrate":  # run.json is node 0's (a node of several keeps its own record)
+            says = "run.json says failed" if getattr(cfg, "node_rank", 0) == 0 else \
+                f"nodes/node-{cfg.node_rank}.json says failed"
+            print(f"partial trace kept in {cfg.out} ({says})", file=sys.stderr)
         return 130 if result.interrupted else 1
     if getattr(result, "untraced", None):
         print(f"{prog}: {result.untraced}", file=sys.stderr)
