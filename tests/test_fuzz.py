@@ -194,7 +194,7 @@ def _make_case(src: Path, dst: Path, rng: random.Random) -> str:
     if r < 0.13:
         f.unlink()
         return "missing file"
-    if r < 0.16 and fmt_rank(f):
+    if r < 0.16 and f.name.startswith("rank-"):
         shutil.copy(f, dst / "rank-7.json")
         return "extra rank file"
     obj = json.loads(data)
@@ -204,10 +204,6 @@ def _make_case(src: Path, dst: Path, rng: random.Random) -> str:
         text = text.replace(json.dumps(token), raw)
     f.write_text(text)
     return what
-
-
-def fmt_rank(f: Path) -> bool:
-    return f.name.startswith("rank-")
 
 
 def _cli(*argv: str) -> None:

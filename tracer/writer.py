@@ -53,6 +53,22 @@ def read_json(path: Path) -> dict:
         return json.load(f)
 
 
+def read_records(folder: Path, pattern: str, key: str) -> dict[int, dict]:
+    """The JSON objects in ``folder``'s files matching ``pattern``, by their integer field
+    ``key`` (live files by rank, node records by node); unreadable ones left out: their
+    writers replace them atomically, so a bad one is another tool's, or being made."""
+    found: dict[int, dict] = {}
+    if not Path(folder).is_dir():
+        return found
+    for p in Path(folder).glob(pattern):
+        try:
+            data = json.loads(p.read_text())
+            found[int(data[key])] = data
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
 def update_run_json(out: str | os.PathLike, fields: dict) -> None:
     """Merge ``fields`` into the run folder's ``run.json`` (others may have written facts),
     atomically; the folder is made if needed."""

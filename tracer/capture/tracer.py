@@ -31,7 +31,6 @@ from ddpscope.tracer.capture.clock import make_clock
 from ddpscope.tracer.capture.compiled import CompiledBuckets, load_extension, usable
 from ddpscope.tracer.capture.events import header_events
 from ddpscope.tracer.capture.hooks import (
-    CommHookTaken,
     HookGuard,
     HookHandles,
     attach_comm_hook,
@@ -109,7 +108,8 @@ class DDPTracer:
             return None
         except Exception as e:  # noqa: BLE001 - the script trains on, untraced
             self._detach_partial()
-            reason = str(e) if isinstance(e, (CommHookTaken, RuntimeError)) else f"{type(e).__name__}: {e}"
+            # ours (CommHookTaken, a rank that cannot write) are RuntimeErrors, said as they are
+            reason = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
             self.failure = f"tracing could not start ({reason}); the script runs untraced"
             return self.failure
         except BaseException:

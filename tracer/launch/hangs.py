@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpscope.tracer import format as fmt
+from ddpscope.tracer.writer import read_records
 
 STALE_S = 5.0  # a live file not rewritten for this long: that process is not running
 PHASES = ["between steps", "forward", "after forward", "backward", "waiting for the all-reduces", "after backward",
@@ -45,17 +46,7 @@ class Hang:
 
 def read_positions(out: Path) -> dict[int, dict]:
     """Every rank's live file in the run folder ``out`` (unreadable ones left out)."""
-    found = {}
-    folder = Path(out) / fmt.LIVE_DIR
-    if not folder.is_dir():
-        return found
-    for p in folder.glob("rank-*.json"):
-        try:
-            data = json.loads(p.read_text())
-            found[int(data["rank"])] = data
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return found
+    return read_records(Path(out) / fmt.LIVE_DIR, "rank-*.json", "rank")
 
 
 class HangWatch:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from ddpscope.tracer import format as fmt
-from ddpscope.tracer.writer import write_json_atomic
+from ddpscope.tracer.writer import read_records, write_json_atomic
 
 FINISH_WAIT_S = 30.0  # node 0 waits this long, at most, for the other nodes to say how they ended
 
@@ -38,17 +38,7 @@ def job_key(what: dict) -> str:
 
 def read_nodes(out: Path) -> dict[int, dict]:
     """Every node's record in the run folder ``out`` (unreadable ones left out)."""
-    found = {}
-    folder = Path(out) / fmt.NODES_DIR
-    if not folder.is_dir():
-        return found
-    for p in folder.glob("node-*.json"):
-        try:
-            data = json.loads(p.read_text())
-            found[int(data["node_rank"])] = data
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return found
+    return read_records(Path(out) / fmt.NODES_DIR, "node-*.json", "node_rank")
 
 
 def check_out_dir(out: Path, job: str | None = None, node_rank: int = 0) -> None:

@@ -312,7 +312,7 @@ def launch_traced(lc: LaunchConfig, out: Path, facts: dict, on_progress: Callabl
                                 "hung": result.hung, "consequences": result.consequences,
                                 "ranks": result.details}})
     elif out.is_dir():
-        elsewhere = []
+        elsewhere, skip = [], set()
         if node is not None:  # the other nodes' ranks: here (a shared folder) or in their own folders
             elsewhere, late = nodes.wait_for_nodes(out, node.count)
             if late:
@@ -321,12 +321,13 @@ def launch_traced(lc: LaunchConfig, out: Path, facts: dict, on_progress: Callabl
                     f"{'they' if len(late) > 1 else 'it'} ended within {nodes.FINISH_WAIT_S:g} s")
         if elsewhere:
             ranks = [r for k in elsewhere for r in range(k * node.nproc, (k + 1) * node.nproc)]
+            skip = set(ranks)
             result.elsewhere = (f"this folder holds node 0's ranks; node{'s' if len(elsewhere) > 1 else ''} "
                                 f"{', '.join(map(str, elsewhere))} wrote ranks {_span(ranks)} into "
                                 f"{'their' if len(elsewhere) > 1 else 'its'} own --out: join the folders with "
                                 f"`ddpscope merge {out} OTHER_NODE_FOLDER... --out MERGED`")
             run["nodes_elsewhere"] = elsewhere
-        if (unfinished := unfinished_ranks(out, run, skip=set(ranks) if elsewhere else set())) is not None:
+        if (unfinished := unfinished_ranks(out, run, skip=skip)) is not None:
             # the job ran to its end, its trace did not (a full disk, a file that could not be
             # replaced): what was written stays readable, and is said to be incomplete
             result.incomplete = f"the trace is incomplete ({unfinished}); the job ran to its end"
