@@ -231,7 +231,7 @@ def test_accelerate_ddp_kwargs_are_traced_and_the_override_wins(tmp_path):
 def test_a_script_without_ddp_runs_and_says_nothing_was_traced(tmp_path):
     proc, out, _ = trace_script(tmp_path, USER, "--no-ddp", "--steps", "2")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == ("ddpscope run: no DistributedDataParallel model was built; "
+    assert proc.stderr.strip().splitlines()[-1] == ("ddpscope run: no DistributedDataParallel or FSDP2 model was built; "
                                                      "nothing was traced")
     assert json.loads((out / "run.json").read_text())["status"] == "untraced"
 

@@ -96,3 +96,23 @@ CAT_RING_REF = "allreduce_ref"
 REDUCE_SCATTER = "reduce-scatter"  # the two phases of a ring step ("phase" in its args)
 ALL_GATHER = "all-gather"
 KIND_ZERO = "zero"  # ddpscope zero: memory and communication per ZeRO stage
+
+# Sharded training (``ddpscope run`` of an FSDP2 script): ``run.json`` says ``"kind":
+# "sharded"`` and describes the units (``sharding``). Per rank, beside the step, pass and
+# optimizer spans of a DDP trace: compute cut per FSDP unit, the waits for all-gathers,
+# and one lane per collective kind. ZeRO-1 (DDP + ZeroRedundancyOptimizer) stays a DDP
+# trace (kind "ddp") with its parameter broadcasts on TID_PARAM_SYNC and ``sharding``
+# in run.json.
+KIND_SHARDED = "sharded"
+TID_UNITS = 3  # compute, cut per FSDP unit (innermost unit running), and the waits
+TID_ALL_GATHER = 4
+TID_REDUCE_SCATTER = 5
+TID_PARAM_SYNC = 6  # ZeRO-1: parameters broadcast after the optimizer step
+CAT_UNIT = "unit"  # compute of one unit: args unit, phase (forward / backward)
+CAT_WAIT = "wait"  # compute waits for a unit's all-gather (copy-out included)
+CAT_ALL_GATHER = "all_gather"
+CAT_REDUCE_SCATTER = "reduce_scatter"
+CAT_PARAM_SYNC = "param_sync"
+CAT_MEMORY_SAMPLE = "memory_sample"  # a counter at a unit boundary: bytes by category
+MEMORY_CATEGORIES = ("sharded_params_bytes", "unsharded_params_bytes", "sharded_grads_bytes",
+                     "unsharded_grads_bytes", "optimizer_state_bytes", "activations_bytes", "other_bytes")

@@ -72,6 +72,23 @@ NPROC = Option("--nproc", "processes (ranks) on this node", 2, int, in_range(1, 
 BUCKET_CAP_MB = Option(
     "--bucket-cap-mb", "DDP bucket_cap_mb in MiB, overriding the script's own (default: the script's value)",
     None, float, in_range(0, MAX_BUCKET_CAP_MB, " (MiB)", lo_open=True))
+def _reshard_check(v) -> str | None:
+    text = str(v).strip().lower()
+    if text in ("true", "false") or text.isdigit() and int(text) >= 1:
+        return None
+    return f"takes true, false or a number of ranks N >= 1 (a factor of the shard group), got {v!r}"
+
+
+RESHARD_AFTER_FORWARD = Option(
+    "--reshard-after-forward", "FSDP2 scripts: reshard_after_forward for every unit but the root, overriding the "
+    "script's: true (ZeRO-3), false (ZeRO-2) or N (resharded to N ranks after forward, a hybrid)",
+    None, str, _reshard_check, metavar="true|false|N")
+FORWARD_PREFETCH = Option("--forward-prefetch", "FSDP2 scripts: each unit all-gathers this many next units ahead of "
+                          "its forward (FSDP's set_modules_to_forward_prefetch; 0 = FSDP's default, none)",
+                          None, int, in_range(0, 64), metavar="N")
+BACKWARD_PREFETCH = Option("--backward-prefetch", "FSDP2 scripts: each unit all-gathers this many next units "
+                           "(backward order) ahead of its backward (FSDP's default: 1)", None, int, in_range(1, 64),
+                           metavar="N")
 STEPS = Option("--steps", "end the job cleanly after this many traced optimizer steps (default: run to the end)",
                None, int, in_range(1, MAX_STEPS))
 TIMEOUT = Option("--timeout", "watchdog: stop the job after this many seconds", 900.0, float,

@@ -12,7 +12,9 @@ imported (no torch import of its own) and then patches, in place:
   (Lightning, Accelerate) build and see the traced model;
 - ``torch.distributed.destroy_process_group``: the trace is finished while the process
   group still works (its end clock offsets are a collective);
-- FSDP's constructors: FSDP is said to be untraced.
+- FSDP2's ``FSDPState._lazy_init``: when a root is initialised (its first forward),
+  the FSDP2 model is traced per unit (``sharded/fsdp_tracer.py``), after the rerun's
+  sharding settings are applied; FSDP1's constructor: said to be untraced.
 
 The user's training comes first: whatever goes wrong in here is said in one line on
 stderr (rank 0) and in ``run.json`` (``notes``), and the script goes on, untraced.
@@ -39,16 +41,23 @@ from typing import Any
 
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer.capture.after_import import after_import
-from ddpscope.tracer.options import BUCKET_CAP_MB, CAPTURE, OUT, STEPS, check_fields
+from ddpscope.tracer.options import (
+    BACKWARD_PREFETCH,
+    BUCKET_CAP_MB,
+    CAPTURE,
+    FORWARD_PREFETCH,
+    OUT,
+    RESHARD_AFTER_FORWARD,
+    STEPS,
+    check_fields,
+)
 from ddpscope.tracer.progress import emit_progress, say
 from ddpscope.tracer.writer import update_run_json
 
 CAPTURE_ENV = "DDPSCOPE_CAPTURE"
 DDP_MODULE = "torch.nn.parallel.distributed"
-FSDP_MODULES = {  # module -> class whose construction means FSDP is in use
-    "torch.distributed.fsdp.fully_sharded_data_parallel": "FullyShardedDataParallel",
-    "torch.distributed.fsdp._fully_shard._fsdp_state": "FSDPState",
-}
+FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"  # FullyShardedDataParallel: said untraced
+FSDP2_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"  # FSDPState._lazy_init: traced
 
 
 @dataclass(kw_only=True)
@@ -61,6 +70,8 @@ class CaptureConfig:
     exit_grace_s: after ``steps``, how long the script may take to unwind (seconds).
     profile_steps: also run torch.profiler on this many first traced steps (None: off).
     capture, capture_note: how all-reduces are timed, and why not compiled (``TracerConfig``).
+    reshard_after_forward, forward_prefetch, backward_prefetch: FSDP2 settings overriding
+    the script's (``sharded/settings.py``; None keeps the script's).
     """
 
     out: str = OUT.field()
@@ -71,6 +82,9 @@ class CaptureConfig:
     profile_steps: int | None = None
     capture: str = CAPTURE.field()
     capture_note: str | None = None
+    reshard_after_forward: str | None = RESHARD_AFTER_FORWARD.field()
+    forward_prefetch: int | None = FORWARD_PREFETCH.field()
+    backward_prefetch: int | None = BACKWARD_PREFETCH.field()
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -104,6 +118,10 @@ class Session:
 
     # -- what the patches call ------------------------------------------------------
     def on_ddp_built(self, ddp, script_cap: Any, overridden: bool) -> None:
+        if self.tracer is not None and type(self.tracer).__name__ != "DDPTracer":
+            self.note(f"the script mixes DDP and FSDP: the DDP model ({type(ddp.module).__name__}) is not traced; "
+                      "the FSDP2 model is")
+            return
         if self.tracer is not None:
             self.note(f"a second DistributedDataParallel model ({type(ddp.module).__name__}) was built; "
                       f"only the first ({type(self.tracer.model.module).__name__}) is traced")
@@ -147,9 +165,48 @@ class Session:
             _exit_soon(self.config.exit_grace_s)
             raise SystemExit(0)  # unwinds the script; its finally blocks still run
 
-    def on_fsdp(self) -> None:
-        if not any("FSDP" in n for n in self.notes):
-            self.note("FSDP is not traced (ddpscope traces DistributedDataParallel); the script runs untraced")
+    def on_fsdp1(self) -> None:
+        if not any("FullyShardedDataParallel" in n for n in self.notes):
+            self.note("FSDP1 (FullyShardedDataParallel) is not traced: ddpscope traces DistributedDataParallel "
+                      "and FSDP2 (fully_shard); the FSDP1 model runs untraced")
+
+    def on_fsdp_root(self, root_state) -> None:
+        """FSDP2 lazily initialised a root (its first forward): every unit is known now."""
+        from ddpscope.tracer.capture.sharded.fsdp_tracer import FSDPTracer
+        from ddpscope.tracer.capture.sharded.settings import apply_prefetch, apply_reshard, parse_reshard
+        from ddpscope.tracer.capture.sharded.units import find_units
+        from ddpscope.tracer.capture.tracer_config import TracerConfig
+
+        root = root_state._modules[0]
+        if self.tracer is not None:
+            what = "DDP" if type(self.tracer).__name__ == "DDPTracer" else "FSDP"
+            self.note(f"the script mixes DDP and FSDP: a second model ({type(root).__name__}, FSDP2) is not traced; "
+                      f"the first one traced ({what}) is")
+            return
+        cfg = self.config
+        requested = {"reshard_after_forward": cfg.reshard_after_forward, "forward_prefetch": cfg.forward_prefetch,
+                     "backward_prefetch": cfg.backward_prefetch}
+        try:  # the rerun's settings, before any unit is gathered
+            units = find_units(root_state)
+            if cfg.reshard_after_forward is not None:
+                apply_reshard(units, parse_reshard(cfg.reshard_after_forward))
+            if cfg.forward_prefetch or cfg.backward_prefetch:
+                apply_prefetch(units, cfg.forward_prefetch or None, cfg.backward_prefetch)
+        except ValueError as e:  # FSDP's own check (N must divide the shard group): said, the script's kept
+            self.note(f"--reshard-after-forward / prefetch not applied ({e}); the script's settings stay")
+        self.times_us["ddp_built"] = _now_us()
+        facts = {"capture_times_us": self.times_us, "capture": "ddpscope run", "sharding_requested": requested,
+                 "steps_requested": cfg.steps, "notes": self.notes}
+        if cfg.bucket_cap_mb is not None:
+            self.note("--bucket-cap-mb applies to DDP; this script shards with FSDP2, which has no buckets")
+        tracer = FSDPTracer(root, root_state, TracerConfig(out_dir=cfg.out, capture="python"), on_step=self.on_step,
+                            run_meta=facts)
+        why = tracer.start()  # never raises: says why it could not
+        if why is not None:
+            self.note(why)
+            return
+        self.tracer = tracer
+        self._last = time.perf_counter()
 
     # -- the end --------------------------------------------------------------------
     def finish(self, error: str | None = None) -> None:
@@ -243,8 +300,8 @@ def install_from_env() -> Session | None:
     _session = Session(config)
     _session.stacks = _register_stack_dump(config.out)
     after_import(DDP_MODULE, functools.partial(_patch_ddp, _session))
-    for module, cls in FSDP_MODULES.items():
-        after_import(module, functools.partial(_patch_fsdp, _session, cls))
+    after_import(FSDP1_MODULE, functools.partial(_patch_fsdp1, _session))
+    after_import(FSDP2_STATE_MODULE, functools.partial(_patch_fsdp2, _session))
     _chain_excepthook(_session)
     atexit.register(_session.finish)
     return _session
@@ -324,8 +381,8 @@ def _patch_destroy(session: Session) -> None:
     dist.destroy_process_group = destroy_process_group
 
 
-def _patch_fsdp(session: Session, cls_name: str, module) -> None:
-    cls = getattr(module, cls_name, None)
+def _patch_fsdp1(session: Session, module) -> None:
+    cls = getattr(module, "FullyShardedDataParallel", None)
     if cls is None or getattr(cls.__init__, "_ddpscope", False):
         return
     original = cls.__init__
@@ -334,12 +391,37 @@ def _patch_fsdp(session: Session, cls_name: str, module) -> None:
     def __init__(self, *args, **kwargs) -> None:
         original(self, *args, **kwargs)
         try:
-            session.on_fsdp()
+            session.on_fsdp1()
         except Exception:  # noqa: BLE001 - a note is not worth a training run
             pass
 
     __init__._ddpscope = True
     cls.__init__ = __init__
+
+
+def _patch_fsdp2(session: Session, module) -> None:
+    """``FSDPState._lazy_init``: once FSDP made a state the root (its first forward, or
+    an explicit ``unshard``), every unit is known; the tracer starts there."""
+    cls = getattr(module, "FSDPState", None)
+    original = getattr(cls, "_lazy_init", None)
+    if original is None or getattr(original, "_ddpscope", False):
+        return
+    session.times_us.setdefault("torch_imported", _now_us())
+
+    @functools.wraps(original)
+    def _lazy_init(self, *args, **kwargs):
+        first = getattr(self, "_is_root", None) is None
+        result = original(self, *args, **kwargs)  # FSDP's errors reach the script as they are
+        if first and getattr(self, "_is_root", False):
+            try:
+                session.on_fsdp_root(self)
+            except Exception as e:  # noqa: BLE001 - training goes on, untraced
+                session.note(f"tracing could not start ({type(e).__name__}: {e}); the script runs untraced")
+        return result
+
+    _lazy_init._ddpscope = True
+    cls._lazy_init = _lazy_init
+    _patch_destroy(session)
 
 
 def _chain_excepthook(session: Session) -> None:

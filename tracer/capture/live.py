@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer.writer import write_bytes_atomic
@@ -24,7 +25,7 @@ from ddpscope.tracer.writer import write_bytes_atomic
 INTERVAL_S = 0.5
 
 
-def position(recorder) -> dict:
+def ddp_position(recorder) -> dict:
     """The recorder's open step and phase, as JSON-able fields."""
     cur = recorder.current
     if cur is None:
@@ -61,10 +62,13 @@ def position(recorder) -> dict:
 class LiveFile:
     """Writes this rank's position until ``close(status)``; never raises into training."""
 
-    def __init__(self, out_dir: Path | str, rank: int, recorder, interval_s: float = INTERVAL_S) -> None:
+    def __init__(self, out_dir: Path | str, rank: int, recorder, interval_s: float = INTERVAL_S,
+                 position: Callable[[], dict] | None = None) -> None:
+        """``position``: where the rank is, as JSON-able fields (default: a DDP recorder's)."""
         self.path = Path(out_dir) / fmt.live_file(rank)
         self.rank = rank
         self.recorder = recorder
+        self._position = position or (lambda: ddp_position(recorder))
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._status = "running"
@@ -93,7 +97,7 @@ class LiveFile:
         try:
             state = {"rank": self.rank, "pid": os.getpid(), "host": self.host, "time_unix": time.time(),
                      "status": self._status,
-                     **position(self.recorder)}
+                     **self._position()}
             write_bytes_atomic(self.path, [json.dumps(state).encode()])
         except Exception:  # noqa: BLE001 - a heartbeat that cannot be written is not worth a training run
             pass

@@ -64,6 +64,9 @@ class RunConfig:
     profile: bool = o.PROFILE.field()
     profile_steps: int = o.PROFILE_STEPS.field()
     capture: str = o.CAPTURE.field()
+    reshard_after_forward: str | None = o.RESHARD_AFTER_FORWARD.field()
+    forward_prefetch: int | None = o.FORWARD_PREFETCH.field()
+    backward_prefetch: int | None = o.BACKWARD_PREFETCH.field()
     cwd: Path | str = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
@@ -90,8 +93,14 @@ class RunConfig:
         """This job's identity, the same on every node: what every node was asked to run."""
         return nodes.job_key({"argv": self.argv, "nproc": self.nproc, "nnodes": self.nnodes,
                               "rdzv_endpoint": self.rdzv_endpoint, "bucket_cap_mb": self.bucket_cap_mb,
-                              "steps": self.steps, "capture": self.capture,
+                              "steps": self.steps, "capture": self.capture, **self.sharding,
                               "profile_steps": self.profile_steps if self.profile else None})
+
+    @property
+    def sharding(self) -> dict:
+        """The FSDP2 settings this run overrides (None: the script's own)."""
+        return {"reshard_after_forward": self.reshard_after_forward, "forward_prefetch": self.forward_prefetch,
+                "backward_prefetch": self.backward_prefetch}
 
     @property
     def argv(self) -> list[str]:
@@ -144,7 +153,8 @@ class RunConfig:
         the Python hooks and record why."""
         capture = CaptureConfig(out=str(self.out.resolve()), bucket_cap_mb=self.bucket_cap_mb, steps=self.steps,
                                 profile_steps=self.profile_steps if self.profile else None,
-                                capture="python" if capture_note else self.capture, capture_note=capture_note)
+                                capture="python" if capture_note else self.capture, capture_note=capture_note,
+                                **self.sharding)
         return LaunchConfig(target=self.program, args=self.program_args, module=self.module, cwd=self.cwd,
                             nproc=self.nproc, nnodes=self.nnodes, node_rank=self.node_rank,
                             rdzv_endpoint=self.rdzv_endpoint, log_dir=self.out / fmt.node_logs(self.node_rank, self.nnodes),
@@ -163,6 +173,7 @@ class RunConfig:
             "nproc_per_node": self.nproc, "nnodes": self.nnodes,
             "bucket_cap_mb_requested": self.bucket_cap_mb, "steps_requested": self.steps,
             "profile_steps": self.profile_steps if self.profile else None, "capture_path_requested": self.capture,
+            "sharding_requested": self.sharding,
         }
 
     def command(self) -> list[str]:
@@ -176,6 +187,11 @@ class RunConfig:
             cmd += ["--profile", "--profile-steps", str(self.profile_steps)]
         if self.capture != o.CAPTURE.default:
             cmd += ["--capture", self.capture]
+        for flag, value in ((o.RESHARD_AFTER_FORWARD.flag, self.reshard_after_forward),
+                            (o.FORWARD_PREFETCH.flag, self.forward_prefetch),
+                            (o.BACKWARD_PREFETCH.flag, self.backward_prefetch)):
+            if value is not None:
+                cmd += [flag, str(value)]
         if self.nnodes > 1:
             cmd += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
                     "--rdzv-endpoint", str(self.rdzv_endpoint)]
@@ -249,7 +265,7 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
         run_path = cfg.out / fmt.RUN_FILE
         run = read_json(run_path) if run_path.exists() else {}
         notes = [n for n in run.get("notes") or [] if isinstance(n, str)]
-        result.untraced = "; ".join(notes) if notes else "no DistributedDataParallel model was built; nothing was traced"
+        result.untraced = "; ".join(notes) if notes else "no DistributedDataParallel or FSDP2 model was built; nothing was traced"
         if result.ok:
             run.update(status=fmt.UNTRACED, error=result.untraced)
             write_json_atomic(run_path, run)
@@ -348,7 +364,7 @@ def unfinished_ranks(out: Path, run: dict, skip: set[int] = frozenset()) -> str 
     stopped tracing at step 12"), from their live files (small: never the rank files), or None. A rank
     whose live file is missing or not ``complete`` never closed its trace; a run.json still
     ``running`` means rank 0 could not write its last one."""
-    if run.get("kind", fmt.KIND_DDP) != fmt.KIND_DDP:  # ring and ZeRO jobs keep no live files
+    if run.get("kind", fmt.KIND_DDP) not in (fmt.KIND_DDP, fmt.KIND_SHARDED):  # ring and ZeRO jobs keep no live files
         return "run.json was not finished" if run.get("status") == fmt.RUNNING else None
     if not any(fmt.RANK_FILE_RE.match(p.name) for p in out.iterdir()):
         return None  # nothing was traced (no DDP model): run_job says so

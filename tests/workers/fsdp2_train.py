@@ -1,0 +1,131 @@
+"""An FSDP2 training script in torchtitan's style: a small transformer of blocks, each
+block ``fully_shard``-ed, then the root; AdamW; CPU and gloo (the user's code: nothing
+of ddpscope's in it).
+
+``--report DIR``: each rank writes its final parameters' checksum and the loss (for
+bit-identity against an untraced run), and with ``--memtracker`` the memory that
+PyTorch's own ``FSDPMemTracker`` saw over one step (an independent instrument).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.w1 = nn.Linear(dim, 4 * dim)
+        self.w2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.w2(F.gelu(self.w1(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(self.norm(x))
+
+
+def parse_reshard(text: str):
+    return {"true": True, "false": False}.get(text, None) if not text.isdigit() else int(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--reshard", default="true")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per step (no reduction but the last)")
+    p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bfloat16)")
+    p.add_argument("--report")
+    p.add_argument("--memtracker", action="store_true")
+    p.add_argument("--mix-ddp", action="store_true", help="also build a DDP model (a script that mixes both)")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        torch.manual_seed(0)
+        model = Model(args.vocab, args.dim, args.layers)
+        mesh = init_device_mesh("cpu", (world,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
+            MixedPrecisionPolicy()
+        reshard = parse_reshard(args.reshard)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        if args.mix_ddp:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            side = DDP(nn.Linear(4, 4))
+            side(torch.randn(2, 4)).sum().backward()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(1000 + rank)
+        losses, tracker_report = [], None
+        for step in range(args.steps):
+            tracker = None
+            if args.memtracker and step == args.steps - 1:
+                from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+                tracker = FSDPMemTracker(model, opt)
+                tracker.track_inputs((torch.zeros(args.batch, args.seq, dtype=torch.long),))
+                tracker.__enter__()
+            for micro in range(args.accum):
+                model.set_requires_gradient_sync(micro == args.accum - 1)
+                idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+                logits = model(idx)
+                loss = F.cross_entropy(logits.view(-1, args.vocab), idx.roll(-1, 1).view(-1))
+                (loss / args.accum).backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+            if tracker is not None:
+                tracker.__exit__(None, None, None)
+                peak = tracker.get_tracker_snapshot("peak")
+                tracker_report = {str(dev): {str(k): int(v) for k, v in snap.items()}
+                                  for dev, snap in peak.items()} if isinstance(peak, dict) else None
+                del tracker
+        if args.report:
+            os.makedirs(args.report, exist_ok=True)
+            digest = hashlib.sha256()
+            for name, param in sorted(model.named_parameters()):
+                digest.update(name.encode())
+                digest.update(param.to_local().detach().numpy().tobytes())
+            with open(os.path.join(args.report, f"rank{rank}.json"), "w") as f:
+                json.dump({"params_sha256": digest.hexdigest(), "losses": losses, "memtracker": tracker_report}, f)
+        # a clean gloo teardown (see fsdp_train.py)
+        dist.barrier()
+        del model, opt
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

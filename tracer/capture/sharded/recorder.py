@@ -1,0 +1,286 @@
+"""The sharded step state machine: what each step of an FSDP2 rank did, per unit.
+
+The hooks (``fsdp_hooks.py``) call ``enter``/``leave`` around each unit's forward and
+backward, ``comm_start``/``comm_end`` around each collective and ``wait_start``/
+``wait_end`` around each wait for an all-gather. A stack of what runs now cuts the
+training thread's time into segments, each one the innermost unit's compute (a unit's
+forward holds its children's: the children's time is theirs) or a collective or a wait.
+A step starts at the root's training forward and ends when the optimizer step returns.
+
+Times are clock stamps (``clock.py``): µs on CPU; on CUDA, events resolved in one batch
+when the step closes. Runs on the training thread; the autograd thread is the same one
+on CPU (on CUDA, autograd's device thread calls the backward hooks: the stack is per
+pass, and a backward hook never runs while a forward does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ddpscope.tracer.capture.clock import Clock
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+@dataclass(slots=True)
+class Coll:
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    unit: int
+    phase: str  # the pass it ran in: forward / backward
+    nbytes: int  # the collective's message: all-gather output, reduce-scatter input
+    start: Any
+    end: Any = None
+    prefetch: bool = False  # issued by another unit ahead of its use
+    device: tuple[Any, Any] | None = None  # CUDA events on the collective's stream
+
+
+@dataclass(slots=True)
+class Pass:
+    forward: list[Any]
+    reduce_grads: bool = True  # set_requires_gradient_sync(False): accumulation without reduction
+    backward_start: Any = None
+    backward_end: Any = None
+
+
+@dataclass(slots=True)
+class ShardedStep:
+    step: int
+    start: Any
+    passes: list[Pass] = field(default_factory=list)
+    segments: list[tuple[int, str, Any, Any]] = field(default_factory=list)  # (unit, phase, start, end)
+    waits: list[tuple[int, str, Any, Any]] = field(default_factory=list)
+    colls: list[Coll] = field(default_factory=list)
+    optimizer: list[Any] | None = None
+    end: Any = None
+    memory: list[dict] = field(default_factory=list)  # samples: {"ts", "unit", "phase", "at", bytes...}
+    measure: bool = False
+    incomplete: bool = False
+
+
+class ShardedRecorder:
+    """Collects steps; hands each closed step to ``emit(step)`` once its stamps are µs."""
+
+    def __init__(self, *, clock: Clock, emit: Callable[[ShardedStep], None],
+                 sample: Callable[[], dict] | None = None, measure_step: Callable[[int], bool] = lambda s: True,
+                 on_close: Callable[[ShardedStep], None] | None = None) -> None:
+        self.clock = clock
+        self.emit = emit
+        self.sample = sample  # bytes by category now (the memory meter), on measured steps
+        self.measure_step = measure_step
+        self.on_close = on_close
+        self.optimizer = None  # found at its first step (hooks._attach_optimizer_finder)
+        self.current: ShardedStep | None = None
+        self.next_step = 0
+        self.steps_written = 0
+        self._stack: list[tuple[int, str] | None] = []  # None: inside a collective or a wait
+        self._open: tuple[int, str, Any] | None = None  # the segment running since
+        self.where: tuple[int, str, str | None] = (-1, "", None)  # (unit, phase, collective) for the live file
+        self._lag: list[ShardedStep] = []
+
+    # -- passes ---------------------------------------------------------------------
+    def on_forward_start(self, reduce_grads: bool = True) -> None:
+        now = self.clock.stamp()
+        cur = self.current
+        if cur is None:
+            cur = self.current = ShardedStep(step=self.next_step, start=now, measure=self.measure_step(self.next_step))
+            self.next_step += 1
+        elif cur.optimizer is not None and cur.optimizer[1] is None:
+            cur.optimizer = None  # a forward inside optimizer.step(closure): not the update
+        cur.passes.append(Pass(forward=[now, None], reduce_grads=reduce_grads))
+        self._stack.clear()
+        self._open = None
+
+    def on_forward_end(self) -> None:
+        cur = self.current
+        if cur is not None and cur.passes:
+            cur.passes[-1].forward[1] = self.clock.stamp()
+
+    def on_backward_start(self) -> None:
+        cur = self.current
+        if cur is not None and cur.passes and cur.passes[-1].backward_start is None:
+            cur.passes[-1].backward_start = self.clock.stamp()
+
+    def on_backward_end(self) -> None:
+        cur = self.current
+        if cur is not None and cur.passes:
+            now = self.clock.stamp()
+            self._cut(now)
+            self._stack.clear()
+            self._open = None
+            cur.passes[-1].backward_end = now
+
+    # -- units, collectives, waits ----------------------------------------------------
+    def enter(self, unit: int, phase: str) -> None:
+        if self.current is None:
+            return
+        now = self.clock.stamp()
+        self._cut(now)
+        self._stack.append((unit, phase))
+        self._resume(now)
+        self.where = (unit, phase, None)
+        if phase == BACKWARD:
+            self.on_backward_start()
+        self._sample(unit, phase, "start")
+
+    def leave(self, unit: int, phase: str) -> None:
+        if self.current is None:
+            return
+        self._sample(unit, phase, "end")
+        now = self.clock.stamp()
+        self._cut(now)
+        for k in range(len(self._stack) - 1, -1, -1):  # its own entry, wherever it is
+            if self._stack[k] == (unit, phase):
+                del self._stack[k]
+                break
+        self._resume(now)
+        top = self._top()
+        self.where = (top[0], top[1], None) if top else (-1, "", None)
+
+    def comm_start(self, kind: str, unit: int, nbytes: int, prefetch: bool) -> Coll | None:
+        cur = self.current
+        if cur is None:
+            return None
+        now = self.clock.stamp()
+        self._cut(now)
+        self._stack.append(None)
+        top = self._top()
+        phase = top[1] if top else (BACKWARD if cur.passes and cur.passes[-1].backward_start is not None
+                                    else FORWARD)
+        rec = Coll(kind=kind, unit=unit, phase=phase, nbytes=nbytes, start=now, prefetch=prefetch)
+        cur.colls.append(rec)
+        self.where = (unit, phase, kind)
+        return rec
+
+    def comm_end(self, rec: Coll | None) -> None:
+        if rec is None or self.current is None:
+            return
+        now = self.clock.stamp()
+        rec.end = now
+        self._pop_marker()
+        self._resume(now)
+        top = self._top()
+        self.where = (top[0], top[1], None) if top else (-1, "", None)
+
+    def wait_start(self, unit: int) -> Any:
+        if self.current is None:
+            return None
+        now = self.clock.stamp()
+        self._cut(now)
+        self._stack.append(None)
+        top = self._top()
+        return (unit, top[1] if top else FORWARD, now)
+
+    def wait_end(self, token: Any) -> None:
+        if token is None or self.current is None:
+            return
+        now = self.clock.stamp()
+        unit, phase, start = token
+        self.current.waits.append((unit, phase, start, now))
+        self._pop_marker()
+        self._resume(now)
+
+    def on_optimizer_start(self) -> None:
+        if self.current is not None:
+            self.current.optimizer = [self.clock.stamp(), None]
+
+    def on_optimizer_end(self) -> None:
+        cur = self.current
+        if cur is None:
+            return
+        now = self.clock.stamp()
+        if cur.optimizer is None:
+            cur.optimizer = [now, None]
+        cur.optimizer[1] = now
+        if cur.measure and self.sample is not None:  # the optimizer state appears at the first step
+            cur.memory.append({"ts": now, "unit": -1, "phase": "optimizer", "at": "end", **self.sample()})
+        self._close(now)
+
+    def finish(self, aborted: bool) -> None:
+        """Close the open step (``incomplete`` if aborted in it) and write everything."""
+        cur = self.current
+        if cur is not None:
+            if not cur.passes or cur.passes[-1].backward_end is None and not aborted:
+                if not cur.colls and not cur.segments:
+                    self.current = None  # a lone evaluation forward is not a step
+            if self.current is not None:
+                cur.incomplete = True
+                self._close(self.clock.stamp())
+        self._flush(len(self._lag))
+
+    # -- internals ------------------------------------------------------------------
+    def _top(self) -> tuple[int, str] | None:
+        return next((s for s in reversed(self._stack) if s is not None), None)
+
+    def _cut(self, now: Any) -> None:
+        """The segment running until now is closed (a segment of zero length is dropped)."""
+        if self._open is not None and self.current is not None:
+            unit, phase, start = self._open
+            self.current.segments.append((unit, phase, start, now))
+        self._open = None
+
+    def _resume(self, now: Any) -> None:
+        """Compute of the innermost unit runs again, unless a collective or wait is open."""
+        if self._stack and self._stack[-1] is not None:
+            unit, phase = self._stack[-1]
+            self._open = (unit, phase, now)
+
+    def _pop_marker(self) -> None:
+        for k in range(len(self._stack) - 1, -1, -1):
+            if self._stack[k] is None:
+                del self._stack[k]
+                return
+
+    def _sample(self, unit: int, phase: str, at: str) -> None:
+        cur = self.current
+        if cur is not None and cur.measure and self.sample is not None:
+            cur.memory.append({"ts": self.clock.stamp(), "unit": unit, "phase": phase, "at": at, **self.sample()})
+
+    def _close(self, now: Any) -> None:
+        cur = self.current
+        self.current = None
+        self._cut(now)
+        self._stack.clear()
+        self._open = None
+        cur.end = now
+        self._lag.append(cur)
+        self._flush(len(self._lag) - self.clock.lag_steps)
+        if self.on_close is not None:
+            self.on_close(cur)
+
+    def _flush(self, count: int) -> None:
+        if count <= 0:
+            return
+        ready, self._lag = self._lag[:count], self._lag[count:]
+        if self.clock.resolves:  # CUDA: every stamp of these steps in one batch (one CPU-GPU sync)
+            _resolve(ready, self.clock.resolve)
+        for s in ready:
+            self.steps_written += 1
+            self.emit(s)
+
+
+def _resolve(steps: list[ShardedStep], resolve: Callable[[list], list]) -> None:
+    stamps: list[Any] = []
+    for s in steps:
+        stamps += [s.start, s.end, *(s.optimizer or (None, None))]
+        for p in s.passes:
+            stamps += [*p.forward, p.backward_start, p.backward_end]
+        for seg in s.segments + s.waits:
+            stamps += [seg[2], seg[3]]
+        for c in s.colls:
+            stamps += [c.start, c.end]
+        stamps += [m["ts"] for m in s.memory]
+    times = iter(resolve(stamps))
+    for s in steps:
+        s.start, s.end = next(times), next(times)
+        opt = [next(times), next(times)]
+        s.optimizer = opt if s.optimizer else None
+        for p in s.passes:
+            p.forward = [next(times), next(times)]
+            p.backward_start, p.backward_end = next(times), next(times)
+        s.segments = [(u, ph, next(times), next(times)) for u, ph, _, _ in s.segments]
+        s.waits = [(u, ph, next(times), next(times)) for u, ph, _, _ in s.waits]
+        for c in s.colls:
+            c.start, c.end = next(times), next(times)
+        for m in s.memory:
+            m["ts"] = next(times)

@@ -1,0 +1,58 @@
+"""Sharding settings a rerun overrides with no change to the script (``ddpscope run
+--reshard-after-forward``, ``--forward-prefetch``, ``--backward-prefetch``), applied
+once FSDP knows every unit (its lazy initialisation, at the root's first forward).
+
+- ``reshard_after_forward``: True (ZeRO-3), False (ZeRO-2) or N (resharded to N ranks
+  after forward), for every unit but the root, as ``fully_shard`` would have set it
+  (FSDP's own ``_get_post_forward_mesh_info``: N must divide the shard group; an N of
+  the whole group is True). The root keeps FSDP's rule: not resharded after forward,
+  since backward gathers it again at once.
+- prefetch depths: each unit all-gathers the next ``forward`` units in forward order
+  ahead of its own forward (FSDP's ``set_modules_to_forward_prefetch``), and the next
+  ``backward`` units in backward order (``set_modules_to_backward_prefetch``; FSDP's
+  default is one, implicitly). Forward order is the order of the units in the model
+  (``named_modules``), the order FSDP itself lists them in.
+"""
+
+from __future__ import annotations
+
+
+def parse_reshard(text: str | None) -> bool | int | None:
+    """``"true"``/``"false"``/``"N"`` -> True/False/N; None stays None. ``ValueError``
+    names the flag."""
+    if text is None:
+        return None
+    value = str(text).strip().lower()
+    if value in ("true", "1.0", "yes"):
+        return True
+    if value in ("false", "no"):
+        return False
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"--reshard-after-forward takes true, false or a number of ranks, got {text!r}") from None
+    if n < 1:
+        raise ValueError(f"--reshard-after-forward N must be a number of ranks >= 1, got {n}")
+    return n
+
+
+def apply_reshard(units, value: bool | int) -> None:
+    """Set ``reshard_after_forward`` on every unit but the root (``ValueError`` as FSDP's)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
+
+    for u in units:
+        if u.is_root:
+            continue
+        u.group.post_forward_mesh_info = _get_post_forward_mesh_info(value, u.group.mesh_info)
+
+
+def apply_prefetch(units, forward: int | None, backward: int | None) -> None:
+    """Explicit prefetching, ``forward``/``backward`` units ahead (None: FSDP's default)."""
+    order = [u for u in units if not u.is_root]
+    modules = [u.group.modules[0] for u in order]
+    for k, module in enumerate(modules):
+        if forward is not None:
+            module.set_modules_to_forward_prefetch(modules[k + 1:k + 1 + forward])
+        if backward is not None:
+            before = modules[max(0, k - backward):k][::-1]  # backward runs the units in reverse
+            module.set_modules_to_backward_prefetch(before)

@@ -1,0 +1,105 @@
+"""An FSDP2 model's units, as ddpscope traces them: one per ``FSDPParamGroup`` (a module
+``fully_shard`` was applied to, or a group of modules given to it together), found from
+the root's state after FSDP's lazy initialisation, in the order FSDP registered them.
+
+A unit's bytes are this rank's: ``sharded_bytes`` its padded local shards (what it holds
+between uses), ``unsharded_bytes`` the gathered parameters while it is unsharded (every
+rank's padded shard, in the parameters' compute dtype). Bytes throughout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ROOT_NAME = "(root)"
+
+
+@dataclass
+class Unit:
+    index: int
+    name: str  # the module's qualified name in the root ("(root)" for the root itself)
+    group: Any  # the FSDPParamGroup
+    param_names: list[str]
+    numel: int  # parameters' elements (unpadded, all ranks)
+    sharded_bytes: int
+    unsharded_bytes: int
+    reshard_after_forward: bool | int
+    is_root: bool
+
+    def facts(self) -> dict:
+        """JSON-able, for run.json and the rank file's metadata."""
+        return {"index": self.index, "name": self.name, "params": self.param_names, "numel": self.numel,
+                "sharded_bytes": self.sharded_bytes, "unsharded_bytes": self.unsharded_bytes,
+                "reshard_after_forward": self.reshard_after_forward, "root": self.is_root}
+
+
+def root_states(root_state) -> list:
+    """Every FSDP state under the root (itself first), as FSDP's lazy init listed them."""
+    return list(root_state._state_ctx.all_states)
+
+
+def find_units(root_state) -> list[Unit]:
+    """The units of the model whose root FSDP state is ``root_state`` (lazily initialised)."""
+    units: list[Unit] = []
+    for state in root_states(root_state):
+        for group in state._fsdp_param_groups:
+            params = list(group.fsdp_params)
+            world = _shard_world(group)
+            name = group._module_fqn or ROOT_NAME
+            sharded = sum(p._sharded_param_data.numel() * p._sharded_param_data.element_size() for p in params)
+            item = _compute_item_size(group, params)
+            unsharded = sum(p._sharded_param_data.numel() * world * item for p in params)
+            units.append(Unit(index=len(units), name=name, group=group,
+                              param_names=[getattr(p, "_param_fqn", None) or f"param[{i}]" for i, p in enumerate(params)],
+                              numel=sum(int(p._orig_size.numel()) for p in params), sharded_bytes=sharded,
+                              unsharded_bytes=unsharded, reshard_after_forward=_reshard_setting(group, world),
+                              is_root=state is root_state))
+    return units
+
+
+def _shard_world(group) -> int:
+    mesh_info = group.mesh_info
+    return int(getattr(mesh_info, "shard_mesh_size", 1) or 1)
+
+
+def _compute_item_size(group, params) -> int:
+    """Bytes per gathered element: the mixed-precision ``param_dtype`` when set, else the
+    parameter's own."""
+    if not params:
+        return 4
+    dtype = getattr(params[0], "param_dtype", None)  # FSDPParam.init_dtype_attrs: None without a policy
+    return torch.empty((), dtype=dtype).element_size() if dtype is not None else params[0]._sharded_param_data.element_size()
+
+
+def _reshard_setting(group, world: int) -> bool | int:
+    """``reshard_after_forward`` as the group has it now: False (kept unsharded until
+    backward), True (resharded to the full shard group), or N (resharded to N ranks)."""
+    info = group.post_forward_mesh_info
+    if info is None:
+        return False
+    size = int(getattr(info, "shard_mesh_size", world) or world)
+    return True if size == world else size
+
+
+def problems(units: list[Unit]) -> list[str]:
+    """What ddpscope cannot trace as measured, each one line (said, and traced anyway
+    where the trace still means something)."""
+    out = []
+    offload = [u.name for u in units if type(getattr(u.group, "offload_policy", None)).__name__ == "CPUOffloadPolicy"]
+    if offload:
+        out.append(f"CPU offload (CPUOffloadPolicy) on {len(offload)} unit(s), e.g. {offload[0]}: parameters and "
+                   "gradients move between host and device; the memory figures count the device's only")
+    return out
+
+
+def meta_params(root_module: torch.nn.Module) -> list[str]:
+    """Parameters still on the meta device (meta-device initialisation not materialised)."""
+    return [n for n, p in root_module.named_parameters() if getattr(p, "is_meta", False)]
+
+
+def signature(units: list[Unit]) -> list[tuple[str, int]]:
+    """What must be the same on every rank: each unit's name and parameter count."""
+    return [(u.name, u.numel) for u in units]
