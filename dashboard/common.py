@@ -26,7 +26,7 @@ from ddpscope.viz.trace import TraceError
 from ddpscope.viz.zero_trace import load_zero
 
 #: folder kinds the training pages (Timeline, Compare, What-if, Run) list
-TRAINING_KINDS = ("ddp", KINETO, MIXED)
+TRAINING_KINDS = ("ddp", "sharded", KINETO, MIXED)
 
 ROOT = Path(__file__).resolve().parents[1]
 # a checkout (or pip install -e): beside the packages; pip install .: <prefix>/share/ddpscope

@@ -115,4 +115,5 @@ CAT_REDUCE_SCATTER = "reduce_scatter"
 CAT_PARAM_SYNC = "param_sync"
 CAT_MEMORY_SAMPLE = "memory_sample"  # a counter at a unit boundary: bytes by category
 MEMORY_CATEGORIES = ("sharded_params_bytes", "unsharded_params_bytes", "sharded_grads_bytes",
-                     "unsharded_grads_bytes", "optimizer_state_bytes", "activations_bytes", "other_bytes")
+                     "unsharded_grads_bytes", "optimizer_state_bytes", "activations_bytes", "comm_buffers_bytes",
+                     "other_bytes")

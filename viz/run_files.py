@@ -231,13 +231,14 @@ def run_kind(path: str | Path) -> str | None:
     except TraceError:  # listed as a DDP run: opening it says what is wrong
         return fmt.KIND_DDP
     kind = run.get("kind") if isinstance(run, dict) else None
-    return kind if kind in (fmt.KIND_DDP, fmt.KIND_RING, fmt.KIND_ZERO) else fmt.KIND_DDP
+    return kind if kind in (fmt.KIND_DDP, fmt.KIND_RING, fmt.KIND_ZERO, fmt.KIND_SHARDED) else fmt.KIND_DDP
 
 
-def read_run_folder(path: str | Path, kind: str, *, allow_missing_ranks: bool = False
+def read_run_folder(path: str | Path, kind: str | tuple[str, ...], *, allow_missing_ranks: bool = False
                     ) -> tuple[dict, dict[int, tuple[dict, list]], int]:
-    """``(run.json, {rank: (metadata, events)}, world size)`` of a run folder of ``kind``,
-    checked: every rank file ours and present (unless ``allow_missing_ranks``)."""
+    """``(run.json, {rank: (metadata, events)}, world size)`` of a run folder of ``kind``
+    (or one of several), checked: every rank file ours and present (unless
+    ``allow_missing_ranks``)."""
     path = Path(path)
     if not path.is_dir():
         raise TraceError(f"{path} is not a folder")
@@ -249,10 +250,12 @@ def read_run_folder(path: str | Path, kind: str, *, allow_missing_ranks: bool = 
         check_version(run, f"{path.name}/{run_path.name}")
         check_meta(run, f"{path.name}/{run_path.name}", _RunMeta)
     found = str(run.get("kind") or fmt.KIND_DDP)
-    if found != kind:
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if found not in kinds:
         what = {fmt.KIND_RING: "a ring all-reduce run (see the Ring page)", fmt.KIND_DDP: "a DDP training run",
-                fmt.KIND_ZERO: "a ZeRO memory run (see the Memory page)"}
-        raise TraceError(f"{path.name} is {what.get(found, repr(found))}, not {what.get(kind, repr(kind))}")
+                fmt.KIND_ZERO: "a ZeRO memory run (see the Memory page)",
+                fmt.KIND_SHARDED: "a sharded (FSDP2) training run"}
+        raise TraceError(f"{path.name} is {what.get(found, repr(found))}, not {what.get(kinds[0], repr(kinds[0]))}")
     files = {int(m.group(1)): p for p in path.iterdir() if (m := fmt.RANK_FILE_RE.match(p.name))}
     if not files:
         raise TraceError(f"{path} holds no rank-<r>.json trace files")

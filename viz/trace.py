@@ -54,6 +54,9 @@ class RunTrace:
     kernels: pd.DataFrame = field(default_factory=pd.DataFrame)
     #: where the trace came from: "ddpscope" (the tracer) or "kineto" (torch.profiler)
     source: str = "ddpscope"
+    #: a sharded (FSDP2) run's units, per-unit compute, collectives and memory samples
+    #: (``viz.sharded_trace.ShardedTables``); None for DDP and profiler traces
+    shards: object | None = None
     #: derived tables that figures reuse across selections (filled by viz functions)
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -114,16 +117,25 @@ def clock_alignment(meta: dict):
 
 
 def load_run(path: str | Path, *, allow_missing_ranks: bool = False) -> RunTrace:
-    """Load a DDP run folder (``run.json`` + ``rank-*.json``)."""
+    """Load a training run folder (``run.json`` + ``rank-*.json``): DDP, or sharded
+    (FSDP2: the same step tables, and its own in ``shards``)."""
     path = Path(path)
-    run, files, _ = read_run_folder(path, fmt.KIND_DDP, allow_missing_ranks=allow_missing_ranks)
+    run, files, _ = read_run_folder(path, (fmt.KIND_DDP, fmt.KIND_SHARDED), allow_missing_ranks=allow_missing_ranks)
     ranks: dict[int, dict] = {}
     rows: dict[str, list] = {"steps": [], "passes": [], "buckets": [], "grads": [], "memory": []}
     for rank, (meta, events) in files.items():
         ranks[rank] = meta
         _parse_events(rank, meta, events, rows)
+    shards = None
+    if run.get("kind") == fmt.KIND_SHARDED:
+        from ddpscope.viz.sharded_trace import parse_sharded
+
+        try:
+            shards = parse_sharded(run, files, clock_alignment)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise TraceError(f"{path.name}: malformed sharded trace ({type(e).__name__}: {str(e)[:200]})") from None
     return RunTrace(
-        path=path, run=run, ranks=ranks,
+        path=path, run=run, ranks=ranks, shards=shards,
         steps=frame_of(rows["steps"], ["rank", "step"], STEP_COLUMNS),
         buckets=frame_of(rows["buckets"], ["rank", "step", "bucket"], BUCKET_COLUMNS),
         grads=frame_of(rows["grads"], ["rank", "step", "ready_us"], GRAD_COLUMNS),

@@ -4,7 +4,8 @@ From the tensors themselves, as FSDP2 keeps them:
 
 - sharded parameters: every unit's padded local shards (they never change size);
 - unsharded parameters: the all-gather outputs whose storage is allocated now (FSDP frees
-  a unit's by resizing its storage to 0 when it reshards);
+  a unit's by resizing its storage to 0 when it reshards), and a unit's all-gathered
+  buffer not yet copied out (a prefetched unit's, until its own forward or backward);
 - sharded gradients: the local shards' ``.grad``; unsharded gradients: a unit's
   full-size gradients between its backward and its reduce-scatter (and those kept
   for accumulation without reduction);
@@ -13,6 +14,9 @@ From the tensors themselves, as FSDP2 keeps them:
 - activations: tensors autograd saved for backward during the step's forwards, counted
   by a saved-tensor pack hook on measured steps only (``SavedActivations``); parameters
   saved by their layers are the unsharded parameters' bytes, not counted twice;
+- communication buffers: the last forward all-gather's buffer FSDP keeps until the
+  next copy-out (``comm_ctx.all_gather_state``), and the reduce-scatter inputs it holds
+  (``comm_ctx.reduce_scatter_states``);
 - other: on CUDA the caching allocator's ``memory_allocated`` beyond all of the above
   (temporaries, gradients of activations, communication buffers); absent on CPU, which
   has no allocator counter.
@@ -96,6 +100,7 @@ class ShardedMemory:
 
     def __init__(self, units: list[Unit], device: torch.device, optimizer: Callable[[], object]) -> None:
         self.params = [p for u in units for p in u.group.fsdp_params]
+        self.groups = [u.group for u in units]
         self.sharded_params_bytes = sum(u.sharded_bytes for u in units)
         self.device = device
         self.optimizer = optimizer
@@ -117,6 +122,22 @@ class ShardedMemory:
                 ptr, n = _storage_bytes(g)
                 if n:
                     unsharded_grads[ptr] = n
+        for g in self.groups:  # gathered, waiting for its copy-out (prefetched)
+            result = g._all_gather_result
+            if result is not None:
+                ptr, n = _storage_bytes(result.all_gather_output)
+                unsharded[ptr] = n
+        comm = {}
+        ctx = getattr(self.groups[0], "comm_ctx", None) if self.groups else None
+        held = getattr(ctx, "all_gather_state", None)
+        if held is not None:
+            ptr, n = _storage_bytes(held.all_gather_result.all_gather_output)
+            if ptr not in unsharded:
+                comm[ptr] = n
+        for state in getattr(ctx, "reduce_scatter_states", None) or []:
+            ptr, n = _storage_bytes(getattr(state, "reduce_scatter_input", None))
+            if n:
+                comm[ptr] = n
         out = {
             "sharded_params_bytes": self.sharded_params_bytes,
             "unsharded_params_bytes": sum(unsharded.values()),
@@ -124,6 +145,7 @@ class ShardedMemory:
             "unsharded_grads_bytes": sum(unsharded_grads.values()),
             "optimizer_state_bytes": self._state(self.optimizer()),
             "activations_bytes": max(0, self.activations.bytes),
+            "comm_buffers_bytes": sum(comm.values()),
         }
         if self.device.type == "cuda":
             # Allocator statistics are host-side counters: no CPU-GPU sync.

@@ -1,0 +1,138 @@
+"""A sharded (FSDP2) run's own tables, read beside the step tables every training trace
+has (``viz.trace.load_run`` fills ``RunTrace.shards``).
+
+Tables (times µs on rank 0's clock, bytes):
+
+- ``units``: unit, name, numel, sharded_bytes, unsharded_bytes, reshard_after_forward, root
+- ``segments``: rank, step, unit, name, phase (forward / backward), start_us, end_us:
+  the rank's compute, cut per unit (the innermost unit running)
+- ``waits``: rank, step, unit, name, phase, start_us, end_us: compute waiting for a
+  unit's all-gather (its copy-out included)
+- ``colls``: rank, step, unit, name, collective (all_gather / reduce_scatter), phase,
+  bytes (the collective's message: all-gather output, reduce-scatter input), prefetch,
+  sent_as (what the backend ran instead: gloo runs a reduce-scatter as an all-reduce),
+  start_us, end_us
+- ``memory``: rank, step, ts_us, unit, name, phase, at (start / end of the unit's
+  phase), and bytes per category (``tracer.format.MEMORY_CATEGORIES``; "other" on CUDA
+  only), total_bytes
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+from ddpscope.tracer import format as fmt
+
+UNIT_COLUMNS = ["unit", "name", "numel", "sharded_bytes", "unsharded_bytes", "reshard_after_forward", "root"]
+SEGMENT_COLUMNS = ["rank", "step", "unit", "name", "phase", "start_us", "end_us"]
+COLL_COLUMNS = ["rank", "step", "unit", "name", "collective", "phase", "bytes", "prefetch", "sent_as", "start_us",
+                "end_us"]
+MEMORY_COLUMNS = ["rank", "step", "ts_us", "unit", "name", "phase", "at", *fmt.MEMORY_CATEGORIES, "total_bytes"]
+
+
+@dataclass(frozen=True)
+class ShardedTables:
+    stage: int
+    stage_reason: str
+    framework: str
+    units: pd.DataFrame
+    segments: pd.DataFrame
+    waits: pd.DataFrame
+    colls: pd.DataFrame
+    memory: pd.DataFrame
+    reduce_scatter_sent_as: str | None
+
+    def unit_name(self, unit: int) -> str:
+        names = self.units.set_index("unit")["name"]
+        return str(names.get(unit, f"unit {unit}"))
+
+
+def _units(run: dict) -> pd.DataFrame:
+    sharding = run.get("sharding")
+    if not isinstance(sharding, dict) or not isinstance(sharding.get("units"), list) or not sharding["units"]:
+        raise ValueError("run.json describes no FSDP units (sharding.units)")
+    rows = []
+    for k, u in enumerate(sharding["units"]):
+        reshard = u.get("reshard_after_forward")
+        if not (isinstance(u.get("name"), str) and isinstance(reshard, (bool, int))):
+            raise ValueError(f"unit {k} has no name or reshard_after_forward setting")
+        rows.append({"unit": k, "name": u["name"], "numel": _count(u.get("numel")),
+                     "sharded_bytes": _count(u.get("sharded_bytes")), "unsharded_bytes": _count(u.get("unsharded_bytes")),
+                     "reshard_after_forward": reshard, "root": bool(u.get("root"))})
+    return pd.DataFrame(rows, columns=UNIT_COLUMNS)
+
+
+def _count(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**50:
+        raise ValueError(f"{v!r} is not a count of bytes or elements")
+    return v
+
+
+def _time(v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{v!r} is not a time")
+    return float(v)
+
+
+def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> ShardedTables:
+    """The sharded tables of a run whose rank files are ``files`` ({rank: (meta, events)});
+    ``align_of(meta)`` maps a rank's µs onto rank 0's clock. ``ValueError`` if malformed."""
+    units = _units(run)
+    names = units["name"].tolist()
+    n_units = len(names)
+    segs, waits, colls, mem = [], [], [], []
+    for rank, (meta, events) in files.items():
+        align = align_of(meta)
+        for e in events:
+            cat = e.get("cat")
+            if cat not in (fmt.CAT_UNIT, fmt.CAT_WAIT, fmt.CAT_ALL_GATHER, fmt.CAT_REDUCE_SCATTER,
+                           fmt.CAT_MEMORY_SAMPLE):
+                continue
+            a = e.get("args") or {}
+            unit, step = a.get("unit"), a.get("step")
+            if not (isinstance(step, int) and 0 <= step < 10**9 and isinstance(unit, int)
+                    and -1 <= unit < n_units):
+                raise ValueError(f"rank {rank}: a {cat} event names unit {unit!r} of {n_units} (step {step!r})")
+            ts = _time(e.get("ts"))
+            name = names[unit] if unit >= 0 else "optimizer"
+            if cat == fmt.CAT_MEMORY_SAMPLE:
+                row = {"rank": rank, "step": step, "ts_us": align(ts), "unit": unit, "name": name,
+                       "phase": str(a.get("phase")), "at": str(a.get("at"))}
+                for k in fmt.MEMORY_CATEGORIES:
+                    row[k] = _count(a[k]) if k in a else (0 if k != "other_bytes" else math.nan)
+                row["total_bytes"] = sum(row[k] for k in fmt.MEMORY_CATEGORIES if not math.isnan(row[k]))
+                mem.append(row)
+                continue
+            te = ts + _time(e.get("dur", 0.0))
+            base = {"rank": rank, "step": step, "unit": unit, "name": name, "phase": str(a.get("phase")),
+                    "start_us": align(ts), "end_us": align(te)}
+            if cat == fmt.CAT_UNIT:
+                segs.append(base)
+            elif cat == fmt.CAT_WAIT:
+                waits.append(base)
+            else:
+                colls.append({**base, "collective": "all_gather" if cat == fmt.CAT_ALL_GATHER else "reduce_scatter",
+                              "bytes": _count(a.get("bytes")), "prefetch": bool(a.get("prefetch")),
+                              "sent_as": a.get("sent_as") if isinstance(a.get("sent_as"), str) else None})
+    sharding = run["sharding"]
+    stage = sharding.get("stage")
+    if stage not in (2, 3):
+        raise ValueError(f"sharding.stage {stage!r} is not a ZeRO stage FSDP2 runs (2 or 3)")
+    return ShardedTables(
+        stage=stage, stage_reason=str(sharding.get("stage_reason") or ""),
+        framework=str(sharding.get("framework") or "fsdp2"), units=units,
+        segments=_frame(segs, SEGMENT_COLUMNS, ["rank", "step", "start_us"]),
+        waits=_frame(waits, SEGMENT_COLUMNS, ["rank", "step", "start_us"]),
+        colls=_frame(colls, COLL_COLUMNS, ["rank", "step", "start_us"]),
+        memory=_frame(mem, MEMORY_COLUMNS, ["rank", "step", "ts_us"]),
+        reduce_scatter_sent_as=sharding.get("reduce_scatter_sent_as"))
+
+
+def _frame(rows: list[dict], columns: list[str], order: list[str]) -> pd.DataFrame:
+    if not rows:
+        return pd.DataFrame({c: pd.Series(dtype="object" if c in ("name", "phase", "at", "collective", "sent_as")
+                                          else "float64") for c in columns})
+    return pd.DataFrame(rows, columns=columns).sort_values(order, kind="stable").reset_index(drop=True)
