@@ -81,4 +81,4 @@ with whatif_tab, page_guard("The What-if page"):
 with ring_tab, page_guard("The Ring page"):
     render_ring(all_runs, jobs, busy)
 with memory_tab, page_guard("The Memory page"):
-    render_memory(all_runs, jobs, busy)
+    render_memory(all_runs, jobs, busy, trace)

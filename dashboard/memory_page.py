@@ -6,6 +6,7 @@ from __future__ import annotations
 import streamlit as st
 
 from ddpscope.dashboard.common import job_button, load_zero_trace, of_kind, pick_run, runs_dir, widget_now
+from ddpscope.dashboard.sharded_view import render_sharded_memory
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.zero_figures import UNITS, make_zero_projection_figure, make_zero_run_figure
 from ddpscope.viz.zero_model import (
@@ -32,11 +33,16 @@ def set_precision_k() -> None:
     st.session_state["proj_k"] = int(PRECISIONS[st.session_state["proj_precision"]].k)
 
 
-def render_memory(all_runs: dict, jobs: JobManager, busy: bool) -> None:
+def render_memory(all_runs: dict, jobs: JobManager, busy: bool, trace=None) -> None:
+    """``trace``: the open training run; a sharded one is shown first, measured."""
+    if trace is not None and getattr(trace, "shards", None) is not None:
+        st.subheader("The open run: memory by category, and where it stands among ZeRO's stages")
+        render_sharded_memory(trace)
+        st.divider()
     unit = st.radio("Units", list(UNITS), horizontal=True, key="zero_unit",
                     help="GB and MB are 10^9 and 10^6 bytes (the ZeRO paper's unit); GiB and MiB 2^30 and 2^20.")
     scale = UNITS[unit]
-    st.subheader("Measured: one model trained under each ZeRO stage")
+    st.subheader("Teaching sample: one demo model trained under each ZeRO stage")
     with st.expander("Run the ZeRO stages here", expanded=False):
         c = st.columns(3)
         z_model = c[0].selectbox("model", ["gpt", "mlp"], key="zero_run_model")

@@ -20,6 +20,7 @@ from ddpscope.dashboard.common import (
     uploads_dir,
     widget_now,
 )
+from ddpscope.dashboard.sharded_view import sharded_rerun_settings, show_sharded_comparison
 from ddpscope.dashboard.timeline_page import show_comparison
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.tracer.launch.runner import file_sha256
@@ -46,7 +47,8 @@ def render_run(path: Path | None, trace, jobs: JobManager, busy: bool, policy: C
     if policy.note:
         (st.info if not policy.allowed else st.warning)(policy.note)
     source = rerun_source(path, trace.run) if trace is not None else None
-    st.subheader("Rerun the open trace with another bucket_cap_mb")
+    st.subheader("Rerun the open trace with other sharding settings" if trace is not None and trace.shards is not None
+                 else "Rerun the open trace with another bucket_cap_mb")
     if source is None and trace is not None and trace.source != "ddpscope":
         st.info("The open trace is a profiler trace: it does not say how to rerun it. Trace the same script with "
                 "`ddpscope run --profile --out RUN -- train.py` (or enter the command below) to rerun it live.")
@@ -77,13 +79,24 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
         st.session_state.update(rerun_for=str(path), run_cap=min(CAP_OPTIONS, key=lambda c: abs(c - cap_now)),
                                 run_steps=int(min(max(run.get("steps") or 10, 3), 50)),
                                 run_nproc=int(min(max(source["nproc"], 1), 4)))
+    what = {"demo": source["demo"]} if "demo" in source else {"script": source["script"], "cwd": source["cwd"]}
+    if trace.shards is not None:  # FSDP2: sharding settings, with their predictions
+        sharding = sharded_rerun_settings(trace)
+        c = st.columns(2)
+        steps = c[0].slider("steps", 3, 50, key="run_steps")
+        if blocked:
+            st.info(f"Rerun is off: {blocked}.")
+        job_button(f"Rerun with reshard_after_forward = {sharding['reshard_after_forward']}", "run_button",
+                   jobs.start, lambda: dict(nproc=source["nproc"], bucket_cap_mb=None, source=path,
+                                            steps=widget_now("run_steps", steps), **sharding, **what),
+                   disabled=busy or bool(blocked), type="primary")
+        return
     c = st.columns(3)
     cap = c[0].select_slider("bucket_cap_mb (MiB, log scale)", options=CAP_OPTIONS, key="run_cap")
     steps = c[1].slider("steps", 3, 50, key="run_steps")
     nproc = c[2].slider("world size", 1, 4, key="run_nproc")
     if blocked:
         st.info(f"Rerun is off: {blocked}.")
-    what = {"demo": source["demo"]} if "demo" in source else {"script": source["script"], "cwd": source["cwd"]}
     job_button(f"Rerun with bucket_cap_mb = {cap:g}", "run_button", jobs.start,
                lambda: dict(nproc=widget_now("run_nproc", nproc), bucket_cap_mb=widget_now("run_cap", cap),
                             steps=widget_now("run_steps", steps), source=path, **what),
@@ -137,6 +150,9 @@ def _live(jobs: JobManager) -> None:
             loaded[label_of(p)] = load_trace(str(p), stamp_of(p))
         except TraceError as e:
             st.error(f"{p.name}: {e}")
-    if len(loaded) == 2:
+    if len(loaded) == 2 and all(t.shards is not None for t in loaded.values()):
+        st.subheader("The rerun beside the run it came from (one time scale)")
+        show_sharded_comparison(loaded)
+    elif len(loaded) == 2:
         st.subheader("The rerun beside the run it came from (one time scale; deltas against the first)")
         show_comparison(loaded, key="rerun", layouts=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 import streamlit as st
 
 from ddpscope.dashboard.common import first_real_step, load_trace, merged_trace_bytes, stamp_of
+from ddpscope.dashboard.sharded_view import render_sharded_timeline
 from ddpscope.viz.buckets import compute_bucket_table
 from ddpscope.viz.gantt import make_timeline_figure, timeline_extent_ms
 from ddpscope.viz.kernel_gantt import make_kernel_timeline_figure
@@ -21,6 +22,9 @@ from ddpscope.viz.trace import TraceError
 def render_timeline(path: Path, trace) -> None:
     if trace.source != "ddpscope":
         render_profile(path, trace)
+        return
+    if trace.shards is not None:
+        render_sharded_timeline(trace)
         return
     run = trace.run
     cols = st.columns(5)

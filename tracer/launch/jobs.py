@@ -65,7 +65,8 @@ def run_name(cfg: Config, now: _dt.datetime | None = None) -> str:
     if isinstance(cfg, ZeroConfig):
         return f"{now:%Y%m%d-%H%M%S}-zero-{cfg.model}-{cfg.nproc}r"
     cap = "script" if cfg.bucket_cap_mb is None else f"{cfg.bucket_cap_mb:g}mb"
-    return f"{now:%Y%m%d-%H%M%S}-{safe_label(cfg.label())}-{cfg.nproc}r-cap{cap}"
+    shard = "" if cfg.reshard_after_forward is None else f"-reshard{cfg.reshard_after_forward}"
+    return f"{now:%Y%m%d-%H%M%S}-{safe_label(cfg.label())}-{cfg.nproc}r-cap{cap}{shard}"
 
 
 def safe_label(text: str) -> str:
@@ -88,13 +89,17 @@ class JobManager:
 
     def start(self, *, nproc: int, bucket_cap_mb: float | None, steps: int, demo: str | None = None,
               script: list[str] | None = None, cwd: str | Path | None = None, timeout_s: float = 600.0,
-              source: Path | None = None) -> Job | None:
+              source: Path | None = None, reshard_after_forward: str | None = None,
+              forward_prefetch: int | None = None, backward_prefetch: int | None = None) -> Job | None:
         """Start a traced training run (``demo``, or ``script`` run in ``cwd``); None if a
         job is already going. ``ValueError`` (naming the setting) on bad settings, before
-        anything starts. ``source``: the run this one reruns."""
+        anything starts. ``source``: the run this one reruns. ``reshard_after_forward``,
+        ``forward_prefetch``, ``backward_prefetch``: FSDP2 settings overriding the script's."""
         def make(out: Path) -> RunConfig:
             return RunConfig(out=out, demo=demo, script=list(script or []), cwd=cwd or Path.cwd(), nproc=nproc,
-                             bucket_cap_mb=bucket_cap_mb, steps=steps, timeout_s=timeout_s)
+                             bucket_cap_mb=bucket_cap_mb, steps=steps, timeout_s=timeout_s,
+                             reshard_after_forward=reshard_after_forward, forward_prefetch=forward_prefetch,
+                             backward_prefetch=backward_prefetch)
 
         return self._start(make, "ddp", steps, source)
 

@@ -1,0 +1,148 @@
+"""What the pages show of a sharded (FSDP2) run: its timeline and unit table (the
+Timeline page), its memory over a step beside ZeRO's stages (the Memory page), the
+sharding settings and predictions of a rerun (the Run page), and a rerun beside it."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from ddpscope.dashboard.common import first_real_step
+from ddpscope.viz.sharded_figures import (
+    make_memory_over_step_figure,
+    make_sharded_timeline_figure,
+    make_stage_comparison_figure,
+)
+from ddpscope.viz.sharded_metrics import (
+    comm_honesty_lines,
+    compute_comm_volume,
+    compute_memory_over_step,
+    compute_sharded_steps,
+    compute_stage_comparison,
+    compute_unit_table,
+    stage_differences,
+)
+from ddpscope.viz.sharded_predict import predict_memory, predict_peak, predict_step_ms
+
+MIB = 2**20
+RESHARD_CHOICES = {"true (ZeRO-3)": "true", "false (ZeRO-2)": "false"}
+
+
+def render_sharded_timeline(trace) -> None:
+    sh = trace.shards
+    run = trace.run
+    cols = st.columns(5)
+    cols[0].metric("model", str(run.get("model", "?")))
+    cols[1].metric("ranks", trace.world_size)
+    cols[2].metric("ZeRO stage", sh.stage, help=sh.stage_reason)
+    cols[3].metric("FSDP units", len(sh.units))
+    cols[4].metric("status", trace.status)
+    if trace.unfinished:
+        st.warning(f"This run is {trace.status}: {trace.unfinished}. Finished steps are shown.")
+    for note in run.get("notes") or []:
+        st.info(f"ddpscope: {note}")
+    steps = sorted(int(s) for s in trace.steps["step"].unique())
+    start = first_real_step(trace)
+    lo, hi = st.select_slider("Steps", options=steps, value=(start, start), key="sharded_steps")
+    ranks = st.multiselect("Ranks", sorted(trace.ranks), default=sorted(trace.ranks), key="sharded_ranks")
+    st.plotly_chart(make_sharded_timeline_figure(trace, steps=range(lo, hi + 1), ranks=ranks or None),
+                    key="sharded_timeline")
+    st.caption("Red in the compute lane: compute waiting for an all-gather. Outlined in red: communication with no "
+               "compute beside it (exposed). Hatched: prefetched all-gathers. On gloo every collective runs on the "
+               "training thread, so all of it is exposed; on NCCL they run on their own streams.")
+    st.subheader("Per unit, per step (medians over ranks and non-warm-up steps)")
+    table = compute_unit_table(trace)
+    for col in ("sharded_bytes", "unsharded_bytes", "all_gather_bytes", "reduce_scatter_bytes"):
+        table[col.replace("bytes", "MiB")] = table.pop(col) / MIB
+    st.dataframe(table.round(3), hide_index=True, key="sharded_units")
+    with st.expander("Every step"):
+        st.dataframe(compute_sharded_steps(trace).round(2), hide_index=True, key="sharded_per_step")
+    st.subheader("What was sent")
+    for line in comm_honesty_lines(trace):
+        st.write(line)
+    vol = compute_comm_volume(trace)
+    st.dataframe(vol.round(3), hide_index=True, key="sharded_volume")
+
+
+def render_sharded_memory(trace) -> None:
+    """The open sharded run's memory: over a step by category, and beside ZeRO's stages."""
+    sh = trace.shards
+    ranks = sorted(int(r) for r in sh.memory["rank"].unique())
+    if not ranks:
+        st.info("This run measured no step's memory.")
+        return
+    rank = st.selectbox("Rank", ranks, key="sharded_mem_rank")
+    c = st.columns(2)
+    with c[0]:
+        st.plotly_chart(make_memory_over_step_figure(compute_memory_over_step(trace, rank),
+                                                     f"Rank {rank}: memory over one step (measured)"),
+                        key="sharded_memory")
+    comparison = compute_stage_comparison(trace)
+    with c[1]:
+        st.plotly_chart(make_stage_comparison_figure(comparison), key="sharded_stages")
+    st.caption(f"Measured: ZeRO stage {sh.stage} ({sh.stage_reason}). The stages: the ZeRO model for this model's "
+               f"{int(sh.units['numel'].sum()):,} parameters on {trace.world_size} ranks, fp32 AdamW.")
+    view = comparison.drop(columns=["rank"]).copy()
+    for col in [c for c in view.columns if c.endswith("_bytes")]:
+        view[col.replace("bytes", "MiB")] = view.pop(col) / MIB
+    st.dataframe(view.round(4), hide_index=True, key="sharded_stage_table")
+    for line in stage_differences(trace):
+        st.write("• " + line)
+
+
+def sharded_rerun_settings(trace) -> dict:
+    """The sharding controls of the Run page, with the predictions for the chosen
+    settings; returns the settings to rerun with (the ``JobManager.start`` keywords)."""
+    world = trace.world_size
+    choices = dict(RESHARD_CHOICES)
+    for n in range(2, world):
+        if world % n == 0:
+            choices[f"{n} (resharded to {n} ranks)"] = str(n)
+    c = st.columns(3)
+    label = c[0].selectbox("reshard_after_forward", list(choices), key="run_reshard")
+    fwd = c[1].slider("forward prefetch (units ahead)", 0, 3, 0, key="run_fwd_prefetch")
+    bwd = c[2].slider("backward prefetch (units ahead)", 1, 3, 1, key="run_bwd_prefetch")
+    value = choices[label]
+    setting = True if value == "true" else False if value == "false" else int(value)
+    peak = predict_peak(trace, reshard_after_forward=setting, forward_prefetch=fwd, backward_prefetch=bwd)
+    step = predict_step_ms(trace, setting)
+    m = st.columns(2)
+    m[0].metric("predicted peak (rank 0)", f"{peak['predicted_peak_bytes'].iloc[0] / MIB:.2f} MiB",
+                f"{(peak['predicted_peak_bytes'].iloc[0] - peak['measured_peak_bytes'].iloc[0]) / MIB:+.2f} MiB",
+                delta_color="inverse")
+    m[1].metric("predicted step (rank 0)", f"{step['predicted_step_ms'].iloc[0]:.1f} ms",
+                f"{step['predicted_step_ms'].iloc[0] - step['measured_step_ms'].iloc[0]:+.1f} ms", delta_color="inverse")
+    with st.expander("Predicted memory over a step"):
+        st.plotly_chart(make_memory_over_step_figure(
+            predict_memory(trace, 0, reshard_after_forward=setting, forward_prefetch=fwd, backward_prefetch=bwd),
+            "Rank 0: predicted memory over one step"), key="sharded_predicted_memory")
+    return {"reshard_after_forward": value, "forward_prefetch": fwd or None,
+            "backward_prefetch": bwd if bwd != 1 else None}
+
+
+def show_sharded_comparison(loaded: dict) -> None:
+    """Runs side by side: step time, exposed communication and peak memory (medians over
+    ranks and non-warm-up steps), then every run's timeline on one time scale."""
+    rows = []
+    for label, t in loaded.items():
+        if t.shards is None:
+            continue
+        steps = compute_sharded_steps(t)
+        real = steps[~steps["warmup"] & ~steps["incomplete"]]
+        rows.append({"run": label, "stage": t.shards.stage,
+                     "reshard_after_forward": (t.run.get("sharding_requested") or {}).get("reshard_after_forward"),
+                     "step_ms": real["step_ms"].median(), "exposed_ms": real["exposed_ms"].median(),
+                     "peak_MiB": steps["peak_bytes"].max() / MIB})
+    if not rows:
+        return
+    st.dataframe(pd.DataFrame(rows).round(3), hide_index=True, key="sharded_compare")
+    extent = 0.0
+    figs = []
+    for label, t in loaded.items():
+        if t.shards is not None:
+            fig = make_sharded_timeline_figure(t, steps=[first_real_step(t)], ranks=[0])
+            extent = max(extent, max((float(b.base.max() + b.x.max()) for b in fig.data if len(b.x)), default=0.0))
+            figs.append((label, fig))
+    for label, fig in figs:
+        fig.update_layout(title=label, xaxis_range=[0, extent * 1.02])
+        st.plotly_chart(fig, key=f"sharded_compare_{label}")
