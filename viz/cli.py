@@ -94,6 +94,8 @@ def _summary(path: str, as_json: bool) -> int:
     if kind in ("ring", "zero"):
         return _summary_table(path, kind, as_json)
     trace = load_training_trace(path)
+    if trace.shards is not None:
+        return _sharded_summary(trace, as_json)
     med = compute_rank_medians(trace)
     hta = None
     if trace.source == "kineto":
@@ -188,6 +190,47 @@ def _whatif(path: str, caps: str | None, as_json: bool) -> int:
     else:
         print(f"recommended: keep bucket_cap_mb={best['bucket_cap_mb']:g} (no cap is predicted to be "
               f"{100 * 0.02:.0f}% faster)")
+    return 0
+
+
+def _sharded_summary(trace, as_json: bool) -> int:
+    """A sharded run: per-step medians, the units, the ZeRO stage's model states and what
+    was really sent (gloo's reduce-scatter is an all-reduce)."""
+    from ddpscope.viz.sharded_metrics import (
+        comm_honesty_lines,
+        compute_comm_volume,
+        compute_sharded_steps,
+        compute_stage_comparison,
+        compute_unit_table,
+    )
+
+    steps = compute_sharded_steps(trace)
+    real = steps[~steps["warmup"] & ~steps["incomplete"]]
+    med = real.drop(columns=["step", "warmup", "incomplete"]).groupby("rank").median().reset_index()
+    units, stages, volume = compute_unit_table(trace), compute_stage_comparison(trace), compute_comm_volume(trace)
+    sh = trace.shards
+    if as_json:
+        out = {"path": str(trace.path), "source": trace.source, "kind": "sharded", "status": trace.status,
+               "unfinished": trace.unfinished, "world_size": trace.world_size, "stage": sh.stage,
+               "stage_reason": sh.stage_reason, "ranks": _by_rank(med), "units": units.to_dict("records"),
+               "model_states": stages.to_dict("records"), "comm_volume": volume.to_dict("records"),
+               "comm_D_bytes": volume.attrs["D_bytes"], "comm": comm_honesty_lines(trace)}
+        print(json.dumps(out, indent=1, default=lambda v: None if v != v else float(v)))
+        return 0
+    print(f"{trace.path}  status={trace.status}  ranks={trace.world_size}  FSDP2 units={len(sh.units)}  "
+          f"ZeRO stage {sh.stage}  (medians over non-warm-up steps, ms; peak bytes)")
+    if trace.unfinished:
+        print(f"{trace.status}: {trace.unfinished}")
+    print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
+    print("per unit (ms per step, bytes per step):")
+    print(units[["unit", "params", "all_gathers", "all_gather_bytes", "all_gather_ms", "reduce_scatter_bytes",
+                 "reduce_scatter_ms", "wait_ms", "exposed_ms", "forward_ms", "backward_ms"]].round(3)
+          .to_string(index=False))
+    print("model states (bytes) beside ZeRO stages 0-3:")
+    print(stages[["row", "params_bytes", "grads_bytes", "optimizer_state_bytes", "model_state_bytes",
+                  "measured/predicted"]].round(3).to_string(index=False))
+    for line in comm_honesty_lines(trace):
+        print(line)
     return 0
 
 

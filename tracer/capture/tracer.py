@@ -402,12 +402,23 @@ class DDPTracer:
             "steps": self._recorder.steps_written if self._recorder else 0,
             "capture_path": self._meta["capture_path"], "capture_path_note": self._meta["capture_path_note"],
             "ranks": [fmt.rank_file(r) for r in range(self.world_size)],
+            "sharding": _zero_stage(self._recorder.optimizer if self._recorder else None),
             **self.config.run_meta,
         })
         run.setdefault("started_at", _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
         if error:
             run["error"] = error
         write_json_atomic(path, run)
+
+
+def _zero_stage(optimizer) -> dict:
+    """DDP's ZeRO stage: 1 when the optimizer is a ``ZeroRedundancyOptimizer`` (its state
+    partitioned; parameters broadcast from their owners after each step), else 0."""
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        return {"framework": "zero1", "stage": 1, "stage_reason": "DDP with ZeroRedundancyOptimizer: optimizer state "
+                "partitioned, gradients all-reduced, parameters broadcast from their owner after the step"}
+    return {"framework": "ddp", "stage": 0, "stage_reason": "DDP: every rank holds every parameter, gradient and "
+            "optimizer state"}
 
 
 def _rank() -> int:
