@@ -623,3 +623,34 @@ def test_the_page_opens_on_the_users_newest_run(tmp_path, monkeypatch):
     st_config.set_option("server.address", "127.0.0.1")
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
     assert not at.exception and at.sidebar.selectbox(key="trace").value == "run: newer"
+
+
+@pytest.mark.ddp
+def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, monkeypatch):
+    """A user's FSDP2 run (traced here): the Timeline draws units against all-gather and
+    reduce-scatter lanes, the Memory page opens on it, the Run page predicts a rerun."""
+    from tests.test_autotrace import WORKERS, trace_script
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    proc, out, _ = trace_script(runs, str(WORKERS / "fsdp2_train.py"), "--steps", "4", name="fsdp2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and not at.error
+    assert at.sidebar.selectbox(key="trace").value == "run: fsdp2"  # the user's newest run
+    assert _metric(at, "ZeRO stage") == "3" and _metric(at, "FSDP units") == "5"
+    spec = _spec(at)
+    ticks = spec["layout"]["yaxis"]["ticktext"]
+    assert ticks[:3] == ["rank 0 · compute", "rank 0 · all-gather", "rank 0 · reduce-scatter"]
+    assert {"layers.0", "waiting for an all-gather"} <= {t["name"] for t in spec["data"]}
+    units = next(d.value for d in at.dataframe if "all_gather_ms" in d.value.columns)
+    assert list(units["unit"]) == ["(root)", "layers.0", "layers.1", "layers.2", "layers.3"]
+    assert any("gloo has no reduce-scatter" in m.value for m in at.markdown)
+    titles = [json.dumps(c["layout"].get("title")) for c in _charts(at)]
+    assert any("memory over one step (measured)" in t for t in titles)
+    assert any("beside ZeRO stages 0-3" in t for t in titles)
+    assert _metric(at, "predicted peak (rank 0)").endswith("MiB")
+    at.selectbox(key="run_reshard").set_value("false (ZeRO-2)").run()
+    assert not at.exception
+    assert at.button(key="run_button").label == "Rerun with reshard_after_forward = false"

@@ -67,19 +67,63 @@ def main() -> None:
     p.add_argument("--report")
     p.add_argument("--memtracker", action="store_true")
     p.add_argument("--mix-ddp", action="store_true", help="also build a DDP model (a script that mixes both)")
+    p.add_argument("--meta-init", action="store_true", help="torchtitan's way: build on meta, shard, to_empty, init")
+    p.add_argument("--differ", action="store_true", help="rank 1 leaves the last block to the root unit")
+    p.add_argument("--hang", default=None, help="RANK:STEP:BLOCK: that rank sleeps in that block's forward")
+    p.add_argument("--fsdp1", action="store_true", help="FSDP1 (FullyShardedDataParallel) instead")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         torch.manual_seed(0)
-        model = Model(args.vocab, args.dim, args.layers)
+        if args.meta_init:
+            with torch.device("meta"):
+                model = Model(args.vocab, args.dim, args.layers)
+        else:
+            model = Model(args.vocab, args.dim, args.layers)
+        if args.hang:
+            h_rank, h_step, h_block = (int(x) for x in args.hang.split(":"))
+            calls = [0]
+
+            def stall(module, inputs):
+                calls[0] += 1
+                if rank == h_rank and calls[0] == h_step + 1:
+                    import time
+                    time.sleep(10**6)
+
+            model.layers[h_block].w1.register_forward_pre_hook(stall)
+        if args.fsdp1:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for _ in range(args.steps):
+                model(torch.randint(0, args.vocab, (args.batch, args.seq))).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            if args.report:
+                os.makedirs(args.report, exist_ok=True)
+                with open(os.path.join(args.report, f"rank{rank}.json"), "w") as f:
+                    json.dump({"done": True}, f)
+            dist.barrier()
+            del model, opt
+            gc.collect()
+            return
         mesh = init_device_mesh("cpu", (world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
             MixedPrecisionPolicy()
         reshard = parse_reshard(args.reshard)
-        for block in model.layers:
+        for k, block in enumerate(model.layers):
+            if args.differ and rank == 1 and k == len(model.layers) - 1:
+                continue
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        if args.meta_init:
+            model.to_empty(device="cpu")
+            torch.manual_seed(0)
+            for m in model.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
         if args.mix_ddp:
             from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -1,5 +1,5 @@
-"""A plain FSDP2 training script (``fully_shard``, CPU, gloo): ddpscope says it cannot
-trace it, and the script must train to its end regardless."""
+"""A plain FSDP2 training script (``fully_shard``, CPU, gloo, a root without parameters
+of its own): ddpscope traces it, and the script trains to its end."""
 
 from __future__ import annotations
 

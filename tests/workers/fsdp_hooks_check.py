@@ -1,0 +1,57 @@
+"""After ``dist.destroy_process_group()`` (where ``ddpscope run`` closes the trace), does
+anything of ddpscope's stay on the FSDP2 model? Writes what it finds per rank."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--report", required=True)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in (model[0], model[1])]
+    during = [sorted(k for k in vars(g) if k in ("pre_forward", "post_backward", "unshard")) for g in groups]
+    dist.barrier()
+    dist.destroy_process_group()  # the trace closes here
+    after = {
+        "instance_methods": [sorted(k for k in vars(g) if k in ("pre_forward", "post_forward", "pre_backward",
+                                                                 "post_backward", "unshard", "wait_for_unshard"))
+                             for g in groups],
+        "comm_classes": [type(g._all_gather_comm).__name__ + "/" + type(g._reduce_scatter_comm).__name__ for g in groups],
+        "comm_subclassed": [getattr(type(g._all_gather_comm), "_ddpscope", False) for g in groups],
+        "module_hooks": [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in (model,)],
+        "during": during,
+    }
+    os.makedirs(args.report, exist_ok=True)
+    with open(os.path.join(args.report, f"rank{rank}.json"), "w") as f:
+        json.dump(after, f)
+    # the sharded model (reference cycles) goes before the interpreter's teardown: left to
+    # it, torch 2.13's gloo threads abort the process now and then (see fsdp_train.py)
+    del groups, model, opt, mesh
+    gc.collect()
+
+
+if __name__ == "__main__":
+    main()
