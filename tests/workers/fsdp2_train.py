@@ -14,6 +14,7 @@ import gc
 import hashlib
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -131,8 +132,9 @@ def main() -> None:
             side(torch.randn(2, 4)).sum().backward()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(1000 + rank)
-        losses, tracker_report = [], None
+        losses, tracker_report, step_ms = [], None, []
         for step in range(args.steps):
+            t0 = time.perf_counter()
             tracker = None
             if args.memtracker and step == args.steps - 1:
                 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -148,7 +150,8 @@ def main() -> None:
                 (loss / args.accum).backward()
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss))
+            step_ms.append((time.perf_counter() - t0) * 1e3)  # the script's own clock, not ddpscope's
+            losses.append(float(loss.detach()))
             if tracker is not None:
                 tracker.__exit__(None, None, None)
                 peak = tracker.get_tracker_snapshot("peak")
@@ -162,7 +165,8 @@ def main() -> None:
                 digest.update(name.encode())
                 digest.update(param.to_local().detach().numpy().tobytes())
             with open(os.path.join(args.report, f"rank{rank}.json"), "w") as f:
-                json.dump({"params_sha256": digest.hexdigest(), "losses": losses, "memtracker": tracker_report}, f)
+                json.dump({"params_sha256": digest.hexdigest(), "losses": losses, "memtracker": tracker_report,
+                           "step_ms": step_ms}, f)
         # a clean gloo teardown (see fsdp_train.py)
         dist.barrier()
         del model, opt
