@@ -86,3 +86,26 @@ def test_two_ranks_nccl(tmp_path):
     assert {m["capture_path"] for m in trace.ranks.values()} == {capture_path_expected()}
     check_buckets(trace, profile, timed=True)
     check_memory(trace, reports)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_fsdp2_on_nccl_is_traced_per_unit_with_cuda_events(tmp_path, nproc):
+    """The sharded capture on CUDA: stamps are CUDA events (collectives on FSDP's own
+    streams), memory adds the allocator's remainder, parameters match the untraced run."""
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    from tests.test_autotrace import WORKERS, run_cli
+
+    script = str(WORKERS / "fsdp2_train.py")
+    out, report = tmp_path / "run", tmp_path / "report"
+    proc = run_cli("run", "--nproc", str(nproc), "--out", str(out), "--", script, "--cuda", "--steps", "4",
+                   "--report", str(report))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trace = load_run(out)
+    assert trace.ranks[0]["clock"] == "cuda-event" and trace.ranks[0]["backend"] == "nccl"
+    sh = trace.shards
+    assert sh.stage == 3 and sh.reduce_scatter_sent_as is None  # NCCL has a reduce-scatter
+    assert (sh.memory["other_bytes"] >= 0).all()
+    if nproc > 1:
+        colls = sh.colls[sh.colls["step"] == 2]
+        assert set(colls["collective"]) == {"all_gather", "reduce_scatter"} and (colls["end_us"] >= colls["start_us"]).all()

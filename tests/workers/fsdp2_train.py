@@ -72,16 +72,20 @@ def main() -> None:
     p.add_argument("--differ", action="store_true", help="rank 1 leaves the last block to the root unit")
     p.add_argument("--hang", default=None, help="RANK:STEP:BLOCK: that rank sleeps in that block's forward")
     p.add_argument("--fsdp1", action="store_true", help="FSDP1 (FullyShardedDataParallel) instead")
+    p.add_argument("--cuda", action="store_true", help="NCCL and CUDA (tests/test_cuda.py)")
     args = p.parse_args()
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if args.cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.cuda else torch.device("cpu")
+    if args.cuda:
+        torch.cuda.set_device(device)
     try:
         torch.manual_seed(0)
         if args.meta_init:
             with torch.device("meta"):
                 model = Model(args.vocab, args.dim, args.layers)
         else:
-            model = Model(args.vocab, args.dim, args.layers)
+            model = Model(args.vocab, args.dim, args.layers).to(device)
         if args.hang:
             h_rank, h_step, h_block = (int(x) for x in args.hang.split(":"))
             calls = [0]
@@ -110,7 +114,7 @@ def main() -> None:
             del model, opt
             gc.collect()
             return
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
             MixedPrecisionPolicy()
         reshard = parse_reshard(args.reshard)
@@ -144,7 +148,7 @@ def main() -> None:
                 tracker.__enter__()
             for micro in range(args.accum):
                 model.set_requires_gradient_sync(micro == args.accum - 1)
-                idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+                idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
                 logits = model(idx)
                 loss = F.cross_entropy(logits.view(-1, args.vocab), idx.roll(-1, 1).view(-1))
                 (loss / args.accum).backward()
@@ -163,7 +167,7 @@ def main() -> None:
             digest = hashlib.sha256()
             for name, param in sorted(model.named_parameters()):
                 digest.update(name.encode())
-                digest.update(param.to_local().detach().numpy().tobytes())
+                digest.update(param.to_local().detach().cpu().numpy().tobytes())
             with open(os.path.join(args.report, f"rank{rank}.json"), "w") as f:
                 json.dump({"params_sha256": digest.hexdigest(), "losses": losses, "memtracker": tracker_report,
                            "step_ms": step_ms}, f)
