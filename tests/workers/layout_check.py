@@ -6,6 +6,7 @@ forward after the rebuild). Rank 0 prints one JSON line per cap.
     torchrun --nproc-per-node 2 tests/workers/layout_check.py CAP[,CAP...]   ("default": no bucket_cap_mb)
 """
 
+import gc
 import json
 import os
 import sys
@@ -58,6 +59,11 @@ def main() -> None:
             "rebuilt_indices": data.get("rebuilt_per_bucket_param_indices"),
             "rebuilt_sizes": data.get("rebuilt_bucket_sizes"),
         }), flush=True)
+    # a clean gloo teardown (see fsdp_train.py): torch 2.13 aborts a rank at exit now and
+    # then unless every rank is past its last collective and the DDP models are gone first
+    dist.barrier()
+    del ddp, model
+    gc.collect()
     dist.destroy_process_group()
 
 
