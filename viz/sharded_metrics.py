@@ -28,8 +28,14 @@ def _overlap_us(starts: np.ndarray, ends: np.ndarray, a: float, b: float) -> flo
 
 
 def with_exposed(trace) -> pd.DataFrame:
-    """The collectives table with ``ms`` and ``exposed_ms`` (no compute on that rank)."""
-    sh = trace.shards
+    """The collectives table with ``ms`` and ``exposed_ms`` (no compute on that rank);
+    made once per trace (every table, figure and prediction of a page reads it)."""
+    if "sharded_exposed" not in trace.cache:
+        trace.cache["sharded_exposed"] = _with_exposed(trace.shards)
+    return trace.cache["sharded_exposed"]
+
+
+def _with_exposed(sh) -> pd.DataFrame:
     colls = sh.colls.copy()
     colls["ms"] = (colls["end_us"] - colls["start_us"]) / 1e3
     exposed = []

@@ -45,10 +45,6 @@ class ShardedTables:
     memory: pd.DataFrame
     reduce_scatter_sent_as: str | None
 
-    def unit_name(self, unit: int) -> str:
-        names = self.units.set_index("unit")["name"]
-        return str(names.get(unit, f"unit {unit}"))
-
 
 def _units(run: dict) -> pd.DataFrame:
     sharding = run.get("sharding")

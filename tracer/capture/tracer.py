@@ -41,6 +41,7 @@ from ddpscope.tracer.capture.hooks import (
 )
 from ddpscope.tracer.capture.live import LiveFile
 from ddpscope.tracer.capture.offsets import ClockOffset, estimate_offsets
+from ddpscope.tracer.capture.rank_files import open_rank_trace, release_group
 from ddpscope.tracer.capture.recorder import StepRecorder
 from ddpscope.tracer.capture.run_facts import ddp_facts
 from ddpscope.tracer.capture.tracer_config import TracerConfig
@@ -172,28 +173,11 @@ class DDPTracer:
             "step_boundary": cfg.step_boundary, "torch_version": str(torch.__version__),
             "capture_path": "python" if ext is None else "compiled", "capture_path_note": self.capture_note,
         }
-        problem = None
-        try:  # local set-up; every rank must succeed, or none traces (see below)
-            if os.environ.get(TEST_FAIL_ENV) == str(self.rank):
-                raise OSError(f"injected by {TEST_FAIL_ENV}")
-            cfg.out_dir.mkdir(parents=True, exist_ok=True)
-            if (cfg.out_dir / fmt.rank_file(self.rank)).exists():  # traces are never overwritten
-                raise FileExistsError(f"{cfg.out_dir} already holds rank {self.rank}'s trace of an earlier job "
-                                      "(a script that runs several, or a folder used twice): it is kept, this "
-                                      "job is not traced")
-            self._writer = TraceWriter(cfg.out_dir / fmt.rank_file(self.rank), self._meta, cfg.flush_interval_s)
-            self._writer.add(header_events(self.rank, hosts[self.rank]))
-            if self.rank == 0:
-                self._write_run_json(status=fmt.RUNNING)
-        except FileExistsError as e:
-            problem = str(e)
-        except OSError as e:
-            problem = f"rank {self.rank} cannot write its trace in {cfg.out_dir}: {e.strerror or e}"
-        problems: list[Any] = [None] * self.world_size
-        dist.all_gather_object(problems, problem, group=self._cpu_group)
-        first = next((p for p in problems if p), None)
-        if first:  # a half-traced job would wait on the silent rank at the end
-            raise RuntimeError(first)
+        self._writer = open_rank_trace(
+            cfg.out_dir, self.rank, self.world_size, self._meta, header_events(self.rank, hosts[self.rank]),
+            cfg.flush_interval_s, self._cpu_group,
+            on_opened=lambda: self._write_run_json(status=fmt.RUNNING) if self.rank == 0 else None,
+            injected=f"injected by {TEST_FAIL_ENV}" if os.environ.get(TEST_FAIL_ENV) == str(self.rank) else None)
 
         nccl_timing = self.backend == "nccl" and os.environ.get(NCCL_TIMING_ENV) == "1"
         self._recorder = StepRecorder(
@@ -320,21 +304,8 @@ class DDPTracer:
             self._write_run_json(status=status, error=error, offsets_end=offsets_end)
 
     def _release_cpu_group(self) -> None:
-        """Destroy the tracer's own gloo group now, not at interpreter exit.
-
-        Its destructor (run here, the GIL released by torch's holder) joins gloo's worker
-        threads. Left alive (the tracer sits in reference cycles), a worker still dropping
-        the last all_gather's tensors wants the GIL while Python finalizes, and the rank
-        aborts: "terminate called without an active exception" (a script that exits right
-        after such a collective aborted 10 times in 20 two-rank runs; 0 in 20 so)."""
         group, self._cpu_group = self._cpu_group, None
-        if group is None:
-            return
-        try:
-            dist.destroy_process_group(group)
-        except Exception:  # noqa: BLE001 - gone with the default group already: our reference is the last
-            pass
-        del group
+        release_group(group)
 
     def set_meta(self, **fields: Any) -> None:
         """Add JSON-able facts to this rank's trace metadata (its ``ddpscope`` metadata event)."""

@@ -24,6 +24,7 @@ from ddpscope.tracer.capture.events import header_events
 from ddpscope.tracer.capture.hooks import HookGuard, HookHandles, _attach_optimizer_finder
 from ddpscope.tracer.capture.live import LiveFile
 from ddpscope.tracer.capture.offsets import estimate_offsets
+from ddpscope.tracer.capture.rank_files import open_rank_trace, release_group
 from ddpscope.tracer.capture.recorder import FIRST_MEASURED_STEPS
 from ddpscope.tracer.capture.sharded import units as fsdp_units
 from ddpscope.tracer.capture.sharded.events import lane_events, step_events
@@ -130,24 +131,10 @@ class FSDPTracer:
             "clock": self.clock.kind, "clock_offset": {"start": self.offsets_start[self.rank].to_json(), "end": None},
             "units": [u.facts() for u in self.units], "steps": 0, "torch_version": str(torch.__version__),
         }
-        problem = None
-        try:
-            cfg.out_dir.mkdir(parents=True, exist_ok=True)
-            if (cfg.out_dir / fmt.rank_file(self.rank)).exists():
-                raise FileExistsError(f"{cfg.out_dir} already holds rank {self.rank}'s trace of an earlier job: it is "
-                                      "kept, this job is not traced")
-            self._writer = TraceWriter(cfg.out_dir / fmt.rank_file(self.rank), self._meta, cfg.flush_interval_s)
-            self._writer.add(header_events(self.rank, self.hosts[self.rank]) + lane_events(self.rank))
-            if self.rank == 0:
-                self._write_run_json(fmt.RUNNING)
-        except FileExistsError as e:
-            problem = str(e)
-        except OSError as e:
-            problem = f"rank {self.rank} cannot write its trace in {cfg.out_dir}: {e.strerror or e}"
-        problems: list[Any] = [None] * self.world_size
-        dist.all_gather_object(problems, problem, group=self._cpu_group)
-        if (first := next((p for p in problems if p), None)) is not None:
-            raise RuntimeError(first)
+        self._writer = open_rank_trace(
+            cfg.out_dir, self.rank, self.world_size, self._meta,
+            header_events(self.rank, self.hosts[self.rank]) + lane_events(self.rank), cfg.flush_interval_s,
+            self._cpu_group, on_opened=lambda: self._write_run_json(fmt.RUNNING) if self.rank == 0 else None)
 
         interval_us, last = cfg.memory_interval_s * 1e6, [None]
 
@@ -227,13 +214,8 @@ class FSDPTracer:
             self._write_run_json(status, error, offsets_end, steps)
 
     def _release_cpu_group(self) -> None:
-        """Destroy the tracer's own gloo group now (see ``DDPTracer._release_cpu_group``)."""
         group, self._cpu_group = self._cpu_group, None
-        if group is not None:
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001
-                pass
+        release_group(group)
 
     def _write_run_json(self, status: str, error: str | None = None, offsets_end=None, steps: int = 0) -> None:
         path = self.config.out_dir / fmt.RUN_FILE

@@ -36,15 +36,10 @@ class Unit:
                 "reshard_after_forward": self.reshard_after_forward, "root": self.is_root}
 
 
-def root_states(root_state) -> list:
-    """Every FSDP state under the root (itself first), as FSDP's lazy init listed them."""
-    return list(root_state._state_ctx.all_states)
-
-
 def find_units(root_state) -> list[Unit]:
     """The units of the model whose root FSDP state is ``root_state`` (lazily initialised)."""
     units: list[Unit] = []
-    for state in root_states(root_state):
+    for state in root_state._state_ctx.all_states:  # the root first, as FSDP's lazy init listed them
         for group in state._fsdp_param_groups:
             params = list(group.fsdp_params)
             world = _shard_world(group)
