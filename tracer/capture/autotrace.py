@@ -175,6 +175,7 @@ class Session:
         from ddpscope.tracer.capture.sharded.fsdp_tracer import FSDPTracer
         from ddpscope.tracer.capture.sharded.settings import apply_prefetch, apply_reshard, parse_reshard
         from ddpscope.tracer.capture.sharded.units import find_units
+        from ddpscope.tracer.capture.sharded.units import problems as fsdp_problems
         from ddpscope.tracer.capture.tracer_config import TracerConfig
 
         root = root_state._modules[0]
@@ -206,6 +207,8 @@ class Session:
             self.note(why)
             return
         self.tracer = tracer
+        for problem in fsdp_problems(tracer.units):  # traced, with what its figures leave out
+            self.note(problem)
         self._last = time.perf_counter()
 
     # -- the end --------------------------------------------------------------------
