@@ -1,16 +1,29 @@
 """Sharded tracing: its overhead, and how well one trace predicts a rerun.
 
-    python -m benchmarks.sharded [--rounds 4] [--steps 30] [--layers 8] [--dim 128] [--smoke]
+    python -m benchmarks.sharded [--rounds 160] [--steps 30] [--layers 8] [--dim 128] [--smoke]
 
-Workload: ``tests/workers/fsdp2_train.py``, a torchtitan-style FSDP2 script (blocks
-``fully_shard``-ed, then the root; AdamW), 2 ranks, gloo on CPU.
+Workload: the model of ``tests/workers/fsdp2_train.py``, a torchtitan-style FSDP2
+transformer (blocks ``fully_shard``-ed, then the root; AdamW), 2 ranks, gloo on CPU.
 
-1. Overhead. Untraced jobs (torchrun alone) and traced ones (``ddpscope run``)
-   alternate, ``--rounds`` of each, the order flipping every round, so the machine's
-   drift hits both alike. Step times come from the script's own clock (rank 0, the
-   first 3 steps of a job left out). Printed: each mode's median step, and the ratio
-   traced / untraced of the medians with a bootstrap 95 % interval (steps resampled).
-   Goal: <= 1.02.
+1. Overhead, as ``benchmarks/overhead.py`` measures DDP's: one real 2-rank job
+   (torchrun); every rank builds identical FSDP2 copies of the model, one per mode, and
+   runs them interleaved *step by step* (one step of every mode per round, the order
+   rotating), so the machine's noise hits every mode alike. The modes:
+
+   - ``untraced``: FSDP2 alone;
+   - ``control``: another untraced copy: the noise floor (a copy's place in memory
+     alone moves its steps by ~1-2 %);
+   - ``traced``: ``FSDPTracer`` as ``ddpscope run`` starts it (every hook, memory
+     measured once a second, the rank file and live file written);
+   - ``memory``: the same with memory measured at every unit boundary of every step
+     (tensor accounting and the saved-tensor hook; not the default: the price of it).
+
+   The rounds come in blocks; from one block to the next every mode moves to another
+   copy (a tracer is closed, its hooks taken off, and a new one started on the next
+   copy), so each mode runs on each copy. Each mode's ratio is the median over rounds of
+   its step over the same round's untraced step (rank 0), with a bootstrap 95 % interval.
+   Goal: ``traced`` <= 1.02. Separate jobs (torchrun against ``ddpscope run``) cannot
+   show 2 %: one job's median step differs from the next one's by ~4 % here.
 2. Prediction. One traced job per ``reshard_after_forward`` (true, false); from each
    trace the other setting's peak memory and step time are predicted and set beside
    what the other job measured. Goal: peak within 5 %; the step time's error printed.
@@ -32,56 +45,143 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "workers" / "fsdp2_train.py"
+RESULT_PREFIX = "sharded-overhead-result "
+MODES = ("untraced", "control", "traced", "memory")
 
 
-def _job(traced: bool, out: Path, report: Path, script_args: list[str], ddpscope_args: list[str] = ()) -> dict:
+def _job(out: Path, report: Path, script_args: list[str], ddpscope_args: list[str]) -> None:
+    """One traced job (``ddpscope run``) of the workload script."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DDPSCOPE_CAPTURE")}
-    if traced:
-        cmd = [sys.executable, "-m", "ddpscope.tracer", "run", "-q", "--nproc", "2", *ddpscope_args, "--out", str(out),
-               "--", str(SCRIPT), *script_args, "--report", str(report)]
-    else:
-        from ddpscope.tracer.launch.torchrun import free_port
-
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "static",
-               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(SCRIPT), *script_args, "--report", str(report)]
+    cmd = [sys.executable, "-m", "ddpscope.tracer", "run", "-q", "--nproc", "2", *ddpscope_args, "--out", str(out),
+           "--", str(SCRIPT), *script_args, "--report", str(report)]
     proc = subprocess.run(cmd, cwd="/", env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
-        raise SystemExit(f"benchmark job failed ({'traced' if traced else 'untraced'}): {proc.stderr[-2000:]}")
-    return json.loads((report / "rank0.json").read_text())
+        raise SystemExit(f"benchmark job failed: {proc.stderr[-2000:]}")
 
 
-def _ratio_ci(traced: list[float], base: list[float], n: int = 2000) -> tuple[float, float, float]:
+def worker(args: argparse.Namespace) -> None:
+    import copy
+    import gc
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ddpscope.tracer.capture.sharded.fsdp_tracer import FSDPTracer
+    from ddpscope.tracer.capture.tracer_config import TracerConfig
+    from tests.workers.fsdp2_train import Model
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    base = Model(256, args.dim, args.layers)
+    models = []
+    for _ in MODES:
+        m = copy.deepcopy(base)
+        for block in m.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        with torch.no_grad():  # FSDP's lazy init (the root): where ddpscope run starts its tracer
+            m._get_fsdp_state()._lazy_init()
+        models.append(m)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    gen = torch.Generator().manual_seed(rank)
+    out = Path(args.out)
+
+    def step(i: int) -> float:
+        x = torch.randint(0, 256, (8, args.seq), generator=gen)
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(models[i](x).flatten(0, 1), x.flatten())
+        loss.backward()
+        opts[i].step()
+        opts[i].zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for block in range(len(MODES)):
+        copy_of = {m: (k + block) % len(MODES) for k, m in enumerate(MODES)}
+        tracers = []
+        for mode, interval in (("traced", 1.0), ("memory", 0.0)):
+            i = copy_of[mode]
+            cfg = TracerConfig(out_dir=out / mode / str(block), capture="python", memory_interval_s=interval)
+            tracer = FSDPTracer(models[i], models[i]._get_fsdp_state(), cfg)
+            with torch.no_grad():  # started outside a forward: the next forward is its step 0
+                why = tracer.start()
+            if why is not None:
+                raise SystemExit(f"sharded overhead benchmark: {why}")
+            tracers.append(tracer)
+        for mode in MODES:  # warm-up on this copy
+            for _ in range(3 if block == 0 else 1):
+                step(copy_of[mode])
+        for r in range(block * args.rounds // len(MODES), (block + 1) * args.rounds // len(MODES)):
+            order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]  # rotate who goes first
+            for mode in order:
+                times[mode].append(step(copy_of[mode]))
+        for tracer in tracers:
+            tracer.close()
+            if tracer.failure:
+                raise SystemExit(f"sharded overhead benchmark: {tracer.failure}")
+    if rank == 0:
+        print(RESULT_PREFIX + json.dumps(times), flush=True)
+    dist.barrier()  # torch 2.13's gloo aborts at exit unless the models go before the group
+    models.clear()
+    opts.clear()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def ratios(times: dict[str, list[float]], boot: int = 2000) -> dict[str, tuple[float, float, float]]:
+    """Per mode: (median over rounds of step / the round's untraced step, 2.5 %, 97.5 %)."""
     rng = random.Random(0)
-    ratio = statistics.median(traced) / statistics.median(base)
-    boots = sorted(statistics.median(rng.choices(traced, k=len(traced))) /
-                   statistics.median(rng.choices(base, k=len(base))) for _ in range(n))
-    return ratio, boots[int(0.025 * n)], boots[int(0.975 * n)]
+    out = {}
+    for m, ts in times.items():
+        per_round = [a / b for a, b in zip(ts, times["untraced"])]
+        n = len(per_round)
+        boots = sorted(statistics.median(per_round[rng.randrange(n)] for _ in range(n)) for _ in range(boot))
+        out[m] = (statistics.median(per_round), boots[int(0.025 * boot)], boots[int(0.975 * boot) - 1])
+    return out
 
 
 def overhead(args, tmp: Path) -> None:
-    script = ["--steps", str(args.steps), "--layers", str(args.layers), "--dim", str(args.dim), "--seq", "64"]
-    steps = {"untraced": [], "traced": []}
-    for k in range(args.rounds):
-        for mode in (("untraced", "traced") if k % 2 == 0 else ("traced", "untraced")):
-            rep = _job(mode == "traced", tmp / f"o-{mode}-{k}", tmp / f"o-{mode}-{k}-report", script)
-            steps[mode] += rep["step_ms"][3:]
-    print(f"overhead: {args.rounds} jobs per mode x {args.steps} steps, rank 0, the script's own step times (ms)")
-    print(f"{'mode':>9} {'median':>8} {'steps':>6}")
-    for mode, v in steps.items():
-        print(f"{mode:>9} {statistics.median(v):8.2f} {len(v):6d}")
-    r, lo, hi = _ratio_ci(steps["traced"], steps["untraced"])
-    print(f"traced / untraced median step: {r:.3f} (95 % CI {lo:.3f}-{hi:.3f}); goal <= 1.02")
+    from ddpscope.tracer.launch.torchrun import LaunchConfig, launch
+
+    results: list[dict] = []
+
+    def on_line(rank, line, err):
+        if line.startswith(RESULT_PREFIX):
+            results.append(json.loads(line[len(RESULT_PREFIX):]))
+
+    cfg = LaunchConfig(target="benchmarks.sharded", nproc=2, log_dir=tmp / "overhead-logs", timeout_s=1800,
+                       env={"PYTHONPATH": str(ROOT)},  # benchmarks.sharded runs on every rank
+                       args=["--worker", "--rounds", str(args.rounds), "--layers", str(args.layers),
+                             "--dim", str(args.dim), "--seq", str(args.seq), "--out", str(tmp / "overhead")])
+    res = launch(cfg, on_line)
+    if not res.ok or not results:
+        raise SystemExit(f"benchmark job failed: {res.reason}\n{res.stderr_tail}")
+    times = results[0]
+    r = ratios(times)
+    print(f"overhead: layers={args.layers} dim={args.dim} seq={args.seq} ranks=2 rounds={args.rounds} "
+          "(rank 0; one step of every mode per round, interleaved; copies rotating)")
+    print(f"  {'mode':<9} {'median ms':>9}  {'ratio':>6}  {'95% CI':>13}")
+    for m in MODES:
+        print(f"  {m:<9} {statistics.median(times[m]) * 1e3:9.2f}  {r[m][0]:6.3f}  {r[m][1]:.3f}-{r[m][2]:.3f}")
+    verdict = "met" if r["traced"][0] <= 1.02 else "NOT met"
+    print(f"  goal traced <= 1.02: {verdict}")
 
 
 def prediction(args, tmp: Path) -> None:
     from ddpscope.viz.sharded_predict import predict_peak, predict_step_ms
     from ddpscope.viz.trace import load_run
 
-    script = ["--steps", str(args.steps), "--layers", str(args.layers), "--dim", str(args.dim), "--seq", "64"]
+    script = ["--steps", str(args.steps), "--layers", str(args.layers), "--dim", str(args.dim), "--seq", str(args.seq)]
     traces = {}
     for setting in ("true", "false"):
         out = tmp / f"p-{setting}"
-        _job(True, out, tmp / f"p-{setting}-report", script, ["--reshard-after-forward", setting])
+        _job(out, tmp / f"p-{setting}-report", script, ["--reshard-after-forward", setting])
         traces[setting] = load_run(out)
     print("\nprediction: from one trace, the other reshard_after_forward (rank 0)")
     print(f"{'from':>6} {'to':>6} {'pred peak MiB':>14} {'meas peak MiB':>14} {'err %':>7} "
@@ -99,14 +199,20 @@ def prediction(args, tmp: Path) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=160, help="overhead: rounds of one step per mode")
+    p.add_argument("--steps", type=int, default=30, help="prediction: steps per traced job")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: the script runs, nothing more")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, few rounds: the script runs, nothing more")
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
     if args.smoke:
-        args.rounds, args.steps, args.layers, args.dim = 1, 5, 2, 32
+        args.rounds, args.steps, args.layers, args.dim, args.seq = 8, 5, 2, 32, 16
     with tempfile.TemporaryDirectory(prefix="ddpscope-sharded-bench-") as tmp:
         overhead(args, Path(tmp))
         prediction(args, Path(tmp))
