@@ -8,6 +8,8 @@ import streamlit as st
 from ddpscope.dashboard.common import job_button, load_zero_trace, of_kind, pick_run, runs_dir, widget_now
 from ddpscope.dashboard.sharded_view import render_sharded_memory
 from ddpscope.tracer.launch.jobs import JobManager
+from ddpscope.viz.ddp_stages import compute_ddp_stage_comparison, ddp_comm_lines, ddp_stage, ddp_stage_differences
+from ddpscope.viz.sharded_figures import make_stage_comparison_figure
 from ddpscope.viz.zero_figures import UNITS, make_zero_projection_figure, make_zero_run_figure
 from ddpscope.viz.zero_model import (
     PRECISIONS,
@@ -33,11 +35,35 @@ def set_precision_k() -> None:
     st.session_state["proj_k"] = int(PRECISIONS[st.session_state["proj_precision"]].k)
 
 
+def render_ddp_memory(trace) -> None:
+    """A DDP run (ZeRO stage 0) or DDP with ZeroRedundancyOptimizer (stage 1), measured
+    beside the ZeRO model; ZeRO-1's parameter broadcasts and volume in words."""
+    comparison = compute_ddp_stage_comparison(trace)
+    facts = ddp_stage(trace)
+    c = st.columns(2)
+    with c[0]:
+        st.plotly_chart(make_stage_comparison_figure(comparison), key="ddp_stages")
+    with c[1]:
+        view = comparison.drop(columns=["rank"]).copy()
+        for col in [c for c in view.columns if c.endswith("_bytes")]:
+            view[col.replace("bytes", "MiB")] = view.pop(col) / 2**20
+        st.dataframe(view.round(4), hide_index=True, key="ddp_stage_table")
+    st.caption(f"Measured: ZeRO stage {facts.get('stage', 0)} ({facts.get('stage_reason', 'DDP')}), at the end of "
+               f"each measured step. The stages: the ZeRO model for this model's {int(trace.run['model_params']):,} "
+               f"parameters on {trace.world_size} ranks.")
+    for line in ddp_stage_differences(trace) + ddp_comm_lines(trace):
+        st.write("• " + line)
+
+
 def render_memory(all_runs: dict, jobs: JobManager, busy: bool, trace=None) -> None:
     """``trace``: the open training run; a sharded one is shown first, measured."""
     if trace is not None and getattr(trace, "shards", None) is not None:
         st.subheader("The open run: memory by category, and where it stands among ZeRO's stages")
         render_sharded_memory(trace)
+        st.divider()
+    elif trace is not None and trace.source == "ddpscope" and len(trace.memory) and trace.run.get("model_params"):
+        st.subheader("The open run: its model states, and where they stand among ZeRO's stages")
+        render_ddp_memory(trace)
         st.divider()
     unit = st.radio("Units", list(UNITS), horizontal=True, key="zero_unit",
                     help="GB and MB are 10^9 and 10^6 bytes (the ZeRO paper's unit); GiB and MiB 2^30 and 2^20.")

@@ -10,6 +10,7 @@ import streamlit as st
 from ddpscope.dashboard.common import first_real_step, load_trace, merged_trace_bytes, stamp_of
 from ddpscope.dashboard.sharded_view import render_sharded_timeline
 from ddpscope.viz.buckets import compute_bucket_table
+from ddpscope.viz.ddp_stages import compute_param_sync
 from ddpscope.viz.gantt import make_timeline_figure, timeline_extent_ms
 from ddpscope.viz.kernel_gantt import make_kernel_timeline_figure
 from ddpscope.viz.kernel_overlap import compute_hta_breakdown
@@ -52,6 +53,14 @@ def render_timeline(path: Path, trace) -> None:
         st.warning(line.capitalize() + ". The ▼ markers show who each bucket waited for.")
     with st.expander("Every step"):
         st.dataframe(compute_step_breakdown(trace, include_warmup=True).round(2), hide_index=True, key="per_step")
+    sync = compute_param_sync(trace)
+    if len(sync):  # ZeRO-1: the optimizer's broadcasts, on each rank's communication lane
+        st.info(f"ZeRO-1 (ZeroRedundancyOptimizer): after each update every rank broadcasts the parameters it "
+                f"owns; the step waits for all of it: {sync['sync_ms'].median():.2f} ms a step (median, "
+                f"{sync['pct_of_step'].median():.1f} % of the step), {sync['bytes'].median() / 2**20:.3f} MiB. "
+                "The Memory page sets its model states beside ZeRO's stages.")
+        with st.expander("Parameter broadcasts per step (ZeRO-1)"):
+            st.dataframe(sync.round(3), hide_index=True, key="param_sync")
     with st.expander("Stragglers: who the all-reduces waited for (ms)"):
         st.dataframe(stragglers.round(2), hide_index=True, key="stragglers")
     st.subheader("Buckets (medians over non-warm-up steps and ranks)")

@@ -329,10 +329,15 @@ def test_memory_page_shows_the_zero_sample_beside_the_model(app):
     bars = {t["name"]: t for t in run["data"]}
     assert {"parameters", "gradients", "optimizer state"} <= set(bars)
     assert bars["parameters"]["x"][1][:4] == ["measured"] * 4 and bars["parameters"]["x"][1][4:] == ["predicted"] * 4
-    table = _table(app, "measured/predicted")
+    table = next(d.value for d in app.dataframe if {"measured/predicted", "name"} <= set(d.value.columns))
     assert len(table) == 4 and ((table["measured/predicted"] - 1).abs() < 0.05).all()
     comm = _table(app, "collective")
     assert set(comm["collective"]) == {"all_reduce", "broadcast", "all_gather"}
+    # the open run (a DDP sample: stage 0) first, beside the ZeRO model; the sample predates the
+    # optimizer's name in run.json, so K is read off the measurement, and the page says so
+    ddp = _table(app, "measured/predicted")
+    assert list(ddp["row"]) == ["measured (rank 0)", "measured (rank 1)", "stage 0", "stage 1", "stage 2", "stage 3"]
+    assert any("K unknown to ddpscope, read off the measurement" in m.value for m in app.markdown)
 
 
 def test_memory_projection_reproduces_figure_1_and_reacts_to_widgets(app):
@@ -389,7 +394,7 @@ def test_ring_and_zero_runs_start_from_their_pages(app, tmp_path):
     assert any("on the Memory (ZeRO) tab" in s.value for s in app.sidebar.success)
     zero_label = next(o for o in app.selectbox(key="zero_trace").options if o.startswith("run: "))
     app.selectbox(key="zero_trace").set_value(zero_label).run()
-    table = _table(app, "measured/predicted")
+    table = next(d.value for d in app.dataframe if {"measured/predicted", "name"} <= set(d.value.columns))
     assert len(table) == 4 and ((table["measured/predicted"] - 1).abs() < 0.05).all()
 
 
@@ -654,3 +659,27 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     at.selectbox(key="run_reshard").set_value("false (ZeRO-2)").run()
     assert not at.exception
     assert at.button(key="run_button").label == "Rerun with reshard_after_forward = false"
+
+
+@pytest.mark.ddp
+def test_a_zero1_run_shows_its_broadcasts_and_its_stage_on_the_memory_page(tmp_path, monkeypatch):
+    """DDP with ZeroRedundancyOptimizer (traced here): the Timeline draws its parameter
+    broadcasts and says what they cost; the Memory page sets the run beside stages 0-3."""
+    from tests.test_autotrace import trace_script
+    from tests.test_hooks import SETUPS
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    proc, _, _ = trace_script(runs, SETUPS, "zero", "--steps", "4", name="zero1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and not at.error
+    assert at.sidebar.selectbox(key="trace").value == "run: zero1"
+    assert "parameter broadcast (ZeRO-1)" in {t["name"] for t in _spec(at)["data"]}
+    assert any("ZeRO-1 (ZeroRedundancyOptimizer)" in i.value for i in at.info)
+    titles = [json.dumps(c["layout"].get("title")) for c in _charts(at)]
+    assert any("beside ZeRO stages 0-3" in t for t in titles)
+    table = next(d.value for d in at.dataframe if "measured/predicted" in d.value.columns)
+    assert list(table["row"])[-4:] == ["stage 0", "stage 1", "stage 2", "stage 3"]
+    assert any("ZeroRedundancyOptimizer partitions whole parameters" in m.value for m in at.markdown)

@@ -108,12 +108,15 @@ def _summary(path: str, as_json: bool) -> int:
 
         stragglers = compute_straggler_summary(trace)
         line = straggler_line(stragglers)
+    zero1 = _zero1_summary(trace) if trace.source == "ddpscope" else None
     if as_json:
         out = {"path": str(trace.path), "source": trace.source, "status": trace.status,
                "unfinished": trace.unfinished, "world_size": trace.world_size, "bucket_cap_mb": trace.run.get("bucket_cap_mb"),
                "ranks": _by_rank(med)}
         if stragglers is not None:
             out["stragglers"] = _by_rank(stragglers)
+        if zero1:
+            out["zero1"] = zero1
         if hta is not None:
             out.update(ranks_present=trace.run["ranks_present"], hta=_by_rank(hta), clock=trace.run["clock"],
                        notes=trace.run["notes"])
@@ -130,6 +133,12 @@ def _summary(path: str, as_json: bool) -> int:
     print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
     if line:
         print(line)
+    if zero1:
+        print(f"ZeRO-1 (ZeroRedundancyOptimizer): parameter broadcast {zero1['param_sync_ms']:.2f} ms a step "
+              f"(median, {zero1['pct_of_step']:.1f} % of the step; the step waits for all of it), "
+              f"{zero1['bytes'] / 2**20:.3f} MiB")
+        for text in zero1["volume"]:
+            print("  " + text)
     if hta is not None:
         print("as Holistic Trace Analysis computes them (last ProfilerStep left out; %):")
         print(hta[["rank", "comp_comm_overlap_pct", "idle_pct", "compute_pct", "non_compute_pct"]].round(2)
@@ -137,6 +146,22 @@ def _summary(path: str, as_json: bool) -> int:
         for note in trace.run["notes"]:
             print(f"  note: {note}")
     return 0
+
+
+def _zero1_summary(trace) -> dict | None:
+    """A ZeRO-1 run's parameter broadcasts (medians over non-warm-up steps) and its
+    communication volume in words; None for plain DDP."""
+    from ddpscope.viz.ddp_stages import compute_param_sync, ddp_comm_lines, ddp_stage
+
+    if ddp_stage(trace).get("stage") != 1:
+        return None
+    sync = compute_param_sync(trace)
+    warm = set(trace.steps.loc[trace.steps["warmup"].astype(bool), "step"])
+    sync = sync[~sync["step"].isin(warm)] if len(sync[~sync["step"].isin(warm)]) else sync
+    if not len(sync):
+        return None
+    return {"param_sync_ms": float(sync["sync_ms"].median()), "pct_of_step": float(sync["pct_of_step"].median()),
+            "bytes": int(sync["bytes"].median()), "volume": ddp_comm_lines(trace)[1:]}
 
 
 def _by_rank(table) -> dict:

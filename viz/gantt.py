@@ -29,7 +29,7 @@ GL_THRESHOLD = 6000
 GL_COLORS = 12
 
 COLORS = {"forward": "#4C78A8", "backward": "#54A24B", "wait": "#BAB0AC",
-          "optimizer": "#F58518", "exposed": "rgba(228, 26, 28, 0.55)"}
+          "optimizer": "#F58518", "exposed": "rgba(228, 26, 28, 0.55)", "param_sync": "#B279A2"}
 
 
 def lane_position(fig: go.Figure, label: str) -> float:
@@ -228,7 +228,8 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
     """Gantt of backward compute against bucket all-reduces, per rank: a compute lane
     (forward, backward per module from gradient-ready times, waiting for the all-reduces,
     optimizer) and an all-reduce lane (one bar per bucket, coloured by bucket index, with
-    the exposed part, after backward compute ended, hatched in red). ``webgl``: draw
+    the exposed part, after backward compute ended, hatched in red; under ZeRO-1 the
+    optimizer's parameter broadcasts too). ``webgl``: draw
     WebGL segments (True), SVG bars (False), or choose by size (None)."""
     if trace.source != "ddpscope":  # a profiler trace: kernels, not phases (that module builds on this one)
         from ddpscope.viz.kernel_gantt import make_kernel_timeline_figure
@@ -300,6 +301,15 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
             data.append(_gl_hover("bucket all-reduce", y, start, end, custom,
                                     None, hover.replace("%{hovertext}", "(show fewer steps for names)")
                                     + "<extra></extra>", "buckets"))
+    sync = shown.dropna(subset=["param_sync_start_us", "param_sync_end_us"]) if "param_sync_start_us" in shown \
+        else shown.iloc[:0]
+    if len(sync):  # ZeRO-1: the optimizer's parameter broadcasts, on the communication lane (all exposed)
+        data.extend(lane_bars(
+            gl, "parameter broadcast (ZeRO-1)", comm(sync), sync["param_sync_start_us"], sync["param_sync_end_us"],
+            origin, COLORS["param_sync"], "parameter broadcast (ZeRO-1) · step %{customdata[0]}<br>%{customdata[1]:.2f} "
+            "ms · %{customdata[2]:.3f} MiB (every rank's partition; the step waits for it)",
+            np.column_stack([sync["step"], dur(sync["param_sync_start_us"], sync["param_sync_end_us"]),
+                             sync["param_sync_bytes"] / 2**20])))
     if len(ex):
         data.extend(lane_bars(
             gl, "exposed all-reduce (after backward)", comm(ex), ex["start_us"], ex["end_us"], origin,

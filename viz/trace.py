@@ -33,7 +33,10 @@ class RunTrace:
       if none synced) forward_start_us, forward_end_us, backward_start_us,
       backward_end_us (backward compute), sync_start_us, sync_end_us (waiting for
       DDP's all-reduces after backward compute until every averaged gradient is
-      written); optimizer_start_us, optimizer_end_us
+      written); optimizer_start_us, optimizer_end_us; under ZeroRedundancyOptimizer
+      (ZeRO-1) its parameter broadcasts inside the optimizer step: param_sync_start_us,
+      param_sync_end_us, param_sync_bytes (every rank's partition), param_sync_own_bytes
+      (this rank's, which it sends); NaN otherwise
     - ``buckets``: rank, step, bucket, bytes, num_params, params (names), launch_us,
       done_us, incomplete
     - ``grads``: rank, step, micro, param, name, ready_us
@@ -148,7 +151,8 @@ def load_run(path: str | Path, *, allow_missing_ranks: bool = False) -> RunTrace
 # has NaN backward times, not a table without the column); see ``RunTrace``.
 _SPAN_COLUMNS = [f"{phase}_{end}_us" for phase in ("forward", "backward", "sync") for end in ("start", "end")]
 STEP_COLUMNS = ["rank", "step", "warmup", "incomplete", "start_us", "end_us", "micro_batches", "forward_us",
-                "backward_us", *_SPAN_COLUMNS, "optimizer_start_us", "optimizer_end_us"]
+                "backward_us", *_SPAN_COLUMNS, "optimizer_start_us", "optimizer_end_us", "param_sync_start_us",
+                "param_sync_end_us", "param_sync_bytes", "param_sync_own_bytes"]
 PASS_COLUMNS = ["rank", "step", "micro", "sync", *_SPAN_COLUMNS]
 BUCKET_COLUMNS = ["rank", "step", "bucket", "bytes", "num_params", "params", "launch_us", "done_us", "incomplete"]
 GRAD_COLUMNS = ["rank", "step", "micro", "param", "name", "ready_us"]
@@ -216,6 +220,10 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
             elif cat == fmt.CAT_OPTIMIZER:
                 row = steps.setdefault(step, {"rank": rank, "step": step})
                 row["optimizer_start_us"], row["optimizer_end_us"] = ts, te
+            elif cat == fmt.CAT_PARAM_SYNC:  # ZeRO-1: the parameters broadcast after the update
+                row = steps.setdefault(step, {"rank": rank, "step": step})
+                row.update(param_sync_start_us=ts, param_sync_end_us=te, param_sync_bytes=int(args["bytes"]),
+                           param_sync_own_bytes=int(args.get("own_bytes", 0)))
             elif cat == fmt.CAT_GRAD:
                 p = int(args["param"])
                 if not 0 <= p < (len(names) if names else MAX_INDEX):

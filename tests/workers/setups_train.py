@@ -71,13 +71,15 @@ def gan(steps: int, rank: int) -> dict:
     return {"params_sha256": sha256(G.module, D.module, head), "models": [G, D]}
 
 
-def zero(steps: int, rank: int) -> dict:
+def zero(steps: int, rank: int, bucket_view: bool = False, hook: bool = True) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     torch.manual_seed(0)
     model = DDP(mlp(64, 4, 8), bucket_cap_mb=0.02)
-    model._register_builtin_comm_hook(comm_hook_type=dist.BuiltinCommHookType.FP16_COMPRESS)
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+    if hook:
+        model._register_builtin_comm_hook(comm_hook_type=dist.BuiltinCommHookType.FP16_COMPRESS)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3,
+                                  parameters_as_bucket_view=bucket_view)
     data = torch.Generator().manual_seed(10 + rank)
     for _ in range(steps):
         x, y = torch.randn(32, 64, generator=data), torch.randn(32, 8, generator=data)
@@ -85,20 +87,29 @@ def zero(steps: int, rank: int) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
+    own = [p for g in opt.optim.param_groups for p in g["params"]]  # the inner optimizer: this rank's partition
     return {"params_sha256": sha256(model.module), "models": [model],
-            "optimizer_state_keys": sorted(len(s) for s in opt.optim.state.values())}
+            "optimizer_state_keys": sorted(len(s) for s in opt.optim.state.values()),
+            "own_bytes": sum(p.numel() * p.element_size() for p in own),
+            "params_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "state_bytes": sum(t.untyped_storage().nbytes() for s in opt.optim.state.values() for t in s.values()
+                               if isinstance(t, torch.Tensor)),
+            "sync_params_wrapped": "_sync_params" in vars(opt)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("case", choices=("gan", "zero"))
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--bucket-view", action="store_true", help="zero: parameters_as_bucket_view=True")
+    p.add_argument("--no-hook", action="store_true", help="zero: no FP16 compression hook")
     p.add_argument("--report", required=True)
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
-        result = {"gan": gan, "zero": zero}[args.case](args.steps, rank)
+        result = gan(args.steps, rank) if args.case == "gan" else \
+            zero(args.steps, rank, bucket_view=args.bucket_view, hook=not args.no_hook)
         models = result.pop("models")
         os.makedirs(args.report, exist_ok=True)
         with open(os.path.join(args.report, f"check-rank{rank}.json"), "w") as f:

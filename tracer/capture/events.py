@@ -1,7 +1,8 @@
 """A step's Chrome trace events: what the recorder hands the writer once a step is resolved.
 
 One span per step, per pass (forward, backward, the wait for DDP's all-reduces), for
-the optimizer and per bucket all-reduce (on its own lane), a gradient-ready mark per
+the optimizer, per bucket all-reduce (on its own lane) and for ZeRO-1's parameter
+broadcasts (on theirs, inside the optimizer's span), a gradient-ready mark per
 parameter and a memory counter on measured steps. It runs on the training thread for
 every step, so it is written for speed: plain loops and literals, the marks (most of a
 step's events) as msgspec structs, no rounding of times that are µs at ns resolution
@@ -51,6 +52,7 @@ class StepEvents:
         self.rank = rank
         self.param_names = param_names
         self.buckets_seen: set[int] = set()
+        self.param_sync_seen = False
         self._bucket_names_cache: dict[tuple[int, ...], list[str]] = {}
 
     def events(self, steps: list[StepRecord], nccl: list | None = None) -> Iterator[dict | GradReady]:
@@ -103,6 +105,14 @@ class StepEvents:
                     ev.append(span(fmt.CAT_GRAD_SYNC, "wait for all-reduce", bwd_end, sync_e,
                                    {"step": step, "micro": k, "sync": rec.sync}))
         ev.append(span(fmt.CAT_OPTIMIZER, "optimizer.step", opt_s, opt_e, {"step": step}))
+        ps = s.param_sync
+        if ps is not None and ps.start is not None:
+            if not self.param_sync_seen:
+                self.param_sync_seen = True
+                ev += _thread_meta(pid, fmt.TID_PARAM_SYNC, "parameter broadcast (ZeRO-1)")
+            ev.append(span(fmt.CAT_PARAM_SYNC, "parameter broadcast", ps.start, ps.end,
+                           {"step": step, "bytes": ps.nbytes, "own_bytes": ps.own_bytes, "broadcasts": ps.broadcasts,
+                            **({} if ps.end is not None else {"incomplete": True})}, tid=fmt.TID_PARAM_SYNC))
         names, n_names = self.param_names, len(self.param_names)
         ev += [GradReady(names[i] if 0 <= i < n_names else f"param[{i}]", pid, t, _GradArgs(step, i, k))
                for i, t, k in grads if t is not None]

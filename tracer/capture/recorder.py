@@ -46,6 +46,19 @@ class PassRecord:
 
 
 @dataclass(slots=True)
+class ParamSync:
+    """ZeroRedundancyOptimizer's ``_sync_params``: every rank broadcasts the parameters it
+    updated (its partition) to the others. ``nbytes``: all partitions' bytes (what every
+    rank ends up holding anew); ``own_bytes``: this rank's partition (what it sends)."""
+
+    start: Any
+    nbytes: int
+    own_bytes: int
+    broadcasts: int
+    end: Any = None
+
+
+@dataclass(slots=True)
 class StepRecord:
     step: int
     start: Any
@@ -56,6 +69,7 @@ class StepRecord:
     buckets: list[BucketRecord] = field(default_factory=list)
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
     optimizer: list[Any] | None = None
+    param_sync: ParamSync | None = None  # ZeRO-1: the parameters broadcast inside the optimizer step
     end: Any = None
     memory: dict | None = None
     incomplete: bool = False
@@ -248,6 +262,16 @@ class StepRecorder:
         if not self.explicit:
             self._close(now)
 
+    def on_param_sync_start(self, nbytes: int, own_bytes: int, broadcasts: int) -> ParamSync | None:
+        if self.current is None:
+            return None
+        rec = self.current.param_sync = ParamSync(self.clock.stamp(), nbytes, own_bytes, broadcasts)
+        return rec
+
+    def on_param_sync_end(self, rec: ParamSync | None) -> None:
+        if rec is not None:
+            rec.end = self.clock.stamp()
+
     def mark_step(self) -> None:
         """Explicit step boundary: the open step ends now."""
         if self.current is not None:
@@ -346,6 +370,7 @@ def _resolve_in_place(steps: list[StepRecord], resolve: Callable[[list], list]) 
     for s in steps:
         stamps += [s.start, s.end]
         stamps += [s.optimizer[0], s.optimizer[1]] if s.optimizer else [None, None]
+        stamps += [s.param_sync.start, s.param_sync.end] if s.param_sync else [None, None]
         for p in s.passes:
             stamps += [*p.forward, p.backward_start, p.backward_end, p.sync_end]
         stamps += [t for _, t, _ in s.grads]
@@ -356,6 +381,9 @@ def _resolve_in_place(steps: list[StepRecord], resolve: Callable[[list], list]) 
         s.start, s.end = next(times), next(times)
         opt = [next(times), next(times)]
         s.optimizer = opt if s.optimizer else None
+        sync_start, sync_end = next(times), next(times)
+        if s.param_sync:
+            s.param_sync.start, s.param_sync.end = sync_start, sync_end
         for p in s.passes:
             p.forward = [next(times), next(times)]
             p.backward_start, p.backward_end, p.sync_end = next(times), next(times), next(times)

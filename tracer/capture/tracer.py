@@ -384,12 +384,19 @@ class DDPTracer:
 
 def _zero_stage(optimizer) -> dict:
     """DDP's ZeRO stage: 1 when the optimizer is a ``ZeroRedundancyOptimizer`` (its state
-    partitioned; parameters broadcast from their owners after each step), else 0."""
-    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+    partitioned; parameters broadcast from their owner after each step), else 0; and the
+    optimizer that keeps the state (ZeRO-1's inner one), for the ZeRO model's K."""
+    zero1 = type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+    inner = getattr(optimizer, "optim", None) if zero1 else optimizer
+    facts = {}
+    if inner is not None:
+        groups = getattr(inner, "param_groups", None) or [{}]
+        facts = {"optimizer": type(inner).__name__, "momentum": bool(groups[0].get("momentum") or 0)}
+    if zero1:
         return {"framework": "zero1", "stage": 1, "stage_reason": "DDP with ZeroRedundancyOptimizer: optimizer state "
-                "partitioned, gradients all-reduced, parameters broadcast from their owner after the step"}
+                "partitioned, gradients all-reduced, parameters broadcast from their owner after the step", **facts}
     return {"framework": "ddp", "stage": 0, "stage_reason": "DDP: every rank holds every parameter, gradient and "
-            "optimizer state"}
+            "optimizer state", **facts}
 
 
 def _rank() -> int:
