@@ -12,6 +12,7 @@ import math
 import pytest
 
 from ddpscope.viz.sharded_metrics import (
+    comm_honesty_lines,
     compute_comm_volume,
     compute_memory_over_step,
     compute_sharded_steps,
@@ -139,6 +140,14 @@ def test_accumulation_and_mixed_precision_are_traced(tmp_path):
     assert (ag["bytes"] == _expected_units(item=2)["layers.0"]).all()  # gathered in bf16
     rs = colls[(colls["collective"] == "reduce_scatter") & (colls["rank"] == 0)].groupby("step").size()
     assert (rs == len(_expected_units())).all()  # one reduction per unit per step: the last micro-batch's
+    # each collective in D of its own dtype: gathered in bf16, reduced in fp32 (twice the bytes)
+    vol = compute_comm_volume(trace).set_index("collective")
+    assert trace.run["sharding"]["reduce_dtype"] == "float32"
+    assert vol.attrs["D_reduce_bytes"] == 2 * vol.attrs["D_bytes"]
+    assert vol.loc["all_gather", "message_D"] == pytest.approx(2 * 2)  # ZeRO-3: forward and backward, per micro-batch
+    assert vol.loc["reduce_scatter", "message_D"] == pytest.approx(1.0)  # once, the last micro-batch's
+    assert vol.loc["total", "nccl_D"] == pytest.approx(5 * (N - 1) / N)
+    assert any("Mixed precision" in line for line in comm_honesty_lines(trace))
 
 
 def test_meta_device_initialisation_is_traced(tmp_path):

@@ -203,34 +203,53 @@ def stage_differences(trace) -> list[str]:
     return lines
 
 
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8,
+                "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def model_sizes(trace) -> tuple[float, float]:
+    """(D as gathered, D as reduced) in bytes: the model's parameters in ``param_dtype``
+    (what all-gathers carry) and in ``reduce_dtype`` (what reduce-scatters carry: under
+    ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` twice the
+    gathered bytes). Without a recorded ``reduce_dtype`` gradients reduce as gathered."""
+    sh = trace.shards
+    gathered = float(sh.units["unsharded_bytes"].sum()) or 1.0
+    sharding = trace.run.get("sharding") or {}
+    param, reduce = _DTYPE_BYTES.get(str(sharding.get("param_dtype"))), _DTYPE_BYTES.get(str(sharding.get("reduce_dtype")))
+    reduced = gathered * reduce / param if param and reduce else gathered
+    return gathered, reduced
+
+
 def compute_comm_volume(trace) -> pd.DataFrame:
     """Per collective kind, per rank and step (median over non-warm-up steps): the
     messages FSDP issued (bytes), what this backend sent per rank, what NCCL's ring would
     send ((N-1)/N x M for an all-gather or reduce-scatter of M bytes, 2(N-1)/N x M for an
-    all-reduce), and both in units of D, the model's gathered parameter bytes. ZeRO's
-    model: DDP sends 2D (an all-reduce), stage 2 2D (one all-gather, one reduce-scatter),
-    stage 3 3D (the all-gather again in backward)."""
+    all-reduce), and all in units of D, the model's size in the collective's own dtype
+    (all-gathers: ``param_dtype``; reduce-scatters: ``reduce_dtype``; ``model_sizes``),
+    as the ZeRO model counts it: DDP sends 2D (an all-reduce), stage 2 2D (one
+    all-gather, one reduce-scatter), stage 3 3D (the all-gather again in backward)."""
     sh = trace.shards
     n = trace.world_size
     frac = (n - 1) / n
-    d = float(sh.units["unsharded_bytes"].sum()) or 1.0
+    d_gathered, d_reduced = model_sizes(trace)
     real = _real_steps(trace)
     colls = sh.colls[sh.colls["step"].isin(real)]
     rows = []
-    for kind in ("all_gather", "reduce_scatter"):
+    for kind, d in (("all_gather", d_gathered), ("reduce_scatter", d_reduced)):
         c = colls[colls["collective"] == kind]
         per = c.groupby(["rank", "step"])["bytes"].sum()
         message = float(per.median()) if len(per) else 0.0
         sent_as = c["sent_as"].dropna().iloc[0] if c["sent_as"].notna().any() else kind
         sent = message * (2 * frac if sent_as == "all_reduce" else frac)
         nccl = message * frac
-        rows.append({"collective": kind, "ran_as": sent_as, "message_bytes": message, "sent_bytes": sent,
+        rows.append({"collective": kind, "ran_as": sent_as, "D_bytes": d, "message_bytes": message, "sent_bytes": sent,
                      "nccl_bytes": nccl, "message_D": message / d, "sent_D": sent / d, "nccl_D": nccl / d})
     out = pd.DataFrame(rows)
-    total = {"collective": "total", "ran_as": "", **{k: out[k].sum() for k in out.columns if k not in
-                                                       ("collective", "ran_as")}}
+    total = {"collective": "total", "ran_as": "", "D_bytes": np.nan,
+             **{k: out[k].sum() for k in out.columns if k not in ("collective", "ran_as", "D_bytes")}}
     out = pd.concat([out, pd.DataFrame([total])], ignore_index=True)
-    out.attrs["D_bytes"] = d
+    out.attrs["D_bytes"] = d_gathered
+    out.attrs["D_reduce_bytes"] = d_reduced
     out.attrs["zero_model_D"] = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
     return out
 
@@ -240,10 +259,15 @@ def comm_honesty_lines(trace) -> list[str]:
     vol = compute_comm_volume(trace)
     sh = trace.shards
     n = trace.world_size
-    d = vol.attrs["D_bytes"]
+    d, d_reduce = vol.attrs["D_bytes"], vol.attrs["D_reduce_bytes"]
     total = vol[vol["collective"] == "total"].iloc[0]
     lines = [f"D = {d / 2**20:.3f} MiB of gathered parameters; N = {n} ranks; ZeRO stage {sh.stage} "
              f"({sh.stage_reason})."]
+    if d_reduce != d:
+        sharding = trace.run.get("sharding") or {}
+        lines.append(f"Mixed precision: parameters are gathered in {sharding.get('param_dtype')} and gradients reduced "
+                     f"in {sharding.get('reduce_dtype')}, so a reduce-scatter's D is {d_reduce / 2**20:.3f} MiB: "
+                     "each collective is counted in D of its own dtype, as the ZeRO model counts it.")
     if sh.reduce_scatter_sent_as == "all_reduce":
         lines.append("gloo has no reduce-scatter: PyTorch ran each one as an all-reduce of the whole gradient, "
                      "then kept this rank's shard, so each rank sent 2(N-1)/N of it, not (N-1)/N.")
