@@ -201,11 +201,14 @@ def launch_command(args: argparse.Namespace) -> int:
     output = OutputFilter(args.verbose, args.quiet, getattr(cfg, "node_rank", 0) * getattr(cfg, "nproc", 0))
     if args.command == "run":
         what = cfg.demo or " ".join(cfg.script)
-        cap = "the script's" if cfg.bucket_cap_mb is None else f"{cfg.bucket_cap_mb:g} MiB"
+        # only what this run overrides: whether the script is DDP or FSDP shows once it runs
+        settings = ([f"bucket_cap_mb {cfg.bucket_cap_mb:g} MiB"] if cfg.bucket_cap_mb is not None else []) + \
+            [f"{k} {str(v).lower()}" for k, v in cfg.sharding.items() if v is not None]
+        overrides = f", overriding the script's {', '.join(settings)}" if settings else ""
         ranks = cfg.nproc * cfg.nnodes
         node = f" (node {cfg.node_rank} of {cfg.nnodes}: ranks {output.first_rank}..{output.first_rank + cfg.nproc - 1})" \
             if cfg.nnodes > 1 else ""
-        say(f"tracing {what} on {ranks} ranks{node}, bucket_cap_mb: {cap}")
+        say(f"tracing {what} on {ranks} ranks{node}{overrides}")
         shown = ("ddpscope's lines only" if args.quiet else "every rank's output" if args.verbose else
                  "rank 0's output" if output.first_rank == 0 else "no rank's output (rank 0 is on node 0)")
         say(f"showing {shown}; every rank's stdout and stderr are kept in {cfg.out / 'logs'}")
