@@ -22,7 +22,7 @@ from ddpscope.viz.sharded_metrics import (
 from ddpscope.viz.sharded_predict import predict_peak
 from ddpscope.viz.trace import load_run
 from tests.conftest import run_cli
-from tests.test_autotrace import WORKERS, trace_script, untraced
+from tests.test_autotrace import WORKERS, checks, trace_script, untraced
 
 pytestmark = pytest.mark.ddp
 SCRIPT = str(WORKERS / "fsdp2_train.py")
@@ -192,3 +192,21 @@ def test_a_hang_inside_a_unit_is_named_by_the_watchdog(tmp_path):
     assert "all-gather of unit layers.2 (forward)" in proc.stderr  # where rank 0 waits for it
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "failed" and run["failure"]["hung"]
+
+
+def test_lightning_model_parallel_strategy_fsdp2_is_traced_bit_identical(tmp_path):
+    """Lightning's ModelParallelStrategy (FSDP2 applied in configure_model) on CPU: traced per
+    unit, one step per optimizer step (Lightning steps with a closure), weights unchanged."""
+    script = str(WORKERS / "lightning_fsdp2.py")
+    proc, out, report = trace_script(tmp_path, script, "--steps", "4", name="lightning-fsdp2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = untraced(tmp_path, script, "--steps", "4")
+    for r in range(N):
+        assert checks(report)[r] == checks(plain)[r]  # the same weights, and global_step 4
+    trace = load_run(out)
+    assert trace.status == "complete" and trace.shards.stage == 3
+    assert list(trace.shards.units["name"]) == ["(root)", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert trace.steps.groupby("rank").size().to_dict() == {0: 4, 1: 4}
+    colls = trace.shards.colls
+    per_step = colls[(colls["rank"] == 0) & (colls["collective"] == "all_gather")].groupby("step").size()
+    assert (per_step == 1 + 2 * 4).all()  # the root kept gathered for backward; each block gathered twice
