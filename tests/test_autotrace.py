@@ -32,11 +32,11 @@ def trace_script(tmp_path: Path, *script: str, ddpscope: tuple[str, ...] = (), n
     return proc, out, report
 
 
-def untraced(tmp_path: Path, *script: str, name: str = "plain") -> Path:
+def untraced(tmp_path: Path, *script: str, name: str = "plain", nproc: int = 2) -> Path:
     """The same script under torchrun alone: no ddpscope anywhere on its path."""
     report = tmp_path / f"{name}-report"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DDPSCOPE_CAPTURE")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend",
                            "static", "--rdzv-endpoint", f"127.0.0.1:{_port()}", *script, "--report", str(report)],
                           cwd="/", env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

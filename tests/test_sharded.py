@@ -18,6 +18,7 @@ from ddpscope.viz.sharded_metrics import (
     compute_sharded_steps,
     compute_stage_comparison,
     compute_unit_table,
+    stage_differences,
 )
 from ddpscope.viz.sharded_predict import predict_peak
 from ddpscope.viz.trace import load_run
@@ -210,3 +211,34 @@ def test_lightning_model_parallel_strategy_fsdp2_is_traced_bit_identical(tmp_pat
     colls = trace.shards.colls
     per_step = colls[(colls["rank"] == 0) & (colls["collective"] == "all_gather")].groupby("step").size()
     assert (per_step == 1 + 2 * 4).all()  # the root kept gathered for backward; each block gathered twice
+
+
+def test_hsdp_all_reduce_across_replicas_is_timed_apart(tmp_path):
+    """HSDP on 4 ranks (2 replicas of 2 shards): each unit's gradient shard is all-reduced
+    across replicas after its reduce-scatter; timed on its own, counted in D, and the
+    model states set beside ZeRO with N = the shard group."""
+    args = (SCRIPT, "--steps", "3", "--hsdp", "2")
+    proc, out, report = trace_script(tmp_path, *args, ddpscope=("--nproc", "4"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = untraced(tmp_path, *args, nproc=4)
+    for r in range(4):
+        traced, base = (json.loads((d / f"rank{r}.json").read_text()) for d in (report, plain))
+        assert traced["params_sha256"] == base["params_sha256"]
+    trace = load_run(out)
+    units = trace.shards.units
+    assert (units["shard_size"] == 2).all() and (units["replicate_size"] == 2).all()
+    colls = trace.shards.colls
+    expected = _expected_units()  # the model's shapes, padded to the shard group of 2
+    ar = colls[colls["collective"] == "all_reduce"]
+    assert len(ar) == 4 * 3 * len(expected)  # every rank, step and unit
+    assert all(b == expected[n] // 2 for n, b in zip(ar["name"], ar["bytes"]))  # this rank's fp32 gradient shard
+    rs = colls[colls["collective"] == "reduce_scatter"].set_index(["rank", "step", "unit"])
+    for row in ar.itertuples():  # after its own unit's reduce-scatter
+        assert row.start_us >= rs.loc[(row.rank, row.step, row.unit), "end_us"] - 1.0
+    vol = compute_comm_volume(trace).set_index("collective")
+    assert vol.loc["all_reduce", "message_D"] == pytest.approx(0.5)  # D / S
+    assert vol.loc["total", "nccl_D"] == pytest.approx(3 * 1 / 2 + 2 * 1 / 2 * 0.5)  # ZeRO-3 in S = 2, + replicas
+    stages = compute_stage_comparison(trace)
+    measured = stages[stages["rank"].notna()]
+    assert ((measured["measured/predicted"] - 1).abs() < 0.05).all()  # N = 2, not 4
+    assert any("HSDP: 2 replicas of 2 ranks" in line for line in stage_differences(trace))

@@ -248,8 +248,9 @@ def _sharded_summary(trace, as_json: bool) -> int:
         print(f"{trace.status}: {trace.unfinished}")
     print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
     print("per unit (ms per step, bytes per step):")
+    hsdp = ["all_reduce_bytes", "all_reduce_ms"] if "all_reduce_ms" in units else []  # across replicas
     print(units[["unit", "params", "all_gathers", "all_gather_bytes", "all_gather_ms", "reduce_scatter_bytes",
-                 "reduce_scatter_ms", "wait_ms", "exposed_ms", "forward_ms", "backward_ms"]].round(3)
+                 "reduce_scatter_ms", *hsdp, "wait_ms", "exposed_ms", "forward_ms", "backward_ms"]].round(3)
           .to_string(index=False))
     print("model states (bytes) beside ZeRO stages 0-3:")
     print(stages[["row", "params_bytes", "grads_bytes", "optimizer_state_bytes", "model_state_bytes",

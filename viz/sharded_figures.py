@@ -73,17 +73,19 @@ def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
                           "<extra></extra>"))
     colls = pick(with_exposed(trace))
     for (kind, name), g in colls.groupby(["collective", "name"], sort=False):
-        what = "all-gather" if kind == "all_gather" else "reduce-scatter"
+        what = "all-gather" if kind == "all_gather" else "reduce-scatter"  # HSDP's all-reduce: after its reduce-scatter
         sent = g["sent_as"].dropna()
         ran = f" (ran as {sent.iloc[0].replace('_', '-')})" if len(sent) else ""
+        if kind == "all_reduce":
+            what, ran = "reduce-scatter", " (HSDP's all-reduce across replicas)"
         exposed = g["exposed_ms"] > 0.5 * g["ms"]
         fig.add_trace(go.Bar(
-            name=f"{what} {name}", orientation="h", y=[pos[lane(r, what)] for r in g["rank"]],
+            name=f"{kind.replace('_', '-')} {name}", orientation="h", y=[pos[lane(r, what)] for r in g["rank"]],
             base=(g["start_us"] - origin) / 1e3, x=g["ms"], width=0.6, legendgroup=str(name), showlegend=False,
             marker=dict(color=colors[name], pattern_shape=["/" if p else "" for p in g["prefetch"]],
                         line=dict(color=["#e41a1c" if e else "rgba(0,0,0,0)" for e in exposed], width=1.5)),
             customdata=np.stack([g["phase"], g["bytes"] / MIB, g["exposed_ms"], g["prefetch"]], axis=-1),
-            hovertemplate=f"{what} {name}{ran}, %{{customdata[0]}}<br>%{{customdata[1]:.3f}} MiB, %{{x:.3f}} ms, "
+            hovertemplate=f"{kind.replace('_', '-')} {name}{ran}, %{{customdata[0]}}<br>%{{customdata[1]:.3f}} MiB, %{{x:.3f}} ms, "
                           "exposed %{customdata[2]:.3f} ms<br>prefetched: %{customdata[3]}<extra></extra>"))
     fig.update_layout(
         barmode="overlay", height=120 + 75 * len(ranks_shown) * len(LANES) // 2,

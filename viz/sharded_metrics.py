@@ -57,7 +57,8 @@ def _real_steps(trace) -> set[int]:
 
 def compute_unit_table(trace) -> pd.DataFrame:
     """One row per unit: its size, and per step (median over ranks and non-warm-up steps)
-    its all-gathers and reduce-scatters (count, bytes, ms), the compute waiting for its
+    its all-gathers and reduce-scatters (count, bytes, ms; HSDP's all-reduces across
+    replicas too, when the run had them), the compute waiting for its
     all-gathers, its exposed communication, and its forward and backward compute."""
     sh = trace.shards
     real = _real_steps(trace)
@@ -65,12 +66,13 @@ def compute_unit_table(trace) -> pd.DataFrame:
     colls = colls[colls["step"].isin(real)]
     waits = sh.waits[sh.waits["step"].isin(real)].assign(ms=lambda d: (d["end_us"] - d["start_us"]) / 1e3)
     segs = sh.segments[sh.segments["step"].isin(real)].assign(ms=lambda d: (d["end_us"] - d["start_us"]) / 1e3)
+    kinds = ("all_gather", "reduce_scatter") + (("all_reduce",) if (colls["collective"] == "all_reduce").any() else ())
     rows = []
     for u in sh.units.itertuples():
         row = {"unit": u.name, "params": u.numel, "sharded_bytes": u.sharded_bytes,
                "unsharded_bytes": u.unsharded_bytes, "reshard_after_forward": u.reshard_after_forward}
         per_step = {}
-        for kind in ("all_gather", "reduce_scatter"):
+        for kind in kinds:
             c = colls[(colls["unit"] == u.unit) & (colls["collective"] == kind)]
             g = c.groupby(["rank", "step"])
             per_step[f"{kind}s"] = g.size()
@@ -83,13 +85,14 @@ def compute_unit_table(trace) -> pd.DataFrame:
             per_step[f"{phase}_ms"] = s.groupby(["rank", "step"])["ms"].sum()
         for key, series in per_step.items():
             row[key] = float(series.median()) if len(series) else 0.0
-        row["exposed_ms"] = row["all_gather_exposed_ms"] + row["reduce_scatter_exposed_ms"] + row["wait_ms"]
+        row["exposed_ms"] = sum(row[f"{kind}_exposed_ms"] for kind in kinds) + row["wait_ms"]
         rows.append(row)
     return pd.DataFrame(rows)
 
 
 def compute_sharded_steps(trace) -> pd.DataFrame:
-    """Per rank and step: step_ms, compute_ms, all_gather_ms, reduce_scatter_ms, wait_ms,
+    """Per rank and step: step_ms, compute_ms, all_gather_ms, reduce_scatter_ms,
+    all_reduce_ms (HSDP's across replicas; 0 without), wait_ms,
     exposed_ms (communication no compute hid, and the waits) and the step's memory peak
     (bytes; NaN on steps whose memory was not measured)."""
     sh = trace.shards
@@ -106,12 +109,13 @@ def compute_sharded_steps(trace) -> pd.DataFrame:
     parts = {"compute_ms": per(segs, "ms"),
              "all_gather_ms": per(colls[colls["collective"] == "all_gather"], "ms"),
              "reduce_scatter_ms": per(colls[colls["collective"] == "reduce_scatter"], "ms"),
+             "all_reduce_ms": per(colls[colls["collective"] == "all_reduce"], "ms"),
              "wait_ms": per(waits, "ms"), "comm_exposed_ms": per(colls, "exposed_ms"),
              "peak_bytes": sh.memory.groupby(key)["total_bytes"].max() if len(sh.memory) else pd.Series(dtype=float)}
     idx = pd.MultiIndex.from_frame(out[key])
     for name, series in parts.items():
         out[name] = series.reindex(idx).to_numpy() if len(series) else np.nan
-    for name in ("compute_ms", "all_gather_ms", "reduce_scatter_ms", "wait_ms", "comm_exposed_ms"):
+    for name in ("compute_ms", "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "wait_ms", "comm_exposed_ms"):
         out[name] = out[name].fillna(0.0)
     out["exposed_ms"] = out.pop("comm_exposed_ms") + out["wait_ms"]
     return out.reset_index(drop=True)
@@ -150,7 +154,7 @@ def compute_stage_comparison(trace) -> pd.DataFrame:
     the fp32 shard. Rows: ``measured (rank r)`` then ``stage k``; ``working_set_bytes``:
     what the peak held beyond the model (gathered units, unsharded gradients, buffers)."""
     sh = trace.shards
-    n = trace.world_size
+    n = shard_group_size(trace)  # HSDP: the ZeRO model holds within one replica's shard group
     params = int(sh.units["numel"].sum())
     rows = []
     for rank, mine in sh.memory.groupby("rank"):
@@ -178,13 +182,30 @@ def compute_stage_comparison(trace) -> pd.DataFrame:
     return out
 
 
+def shard_group_size(trace) -> int:
+    """The ranks a unit is sharded over: N, or under HSDP N / replicas."""
+    u = trace.shards.units
+    size = int(u["shard_size"].max()) if "shard_size" in u and len(u) else 0
+    return size if size > 0 else trace.world_size
+
+
+def replicas(trace) -> int:
+    """HSDP's replicas (1: plain FSDP)."""
+    u = trace.shards.units
+    return int(u["replicate_size"].max()) if "replicate_size" in u and len(u) else 1
+
+
 def stage_differences(trace) -> list[str]:
     """Why the measured model states differ from the ZeRO model, each in one line."""
     sh = trace.shards
-    n = trace.world_size
+    n = shard_group_size(trace)
     u = sh.units
     unpadded = float(u["numel"].sum()) * 4 / n
     lines = []
+    if replicas(trace) > 1:
+        lines.append(f"HSDP: {replicas(trace)} replicas of {n} ranks each; the model states shard within a replica, so "
+                     f"the ZeRO model is taken with N = {n}, not {trace.world_size}; gradients are then all-reduced "
+                     "across replicas.")
     padded = float(u["sharded_bytes"].sum())
     if padded > unpadded * 1.0005:
         lines.append(f"padding: FSDP pads each parameter's first dimension to a multiple of N, so the shards hold "
@@ -223,8 +244,9 @@ def model_sizes(trace) -> tuple[float, float]:
 def compute_comm_volume(trace) -> pd.DataFrame:
     """Per collective kind, per rank and step (median over non-warm-up steps): the
     messages FSDP issued (bytes), what this backend sent per rank, what NCCL's ring would
-    send ((N-1)/N x M for an all-gather or reduce-scatter of M bytes, 2(N-1)/N x M for an
-    all-reduce), and all in units of D, the model's size in the collective's own dtype
+    send ((G-1)/G x M for an all-gather or reduce-scatter of M bytes among G ranks,
+    2(G-1)/G x M for an all-reduce; G = N, or under HSDP the shard group for those two
+    and the replicas for its all-reduce), and all in units of D, the model's size in the collective's own dtype
     (all-gathers: ``param_dtype``; reduce-scatters: ``reduce_dtype``; ``model_sizes``),
     as the ZeRO model counts it: DDP sends 2D (an all-reduce), stage 2 2D (one
     all-gather, one reduce-scatter), stage 3 3D (the all-gather again in backward)."""
@@ -235,13 +257,19 @@ def compute_comm_volume(trace) -> pd.DataFrame:
     real = _real_steps(trace)
     colls = sh.colls[sh.colls["step"].isin(real)]
     rows = []
-    for kind, d in (("all_gather", d_gathered), ("reduce_scatter", d_reduced)):
+    kinds = [("all_gather", d_gathered), ("reduce_scatter", d_reduced)]
+    if (colls["collective"] == "all_reduce").any():  # HSDP: the reduced shard, across replicas
+        kinds.append(("all_reduce", d_reduced))
+    copies, shards = replicas(trace), shard_group_size(trace)
+    for kind, d in kinds:
         c = colls[colls["collective"] == kind]
         per = c.groupby(["rank", "step"])["bytes"].sum()
         message = float(per.median()) if len(per) else 0.0
         sent_as = c["sent_as"].dropna().iloc[0] if c["sent_as"].notna().any() else kind
-        sent = message * (2 * frac if sent_as == "all_reduce" else frac)
-        nccl = message * frac
+        group = copies if kind == "all_reduce" else shards  # the ranks each collective runs among
+        part = (group - 1) / group if group > 0 else frac
+        sent = message * (2 * part if sent_as == "all_reduce" else part)
+        nccl = message * (2 * part if kind == "all_reduce" else part)
         rows.append({"collective": kind, "ran_as": sent_as, "D_bytes": d, "message_bytes": message, "sent_bytes": sent,
                      "nccl_bytes": nccl, "message_D": message / d, "sent_D": sent / d, "nccl_D": nccl / d})
     out = pd.DataFrame(rows)
@@ -271,10 +299,15 @@ def comm_honesty_lines(trace) -> list[str]:
     if sh.reduce_scatter_sent_as == "all_reduce":
         lines.append("gloo has no reduce-scatter: PyTorch ran each one as an all-reduce of the whole gradient, "
                      "then kept this rank's shard, so each rank sent 2(N-1)/N of it, not (N-1)/N.")
+    s, r = shard_group_size(trace), replicas(trace)
+    k = 2 if sh.stage < 3 else 3
+    model = f"The ZeRO model: {k}D x (N-1)/N = {k * (n - 1) / n:.2f} D (DDP: 2D x (N-1)/N)."
+    if r > 1:  # HSDP: ZeRO within each shard group, then an all-reduce of each shard across replicas
+        model = (f"The ZeRO model within a shard group of S = {s}: {k}D x (S-1)/S = {k * (s - 1) / s:.2f} D, plus "
+                 f"the all-reduce of this rank's gradient shard across R = {r} replicas, 2(R-1)/R x D/S = "
+                 f"{2 * (r - 1) / r / s:.2f} D: {k * (s - 1) / s + 2 * (r - 1) / r / s:.2f} D (DDP: 2D x (N-1)/N).")
     lines.append(f"Per step each rank sent {total['sent_bytes'] / 2**20:.3f} MiB ({total['sent_D']:.2f} D); "
-                 f"NCCL's rings would send {total['nccl_bytes'] / 2**20:.3f} MiB ({total['nccl_D']:.2f} D). "
-                 f"The ZeRO model: {2 if sh.stage < 3 else 3}D x (N-1)/N = "
-                 f"{(2 if sh.stage < 3 else 3) * (n - 1) / n:.2f} D (DDP: 2D x (N-1)/N).")
+                 f"NCCL's rings would send {total['nccl_bytes'] / 2**20:.3f} MiB ({total['nccl_D']:.2f} D). " + model)
     return lines
 
 

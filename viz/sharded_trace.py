@@ -3,12 +3,14 @@ has (``viz.trace.load_run`` fills ``RunTrace.shards``).
 
 Tables (times µs on rank 0's clock, bytes):
 
-- ``units``: unit, name, numel, sharded_bytes, unsharded_bytes, reshard_after_forward, root
+- ``units``: unit, name, numel, sharded_bytes, unsharded_bytes, reshard_after_forward, root,
+  shard_size and replicate_size (HSDP: > 1; 0 and 1 in traces older than them)
 - ``segments``: rank, step, unit, name, phase (forward / backward), start_us, end_us:
   the rank's compute, cut per unit (the innermost unit running)
 - ``waits``: rank, step, unit, name, phase, start_us, end_us: compute waiting for a
   unit's all-gather (its copy-out included)
-- ``colls``: rank, step, unit, name, collective (all_gather / reduce_scatter), phase,
+- ``colls``: rank, step, unit, name, collective (all_gather / reduce_scatter, and HSDP's
+  all_reduce of the reduced shard across replicas, on the reduce-scatter lane), phase,
   bytes (the collective's message: all-gather output, reduce-scatter input), prefetch,
   sent_as (what the backend ran instead: gloo runs a reduce-scatter as an all-reduce),
   start_us, end_us
@@ -26,7 +28,8 @@ import pandas as pd
 
 from ddpscope.tracer import format as fmt
 
-UNIT_COLUMNS = ["unit", "name", "numel", "sharded_bytes", "unsharded_bytes", "reshard_after_forward", "root"]
+UNIT_COLUMNS = ["unit", "name", "numel", "sharded_bytes", "unsharded_bytes", "reshard_after_forward", "root",
+                "shard_size", "replicate_size"]
 SEGMENT_COLUMNS = ["rank", "step", "unit", "name", "phase", "start_us", "end_us"]
 COLL_COLUMNS = ["rank", "step", "unit", "name", "collective", "phase", "bytes", "prefetch", "sent_as", "start_us",
                 "end_us"]
@@ -57,7 +60,8 @@ def _units(run: dict) -> pd.DataFrame:
             raise ValueError(f"unit {k} has no name or reshard_after_forward setting")
         rows.append({"unit": k, "name": u["name"], "numel": _count(u.get("numel")),
                      "sharded_bytes": _count(u.get("sharded_bytes")), "unsharded_bytes": _count(u.get("unsharded_bytes")),
-                     "reshard_after_forward": reshard, "root": bool(u.get("root"))})
+                     "reshard_after_forward": reshard, "root": bool(u.get("root")),
+                     "shard_size": _count(u.get("shard_size", 0)), "replicate_size": _count(u.get("replicate_size", 1))})
     return pd.DataFrame(rows, columns=UNIT_COLUMNS)
 
 
@@ -110,7 +114,9 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
             elif cat == fmt.CAT_WAIT:
                 waits.append(base)
             else:
-                colls.append({**base, "collective": "all_gather" if cat == fmt.CAT_ALL_GATHER else "reduce_scatter",
+                kind = "all_gather" if cat == fmt.CAT_ALL_GATHER else \
+                    "all_reduce" if a.get("collective") == "all_reduce" else "reduce_scatter"  # HSDP's, across replicas
+                colls.append({**base, "collective": kind,
                               "bytes": _count(a.get("bytes")), "prefetch": bool(a.get("prefetch")),
                               "sent_as": a.get("sent_as") if isinstance(a.get("sent_as"), str) else None})
     sharding = run["sharding"]

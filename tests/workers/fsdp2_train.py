@@ -73,6 +73,7 @@ def main() -> None:
     p.add_argument("--hang", default=None, help="RANK:STEP:BLOCK: that rank sleeps in that block's forward")
     p.add_argument("--fsdp1", action="store_true", help="FSDP1 (FullyShardedDataParallel) instead")
     p.add_argument("--cuda", action="store_true", help="NCCL and CUDA (tests/test_cuda.py)")
+    p.add_argument("--hsdp", type=int, default=1, help="R > 1: HSDP, R replicas of world/R shards (a 2-D mesh)")
     args = p.parse_args()
     dist.init_process_group("nccl" if args.cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -114,7 +115,8 @@ def main() -> None:
             del model, opt
             gc.collect()
             return
-        mesh = init_device_mesh(device.type, (world,))
+        mesh = init_device_mesh(device.type, (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard")) \
+            if args.hsdp > 1 else init_device_mesh(device.type, (world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
             MixedPrecisionPolicy()
         reshard = parse_reshard(args.reshard)

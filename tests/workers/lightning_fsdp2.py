@@ -6,12 +6,14 @@ rank's final parameters' checksum to ``--report``."""
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
@@ -69,7 +71,15 @@ def main() -> None:
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[Report(args.report)],
     )
-    trainer.fit(Blocks(), DataLoader(data, batch_size=16))
+    module = Blocks()
+    trainer.fit(module, DataLoader(data, batch_size=16))
+    # A clean gloo teardown (see user_train.py): torch 2.13 aborts a rank at exit when the
+    # sharded model outlives its group; every rank past its last collective first
+    if dist.is_initialized():
+        dist.barrier()
+        del trainer, module
+        gc.collect()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

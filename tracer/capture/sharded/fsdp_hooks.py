@@ -10,6 +10,11 @@
   FSDP still hold) whose ``__call__`` times the collective and counts its bytes.
 - The root module gets a forward pre-hook (prepended: the step starts before the root's
   all-gather) and a forward hook that runs even when forward raises.
+- HSDP (units replicated across a mesh dimension): FSDP's gradient all-reduce across
+  replicas is a plain ``dist.all_reduce`` inside ``_fsdp_collectives.foreach_reduce``.
+  That module's ``dist`` name is pointed at a stand-in that is ``torch.distributed`` in
+  every name but ``all_reduce``, which it times while a traced unit's post-backward
+  runs (anything else's all-reduce passes straight through); put back at detach.
 
 ``detach()`` takes every one of these away again (instance attributes deleted, classes
 restored, hook handles removed). Every wrapper runs under the tracer's ``HookGuard``:
@@ -50,6 +55,8 @@ class FSDPHooks:
         self._on_backward_end = on_backward_end
         self._queued = False
         self.current_issuer: int | None = None  # the unit whose hook issues the next all-gather
+        self.reducing_unit: int | None = None  # the traced unit whose post-backward runs now
+        self._collectives_module = None  # _fsdp_collectives, while its ``dist`` is our stand-in
 
     # -- attach / detach ------------------------------------------------------------
     def attach(self) -> None:
@@ -65,6 +72,12 @@ class FSDPHooks:
                     self._patched_comms.append((comm, type(comm)))
                     comm.__class__ = _timed_class(type(comm), kind)
                     comm._ddpscope_timing = (self, unit.index)
+        if any(unit.replicated for unit in self.units):
+            from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+            if _fsdp_collectives.dist is torch.distributed:  # not already stood in for (another model's tracer)
+                _fsdp_collectives.dist = _ReplicaAllReduce(self)
+                self._collectives_module = _fsdp_collectives
         self.handles.add(self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self.handles.add(self.root.register_forward_hook(self._root_post_forward, always_call=True))
 
@@ -79,6 +92,9 @@ class FSDPHooks:
                 comm.__class__ = cls
             comm.__dict__.pop("_ddpscope_timing", None)
         self._patched_comms.clear()
+        module, self._collectives_module = self._collectives_module, None
+        if module is not None and isinstance(module.dist, _ReplicaAllReduce) and module.dist.hooks is self:
+            module.dist = torch.distributed
         self._stop_counting()
 
     # -- guarded calls into the recorder ----------------------------------------------
@@ -152,9 +168,11 @@ class FSDPHooks:
     def _make_post_backward(self, unit: Unit, original: Callable) -> Callable:
         def post_backward(*unused):
             self.current_issuer = unit.index
+            self.reducing_unit = unit.index
             try:
                 return original(unit.group, *unused)
             finally:
+                self.reducing_unit = None
                 self._safe(self.rec.leave, unit.index, BACKWARD)
         return post_backward
 
@@ -181,6 +199,29 @@ class FSDPHooks:
 
     def comm_end(self, rec: Any) -> None:
         self._safe(self.rec.comm_end, rec)
+
+
+class _ReplicaAllReduce:
+    """``torch.distributed`` as FSDP2's ``_fsdp_collectives`` sees it while an HSDP model is
+    traced: every name is torch.distributed's own; ``all_reduce`` (HSDP's across replicas)
+    is timed when a traced unit's post-backward issued it, with the same arguments and
+    result."""
+
+    def __init__(self, hooks: FSDPHooks) -> None:
+        self.hooks = hooks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        unit = self.hooks.reducing_unit
+        if unit is None or self.hooks.guard.broken is not None:
+            return torch.distributed.all_reduce(tensor, *args, **kwargs)
+        rec = self.hooks.comm_start("all_reduce", unit, tensor.numel() * tensor.element_size())
+        try:
+            return torch.distributed.all_reduce(tensor, *args, **kwargs)
+        finally:
+            self.hooks.comm_end(rec)
 
 
 @functools.cache

@@ -28,12 +28,19 @@ class Unit:
     unsharded_bytes: int
     reshard_after_forward: bool | int
     is_root: bool
+    shard_size: int = 1  # ranks the unit is sharded over
+    replicate_size: int = 1  # HSDP: replicas its gradients are all-reduced across (1: plain FSDP)
+
+    @property
+    def replicated(self) -> bool:
+        return self.replicate_size > 1 or _replicate_group(self.group) is not None
 
     def facts(self) -> dict:
         """JSON-able, for run.json and the rank file's metadata."""
         return {"index": self.index, "name": self.name, "params": self.param_names, "numel": self.numel,
                 "sharded_bytes": self.sharded_bytes, "unsharded_bytes": self.unsharded_bytes,
-                "reshard_after_forward": self.reshard_after_forward, "root": self.is_root}
+                "reshard_after_forward": self.reshard_after_forward, "root": self.is_root,
+                "shard_size": self.shard_size, "replicate_size": self.replicate_size}
 
 
 def find_units(root_state) -> list[Unit]:
@@ -51,8 +58,14 @@ def find_units(root_state) -> list[Unit]:
                               param_names=[getattr(p, "_param_fqn", None) or f"param[{i}]" for i, p in enumerate(params)],
                               numel=sum(int(p._orig_size.numel()) for p in params), sharded_bytes=sharded,
                               unsharded_bytes=unsharded, reshard_after_forward=_reshard_setting(group, world),
-                              is_root=state is root_state))
+                              is_root=state is root_state, shard_size=world,
+                              replicate_size=int(getattr(group.mesh_info, "replicate_mesh_size", 1) or 1)))
     return units
+
+
+def _replicate_group(group):
+    """The process group a unit all-reduces its gradients over (HSDP), or None."""
+    return getattr(group.mesh_info, "replicate_process_group", None)
 
 
 def _shard_world(group) -> int:
