@@ -157,14 +157,18 @@ def test_meta_device_initialisation_is_traced(tmp_path):
     assert load_run(out).shards.stage == 3
 
 
-def test_hooks_are_gone_when_the_trace_closes(tmp_path):
-    proc, _, report = trace_script(tmp_path, str(WORKERS / "fsdp_hooks_check.py"))
+@pytest.mark.parametrize("hsdp", [(), ("--hsdp",)], ids=["fsdp", "hsdp"])
+def test_hooks_are_gone_when_the_trace_closes(tmp_path, hsdp):
+    proc, _, report = trace_script(tmp_path, str(WORKERS / "fsdp_hooks_check.py"), *hsdp)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    plain = untraced(tmp_path, str(WORKERS / "fsdp_hooks_check.py"))
+    plain = untraced(tmp_path, str(WORKERS / "fsdp_hooks_check.py"), *hsdp)
     for r in range(N):
         traced, base = (json.loads((d / f"rank{r}.json").read_text()) for d in (report, plain))
-        assert traced["during"][0] == ["post_backward", "pre_forward", "unshard"]  # it was traced
-        assert {k: v for k, v in traced.items() if k != "during"} == {k: v for k, v in base.items() if k != "during"}
+        assert traced["during"][0] == ["post_backward", "pre_forward"]  # it was traced
+        assert traced["stand_in_during"] == bool(hsdp)  # HSDP's all-reduce timed through a stand-in
+        assert traced["collectives_dist_is_torch"]  # and torch.distributed again after
+        assert {k: v for k, v in traced.items() if k not in ("during", "stand_in_during")} == \
+            {k: v for k, v in base.items() if k not in ("during", "stand_in_during")}
 
 
 @pytest.mark.parametrize("flags, said", [

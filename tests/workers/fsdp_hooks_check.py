@@ -13,16 +13,19 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--report", required=True)
+    p.add_argument("--hsdp", action="store_true", help="a 2-D mesh: every rank a replica (HSDP)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard")) if args.hsdp \
+        else init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -33,6 +36,7 @@ def main() -> None:
         opt.zero_grad()
     groups = [m._get_fsdp_state()._fsdp_param_group for m in (model[0], model[1])]
     during = [sorted(k for k in vars(g) if k in ("pre_forward", "post_backward", "unshard")) for g in groups]
+    stand_in = _fsdp_collectives.dist is not dist  # HSDP: its all-reduce timed
     dist.barrier()
     dist.destroy_process_group()  # the trace closes here
     after = {
@@ -43,6 +47,8 @@ def main() -> None:
         "comm_subclassed": [getattr(type(g._all_gather_comm), "_ddpscope", False) for g in groups],
         "module_hooks": [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in (model,)],
         "during": during,
+        "stand_in_during": stand_in,
+        "collectives_dist_is_torch": _fsdp_collectives.dist is dist,
     }
     os.makedirs(args.report, exist_ok=True)
     with open(os.path.join(args.report, f"rank{rank}.json"), "w") as f:

@@ -1,10 +1,10 @@
 """Where the sharded recorder hears from FSDP2: per unit, on that unit's own objects.
 
 - Each unit's ``FSDPParamGroup`` gets instance attributes that shadow ``pre_forward``,
-  ``post_forward``, ``pre_backward``, ``post_backward``, ``unshard`` and
-  ``wait_for_unshard``: FSDP calls them through the instance, so the wrapper runs and
-  calls FSDP's own method with the same arguments and returns what it returns. Other
-  FSDP models in the process are not touched.
+  ``post_forward``, ``pre_backward``, ``post_backward`` and ``wait_for_unshard``: FSDP
+  calls them through the instance, so the wrapper runs and calls FSDP's own method with
+  the same arguments and returns what it returns. Other FSDP models in the process are
+  not touched.
 - Each unit's all-gather and reduce-scatter objects (``_all_gather_comm``,
   ``_reduce_scatter_comm``) get a subclass of their own class (``isinstance`` checks in
   FSDP still hold) whose ``__call__`` times the collective and counts its bytes.
@@ -33,7 +33,7 @@ from ddpscope.tracer.capture.hooks import HookGuard, HookHandles
 from ddpscope.tracer.capture.sharded.recorder import BACKWARD, FORWARD, ShardedRecorder
 from ddpscope.tracer.capture.sharded.units import Unit
 
-GROUP_METHODS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "unshard", "wait_for_unshard")
+GROUP_METHODS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "wait_for_unshard")
 COMM_ATTRS = {"_all_gather_comm": "all_gather", "_reduce_scatter_comm": "reduce_scatter"}
 
 
@@ -175,11 +175,6 @@ class FSDPHooks:
                 self.reducing_unit = None
                 self._safe(self.rec.leave, unit.index, BACKWARD)
         return post_backward
-
-    def _make_unshard(self, unit: Unit, original: Callable) -> Callable:
-        def unshard(async_op: bool = False):
-            return original(unit.group, async_op)
-        return unshard
 
     def _make_wait_for_unshard(self, unit: Unit, original: Callable) -> Callable:
         def wait_for_unshard():
