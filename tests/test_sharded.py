@@ -6,6 +6,7 @@ sizes), the ZeRO paper's formulas, and a rerun for every prediction."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 
@@ -21,7 +22,7 @@ from ddpscope.viz.sharded_metrics import (
     stage_differences,
 )
 from ddpscope.viz.sharded_predict import predict_peak
-from ddpscope.viz.trace import load_run
+from ddpscope.viz.trace import clock_alignment, load_run
 from tests.conftest import run_cli
 from tests.test_autotrace import WORKERS, checks, trace_script, untraced
 
@@ -246,3 +247,25 @@ def test_hsdp_all_reduce_across_replicas_is_timed_apart(tmp_path):
     measured = stages[stages["rank"].notna()]
     assert ((measured["measured/predicted"] - 1).abs() < 0.05).all()  # N = 2, not 4
     assert any("HSDP: 2 replicas of 2 ranks" in line for line in stage_differences(trace))
+
+
+def test_collective_bytes_match_the_profilers_allocations_on_the_same_run(tmp_path):
+    """torch.profiler (``ddpscope run --profile``, with its memory events) on the same run:
+    every all-gather and reduce-scatter we timed on a profiled step holds an allocation
+    the profiler saw, of exactly the bytes we recorded, inside the span we timed."""
+    proc, out, _ = trace_script(tmp_path, SCRIPT, "--steps", "4", ddpscope=("--profile", "--profile-steps", "2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trace = load_run(out)
+    meta = trace.ranks[0]
+    assert meta["profile"]["status"] == "saved"
+    raw = json.loads(gzip.open(out / meta["profile"]["file"]).read())
+    base_us, offset = raw["baseTimeNanoseconds"] / 1e3, meta["profile"]["unix_minus_host_us"]
+    align = clock_alignment(meta)
+    allocs = [(align(e["ts"] + base_us - offset), e["args"]["Bytes"]) for e in raw["traceEvents"]
+              if e.get("name") == "[memory]" and e["args"]["Bytes"] > 0]
+    colls = trace.shards.colls
+    profiled = colls[(colls["rank"] == 0) & colls["step"].isin([1, 2])]
+    assert set(profiled["collective"]) == {"all_gather", "reduce_scatter"} and len(profiled) >= 2 * 2 * 5
+    for c in profiled.itertuples():
+        assert any(c.start_us - 5 <= ts <= c.end_us + 5 and b == c.bytes for ts, b in allocs), \
+            f"{c.collective} of {c.name} (step {c.step}, {c.bytes} bytes): no such allocation in the profile"

@@ -209,6 +209,8 @@ class Session:
         self.tracer = tracer
         for problem in fsdp_problems(tracer.units):  # traced, with what its figures leave out
             self.note(problem)
+        if cfg.profile_steps:
+            self.profiler = _start_profiler(tracer, cfg)
         self._last = time.perf_counter()
 
     # -- the end --------------------------------------------------------------------

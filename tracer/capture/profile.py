@@ -56,9 +56,10 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        # record_shapes: a gloo collective's bytes come from its input shapes
+        # record_shapes: a gloo collective's bytes come from its input shapes; profile_memory:
+        # the allocator's [memory] events, an instrument beside the sharded memory samples
         self._prof = torch.profiler.profile(
-            activities=activities, record_shapes=True,
+            activities=activities, record_shapes=True, profile_memory=True,
             schedule=torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1),
             on_trace_ready=self._save)
         self.offset_us = unix_minus_host_us(host_us)

@@ -81,6 +81,11 @@ class FSDPTracer:
     def steps(self) -> int:
         return self.recorder.next_step if self.recorder else 0
 
+    def set_meta(self, **fields: Any) -> None:
+        """Add JSON-able facts to this rank's trace metadata (``--profile``'s file, ...)."""
+        if self._writer is not None and not self._closed:
+            self._writer.set_meta(**fields)
+
     def start(self) -> str | None:
         """Start tracing; None, or why not (nothing of it is left attached). Never raises."""
         try:
