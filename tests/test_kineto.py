@@ -332,3 +332,55 @@ def test_gloo_on_cuda_tensors_takes_communication_from_the_cpu_side(tmp_path):
     comm = t.kernels[t.kernels["kind"] == "comm"]
     assert (comm["stream"] < 0).all() and not comm["hta"].any()  # HTA counts GPU events only
     assert np.isnan(compute_hta_breakdown(t)["comp_comm_overlap_pct"]).all()
+
+
+# -- HTA 0.5.0's rounding rule, on a trace built by hand ------------------------------------------
+
+def _rounding_profile(ts_as_float: bool, drop_ts: bool = False) -> bytes:
+    """One rank, two ProfilerSteps; in the first, a compute kernel of dur 10.6 overlapping an
+    NCCL kernel of dur 10 by 5.6 µs (5 once HTA rounds the compute kernel's end down)."""
+    t = float if ts_as_float else int
+    ev = [_step(1, t(1000), 100), _launch(t(1010), 1), _kernel("void gemm_kernel<float>()", t(1020), 10.6, 1),
+          _launch(t(1012), 2), _kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+                                       t(1025), 10, 2, stream=20),
+          _step(2, t(1100), 100)]
+    meta = {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0"}}
+    if not drop_ts:
+        meta["ts"] = t(0)
+    text = json.dumps({"distributedInfo": {"backend": "nccl", "rank": 0, "world_size": 1},
+                       "traceEvents": [meta, *ev]})
+    assert ("1020.0" in text) == ts_as_float  # json writes a float ts with its ".0", as Kineto does
+    return text.encode()
+
+
+@pytest.mark.parametrize("ts_as_float, drop_ts, disabled, hta", [
+    (True, False, False, 50.0),  # whole numbers written as floats: pandas' ts is float64, HTA rounds
+    (False, False, False, 56.0),  # integers: int64, no rounding
+    (False, True, False, 50.0),  # integers, but one event without ts: NaN makes it float64
+    (True, False, True, 56.0),  # HTA_DISABLE_NS_ROUNDING=1: HTA's own switch
+])
+def test_hta_figures_follow_htas_rounding_rule_and_ours_stay_beside(tmp_path, monkeypatch, ts_as_float, drop_ts,
+                                                                    disabled, hta):
+    if disabled:
+        monkeypatch.setenv("HTA_DISABLE_NS_ROUNDING", "1")
+    else:
+        monkeypatch.delenv("HTA_DISABLE_NS_ROUNDING", raising=False)
+    write(tmp_path, "rank-0.json", _rounding_profile(ts_as_float, drop_ts))
+    table = compute_hta_breakdown(load_training_trace(tmp_path)).iloc[0]
+    assert table["comp_comm_overlap_pct"] == pytest.approx(hta)
+    assert bool(table["hta_rounded"]) == (hta == 50.0)
+    assert table["ddpscope_overlap_pct"] == pytest.approx(56.0)  # ddpscope's own: ns kept
+
+
+def test_htas_communication_kernels_are_named_by_its_own_rule():
+    from ddpscope.viz.sources.kineto import HTA_COMM_RE, kernel_kind
+
+    for name, ours, htas in [
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "comm", "comm"),
+        ("ncclKernel_AllGather_RING_LL_Sum_int8_t", "comm", "comm"),
+        ("nccl:all_reduce", "comm", "compute"),  # HTA 0.5.0: ^nccl.*Kernel only
+        ("hipKernel_fused", "comm", "compute"),
+        ("Memcpy DtoD (Device -> Device)", "memory", "memory"),
+        ("cudaDeviceSynchronize", "other", "other"),
+    ]:
+        assert (kernel_kind(name), kernel_kind(name, HTA_COMM_RE)) == (ours, htas), name

@@ -141,7 +141,8 @@ def _summary(path: str, as_json: bool) -> int:
             print("  " + text)
     if hta is not None:
         print("as Holistic Trace Analysis computes them (last ProfilerStep left out; %):")
-        print(hta[["rank", "comp_comm_overlap_pct", "idle_pct", "compute_pct", "non_compute_pct"]].round(2)
+        print(hta[["rank", "comp_comm_overlap_pct", "idle_pct", "compute_pct", "non_compute_pct",
+                   "ddpscope_overlap_pct", "hta_rounded"]].round(2)
               .to_string(index=False))
         for note in trace.run["notes"]:
             print(f"  note: {note}")

@@ -5,7 +5,8 @@ What is read (HTA's definitions, so the figures agree with Holistic Trace Analys
 - **steps**: the CPU spans ``ProfilerStep#N``; a GPU event belongs to the step whose span
   holds its launch (the runtime call with the same ``correlation``);
 - **kernels** (``RunTrace.kernels``): every event on a GPU stream with a correlation id,
-  classed by name: communication (``(^nccl.*)|(^hip)|(^hccl)|(.*ncclKernel.*)``), memory
+  classed by name (``kind``): communication (``(^nccl.*)|(^hip)|(^hccl)|(.*ncclKernel.*)``;
+  ``hta_kind`` takes HTA 0.5.0's own ``^nccl.*Kernel``), memory
   (``^Memcpy|^Memset|^dma``), compute (anything not matching HTA's
   ``(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)``), other. A collective's kind, bytes,
   dtype and group size come from the kernel's args when Kineto recorded them, else its
@@ -48,9 +49,15 @@ ALLREDUCE = "allreduce"
 SYNCHRONISING = {"allreduce", "allgather", "allgatherintocoalesced", "reducescatter", "barrier"}
 
 
-def kernel_kind(name: str) -> str:
-    """HTA's kernel classes: ``comm``, ``memory``, ``compute`` or ``other``."""
-    if COMM_RE.match(name):
+#: HTA 0.5.0's own rule for a communication kernel (``hta/utils/utils.py``): the figures
+#: called HTA's use it; ddpscope's wider ``COMM_RE`` also takes HIP/HCCL and odd NCCL names
+HTA_COMM_RE = re.compile(r"^nccl.*Kernel")
+
+
+def kernel_kind(name: str, comm_re: re.Pattern = COMM_RE) -> str:
+    """Kernel classes: ``comm``, ``memory``, ``compute`` or ``other``, as HTA classes them
+    (with ``comm_re`` = ``HTA_COMM_RE`` exactly HTA 0.5.0's ``get_kernel_type``)."""
+    if comm_re.match(name):
         return "comm"
     if MEMORY_RE.match(name):
         return "memory"
@@ -109,7 +116,7 @@ def load_kineto(path: str | Path) -> RunTrace:
            "ranks_present": sorted(by_rank), "backend": first.backend, "model": "profiler trace",
            "cpu_only": cpu_only, "clock": clock, "notes": notes, "bucket_layout": []}
     ranks = {r: {"rank": r, "file": f.path.name, "world_size": f.world_size, "offset_us": shifts[r],
-                 "base_time_ns": f.base_time_ns, "float_times": f.float_times, "devices": f.devices}
+                 "base_time_ns": f.base_time_ns, "hta_rounds": f.hta_rounds, "devices": f.devices}
              for r, f in by_rank.items()}
     return RunTrace(path=path, run=run, ranks=ranks,
                     steps=frame_of(steps.to_dict("records"), ["rank", "step"], STEP_COLUMNS),
@@ -209,6 +216,7 @@ def _gpu_kernels(f: KinetoFile, steps: pd.DataFrame) -> pd.DataFrame:
     launch = np.where(found, when[i] if len(corr) else np.nan, np.nan)
     names = gpu["name"]  # categorical: classify each distinct name once
     kind = np.array([kernel_kind(n) for n in names.categories], dtype=object)[names.codes]
+    hta_kind = np.array([kernel_kind(n, HTA_COMM_RE) for n in names.categories], dtype=object)[names.codes]
     from_name = np.array([_collective_from_kernel(n) for n in names.categories], dtype=object)[names.codes]
     given = gpu["collective"]
     from_args = np.array([collective_kind(c) for c in given.categories], dtype=object)[given.codes]
@@ -217,7 +225,8 @@ def _gpu_kernels(f: KinetoFile, steps: pd.DataFrame) -> pd.DataFrame:
     size = np.array([DTYPE_BYTES.get(d.lower(), np.nan) for d in dtype.categories], float)[dtype.codes]
     return pd.DataFrame({
         "step": _step_of(launch, steps), "stream": gpu["stream"], "name": names,
-        "kind": pd.Categorical(kind), "start_us": gpu["ts"], "end_us": gpu["ts"] + gpu["dur"], "launch_us": launch,
+        "kind": pd.Categorical(kind), "hta_kind": pd.Categorical(hta_kind), "start_us": gpu["ts"],
+        "end_us": gpu["ts"] + gpu["dur"], "launch_us": launch,
         "collective": collective, "bytes": gpu["nelems"] * size, "dtype": np.asarray(dtype, dtype=object),
         "group_size": gpu["group_size"], "pg": np.asarray(gpu["pg"], dtype=object), "ts_raw": gpu["ts"],
         "dur_raw": gpu["dur"],
@@ -248,7 +257,8 @@ def _cpu_as_kernels(f: KinetoFile, steps: pd.DataFrame) -> pd.DataFrame:
     collective = coll_name[names.codes] if len(names) else np.zeros(0, object)
     df = pd.DataFrame({
         "step": _step_of(ops["ts"][keep], steps), "stream": -(ops["tid"][keep] + 1),  # threads: negative ids
-        "name": names[keep], "kind": pd.Categorical(kind[keep]), "start_us": ops["ts"][keep],
+        "name": names[keep], "kind": pd.Categorical(kind[keep]), "hta_kind": pd.Categorical(kind[keep]),
+        "start_us": ops["ts"][keep],
         "end_us": ops["ts"][keep] + ops["dur"][keep], "launch_us": ops["ts"][keep], "collective": collective[keep],
         "bytes": nbytes[keep], "dtype": dtype[keep], "group_size": np.nan, "pg": "",
         "ts_raw": ops["ts"][keep], "dur_raw": ops["dur"][keep],

@@ -93,6 +93,27 @@ _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 #: between two events of the list (``}, {``); inside an event only within a string, and
 #: a cut there leaves JSON that does not decode: the piece then waits for more bytes
 _BETWEEN = re.compile(rb"\}\s*,\s*(?=\{)")
+#: HTA 0.5.0 rounds a file's times when pandas makes its ``ts`` column float64: some event's
+#: ts is written as a float (``1000.0`` too: JSON keeps it a float) or an event has none
+_TS_KEY = re.compile(rb'"ts"\s*:')
+_TS_FLOAT = re.compile(rb'"ts"\s*:\s*-?\d*(?:\.|[eE])')
+
+
+class _TsColumn:
+    """What HTA's ``ts`` column would be: events seen, ``"ts"`` keys among them, a float."""
+
+    def __init__(self) -> None:
+        self.events = self.keys = 0
+        self.floats = False
+
+    def add(self, raw: bytes, events: int) -> None:
+        self.events += events
+        self.keys += len(_TS_KEY.findall(raw))
+        self.floats = self.floats or _TS_FLOAT.search(raw) is not None
+
+    @property
+    def float64(self) -> bool:
+        return self.floats or self.keys < self.events
 
 
 def _shapes_of(a: _Args | None) -> tuple[list, list] | None:
@@ -126,7 +147,7 @@ class KinetoFile:
     devices: int
     ops: dict[str, np.ndarray]
     gpu: dict[str, np.ndarray]
-    float_times: bool  # ns-resolution timestamps (HTA rounds these to whole µs)
+    hta_rounds: bool  # HTA 0.5.0 rounds this file's times to whole µs (``_TsColumn``: its ts column is float64)
 
 
 def _inflate(path: Path, cap: int) -> Iterator[bytes]:
@@ -308,6 +329,7 @@ def read_kineto_file(path: Path, cap: int | None = None) -> KinetoFile:
     or no event list are one ``TraceError``."""
     cap = MAX_FILE_BYTES if cap is None else cap
     cols = _Columns()
+    ts_column = _TsColumn()
     buf = b""
     header: bytes | None = None
     try:
@@ -327,6 +349,7 @@ def read_kineto_file(path: Path, cap: int | None = None) -> KinetoFile:
                 events = _EVENTS.decode(b"[" + buf[:cut.start() + 1] + b"]")
             except msgspec.DecodeError:
                 continue  # cut inside a string: decode it with the next piece
+            ts_column.add(buf[:cut.start() + 1], len(events))
             cols.add(events)
             del events
             buf = buf[cut.end():]
@@ -335,6 +358,7 @@ def read_kineto_file(path: Path, cap: int | None = None) -> KinetoFile:
         else:
             f = _DECODER.decode(b'{"traceEvents":[' + buf)  # the last events and what follows them
             head = _DECODER.decode(header + b'"traceEvents":[]}')  # the fields before the event list
+        ts_column.add(buf, len(f.traceEvents))  # what follows the list holds no "ts" of its own
         cols.add(f.traceEvents)
         ops, gpu = cols.arrays()
     except msgspec.ValidationError as e:
@@ -351,12 +375,11 @@ def read_kineto_file(path: Path, cap: int | None = None) -> KinetoFile:
         if (table["dur"] < 0).any():
             raise TraceError(f"{path.name} has events with a negative duration")
     d = head.distributedInfo or f.distributedInfo
-    float_times = bool(np.any(ops["ts"] % 1) or np.any(gpu["ts"] % 1))
     return KinetoFile(path=path, rank=d.rank if d else None, world_size=d.world_size if d else None,
                       backend=d.backend if d else None,
                       base_time_ns=head.baseTimeNanoseconds or f.baseTimeNanoseconds,
                       devices=len(head.deviceProperties or f.deviceProperties or []), ops=ops, gpu=gpu,
-                      float_times=float_times)
+                      hta_rounds=ts_column.float64)
 
 
 def rank_from_name(name: str) -> int | None:
