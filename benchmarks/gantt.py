@@ -8,7 +8,9 @@ exposed intervals), cached per loaded trace as in the app; the first, uncached b
 printed too.
 Target: >= 10x faster than the baseline.
 
-    python -m benchmarks.gantt [--ranks 8] [--steps 100] [--buckets 50] [--repeat 3]
+    python -m benchmarks.gantt [--ranks 8] [--steps 100] [--buckets 50] [--repeat 3] [--smoke]
+
+Benchmarks are not tests: nothing is asserted; ``--smoke`` runs tiny sizes once.
 """
 
 from __future__ import annotations
@@ -104,7 +106,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--buckets", type=int, default=50)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: the script runs, nothing more")
     args = p.parse_args()
+    if args.smoke:
+        args.ranks, args.steps, args.buckets, args.repeat = 2, 3, 4, 1
     trace = synthetic_trace(args.ranks, args.steps, args.buckets)
     t0 = time.perf_counter()
     make_timeline_figure(trace, include_warmup=True)  # fills the per-trace cache both figures use

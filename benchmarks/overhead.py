@@ -1,6 +1,6 @@
 """Tracing overhead, piece by piece: the tracer's cost per training step, with 95 % intervals.
 
-    python -m benchmarks.overhead [--models gpt,mlp] [--caps 1,25] [--rounds 150]
+    python -m benchmarks.overhead [--models gpt,mlp] [--caps 1,25] [--rounds 150] [--smoke]
 
 For each model and bucket_cap_mb, one real 2-rank DDP job (torchrun, gloo on CPU, each
 rank bound to its core as the demo is). Every rank builds one identical copy of the
@@ -27,7 +27,7 @@ untraced step (rank 0; paired, so slow drifts of the machine cancel), with a boo
 upper bound <= 1.02. Then the full tracer alone runs ``--pieces-steps`` more steps with
 each of its pieces timed in place (``PIECES``): where its remaining cost is, in µs a
 step. Needs the compiled capture built (``ddpscope build``). Benchmarks are not tests:
-nothing is asserted.
+nothing is asserted; ``--smoke`` runs the MLP at one cap, 12 rounds, 3 piece steps.
 """
 
 from __future__ import annotations
@@ -254,11 +254,14 @@ def main() -> int:
     p.add_argument("--modes", default=",".join(MODES),
                    help="the modes to interleave, untraced first (e.g. untraced,full: the goal alone, "
                         "more rounds in the same time)")
+    p.add_argument("--smoke", action="store_true", help="the MLP, one cap, 12 rounds: the script runs, nothing more")
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--bucket-cap-mb", type=float, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.smoke and not args.worker:
+        args.models, args.caps, args.rounds, args.pieces_steps = "mlp", "25", 12, 3
     modes = args.modes.split(",")
     if modes[0] != "untraced" or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
         p.error(f"--modes: untraced, then any of {', '.join(MODES[1:])}, each once")

@@ -1,6 +1,6 @@
 """What-if accuracy: predictions from one trace against real reruns at each cap.
 
-    python -m benchmarks.whatif [--steps 20] [--rounds 2] [--models gpt,mlp,wide] [--no-calibrate]
+    python -m benchmarks.whatif [--steps 20] [--rounds 2] [--models gpt,mlp,wide] [--no-calibrate] [--smoke]
 
 For each model (the demo GPT and MLP, and ``wide``: a script with a few large
 parameters, an 8192-row embedding and 2048-wide layers, written below as a user would),
@@ -17,7 +17,8 @@ after another (nothing else should run on the machine meanwhile).
 
 Goals (issue 10): replaying the traced cap within 5 %; mean absolute error over the
 sweep <= 10 % on step time and, on exposed communication, within 15 % or 2 ms.
-Benchmarks are not tests: the numbers are printed, nothing is asserted.
+Benchmarks are not tests: the numbers are printed, nothing is asserted; ``--smoke`` runs
+the MLP at two caps, 4 steps, one round, no calibration: the script runs, nothing more.
 """
 
 from __future__ import annotations
@@ -94,7 +95,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds of trace + real runs at every cap")
     p.add_argument("--models", default="gpt,mlp,wide")
     p.add_argument("--no-calibrate", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="the MLP, 2 caps, 4 steps, one round, no calibration")
     args = p.parse_args()
+    caps = CAPS
+    if args.smoke:
+        args.steps, args.rounds, args.models, args.no_calibrate, caps = 4, 1, "mlp", True, (1.0, 64.0)
     from ddpscope.viz.trace import load_run
     from ddpscope.viz.whatif.model import fit_model
     from ddpscope.viz.whatif.simulate import predict_run, traced_cap
@@ -105,7 +110,7 @@ def main() -> None:
     summary = []
     for model in args.models.split(","):
         cal, cal_s, notes = None, 0.0, []
-        rows: dict[object, list[tuple]] = {c: [] for c in ("replay", *CAPS)}  # (pred, meas, drift) per round
+        rows: dict[object, list[tuple]] = {c: [] for c in ("replay", *caps)}  # (pred, meas, drift) per round
         predict_s = run_s = 0.0
         for rnd in range(args.rounds):
             base = work / f"{model}-r{rnd}-base"
@@ -120,11 +125,11 @@ def main() -> None:
             t0 = time.perf_counter()
             m = fit_model(t)
             traced = medians(t)
-            preds = {c: medians(predict_run(t, c, m)) for c in CAPS}
+            preds = {c: medians(predict_run(t, c, m)) for c in caps}
             rows["replay"].append((medians(predict_run(t, traced_cap(t), m)), traced, 1.0))
             predict_s += time.perf_counter() - t0
             notes = list(m.notes)
-            for cap in CAPS:
+            for cap in caps:
                 out = work / f"{model}-r{rnd}-{cap:g}"
                 run_s += trace(model, out, cap, args.steps, script)
                 real = medians(load_run(out))
@@ -147,10 +152,10 @@ def main() -> None:
             print(f"{cap if cap == 'replay' else format(cap, 'g'):>8} {med(0, 0):9.1f} {med(1, 0):9.1f} "
                   f"{stats[cap][0]:7.1f} {stats[cap][1]:9.1f} | {med(0, 1):8.1f} {med(1, 1):8.1f} "
                   f"{stats[cap][2]:8.1f} {stats[cap][3]:>2}/{stats[cap][4]}")
-        sweep = [stats[c] for c in CAPS]
+        sweep = [stats[c] for c in caps]
         mae, mae_adj = statistics.mean(s[0] for s in sweep), statistics.mean(s[1] for s in sweep)
         ok, n = sum(s[3] for s in sweep), sum(s[4] for s in sweep)
-        drift = [abs(d - 1) * 100 for c in CAPS for _, _, d in rows[c]]
+        drift = [abs(d - 1) * 100 for c in caps for _, _, d in rows[c]]
         print(f"replay |error| {stats['replay'][0]:.1f}% (goal <= 5%); step MAE {mae:.1f}% (goal <= 10%), "
               f"{mae_adj:.1f}% with the machine's drift taken out; exposed within 15% or 2 ms: {ok}/{n}, "
               f"MAE {statistics.mean(s[2] for s in sweep):.1f} ms")
@@ -162,7 +167,10 @@ def main() -> None:
     print("\nmodel   replay%  stepMAE%  drift-adj%  exposed-ok  exposedMAE(ms)  forward-drift%")
     for model, rep, mae, adj, ok, n, emae, drift in summary:
         print(f"{model:6} {rep:8.1f} {mae:9.1f} {adj:11.1f} {ok:6d}/{n}  {emae:12.1f}  {drift:13.1f}")
-    print(f"(runs kept in {work})")
+    if args.smoke:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"(runs kept in {work})")
 
 
 if __name__ == "__main__":

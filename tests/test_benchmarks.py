@@ -1,0 +1,50 @@
+"""Benchmarks that do not rot: every script in ``benchmarks/`` runs in its ``--smoke`` mode
+(tiny sizes, one repeat) and prints its table. Times are never asserted; that a script
+runs and says what it measured is. Marked ``benchmarks``: ``.ci/run`` runs them after the
+tests (``pytest -m benchmarks``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import KINETO, ROOT
+
+pytestmark = pytest.mark.benchmarks
+
+# script -> a line its table prints (the header or the verdict of what it measured)
+PRINTS = {
+    "gantt": "speed-up: build",
+    "writer": "flush of 4 steps, writer thread, by run length:",
+    "overhead": "where the full tracer's time goes",
+    "sharded": "prediction: from one trace, the other reshard_after_forward",
+    "whatif": "model   replay%  stepMAE%",
+    "kineto": "figures (rank 0, %):",
+    "rerun": "click -> new timeline on screen",
+}
+
+
+def test_every_benchmark_script_has_a_smoke_run_here():
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__"}
+    assert scripts == set(PRINTS)
+    for name in scripts:
+        assert "--smoke" in (ROOT / "benchmarks" / f"{name}.py").read_text(), name
+
+
+@pytest.mark.parametrize("name", sorted(PRINTS))
+def test_benchmark_runs_in_its_smoke_mode_and_prints_its_table(name, tmp_path):
+    if name == "kineto" and not KINETO.exists():
+        pytest.skip("needs ../shared/data/kineto beside the project")
+    if name == "rerun" and not os.path.exists("/usr/bin/chromium"):
+        pytest.skip("needs Debian's chromium (apt-get install -y chromium)")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # what a script leaves behind goes with the test
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--smoke"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert PRINTS[name] in proc.stdout, proc.stdout[-3000:]
+    assert "Traceback" not in proc.stderr
+    shutil.rmtree(tmp_path, ignore_errors=True)
