@@ -210,7 +210,10 @@ class ShardedRecorder:
 
     # -- internals ------------------------------------------------------------------
     def _top(self) -> tuple[int, str] | None:
-        return next((s for s in reversed(self._stack) if s is not None), None)
+        for s in reversed(self._stack):  # a loop, not next(genexpr): called ~90 times a step
+            if s is not None:
+                return s
+        return None
 
     def _cut(self, now: Any) -> None:
         """The segment running until now is closed (a segment of zero length is dropped)."""
@@ -226,9 +229,13 @@ class ShardedRecorder:
             self._open = (unit, phase, now)
 
     def _pop_marker(self) -> None:
-        for k in range(len(self._stack) - 1, -1, -1):
-            if self._stack[k] is None:
-                del self._stack[k]
+        stack = self._stack
+        if stack and stack[-1] is None:  # the usual case: the collective or wait just opened
+            stack.pop()
+            return
+        for k in range(len(stack) - 2, -1, -1):
+            if stack[k] is None:
+                del stack[k]
                 return
 
     def _sample(self, unit: int, phase: str, at: str) -> None:
