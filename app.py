@@ -59,26 +59,34 @@ with st.sidebar:
     job_status(jobs, runs_dir())
 
 path = traces[choice]
-try:
-    trace = load_trace(str(path), stamp_of(path))
-except Exception as e:  # noqa: BLE001 - TraceError, or anything no check foresaw: one line, the page stays
-    st.error(str(e) if isinstance(e, TraceError) else f"{choice} could not be read: {type(e).__name__}: {e}")
-    trace = None
 
 # -- the pages ------------------------------------------------------------------------------
-timeline_tab, compare_tab, whatif_tab, run_tab, ring_tab, memory_tab = st.tabs(
-    ["Timeline", "Compare runs", "What-if", "Run", "Ring all-reduce", "Memory (ZeRO)"])
-with run_tab, page_guard("The Run page"):
-    render_run(path, trace, jobs, busy, command_policy())
-with timeline_tab, page_guard("The Timeline"):
-    if trace is not None:
+# Only the open page computes: the tabs keep their state (a switch reruns the script) and
+# are bound to the URL (?page=Memory+(ZeRO) opens that page: a deep link).
+PAGES = ["Timeline", "Compare runs", "What-if", "Run", "Ring all-reduce", "Memory (ZeRO)"]
+timeline_tab, compare_tab, whatif_tab, run_tab, ring_tab, memory_tab = st.tabs(PAGES, key="page",
+                                                                             bind="query-params")
+trace = None
+if timeline_tab.open or whatif_tab.open or run_tab.open or memory_tab.open:  # the pages that show the open run
+    try:
+        trace = load_trace(str(path), stamp_of(path))
+    except Exception as e:  # noqa: BLE001 - TraceError, or anything no check foresaw: one line, the page stays
+        st.error(str(e) if isinstance(e, TraceError) else f"{choice} could not be read: {type(e).__name__}: {e}")
+if run_tab.open:
+    with run_tab, page_guard("The Run page"):
+        render_run(path, trace, jobs, busy, command_policy())
+if timeline_tab.open and trace is not None:
+    with timeline_tab, page_guard("The Timeline"):
         render_timeline(path, trace)
-with compare_tab, page_guard("The comparison"):
-    render_compare(traces)
-with whatif_tab, page_guard("The What-if page"):
-    if trace is not None:
+if compare_tab.open:
+    with compare_tab, page_guard("The comparison"):
+        render_compare(traces)
+if whatif_tab.open and trace is not None:
+    with whatif_tab, page_guard("The What-if page"):
         render_whatif(path, trace, traces, jobs, busy, command_policy())
-with ring_tab, page_guard("The Ring page"):
-    render_ring(all_runs, jobs, busy)
-with memory_tab, page_guard("The Memory page"):
-    render_memory(all_runs, jobs, busy, trace)
+if ring_tab.open:
+    with ring_tab, page_guard("The Ring page"):
+        render_ring(all_runs, jobs, busy)
+if memory_tab.open:
+    with memory_tab, page_guard("The Memory page"):
+        render_memory(all_runs, jobs, busy, trace)

@@ -17,7 +17,7 @@ from tests.conftest import KINETO, ROOT, SAMPLES
 from tests.test_kineto import gpu_profile
 
 # element order on the page: dataframes
-MEDIANS, PER_STEP, STRAGGLERS, BUCKETS, COMPARISON = 0, 1, 2, 3, 4
+MEDIANS, PER_STEP, STRAGGLERS, BUCKETS = 0, 1, 2, 3
 
 
 @pytest.fixture
@@ -27,6 +27,12 @@ def app(tmp_path, monkeypatch):
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
     assert not at.exception and not at.error
     return at
+
+
+def _page(at, label: str):
+    """Open one page of the dashboard (only the open page computes) and run."""
+    at.session_state["page"] = label
+    return at.run()
 
 
 def _spec(at, n=0):
@@ -72,10 +78,11 @@ def test_switching_traces_ranks_and_steps(app):
 
 
 def test_compare_view_puts_runs_on_one_time_scale(app):
-    table = app.dataframe[COMPARISON].value
+    _page(app, "Compare runs")
+    table = app.dataframe[0].value
     assert len(table) == 2 and table["step_ms_vs_first"].iloc[0] == 0
     assert sorted(table["buckets"]) == [1, 20]
-    ranges = [_spec(app, n)["layout"]["xaxis"]["range"] for n in (1, 2)]  # chart 0 is the timeline view
+    ranges = [_spec(app, n)["layout"]["xaxis"]["range"] for n in (0, 1)]
     assert ranges[0] == ranges[1] and ranges[0][1] > 50
 
 
@@ -160,6 +167,7 @@ def test_rerun_of_the_open_trace_shows_it_beside_its_source(app, tmp_path):
     """The open trace (the 1 MiB demo sample) rerun at 25 MiB from the Run page: progress
     where the user clicked, then both runs side by side with no picking."""
     assert app.sidebar.selectbox(key="trace").value == "sample: gpt-2rank-cap1mb"
+    _page(app, "Run")
     app.select_slider(key="run_cap").set_value(25.0)
     app.slider(key="run_steps").set_value(4)
     app.button(key="run_button").click().run()
@@ -168,7 +176,7 @@ def test_rerun_of_the_open_trace_shows_it_beside_its_source(app, tmp_path):
     _wait_for_job(app)
     runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
     assert len(runs) == 1 and f"run: {runs[0].name}" in app.sidebar.selectbox(key="trace").options
-    table = [d.value for d in app.dataframe if "step_ms_vs_first" in d.value.columns][-1]  # after Compare's
+    table = [d.value for d in app.dataframe if "step_ms_vs_first" in d.value.columns][-1]
     assert list(table["run"]) == ["sample: gpt-2rank-cap1mb", f"run: {runs[0].name}"]
     assert list(table["bucket_cap_mb"]) == [1.0, 25.0] and table["buckets"].iloc[0] > table["buckets"].iloc[1]
     pair = [c for c in _charts(app) if "gpt-2rank-cap1mb (step" in json.dumps(c["layout"].get("title"))
@@ -184,6 +192,7 @@ def test_rerun_of_the_open_trace_shows_it_beside_its_source(app, tmp_path):
 @pytest.mark.ddp
 def test_a_failed_rerun_shows_the_rank_and_reason_not_a_traceback(app, monkeypatch):
     monkeypatch.setenv("DDPSCOPE_TEST_FAIL", "1:1")
+    _page(app, "Run")
     app.slider(key="run_steps").set_value(3)
     app.button(key="run_button").click().run()
     _wait_for_job(app)
@@ -196,6 +205,7 @@ def test_a_failed_rerun_shows_the_rank_and_reason_not_a_traceback(app, monkeypat
 
 @pytest.mark.ddp
 def test_a_new_command_is_checked_before_it_starts_then_runs(app, tmp_path):
+    _page(app, "Run")
     app.text_input(key="new_cmd").set_value("missing.py --lr 3")
     app.text_input(key="new_cwd").set_value(str(tmp_path))
     app.button(key="new_button").click().run()
@@ -215,7 +225,7 @@ def test_a_new_command_is_checked_before_it_starts_then_runs(app, tmp_path):
 
 def test_commands_are_off_when_the_page_is_reachable_from_other_machines(app, tmp_path, monkeypatch):
     _script_run(tmp_path / "runs" / "mine", ["tests/workers/user_train.py", "--steps", "3"])
-    app.run()
+    _page(app, "Run")
     app.sidebar.selectbox(key="trace").set_value("run: mine").run()
     assert not app.button(key="run_button").disabled and not app.button(key="new_button").disabled
     assert "user_train.py --steps 3" in app.code[0].value
@@ -237,7 +247,7 @@ def test_commands_are_off_when_the_page_is_reachable_from_other_machines(app, tm
 
 def test_an_uploaded_script_run_is_not_rerun(app, tmp_path):
     _script_run(tmp_path / "runs" / "uploads" / "theirs", ["train.py"])
-    app.run()
+    _page(app, "Run")
     app.sidebar.selectbox(key="trace").set_value("upload: theirs").run()
     assert app.button(key="run_button").disabled
     assert any("uploaded" in i.value for i in app.info)
@@ -258,9 +268,11 @@ def _ring_specs(app) -> dict[str, dict]:
 
 
 def test_ring_page_animates_the_sample(app):
+    assert _metric(app, "ranks") == "2"  # the timeline's run
+    _page(app, "Ring all-reduce")
     assert app.selectbox(key="ring_trace").value == "sample: ring-4rank-4mb"
     assert "sample: ring-4rank-4mb" not in app.sidebar.selectbox(key="trace").options  # not a DDP run
-    assert [str(m.value) for m in app.metric if m.label == "ranks"][:2] == ["2", "4"]  # timeline's run, the ring
+    assert [str(m.value) for m in app.metric if m.label == "ranks"][:1] == ["4"]  # the ring's
     assert float(_metric(app, "ring, median (ms)")) > 0 and float(_metric(app, "dist.all_reduce, median (ms)")) > 0
     specs = _ring_specs(app)
     assert len(specs["animation"]["frames"]) == 2 * 3 + 1
@@ -270,6 +282,7 @@ def test_ring_page_animates_the_sample(app):
 
 
 def test_ring_round_and_whatif_inputs(app):
+    _page(app, "Ring all-reduce")
     rounds = app.select_slider(key="ring_round").options
     other = next(r for r in rounds if str(r) != str(app.select_slider(key="ring_round").value))
     app.select_slider(key="ring_round").set_value(int(other)).run()
@@ -296,7 +309,7 @@ def test_a_broken_ring_trace_shows_a_readable_error(app, tmp_path):
     for p in (SAMPLES / "ring-4rank-4mb").iterdir():
         (bad / p.name).write_bytes(p.read_bytes())
     (bad / "rank-3.json").write_bytes(b'{"traceEvents": [')
-    app.run()
+    _page(app, "Ring all-reduce")
     app.selectbox(key="ring_trace").set_value("run: broken-ring").run()
     assert not app.exception
     assert any("rank-3.json is not valid JSON" in e.value and "\n" not in e.value for e in app.error)
@@ -305,7 +318,7 @@ def test_a_broken_ring_trace_shows_a_readable_error(app, tmp_path):
 def test_upload_of_a_ring_archive_opens_the_ring_page(app):
     files = {f"ring/{p.name}": p.read_bytes() for p in (SAMPLES / "ring-4rank-4mb").iterdir()}
     app.sidebar.file_uploader(key="upload").upload("my-ring.zip", _zip(files), "application/zip")
-    app.run()
+    _page(app, "Ring all-reduce")
     assert not app.exception and not app.sidebar.error
     assert app.selectbox(key="ring_trace").value.startswith("upload: my-ring-")
     assert len(_ring_specs(app)["animation"]["frames"]) == 7
@@ -324,6 +337,7 @@ def _table(app, column: str):
 
 
 def test_memory_page_shows_the_zero_sample_beside_the_model(app):
+    _page(app, "Memory (ZeRO)")
     assert app.selectbox(key="zero_trace").value == "sample: zero-gpt-2rank"
     run = _chart(app, "measured vs predicted per ZeRO stage (GB)")  # GB by default
     bars = {t["name"]: t for t in run["data"]}
@@ -341,6 +355,7 @@ def test_memory_page_shows_the_zero_sample_beside_the_model(app):
 
 
 def test_memory_projection_reproduces_figure_1_and_reacts_to_widgets(app):
+    _page(app, "Memory (ZeRO)")
     # the default: the paper's 7.5B parameters, N = 64, mixed precision, K = 12, in GB
     table = _table(app, "per device (GB)")
     assert table["per device (GB)"].round(1).tolist() == [120.0, 31.4, 16.6, 1.9]
@@ -369,7 +384,7 @@ def test_a_broken_zero_run_shows_a_readable_error(app, tmp_path):
     (bad / "rank-0.json").write_text(json.dumps({"traceEvents": [], "otherData": {"ddpscope": {
         "format": "ddpscope-trace", "version": 1, "rank": 0, "world_size": 2}}}))
     (bad / "rank-1.json").write_bytes((SAMPLES / "zero-gpt-2rank" / "rank-1.json").read_bytes())
-    app.run()
+    _page(app, "Memory (ZeRO)")
     app.selectbox(key="zero_trace").set_value("run: broken-zero").run()
     assert not app.exception
     assert any("rank-0.json holds no ZeRO stage measurements" in e.value for e in app.error)
@@ -377,17 +392,22 @@ def test_a_broken_zero_run_shows_a_readable_error(app, tmp_path):
 
 @pytest.mark.ddp
 def test_ring_and_zero_runs_start_from_their_pages(app, tmp_path):
+    _page(app, "Ring all-reduce")
     app.slider(key="ring_run_nproc").set_value(2)
     app.select_slider(key="ring_run_mb").set_value(0.5)
     app.slider(key="ring_run_repeat").set_value(2)
     app.button(key="ring_run_button").click().run()
-    assert app.get("progress") and app.button(key="zero_run_button").disabled  # one job at a time
+    assert app.get("progress")
+    _page(app, "Memory (ZeRO)")
+    assert app.button(key="zero_run_button").disabled  # one job at a time
     _wait_for_job(app)
+    _page(app, "Ring all-reduce")
     assert any("on the Ring all-reduce tab" in s.value for s in app.sidebar.success)
     ring_label = next(o for o in app.selectbox(key="ring_trace").options if o.startswith("run: "))
     app.selectbox(key="ring_trace").set_value(ring_label).run()
     assert not app.exception and len(_ring_specs(app)["animation"]["frames"]) == 3  # 2 ranks: 2 steps + start
 
+    _page(app, "Memory (ZeRO)")
     app.selectbox(key="zero_run_model").set_value("mlp")
     app.button(key="zero_run_button").click().run()
     _wait_for_job(app)
@@ -411,7 +431,7 @@ def test_a_ring_run_with_no_complete_round_says_so(app, tmp_path):
     doc = json.loads((bad / "rank-3.json").read_text())
     doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("cat") != "ring_step"]
     (bad / "rank-3.json").write_text(json.dumps(doc))
-    app.run()
+    _page(app, "Ring all-reduce")
     app.selectbox(key="ring_trace").set_value("run: no-rounds").run()
     assert not app.exception
     assert any("no ring round finished on every rank" in e.value for e in app.error)
@@ -436,6 +456,7 @@ def test_whatif_page_draws_the_predicted_curve_with_the_measured_runs_on_it(app)
     """The open sample (GPT, 1 MiB) predicted at every cap; the other GPT sample (25 MiB,
     same job) is a measured point; the best cap is starred; a predicted timeline shows
     beside the measured run at the chosen cap."""
+    _page(app, "What-if")
     spec = _predict_chart(app)
     traces = {t["name"]: t for t in spec["data"]}
     assert {"step (predicted)", "exposed communication (predicted)", "step (measured runs)",
@@ -453,6 +474,7 @@ def test_whatif_page_draws_the_predicted_curve_with_the_measured_runs_on_it(app)
 
 
 def test_whatif_projection_reacts_to_world_size_and_link(app):
+    _page(app, "What-if")
     assert "64 ranks" in json.dumps(_predict_chart(app, "Projection:")["layout"]["title"])
     app.selectbox(key="predict_proj_link").set_value("NVLink (H100 SXM, one node)").run()
     fast = _proj_table(app)
@@ -474,7 +496,7 @@ def test_whatif_refuses_a_trace_it_cannot_predict_in_one_line(app, tmp_path):
     run = json.loads((bad / "run.json").read_text())
     run.pop("param_bytes")
     (bad / "run.json").write_text(json.dumps(run))
-    app.run()  # lists the new folder
+    _page(app, "What-if")  # lists the new folder
     app.sidebar.selectbox(key="trace").set_value("run: no-sizes").run()
     assert not app.exception
     assert any("No prediction for this trace" in i.value and "param" in i.value for i in app.info)
@@ -482,6 +504,7 @@ def test_whatif_refuses_a_trace_it_cannot_predict_in_one_line(app, tmp_path):
 
 @pytest.mark.ddp
 def test_run_at_the_predicted_cap_puts_the_real_run_on_the_curve(app, tmp_path):
+    _page(app, "What-if")
     app.select_slider(key="predict_cap").set_value(4.0).run()
     app.button(key="predict_run").click().run()
     assert app.get("progress")
@@ -506,6 +529,7 @@ def test_upload_of_a_profiler_trace_opens_its_kernel_timeline(app):
     assert lanes == ["rank 0 · compute", "rank 0 · allreduce", "rank 0 · exposed comm"]
     hta = next(d.value for d in app.dataframe if "comp_comm_overlap_pct" in d.value.columns)
     assert hta["comp_comm_overlap_pct"].round(2).tolist() == [33.33]
+    _page(app, "What-if")
     assert any("No prediction for a profiler trace" in i.value for i in app.info)  # What-if says why
 
 
@@ -581,8 +605,9 @@ def test_a_click_from_a_page_drawn_before_a_run_began_is_answered_not_dropped(ap
     click while the first tab's run goes on says so, and starts nothing."""
     slow = tmp_path / "slow.py"  # a job that surely outlasts the second click (no DDP: nothing traced)
     slow.write_text("import time\ntime.sleep(20)\n")
-    other = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    other = _page(AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run(), "Run")
     assert not other.button(key="run_button").disabled
+    _page(app, "Run")
     app.text_input(key="new_cmd").input(str(slow))
     app.button(key="new_button").click().run()
     assert app.get("progress") and app.button(key="run_button").disabled
@@ -652,9 +677,11 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     units = next(d.value for d in at.dataframe if "all_gather_ms" in d.value.columns)
     assert list(units["unit"]) == ["(root)", "layers.0", "layers.1", "layers.2", "layers.3"]
     assert any("gloo has no reduce-scatter" in m.value for m in at.markdown)
+    _page(at, "Memory (ZeRO)")
     titles = [json.dumps(c["layout"].get("title")) for c in _charts(at)]
     assert any("memory over one step (measured)" in t for t in titles)
     assert any("beside ZeRO stages 0-3" in t for t in titles)
+    _page(at, "Run")
     assert _metric(at, "predicted peak (rank 0)").endswith("MiB")
     at.selectbox(key="run_reshard").set_value("false (ZeRO-2)").run()
     assert not at.exception
@@ -678,8 +705,24 @@ def test_a_zero1_run_shows_its_broadcasts_and_its_stage_on_the_memory_page(tmp_p
     assert at.sidebar.selectbox(key="trace").value == "run: zero1"
     assert "parameter broadcast (ZeRO-1)" in {t["name"] for t in _spec(at)["data"]}
     assert any("ZeRO-1 (ZeroRedundancyOptimizer)" in i.value for i in at.info)
+    _page(at, "Memory (ZeRO)")
     titles = [json.dumps(c["layout"].get("title")) for c in _charts(at)]
     assert any("beside ZeRO stages 0-3" in t for t in titles)
     table = next(d.value for d in at.dataframe if "measured/predicted" in d.value.columns)
     assert list(table["row"])[-4:] == ["stage 0", "stage 1", "stage 2", "stage 3"]
     assert any("ZeroRedundancyOptimizer partitions whole parameters" in m.value for m in at.markdown)
+
+
+def test_only_the_open_page_computes_and_a_link_opens_any_page(app):
+    """The first chart comes sooner: a page's content is built only while it is open. The
+    open page is in the URL (``?page=...``): a link opens that page."""
+    assert app.session_state["page"] == "Timeline" and app.get("plotly_chart")
+    for key in ("ring_trace", "zero_trace"):  # the Ring and Memory pages: not built
+        with pytest.raises(KeyError):
+            app.selectbox(key=key)
+    linked = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90)
+    linked.query_params["page"] = "Memory (ZeRO)"
+    linked.run()
+    assert not linked.exception and linked.session_state["page"] == "Memory (ZeRO)"
+    assert linked.selectbox(key="zero_trace").value == "sample: zero-gpt-2rank"
+    assert not linked.get("download_button")  # the Timeline's Perfetto download: not built

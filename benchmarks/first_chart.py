@@ -1,0 +1,143 @@
+"""From opening the dashboard to its first chart, in a real browser, on a fresh server.
+
+    python -m benchmarks.first_chart [--repeat 3] [--smoke]
+
+Each repeat starts a fresh ``streamlit run`` (headless, a free local port; the app run
+through a thin wrapper that stamps each script run on the host's monotonic clock), waits
+until it answers, then opens the page in headless Chromium (Debian's, through
+Playwright) and waits for the first chart with its bars drawn. Printed per page opened
+(the Timeline, and deep links to the Memory and What-if pages), medians:
+
+- total: ``page.goto`` -> the first chart on screen;
+- script run: the server running app.py for that first view (the wrapper's stamps);
+- the rest: the browser loading Streamlit's front end, the websocket, shipping the
+  elements and Plotly drawing them (total minus the script run).
+
+Goal (issue 22): first chart < 5 s on these 2 cores, which only computing the open page
+(``st.tabs(..., bind="query-params")``, ``tab.open``) makes possible: every tab's content
+used to be built on every run (7.5-13 s). Benchmarks are not tests: nothing is asserted;
+``--smoke``: the Timeline once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+STAMP = "ddpscope-bench-script-run"
+
+# Runs app.py as Streamlit would, stamping each script run (start, end: monotonic µs).
+WRAPPER = textwrap.dedent(f'''
+    import sys, time
+    t0 = time.monotonic_ns() / 1e3
+    try:
+        exec(compile(open({str(ROOT / "app.py")!r}).read(), {str(ROOT / "app.py")!r}, "exec"),
+             {{"__name__": "__main__", "__file__": {str(ROOT / "app.py")!r}}})
+    finally:
+        print("{STAMP}", t0, time.monotonic_ns() / 1e3, file=sys.stderr, flush=True)
+''')
+
+
+def _free_port() -> int:
+    sys.path.insert(0, str(ROOT))
+    from ddpscope.tracer.launch.torchrun import free_port
+
+    return free_port()
+
+
+def _serve(wrapper: Path, runs: Path, log: Path) -> tuple[subprocess.Popen, int]:
+    port = _free_port()
+    env = {**os.environ, "DDPSCOPE_RUNS_DIR": str(runs)}
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(wrapper), "--server.headless", "true",
+                                 "--server.port", str(port), "--server.address", "127.0.0.1",
+                                 "--browser.gatherUsageStats", "false"],
+                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2):
+                return proc, port
+        except OSError:
+            time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGTERM)
+    raise SystemExit("streamlit did not come up")
+
+
+def _script_runs(log: Path) -> list[tuple[float, float]]:
+    out = []
+    for line in log.read_text().splitlines():
+        if line.startswith(STAMP):
+            _, a, b = line.split()
+            out.append((float(a), float(b)))
+    return out
+
+
+def open_once(page_label: str | None, runs: Path, tmp: Path) -> dict[str, float]:
+    from playwright.sync_api import sync_playwright
+
+    wrapper, log = tmp / "bench_app.py", tmp / "server.log"
+    wrapper.write_text(WRAPPER)
+    proc, port = _serve(wrapper, runs, log)
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"])
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            query = "" if page_label is None else "?" + urllib.parse.urlencode({"page": page_label})
+            t0 = time.monotonic_ns() / 1e3
+            page.goto(f"http://127.0.0.1:{port}/{query}", timeout=90_000)
+            page.wait_for_function("""() => [...document.querySelectorAll('.js-plotly-plot')]
+                .some(g => g.querySelector('.barlayer .point, .scatterlayer .trace, .scatterlayer path'))""",
+                                   timeout=90_000)
+            t1 = time.monotonic_ns() / 1e3
+            browser.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    first = [r for r in _script_runs(log) if r[0] >= t0]
+    script = (first[0][1] - first[0][0]) / 1e3 if first else float("nan")
+    total = (t1 - t0) / 1e3
+    return {"total": total, "script run": script, "the rest": total - script}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="the Timeline once: the script runs, nothing more")
+    args = p.parse_args()
+    pages = [None, "Memory (ZeRO)", "What-if"]
+    if args.smoke:
+        args.repeat, pages = 1, [None]
+    results: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        runs = tmp / "runs"
+        runs.mkdir()
+        for _ in range(args.repeat):
+            for label in pages:  # interleaved: the machine's drift hits every page alike
+                name = "Timeline (/)" if label is None else f"?page={label}"
+                results.setdefault(name, []).append(open_once(label, runs, tmp))
+    cols = ["total", "script run", "the rest"]
+    print(f"fresh server -> first chart on screen, headless Chromium, median of {args.repeat} (ms)")
+    print(f"{'':24}" + "".join(f"{c:>12}" for c in cols))
+    for name, rows in results.items():
+        print(f"{name:24}" + "".join(f"{statistics.median(r[c] for r in rows):12.0f}" for c in cols))
+    worst = max(statistics.median(r["total"] for r in rows) for rows in results.values())
+    print(f"slowest first chart {worst / 1e3:.2f} s (goal < 5 s)")
+
+
+if __name__ == "__main__":
+    main()
