@@ -8,6 +8,7 @@ from pathlib import Path
 import streamlit as st
 
 from ddpscope.dashboard.common import first_real_step, load_trace, merged_trace_bytes, stamp_of
+from ddpscope.dashboard.rank_overview_view import default_ranks, render_rank_overview
 from ddpscope.dashboard.sharded_view import render_sharded_timeline
 from ddpscope.viz.buckets import compute_bucket_table
 from ddpscope.viz.ddp_stages import compute_param_sync
@@ -38,10 +39,11 @@ def render_timeline(path: Path, trace) -> None:
         st.warning(f"This run is {trace.status}: {trace.unfinished}. Finished steps are shown.")
     for note in run.get("notes") or []:
         st.info(f"ddpscope: {note}")
+    render_rank_overview(trace)
     steps = sorted(int(s) for s in trace.steps["step"].unique())
     start = first_real_step(trace)
     lo, hi = st.select_slider("Steps", options=steps, value=(start, start), key="steps")
-    ranks = st.multiselect("Ranks", sorted(trace.ranks), default=sorted(trace.ranks), key="ranks")
+    ranks = st.multiselect("Ranks", sorted(trace.ranks), default=default_ranks(trace), key="ranks")
     st.plotly_chart(make_timeline_figure(trace, steps=range(lo, hi + 1), ranks=ranks or None), key="timeline")
     if profile_folder(trace) is not None:
         with st.expander("torch.profiler on the same run (ddpscope run --profile), side by side"):
@@ -83,10 +85,12 @@ def render_profile(path: Path, trace) -> None:
                    if len(trace.buckets) else 0)
     for note in run["notes"]:
         st.info(note)
+    render_rank_overview(trace)
     steps = sorted(int(s) for s in trace.steps["step"].unique())
     lo, hi = (st.select_slider("Steps", options=steps, value=(steps[0], steps[0]), key="steps")
               if len(steps) > 1 else (steps[0], steps[0]))
-    ranks = st.multiselect("Ranks", present, default=present, key="ranks")
+    ranks = st.multiselect("Ranks", present, default=[r for r in default_ranks(trace) if r in present] or present,
+                           key="ranks")
     per_stream = st.toggle("One lane per GPU stream", value=False, key="per_stream")
     st.plotly_chart(make_kernel_timeline_figure(trace, steps=range(lo, hi + 1), ranks=ranks or None,
                                                 per_stream=per_stream), key="timeline")

@@ -108,6 +108,12 @@ def _summary(path: str, as_json: bool) -> int:
 
         stragglers = compute_straggler_summary(trace)
         line = straggler_line(stragglers)
+    slow = None
+    if trace.world_size > 2:  # every rank at once (viz.rank_overview): who holds the others back
+        from ddpscope.viz.rank_overview import compute_rank_overview, compute_slow_ranks, slow_rank_line
+
+        slow = compute_slow_ranks(compute_rank_overview(trace))
+        line = "\n".join(x for x in (line, slow_rank_line(slow)) if x) or None
     zero1 = _zero1_summary(trace) if trace.source == "ddpscope" else None
     if as_json:
         out = {"path": str(trace.path), "source": trace.source, "status": trace.status,
@@ -115,6 +121,8 @@ def _summary(path: str, as_json: bool) -> int:
                "ranks": _by_rank(med)}
         if stragglers is not None:
             out["stragglers"] = _by_rank(stragglers)
+        if slow is not None:
+            out["slow_ranks"] = [_json_safe(r) for r in slow.astype(object).to_dict("records")]
         if zero1:
             out["zero1"] = zero1
         if hta is not None:

@@ -80,6 +80,8 @@ def main() -> None:
     p.add_argument("--python-reducer", action="store_true", help="compiled autograd's Python reducer for DDP")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=-1)
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank's forward sleeps --slow-ms each pass")
+    p.add_argument("--slow-ms", type=float, default=0.0)
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -93,6 +95,8 @@ def main() -> None:
         kw = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
         if args.python_reducer:
             torch._dynamo.config.optimize_ddp = "python_reducer"
+        if rank == args.slow_rank:  # a straggler: a slower machine, or more data on this rank
+            model.register_forward_pre_hook(lambda m, a: time.sleep(args.slow_ms / 1e3))
         ddp = DDP(model, **kw)
         ddp._set_ddp_runtime_logging_sample_rate(1)
         if args.hook != "none":

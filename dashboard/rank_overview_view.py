@@ -1,0 +1,62 @@
+"""The Timeline's overview of every rank (above the Gantt): a heatmap of ranks x steps,
+the spread per step, the ranks that hold the others back; a click on a rank puts it in
+the Gantt."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from ddpscope.viz.rank_overview import (
+    METRICS,
+    compute_rank_overview,
+    compute_slow_ranks,
+    make_rank_heatmap_figure,
+    make_step_spread_figure,
+    slow_rank_line,
+)
+
+#: the Gantt draws every rank up to this many; beyond it, rank 0 and the slowest
+GANTT_RANKS = 8
+
+
+def default_ranks(trace) -> list[int]:
+    """The ranks the Gantt opens with: all of a small run; of a big one, rank 0 and the
+    three ranks that held the others back most."""
+    ranks = sorted(int(r) for r in trace.ranks) if trace.ranks else sorted(trace.steps["rank"].unique())
+    if len(ranks) <= GANTT_RANKS:
+        return ranks
+    slow = compute_slow_ranks(_overview(trace))
+    return sorted({ranks[0], *(int(r) for r in slow["rank"].head(3))})
+
+
+def _overview(trace):
+    if "rank_overview" not in trace.cache:  # computed once per loaded trace (load_trace caches the trace)
+        trace.cache["rank_overview"] = compute_rank_overview(trace)
+    return trace.cache["rank_overview"]
+
+
+def render_rank_overview(trace, ranks_key: str = "ranks") -> None:
+    """Above the Gantt, for runs of more than two ranks (two are both in the Gantt, with
+    the straggler table below). A click on a heatmap cell adds its rank to the Gantt's
+    ranks (the multiselect under ``ranks_key``, drawn after this)."""
+    overview = _overview(trace)
+    n = overview["rank"].nunique() if len(overview) else 0
+    if n <= 2:
+        return
+    with st.expander(f"All {n} ranks: where each one stands", expanded=True):
+        slow = compute_slow_ranks(overview)
+        if (line := slow_rank_line(slow)) is not None:
+            st.warning(line.capitalize() + ".")
+        metric = st.radio("Show", list(METRICS), format_func=METRICS.get, horizontal=True, key="overview_metric")
+        event = st.plotly_chart(make_rank_heatmap_figure(overview, metric), key="overview_heatmap",
+                                on_select="rerun", selection_mode="points")
+        picked = sorted({int(p["y"]) for p in (event.selection.points if event else []) if "y" in p})
+        if picked:
+            shown = set(st.session_state.get(ranks_key) or [])
+            if not set(picked) <= shown:
+                st.session_state[ranks_key] = sorted(shown | set(picked))
+            st.caption(f"Rank {', '.join(map(str, picked))} put in the timeline below.")
+        else:
+            st.caption("Click a cell to put its rank in the timeline below.")
+        st.plotly_chart(make_step_spread_figure(overview, metric), key="overview_spread")
+        st.dataframe(slow.head(20).round(2), hide_index=True, key="overview_slow")
