@@ -26,6 +26,7 @@ PRINTS = {
     "kineto": "figures (rank 0, %):",
     "rerun": "click -> new timeline on screen",
     "first_chart": "slowest first chart",
+    "overview": "overview drawn (heatmap + spread)",
 }
 
 
@@ -40,7 +41,7 @@ def test_every_benchmark_script_has_a_smoke_run_here():
 def test_benchmark_runs_in_its_smoke_mode_and_prints_its_table(name, tmp_path):
     if name == "kineto" and not KINETO.exists():
         pytest.skip("needs ../shared/data/kineto beside the project")
-    if name in ("rerun", "first_chart") and not os.path.exists("/usr/bin/chromium"):
+    if name in ("rerun", "first_chart", "overview") and not os.path.exists("/usr/bin/chromium"):
         pytest.skip("needs Debian's chromium (apt-get install -y chromium)")
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # what a script leaves behind goes with the test
     proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--smoke"], cwd=ROOT, env=env,
