@@ -20,7 +20,8 @@ source, and its split, all on the host's monotonic clock (the trace's own):
 - page draws it: -> the new timeline is on screen (the page notices, loads, draws).
 
 "Added by the loop" = total - set-up - steps: what ddpscope's loop costs beyond the
-job's own work as timed inside the ranks. Goal: <= 3 s on a 2-core machine.
+job's own work as timed inside the ranks. Goal: <= 3 s on a 2-core machine (issue 11);
+<= 1 s with the warm launcher since the page computes only its open tab (issue 22).
 Benchmarks are not tests: the numbers are printed, nothing is asserted.
 """
 
@@ -211,7 +212,7 @@ def main() -> None:
     for name in results["warm launcher"] if "cold torchrun" in results else []:
         w = statistics.median(r["added by the loop"] for r in results["warm launcher"][name])
         c = statistics.median(r["added by the loop"] for r in results["cold torchrun"][name])
-        print(f"{name}: added by the loop, warm / cold = {w / c:.2f} ({w / 1e3:.2f} s vs {c / 1e3:.2f} s; goal <= 3 s)")
+        print(f"{name}: added by the loop, warm / cold = {w / c:.2f} ({w / 1e3:.2f} s vs {c / 1e3:.2f} s; goal, warm: <= 1 s)")
 
 
 if __name__ == "__main__":
