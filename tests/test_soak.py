@@ -82,8 +82,10 @@ def _settle(server, before: dict, timeout: float = 30) -> dict:
 
 
 def _open_run_tab(page) -> None:
+    """The Run page, on the mlp sample (only the open page is built: its text shows once open)."""
     page.get_by_role("tab", name="Run", exact=True).click()
     page.get_by_role("button", name=re.compile(r"^Rerun with bucket_cap_mb")).wait_for(timeout=60_000)
+    page.wait_for_function(_has_text("The demo model mlp on"), timeout=60_000)
 
 
 def _has_text(text: str) -> str:
@@ -93,8 +95,7 @@ def _has_text(text: str) -> str:
 
 def _pick_mlp_sample(page) -> None:
     page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"]').click()
-    page.get_by_role("option", name="sample: mlp-2rank-cap1mb").click()
-    page.wait_for_function(_has_text("The demo model mlp on"), timeout=60_000)
+    page.get_by_role("option", name="sample: mlp-2rank-cap1mb").click()  # _open_run_tab checks it took
 
 
 def _new_folder(runs: Path, known: set[str], timeout: float = 60) -> Path:
