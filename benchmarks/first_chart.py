@@ -25,14 +25,14 @@ import argparse
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+
+from benchmarks.rerun import serve
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -50,32 +50,6 @@ WRAPPER = textwrap.dedent(f'''
 ''')
 
 
-def _free_port() -> int:
-    sys.path.insert(0, str(ROOT))
-    from ddpscope.tracer.launch.torchrun import free_port
-
-    return free_port()
-
-
-def _serve(wrapper: Path, runs: Path, log: Path) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
-    env = {**os.environ, "DDPSCOPE_RUNS_DIR": str(runs)}
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(wrapper), "--server.headless", "true",
-                                 "--server.port", str(port), "--server.address", "127.0.0.1",
-                                 "--browser.gatherUsageStats", "false"],
-                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2):
-                return proc, port
-        except OSError:
-            time.sleep(0.3)
-    os.killpg(proc.pid, signal.SIGTERM)
-    raise SystemExit("streamlit did not come up")
-
-
 def _script_runs(log: Path) -> list[tuple[float, float]]:
     out = []
     for line in log.read_text().splitlines():
@@ -90,7 +64,8 @@ def open_once(page_label: str | None, runs: Path, tmp: Path) -> dict[str, float]
 
     wrapper, log = tmp / "bench_app.py", tmp / "server.log"
     wrapper.write_text(WRAPPER)
-    proc, port = _serve(wrapper, runs, log)
+    with open(log, "w") as err:
+        proc, port = serve(wrapper, runs, stderr=err)
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=[

@@ -67,21 +67,19 @@ USER_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
+def serve(script: Path | str, runs: Path, env: dict[str, str] | None = None,
+          stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, int]:
+    """``streamlit run script`` (headless, a free local port, its own process group) on the
+    runs folder ``runs``, once it answers; also used by ``benchmarks.first_chart``."""
     sys.path.insert(0, str(ROOT))
     from ddpscope.tracer.launch.torchrun import free_port
 
-    return free_port()
-
-
-def _serve(runs: Path, warm: bool) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
-    env = {**os.environ, "DDPSCOPE_RUNS_DIR": str(runs), "DDPSCOPE_WARM_LAUNCHER": "1" if warm else "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(script), "--server.headless", "true",
                              "--server.port", str(port), "--server.address", "127.0.0.1",
                              "--browser.gatherUsageStats", "false"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            cwd=ROOT, env={**os.environ, "DDPSCOPE_RUNS_DIR": str(runs), **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         try:
@@ -89,6 +87,8 @@ def _serve(runs: Path, warm: bool) -> tuple[subprocess.Popen, int]:
                 return proc, port
         except OSError:
             time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
     raise RuntimeError("streamlit did not come up")
 
 
@@ -155,7 +155,7 @@ def _load_run(path: Path):
 def measure(warm: bool, traces: list[tuple[str, str]], runs: Path, steps: int, repeat: int) -> dict[str, list[dict]]:
     from playwright.sync_api import sync_playwright
 
-    proc, port = _serve(runs, warm)
+    proc, port = serve("app.py", runs, {"DDPSCOPE_WARM_LAUNCHER": "1" if warm else "0"})
     out: dict[str, list[dict]] = {}
     try:
         with sync_playwright() as pw:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -134,19 +133,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def ratios(times: dict[str, list[float]], boot: int = 2000) -> dict[str, tuple[float, float, float]]:
-    """Per mode: (median over rounds of step / the round's untraced step, 2.5 %, 97.5 %)."""
-    rng = random.Random(0)
-    out = {}
-    for m, ts in times.items():
-        per_round = [a / b for a, b in zip(ts, times["untraced"])]
-        n = len(per_round)
-        boots = sorted(statistics.median(per_round[rng.randrange(n)] for _ in range(n)) for _ in range(boot))
-        out[m] = (statistics.median(per_round), boots[int(0.025 * boot)], boots[int(0.975 * boot) - 1])
-    return out
-
-
 def overhead(args, tmp: Path) -> None:
+    from benchmarks.overhead import ratios  # the same paired ratios and bootstrap as DDP's
     from ddpscope.tracer.launch.torchrun import LaunchConfig, launch
 
     results: list[dict] = []
