@@ -20,9 +20,10 @@ import streamlit as st
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.archive import extract_run_archive, safe_name
 from ddpscope.viz.perfetto import merge_run
+from ddpscope.viz.rank_overview import ranks_to_show
 from ddpscope.viz.ring_trace import load_ring
 from ddpscope.viz.sources import KINETO, MIXED, folder_kind, load_training_trace
-from ddpscope.viz.trace import TraceError
+from ddpscope.viz.trace import TraceError, select_ranks, with_events
 from ddpscope.viz.zero_trace import load_zero
 
 #: folder kinds the training pages (Timeline, Compare, What-if, Run) list
@@ -33,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = next((p for p in (ROOT / "samples", Path(sys.prefix) / "share" / "ddpscope" / "samples") if p.is_dir()),
                ROOT / "samples")
 ALLOW_COMMANDS_ENV = "DDPSCOPE_ALLOW_COMMANDS"
+#: the Gantt draws every rank of a run up to this many; beyond it, rank 0 and the slowest
+GANTT_RANKS = 8
 
 
 def runs_dir() -> Path:
@@ -103,8 +106,25 @@ def pick_run(runs: dict[str, Path], label: str, key: str, loader, hint: str):
 @st.cache_data(show_spinner=False, max_entries=16)
 def load_trace(path: str, stamp: float):
     """The training trace in a folder, ddpscope's or a profiler's (``stamp``, the newest
-    file time there, renews the cache)."""
-    return load_training_trace(path)
+    file time there, renews the cache). A ddpscope run opens summary first: every rank's
+    steps from its summary, the events of the ranks drawn first (``ranks_to_show``:
+    all of a run of up to ``GANTT_RANKS``; else rank 0 and the three slowest)."""
+    trace = load_training_trace(path, events_for=())
+    return with_events(trace, ranks_to_show(trace, GANTT_RANKS)) if trace.source == "ddpscope" else trace
+
+
+def events_trace(path: str, stamp: float):
+    """``load_trace``'s trace cut to the ranks whose events it holds (the run's world
+    size kept): what a model that needs every rank's buckets and gradients reads."""
+    trace = load_trace(path, stamp)
+    return trace if trace.all_events else select_ranks(trace, trace.event_ranks)
+
+
+@st.cache_data(show_spinner="Reading the events of the ranks shown...", max_entries=16)
+def load_events(path: str, stamp: float, ranks: tuple[int, ...]):
+    """``load_trace``'s trace with the events of ``ranks`` read too (a cached trace
+    already holds the ranks drawn first)."""
+    return with_events(load_trace(path, stamp), ranks)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)

@@ -6,27 +6,22 @@ from __future__ import annotations
 
 import streamlit as st
 
+from ddpscope.dashboard.common import GANTT_RANKS
 from ddpscope.viz.rank_overview import (
     METRICS,
     compute_rank_overview,
     compute_slow_ranks,
     make_rank_heatmap_figure,
     make_step_spread_figure,
+    ranks_to_show,
     slow_rank_line,
 )
-
-#: the Gantt draws every rank up to this many; beyond it, rank 0 and the slowest
-GANTT_RANKS = 8
 
 
 def default_ranks(trace) -> list[int]:
     """The ranks the Gantt opens with: all of a small run; of a big one, rank 0 and the
     three ranks that held the others back most."""
-    ranks = sorted(int(r) for r in trace.ranks) if trace.ranks else sorted(trace.steps["rank"].unique())
-    if len(ranks) <= GANTT_RANKS:
-        return ranks
-    slow = compute_slow_ranks(_overview(trace))
-    return sorted({ranks[0], *(int(r) for r in slow["rank"].head(3))})
+    return ranks_to_show(trace, GANTT_RANKS)
 
 
 def _overview(trace):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from ddpscope.dashboard.common import first_real_step, load_trace, merged_trace_bytes, stamp_of
+from ddpscope.dashboard.common import first_real_step, load_events, load_trace, merged_trace_bytes, stamp_of
 from ddpscope.dashboard.rank_overview_view import default_ranks, render_rank_overview
 from ddpscope.dashboard.sharded_view import render_sharded_timeline
 from ddpscope.viz.buckets import compute_bucket_table
@@ -44,15 +44,28 @@ def render_timeline(path: Path, trace) -> None:
     start = first_real_step(trace)
     lo, hi = st.select_slider("Steps", options=steps, value=(start, start), key="steps")
     ranks = st.multiselect("Ranks", sorted(trace.ranks), default=default_ranks(trace), key="ranks")
-    st.plotly_chart(make_timeline_figure(trace, steps=range(lo, hi + 1), ranks=ranks or None), key="timeline")
+    shown = trace
+    if not trace.all_events:  # opened from its summaries: the events of the ranks shown are read now
+        try:
+            shown = load_events(str(path), stamp_of(path), tuple(sorted(ranks or default_ranks(trace))))
+        except TraceError as e:
+            st.error(str(e))
+    st.plotly_chart(make_timeline_figure(shown, steps=range(lo, hi + 1), ranks=ranks or default_ranks(trace)),
+                    key="timeline")
     if profile_folder(trace) is not None:
         with st.expander("torch.profiler on the same run (ddpscope run --profile), side by side"):
-            show_profile_beside(trace, range(lo, hi + 1), ranks)
+            show_profile_beside(shown, range(lo, hi + 1), ranks)
     st.subheader("Per rank, medians over non-warm-up steps (ms)")
     st.dataframe(compute_rank_medians(trace).round(2), hide_index=True, key="medians")
-    stragglers = compute_straggler_summary(trace)
-    if (line := straggler_line(stragglers)) is not None:
-        st.warning(line.capitalize() + ". The ▼ markers show who each bucket waited for.")
+    if trace.all_events:
+        stragglers = compute_straggler_summary(trace)
+        if (line := straggler_line(stragglers)) is not None:
+            st.warning(line.capitalize() + ". The ▼ markers show who each bucket waited for.")
+    else:
+        stragglers = None
+        st.caption(f"{trace.world_size} ranks, opened from their summaries: the steps of every rank above, the "
+                   "buckets of the ranks shown. Who each bucket waited for needs every rank's events: "
+                   "`ddpscope summary` and the overview name the ranks that arrive late.")
     with st.expander("Every step"):
         st.dataframe(compute_step_breakdown(trace, include_warmup=True).round(2), hide_index=True, key="per_step")
     sync = compute_param_sync(trace)
@@ -63,10 +76,12 @@ def render_timeline(path: Path, trace) -> None:
                 "The Memory page sets its model states beside ZeRO's stages.")
         with st.expander("Parameter broadcasts per step (ZeRO-1)"):
             st.dataframe(sync.round(3), hide_index=True, key="param_sync")
-    with st.expander("Stragglers: who the all-reduces waited for (ms)"):
-        st.dataframe(stragglers.round(2), hide_index=True, key="stragglers")
-    st.subheader("Buckets (medians over non-warm-up steps and ranks)")
-    st.dataframe(compute_bucket_table(trace).round(3), hide_index=True, key="buckets")
+    if stragglers is not None:
+        with st.expander("Stragglers: who the all-reduces waited for (ms)"):
+            st.dataframe(stragglers.round(2), hide_index=True, key="stragglers")
+    st.subheader("Buckets (medians over non-warm-up steps and ranks"
+                 + ("" if trace.all_events else ", of the ranks shown") + ")")
+    st.dataframe(compute_bucket_table(shown).round(3), hide_index=True, key="buckets")
     st.download_button("Download all ranks as one Perfetto trace (rank 0's clock)",
                        data=lambda p=str(path): merged_trace_bytes(p),  # built on click only
                        file_name=f"{path.name}-merged.json", mime="application/json", key="perfetto_download",
@@ -155,7 +170,8 @@ def show_comparison(loaded: dict, key: str, layouts: bool = False) -> None:
     st.dataframe(table.round(2), hide_index=True, key=f"{key}_table")
     width = max(timeline_extent_ms(t, [first_real_step(t)]) for t in loaded.values())
     for n, (label, t) in enumerate(loaded.items()):
-        fig = make_timeline_figure(t, steps=[first_real_step(t)], title=f"{label} (step {first_real_step(t)})")
+        fig = make_timeline_figure(t, steps=[first_real_step(t)], title=f"{label} (step {first_real_step(t)})",
+                                   ranks=None if t.all_events else list(t.event_ranks))
         fig.update_xaxes(range=[0, width * 1.02])  # one time scale for all runs
         st.plotly_chart(fig, key=f"{key}_{n}")
     if layouts:

@@ -11,6 +11,7 @@ import streamlit as st
 
 from ddpscope.dashboard.common import (
     CommandPolicy,
+    events_trace,
     first_real_step,
     job_button,
     label_of,
@@ -33,7 +34,7 @@ from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, compute_m
 @st.cache_data(show_spinner="Fitting the model to the trace...", max_entries=8)
 def whatif_model(path: str, stamp: float):
     """The model fitted to the trace at ``path`` (and its calibration), once per trace."""
-    return fit_model(load_trace(path, stamp))
+    return fit_model(events_trace(path, stamp))
 
 
 @st.cache_data(show_spinner="Predicting every cap...", max_entries=8)
@@ -41,7 +42,7 @@ def cap_sweep(path: str, stamp: float, caps: tuple[float, ...], world_size: int 
               bandwidth_gbps: float | None = None, latency_us: float | None = None):
     """(sweep table, recommendation, model notes) for the trace at ``path``; with a world
     size and link, the projection instead."""
-    trace = load_trace(path, stamp)
+    trace = events_trace(path, stamp)
     fitted = whatif_model(path, stamp)
     model = fitted
     if world_size is not None:
@@ -56,7 +57,7 @@ def cap_sweep(path: str, stamp: float, caps: tuple[float, ...], world_size: int 
 def predicted_trace(path: str, stamp: float, cap: float):
     """The trace predicted at ``cap`` MiB (at its own cap: replayed as it ran, DDP's
     default first bucket included)."""
-    trace = load_trace(path, stamp)
+    trace = events_trace(path, stamp)
     own = traced_cap(trace)
     if own is None and cap == float(trace.run.get("bucket_cap_mb") or 25.0):
         cap = None  # DDP's default, as it ran
@@ -73,6 +74,10 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
                 "only a ddpscope trace records. Trace the job with `ddpscope run` to predict other caps.")
         return
     stamp = stamp_of(path)
+    if not trace.all_events:
+        st.caption(f"{trace.world_size} ranks: predicted from the events of ranks "
+                   f"{', '.join(map(str, trace.event_ranks))} (rank 0 and the slowest), at the run's world size.")
+        trace = events_trace(str(path), stamp)
     try:
         sweep, best, notes = cap_sweep(str(path), stamp, tuple(DEFAULT_CAPS))
     except (TraceError, ValueError) as e:

@@ -29,6 +29,20 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank}.json"
 
 
+# Beside each rank file, its summary (``tracer/step_summary.py``, written by the same
+# writer at the same flushes): JSON Lines, one object per line: ``{"meta": {...}}``
+# whenever the rank's metadata changed (the last one counts; the per-parameter lists
+# below are left out: run.json holds them), and one row per step otherwise. A viewer of
+# many ranks reads these instead of the events; a folder may hold only summaries.
+SUMMARY_VERSION = 1
+SUMMARY_FILE_RE = re.compile(r"^rank-(\d+)\.summary\.jsonl$")
+SUMMARY_META_LEFT_OUT = frozenset({"param_names", "param_bytes", "param_dtypes", "bucket_layouts"})
+
+
+def summary_file(rank: int) -> str:
+    return f"rank-{rank}.summary.jsonl"
+
+
 # Where each rank is now (``tracer/capture/live.py`` writes, the launcher's hang watchdog
 # reads): RUN/live/rank-<r>.json. On SIGUSR1 a rank of ``ddpscope run`` writes every
 # thread's Python stack to RUN/logs/stacks-rank-<r>.txt (faulthandler).

@@ -12,6 +12,13 @@ The training thread encodes each finished step's events once, between steps (msg
 ~0.4 µs an event, 20x ``json.dumps``); a background thread appends them (I/O, which
 releases the GIL). A run that dies leaves every flush before readable (a torn last line
 is dropped by the reader), its metadata saying ``running``.
+
+Beside the events, a writer given a ``summary_path`` keeps the rank's *summary*
+(``rank-<r>.summary.jsonl``): one JSON line per step, folded from the step's events
+as they are added (``tracer/step_summary.py``), and a ``{"meta": ...}`` line whenever
+the metadata changed (without the per-parameter lists, which ``run.json`` holds). It
+is appended at the same flushes, so a viewer of a thousand ranks reads a few KB a rank
+instead of every event (see the README's "Many ranks").
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Iterable
 import msgspec
 
 from ddpscope.tracer import format as fmt
+from ddpscope.tracer.step_summary import summarize_steps
 
 _SEP = (",", ":")
 
@@ -87,11 +95,14 @@ class TraceWriter:
     file keeps what was appended whole before).
     """
 
-    def __init__(self, path: Path, meta: dict, min_interval_s: float = 0.05) -> None:
+    def __init__(self, path: Path, meta: dict, min_interval_s: float = 0.05, summary_path: Path | None = None
+                 ) -> None:
         self.path = Path(path)
+        self.summary_path = Path(summary_path) if summary_path is not None else None
         self._meta = dict(meta)
         self._pid = int(meta.get("rank", 0) or 0)
         self._pending: list[bytes] = []  # each: events "e1,e2,..." of one add(), encoded
+        self._pending_summary: list[bytes] = []  # each: the summary lines of one add(), encoded
         self._meta_changed = False
         self._closed = False
         self._closing = threading.Event()  # set by close(): ends the writer's interval sleep
@@ -101,6 +112,12 @@ class TraceWriter:
         self._io_lock = threading.Lock()  # one writer of the file at a time
         # the file exists (no events, status running) before training starts: made whole, then renamed
         write_bytes_atomic(self.path, [b"[\n", self._meta_line()])
+        if self.summary_path is not None:
+            try:
+                write_bytes_atomic(self.summary_path, [self._summary_meta_line()])
+            except BaseException:
+                self.path.unlink(missing_ok=True)
+                raise
         self._thread = threading.Thread(target=self._loop, name="ddpscope-writer", daemon=True)
         self._thread.start()
 
@@ -108,12 +125,35 @@ class TraceWriter:
         """Hand over finished events. They are encoded here, on the caller's thread, between
         steps: encoding on the writer's thread would compete with the next step for the
         GIL and the CPU, and distort the very timings being traced. Only I/O is deferred."""
-        encoded = _ENCODER.encode(list(events))[1:-1]  # "[e1,e2]" -> "e1,e2"
+        events = list(events)
+        encoded = _ENCODER.encode(events)[1:-1]  # "[e1,e2]" -> "e1,e2"
         if not encoded:
             return
+        summary = self._summarize(events) if self.summary_path is not None else b""
         with self._cond:
             self._pending.append(encoded)
+            if summary:
+                self._pending_summary.append(summary)
             self._cond.notify()
+
+    def _summarize(self, events: list) -> bytes:
+        """The summary lines of ``events`` (whole steps: what the recorders hand over). A
+        fold that fails (a bug of ours) ends the summary, said once; the events go on."""
+        try:
+            return b"".join(_ENCODER.encode(row) + b"\n" for row in summarize_steps(events))
+        except (KeyError, TypeError, ValueError) as e:
+            print(f"ddpscope: cannot summarise the steps of {self.path.name} ({type(e).__name__}: {e}); "
+                  f"{self.summary_path.name} is removed, the events go on", file=sys.stderr, flush=True)
+            with self._io_lock:
+                self.summary_path.unlink(missing_ok=True)
+                self.summary_path = None
+            return b""
+
+    def unlink(self) -> None:
+        """Remove the files (a trace that holds no step: no file says otherwise)."""
+        self.path.unlink(missing_ok=True)
+        if self.summary_path is not None:
+            self.summary_path.unlink(missing_ok=True)
 
     @property
     def error(self) -> OSError | None:
@@ -164,16 +204,25 @@ class TraceWriter:
     def _meta_line(self) -> bytes:
         return _ENCODER.encode({"name": fmt.META_EVENT, "ph": "M", "pid": self._pid, "args": self._meta})
 
+    def _summary_meta_line(self) -> bytes:
+        meta = {k: v for k, v in self._meta.items() if k not in fmt.SUMMARY_META_LEFT_OUT}
+        return _ENCODER.encode({"meta": {**meta, "summary_version": fmt.SUMMARY_VERSION}}) + b"\n"
+
     def _flush(self, final: bool = False) -> None:
         with self._io_lock:
             with self._cond:
                 chunks, self._pending = self._pending, []
+                summary, self._pending_summary = self._pending_summary, []
                 if self._meta_changed:
                     chunks.append(self._meta_line())
+                    if self.summary_path is not None:
+                        summary.append(self._summary_meta_line())
                     self._meta_changed = False
             data = b"".join(b",\n" + c for c in chunks) + (b"\n]\n" if final else b"")
             if data:
                 _append(self.path, data)
+            if summary and self.summary_path is not None:  # after the events: a summary never runs ahead
+                _append(self.summary_path, b"".join(summary))
 
 
 def _encodable(obj):

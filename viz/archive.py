@@ -40,7 +40,8 @@ def _wanted(member: str) -> str | None:
         return f"{fmt.PROFILE_DIR}/{p.name}"  # a profiled run's torch.profiler traces stay beside it
     if len(p.parts) > 2:
         return None
-    return p.name if (p.name == fmt.RUN_FILE or fmt.RANK_FILE_RE.match(p.name) or FILE_RE.match(p.name)) else None
+    return p.name if (p.name == fmt.RUN_FILE or fmt.RANK_FILE_RE.match(p.name) or fmt.SUMMARY_FILE_RE.match(p.name)
+                      or FILE_RE.match(p.name)) else None
 
 
 def extract_run_archive(data: bytes, filename: str, dest: Path) -> Path:
@@ -91,7 +92,8 @@ def extract_run_archive(data: bytes, filename: str, dest: Path) -> Path:
         raise TraceError(f"{filename} is not a readable .zip or .tar(.gz) archive (corrupt or truncated)") from None
     except RuntimeError as e:  # zipfile: an encrypted member
         raise TraceError(f"{filename} cannot be unpacked: {str(e).splitlines()[0][:120]}") from None
-    if not any(fmt.RANK_FILE_RE.match(n) or (FILE_RE.match(n) and n != fmt.RUN_FILE) for n in files):
+    if not any(fmt.RANK_FILE_RE.match(n) or fmt.SUMMARY_FILE_RE.match(n) or (FILE_RE.match(n) and n != fmt.RUN_FILE)
+               for n in files):
         raise TraceError(f"{filename} holds no rank-<r>.json trace files and no profiler traces")
     # unpacked beside, then renamed: a folder in the runs list is always whole
     tmp = dest.with_name(f".{dest.name}.unpacking")

@@ -86,14 +86,24 @@ def run_viz_command(args, prog: str) -> int:
         return 2
 
 
+#: ``summary`` prints a row per rank up to this many ranks (and reads their events)
+TABLE_RANKS = 16
+
+
 def _summary(path: str, as_json: bool) -> int:
     from ddpscope.viz.overlap import compute_rank_medians
     from ddpscope.viz.sources import folder_kind, load_training_trace
+    from ddpscope.viz.trace import TraceError, with_events
 
     kind = folder_kind(path)
     if kind in ("ring", "zero"):
         return _summary_table(path, kind, as_json)
-    trace = load_training_trace(path)
+    trace = load_training_trace(path, events_for=())  # summary first: every rank's steps, no events
+    if trace.source == "ddpscope" and trace.world_size <= TABLE_RANKS:  # a few ranks: their buckets too
+        try:
+            trace = with_events(trace, trace.ranks)
+        except TraceError:  # a folder of summaries only: what they hold is said
+            pass
     if trace.shards is not None:
         return _sharded_summary(trace, as_json)
     med = compute_rank_medians(trace)
@@ -103,7 +113,7 @@ def _summary(path: str, as_json: bool) -> int:
 
         hta = compute_hta_breakdown(trace)
     stragglers = line = None
-    if trace.source == "ddpscope":
+    if trace.source == "ddpscope" and trace.all_events:  # who each bucket waited for: every rank's buckets
         from ddpscope.viz.stragglers import compute_straggler_summary, straggler_line
 
         stragglers = compute_straggler_summary(trace)
@@ -138,7 +148,15 @@ def _summary(path: str, as_json: bool) -> int:
     else:
         print(f"{trace.path}  profiler trace, ranks {trace.run['ranks_present']} of {trace.world_size}  "
               "(medians over ProfilerSteps, ms)")
-    print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
+    if len(med) > TABLE_RANKS:  # a thousand rows say less than their spread and the slowest ranks
+        spread = med.drop(columns=["rank"]).quantile([0.0, 0.5, 0.9, 1.0]).rename(index=lambda q: f"p{q * 100:g}")
+        print(f"over the {len(med)} ranks (min p0, median p50, p90, max p100 of the ranks' medians):")
+        print(spread.round(2).to_string())
+        if slow is not None and len(slow):
+            print("the ranks that held the others back most:")
+            print(slow.head(5).round(2).to_string(index=False))
+    else:
+        print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
     if line:
         print(line)
     if zero1:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ddpscope.viz.trace import RunTrace
+from ddpscope.viz.trace import RunTrace, fill_comm_columns
 
 
 def merge_sorted_runs(first: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -60,8 +60,10 @@ def compute_step_breakdown(trace: RunTrace, include_warmup: bool = False) -> pd.
     """Per rank and step: step, forward, backward compute, optimizer, communication,
     overlapped and exposed communication (ms) and overlap % (warm-up steps left out
     unless ``include_warmup``; unfinished steps always left out). Forward and backward
-    are summed over the step's micro-batches (``micro_batches`` of them). A profiler
-    trace's steps come from its kernels (``viz.kernel_overlap``), in the same columns."""
+    are summed over the step's micro-batches (``micro_batches`` of them). It reads the
+    steps table only (its communication columns: ``tracer.step_summary``), so it serves
+    a run read from its summaries. A profiler trace's steps come from its kernels
+    (``viz.kernel_overlap``), in the same columns."""
     if trace.source != "ddpscope":
         from ddpscope.viz.kernel_overlap import compute_kernel_step_breakdown  # it builds on this module
 
@@ -71,48 +73,26 @@ def compute_step_breakdown(trace: RunTrace, include_warmup: bool = False) -> pd.
             "comm_ms", "overlapped_ms", "exposed_ms", "overlap_pct", "buckets", "micro_batches"]
     if len(steps) == 0:
         return pd.DataFrame(columns=cols)
-    groups = {k: g for k, g in trace.buckets.groupby(["rank", "step"])} if len(trace.buckets) else {}
-    backwards = _backward_intervals(trace)
-    out = []
-    for s in steps.itertuples(index=False):
-        b = groups.get((s.rank, s.step))
-        merged = merge_intervals(b["launch_us"].to_numpy(), b["done_us"].to_numpy()) if b is not None else np.empty((0, 2))
-        comm = covered(merged, -np.inf, np.inf)
-        bwd = backwards.get((s.rank, s.step), [(s.backward_start_us, s.backward_end_us)])
-        overlapped = sum(covered(merged, lo, hi) for lo, hi in bwd)
-        out.append({
-            "rank": s.rank, "step": s.step, "warmup": s.warmup,
-            "step_ms": (s.end_us - s.start_us) / 1e3,
-            "forward_ms": _total_ms(s, "forward"),
-            "backward_ms": _total_ms(s, "backward"),
-            "optimizer_ms": (s.optimizer_end_us - s.optimizer_start_us) / 1e3,
-            "comm_ms": comm / 1e3, "overlapped_ms": overlapped / 1e3, "exposed_ms": (comm - overlapped) / 1e3,
-            "overlap_pct": 100.0 * overlapped / comm if comm > 0 else np.nan,
-            "buckets": 0 if b is None else len(b),
-            "micro_batches": int(getattr(s, "micro_batches", 1) or 1),
-        })
-    return pd.DataFrame(out, columns=cols)
+    s = fill_comm_columns(steps, trace.buckets, trace.passes)
+    comm, overlapped = s["comm_us"].to_numpy(float), s["overlapped_us"].to_numpy(float)
+    micro = s["micro_batches"].fillna(0).to_numpy()
 
+    def total_ms(phase: str) -> np.ndarray:
+        """A step's ``phase`` compute summed over its passes; the span if not recorded."""
+        span = (s[f"{phase}_end_us"] - s[f"{phase}_start_us"]).to_numpy(float)
+        total = s[f"{phase}_us"].to_numpy(float)
+        return np.where(np.isfinite(total) & (micro > 0), total, span) / 1e3
 
-def _total_ms(s, phase: str) -> float:
-    """A step's ``phase`` compute summed over its passes (ms); the span if not recorded."""
-    total = getattr(s, f"{phase}_us", None)
-    if total is not None and not pd.isna(total) and getattr(s, "micro_batches", 0):
-        return total / 1e3
-    return (getattr(s, f"{phase}_end_us") - getattr(s, f"{phase}_start_us")) / 1e3
-
-
-def _backward_intervals(trace: RunTrace) -> dict[tuple[int, int], list[tuple[float, float]]]:
-    """Each step's backward passes as disjoint [start, end] intervals (µs), by (rank, step)."""
-    p = trace.passes
-    if len(p) == 0 or "backward_start_us" not in p:
-        return {}
-    p = p.dropna(subset=["backward_start_us", "backward_end_us"])
-    out: dict[tuple[int, int], list[tuple[float, float]]] = {}
-    for (rank, step), g in p.groupby(["rank", "step"]):
-        merged = merge_intervals(g["backward_start_us"].to_numpy(), g["backward_end_us"].to_numpy())
-        out[(int(rank), int(step))] = [(a, b) for a, b in merged]
-    return out
+    return pd.DataFrame({
+        "rank": s["rank"].to_numpy(), "step": s["step"].to_numpy(), "warmup": s["warmup"].to_numpy(),
+        "step_ms": (s["end_us"] - s["start_us"]).to_numpy(float) / 1e3,
+        "forward_ms": total_ms("forward"), "backward_ms": total_ms("backward"),
+        "optimizer_ms": (s["optimizer_end_us"] - s["optimizer_start_us"]).to_numpy(float) / 1e3,
+        "comm_ms": comm / 1e3, "overlapped_ms": overlapped / 1e3, "exposed_ms": (comm - overlapped) / 1e3,
+        "overlap_pct": np.where(comm > 0, 100.0 * overlapped / np.where(comm > 0, comm, 1.0), np.nan),
+        "buckets": s["num_buckets"].fillna(0).astype(int).to_numpy(),
+        "micro_batches": np.where(micro > 0, micro, 1).astype(int),
+    }, columns=cols)
 
 
 def compute_ddp_logging_view(trace: RunTrace, include_warmup: bool = False) -> pd.DataFrame:

@@ -15,7 +15,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from ddpscope.viz.overlap import compute_step_breakdown
-from ddpscope.viz.trace import RunTrace
+from ddpscope.viz.trace import RunTrace, fill_comm_columns
 
 #: the overview's metrics: column -> what it is
 METRICS = {
@@ -40,14 +40,16 @@ def compute_rank_overview(trace: RunTrace, include_warmup: bool = False) -> pd.D
         out["compute_ms"] = b["compute_ms"]
     else:
         out["compute_ms"] = b["forward_ms"].fillna(0) + b["backward_ms"].fillna(0)
-    buckets = trace.buckets
-    if len(buckets):
-        first = buckets.groupby(["rank", "step"])["launch_us"].min().rename("first_launch_us").reset_index()
-        first["launch_delay_ms"] = (first["first_launch_us"]
-                                    - first.groupby("step")["first_launch_us"].transform("min")) / 1e3
-        out = out.merge(first[["rank", "step", "launch_delay_ms"]], on=["rank", "step"], how="left")
+    if trace.source == "ddpscope":  # the steps table has each step's first launch (a summary's too)
+        first = fill_comm_columns(trace.steps, trace.buckets, trace.passes)[["rank", "step", "first_launch_us"]]
+    elif len(trace.buckets):
+        first = trace.buckets.groupby(["rank", "step"])["launch_us"].min().rename("first_launch_us").reset_index()
     else:
-        out["launch_delay_ms"] = np.nan
+        first = pd.DataFrame(columns=["rank", "step", "first_launch_us"])
+    first = first.dropna(subset=["first_launch_us"]).astype({"first_launch_us": float})
+    first["launch_delay_ms"] = (first["first_launch_us"]
+                                - first.groupby("step")["first_launch_us"].transform("min")) / 1e3
+    out = out.merge(first[["rank", "step", "launch_delay_ms"]], on=["rank", "step"], how="left")
     return out[OVERVIEW_COLUMNS].sort_values(["rank", "step"]).reset_index(drop=True)
 
 
@@ -73,6 +75,19 @@ def compute_slow_ranks(overview: pd.DataFrame, top: int | None = None) -> pd.Dat
     out = med.reset_index().sort_values(["launch_delay_ms", "compute_ms"], ascending=False, na_position="last")
     out = out[cols].reset_index(drop=True)
     return out if top is None else out.head(top)
+
+
+def ranks_to_show(trace: RunTrace, most: int = 8) -> list[int]:
+    """The ranks to draw first: every rank of a run of up to ``most``; of a bigger one,
+    rank 0 and the three ranks that held the others back most (their steps are all a
+    summary-first trace needs)."""
+    ranks = sorted(int(r) for r in trace.ranks) if trace.ranks else sorted(trace.steps["rank"].unique())
+    if len(ranks) <= most:
+        return ranks
+    if "rank_overview" not in trace.cache:  # computed once per loaded trace
+        trace.cache["rank_overview"] = compute_rank_overview(trace)
+    slow = compute_slow_ranks(trace.cache["rank_overview"])
+    return sorted({ranks[0], *(int(r) for r in slow["rank"].head(3))})
 
 
 def slow_rank_line(slow: pd.DataFrame, min_ms: float = 1.0) -> str | None:

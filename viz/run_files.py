@@ -224,7 +224,8 @@ def run_kind(path: str | Path) -> str | None:
     when it has none or it cannot be read: the DDP pages then say what is wrong), or None
     when the folder holds no rank files."""
     path = Path(path)
-    if not path.is_dir() or not any(fmt.RANK_FILE_RE.match(p.name) for p in path.iterdir()):
+    if not path.is_dir() or not any(fmt.RANK_FILE_RE.match(p.name) or fmt.SUMMARY_FILE_RE.match(p.name)
+                                    for p in path.iterdir()):
         return None
     try:
         run = read_json_file(path / fmt.RUN_FILE, "run metadata") if (path / fmt.RUN_FILE).exists() else {}
@@ -234,11 +235,27 @@ def run_kind(path: str | Path) -> str | None:
     return kind if kind in (fmt.KIND_DDP, fmt.KIND_RING, fmt.KIND_ZERO, fmt.KIND_SHARDED) else fmt.KIND_DDP
 
 
-def read_run_folder(path: str | Path, kind: str | tuple[str, ...], *, allow_missing_ranks: bool = False
-                    ) -> tuple[dict, dict[int, tuple[dict, list]], int]:
-    """``(run.json, {rank: (metadata, events)}, world size)`` of a run folder of ``kind``
-    (or one of several), checked: every rank file ours and present (unless
-    ``allow_missing_ranks``)."""
+class RunFolder(msgspec.Struct, frozen=True):
+    """A run folder, listed and its run.json checked; nothing else read yet.
+    ``rank_files`` / ``summary_files``: rank -> path of its events / of its summary."""
+
+    path: Path
+    run: dict
+    world: int
+    rank_files: dict
+    summary_files: dict
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(set(self.rank_files) | set(self.summary_files))
+
+
+def open_run_folder(path: str | Path, kind: str | tuple[str, ...], *, allow_missing_ranks: bool = False,
+                    summaries: bool = False) -> RunFolder:
+    """The run folder of ``kind`` (or one of several) at ``path``, its run.json checked
+    and its files listed: every rank's events present (unless ``allow_missing_ranks``),
+    or with ``summaries``, its events or its summary (a folder may hold only summaries:
+    a job's traces gathered from its nodes without their events)."""
     path = Path(path)
     if not path.is_dir():
         raise TraceError(f"{path} is not a folder")
@@ -256,19 +273,115 @@ def read_run_folder(path: str | Path, kind: str | tuple[str, ...], *, allow_miss
                 fmt.KIND_ZERO: "a ZeRO memory run (see the Memory page)",
                 fmt.KIND_SHARDED: "a sharded (FSDP2) training run"}
         raise TraceError(f"{path.name} is {what.get(found, repr(found))}, not {what.get(kinds[0], repr(kinds[0]))}")
-    files = {int(m.group(1)): p for p in path.iterdir() if (m := fmt.RANK_FILE_RE.match(p.name))}
-    if not files:
+    names = [p.name for p in path.iterdir()]
+    files = {int(m.group(1)): path / n for n in names if (m := fmt.RANK_FILE_RE.match(n))}
+    sums = {int(m.group(1)): path / n for n in names if (m := fmt.SUMMARY_FILE_RE.match(n))} if summaries else {}
+    present = set(files) | set(sums)
+    if not present:
         raise TraceError(f"{path} holds no rank-<r>.json trace files")
-    ranks = {}
-    for rank in sorted(files):
-        meta, events = read_rank_file(files[rank])
-        if int(meta.get("rank", -1)) != rank:
-            raise TraceError(f"{files[rank].name} says it is rank {meta.get('rank')}")
-        ranks[rank] = (meta, events)
-    world = int(run.get("world_size") or max(int(m.get("world_size", 0)) for m, _ in ranks.values()))
-    if not 1 <= world <= MAX_WORLD or max(ranks) >= world:
-        raise TraceError(f"{path}: world size {world} does not fit its rank files (ranks {min(ranks)}..{max(ranks)})")
-    missing = sorted(set(range(world)) - set(ranks))
+    world = int(run.get("world_size") or 0)
+    if not world:  # no run.json: a rank's own metadata says
+        world = int(read_rank_file(files[min(files)])[0]["world_size"]) if files else max(present) + 1
+    if not 1 <= world <= MAX_WORLD or max(present) >= world:
+        raise TraceError(f"{path}: world size {world} does not fit its rank files "
+                         f"(ranks {min(present)}..{max(present)})")
+    missing = sorted(set(range(world)) - present)
     if missing and not allow_missing_ranks:
         raise TraceError(f"{path}: rank file(s) for rank {', '.join(map(str, missing))} of {world} are missing")
-    return run or {"world_size": world, "status": "unknown"}, ranks, world
+    return RunFolder(path=path, run=run or {"world_size": world, "status": "unknown"}, world=world,
+                     rank_files=files, summary_files=sums)
+
+
+def read_checked_rank_file(path: Path, rank: int) -> tuple[dict, list[dict]]:
+    """``read_rank_file``, and the file is of the rank its name says."""
+    meta, events = read_rank_file(path)
+    if int(meta.get("rank", -1)) != rank:
+        raise TraceError(f"{path.name} says it is rank {meta.get('rank')}")
+    return meta, events
+
+
+def read_run_folder(path: str | Path, kind: str | tuple[str, ...], *, allow_missing_ranks: bool = False
+                    ) -> tuple[dict, dict[int, tuple[dict, list]], int]:
+    """``(run.json, {rank: (metadata, events)}, world size)`` of a run folder of ``kind``
+    (or one of several), checked: every rank file ours and present (unless
+    ``allow_missing_ranks``)."""
+    folder = open_run_folder(path, kind, allow_missing_ranks=allow_missing_ranks)
+    ranks = {rank: read_checked_rank_file(p, rank) for rank, p in sorted(folder.rank_files.items())}
+    return folder.run, ranks, folder.world
+
+
+# A summary's lines (``tracer/step_summary.py``), typed: a field of the wrong type, a
+# number out of range, a line that is neither a step nor metadata is one TraceError.
+Us = Annotated[float, msgspec.Meta(ge=-1e16, le=1e16)]  # a time or a duration, µs
+Big = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+Name = Annotated[str, msgspec.Meta(max_length=200)]
+
+
+class SummaryLine(msgspec.Struct):
+    """A summary line: ``{"meta": ...}``, or a step's row (``summarize_steps``)."""
+
+    meta: dict | None = None
+    step: Count | None = None
+    start_us: Us | None = None
+    end_us: Us | None = None
+    warmup: bool = False
+    incomplete: bool = False
+    micro_batches: Count = 0
+    forward_us: Us = 0.0
+    backward_us: Us = 0.0
+    forward_start_us: Us | None = None
+    forward_end_us: Us | None = None
+    backward_start_us: Us | None = None
+    backward_end_us: Us | None = None
+    sync_start_us: Us | None = None
+    sync_end_us: Us | None = None
+    optimizer_start_us: Us | None = None
+    optimizer_end_us: Us | None = None
+    param_sync_start_us: Us | None = None
+    param_sync_end_us: Us | None = None
+    param_sync_bytes: Big | None = None
+    param_sync_own_bytes: Big | None = None
+    memory: dict[Name, Annotated[int, msgspec.Meta(ge=-2**62, le=2**62)] | Us] | None = None
+    num_buckets: Count = 0
+    bucket_bytes: Big = 0
+    first_launch_us: Us | None = None
+    last_done_us: Us | None = None
+    comm_us: Us = 0.0
+    overlapped_us: Us = 0.0
+
+
+_SUMMARY_DECODER = msgspec.json.Decoder(list[SummaryLine])
+
+
+def read_summary_file(path: Path, rank: int) -> tuple[dict, list[SummaryLine]]:
+    """(metadata, step rows) of one rank's summary, checked to be ours and of ``rank``;
+    unfinished (its rank running, or stopped), it is read up to its last whole line."""
+    raw = read_file_bytes(path, "summary file")
+    body = raw[:raw.rfind(b"\n") + 1].rstrip(b"\n")  # a torn last line (a write cut short) is dropped
+    try:  # one JSON object a line (msgspec escapes a newline inside a string)
+        lines = _SUMMARY_DECODER.decode(b"[" + body.replace(b"\n", b",") + b"]")
+    except msgspec.ValidationError as e:
+        raise TraceError(f"{path.name}: {e}") from None
+    except (msgspec.MsgspecError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise TraceError(f"summary file {path.name} is not JSON lines ({str(e)[:120]})") from None
+    meta, rows = None, []
+    for line in lines:
+        if line.meta is not None:
+            meta = line.meta  # the last one counts
+        elif line.step is None or line.start_us is None or line.end_us is None:
+            raise TraceError(f"{path.name}: a line is neither a step (step, start_us, end_us) nor metadata")
+        else:
+            rows.append(line)
+    if not isinstance(meta, dict) or meta.get("format") != fmt.FORMAT:
+        raise TraceError(f"{path.name} is not a ddpscope summary (no ddpscope metadata)")
+    check_version(meta, path.name)
+    version = meta.get("summary_version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= fmt.SUMMARY_VERSION:
+        raise TraceError(f"{path.name} has summary version {version!r}; this ddpscope reads up to "
+                         f"{fmt.SUMMARY_VERSION}")
+    check_meta(meta, path.name)
+    if int(meta["rank"]) != rank:
+        raise TraceError(f"{path.name} says it is rank {meta.get('rank')}")
+    if meta.get("status") == fmt.RUNNING:
+        meta = {**meta, "steps": len(rows)}
+    return meta, rows

@@ -4,18 +4,36 @@
 every rank's timestamps onto rank 0's clock with the stored offsets, and returns
 tables (pandas DataFrames). Times are µs on rank 0's clock (``*_us`` columns).
 Bad input raises ``TraceError`` with a one-line message; nothing half-built is returned.
+
+Summary first: ``load_run(path, events_for=ranks)`` reads every rank's per-step summary
+(``rank-<r>.summary.jsonl``, a few KB a rank, written by the rank itself) and the
+events of ``ranks`` only: the step table covers every rank, the per-event tables
+(buckets, gradients, passes) the ranks asked for. Several rank files to parse are
+parsed on every core (``viz.parallel``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
+import msgspec
+import numpy as np
 import pandas as pd
 
 from ddpscope.tracer import format as fmt
-from ddpscope.viz.run_files import MAX_INDEX, TraceError, read_run_folder
+from ddpscope.tracer.step_summary import COMM_FIELDS, TIME_FIELDS, comm_fields, summarize_steps
+from ddpscope.viz.parallel import map_on_cores
+from ddpscope.viz.run_files import (
+    MAX_INDEX,
+    TraceError,
+    open_run_folder,
+    read_checked_rank_file,
+    read_summary_file,
+)
 
 __all__ = ["RunTrace", "TraceError", "load_run", "run_status", "clock_alignment", "frame_of"]
 
@@ -36,7 +54,10 @@ class RunTrace:
       written); optimizer_start_us, optimizer_end_us; under ZeroRedundancyOptimizer
       (ZeRO-1) its parameter broadcasts inside the optimizer step: param_sync_start_us,
       param_sync_end_us, param_sync_bytes (every rank's partition), param_sync_own_bytes
-      (this rank's, which it sends); NaN otherwise
+      (this rank's, which it sends); NaN otherwise; and what the step's all-reduces
+      did (``tracer.step_summary``): num_buckets, bucket_bytes, first_launch_us,
+      last_done_us, comm_us (their union) and overlapped_us (its part inside backward
+      compute), durations in µs
     - ``buckets``: rank, step, bucket, bytes, num_params, params (names), launch_us,
       done_us, incomplete
     - ``grads``: rank, step, micro, param, name, ready_us
@@ -60,12 +81,20 @@ class RunTrace:
     #: a sharded (FSDP2) run's units, per-unit compute, collectives and memory samples
     #: (``viz.sharded_trace.ShardedTables``); None for DDP and profiler traces
     shards: object | None = None
+    #: the ranks whose events were read (buckets, grads and passes hold these ranks
+    #: only; ``steps`` and ``memory`` hold every rank); None: every rank's
+    event_ranks: tuple[int, ...] | None = None
     #: derived tables that figures reuse across selections (filled by viz functions)
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
         return int(self.run.get("world_size") or len(self.ranks))
+
+    @property
+    def all_events(self) -> bool:
+        """Whether every rank's events were read (not only some ranks' summaries)."""
+        return self.event_ranks is None or set(self.event_ranks) >= set(self.ranks)
 
     @property
     def status(self) -> str:
@@ -107,44 +136,214 @@ def run_status(trace: RunTrace) -> tuple[str, str | None]:
     return said, None
 
 
-def clock_alignment(meta: dict):
-    """t (this rank's µs) -> t on rank 0's clock, interpolating start/end estimates."""
+def clock_params(meta: dict) -> tuple[float, float, float]:
+    """``(offset, slope, at)``: t on this rank's clock is ``t + offset + slope * (t - at)``
+    on rank 0's (µs), interpolating the start and end estimates of the offset."""
     co = meta.get("clock_offset") or {}
     start, end = co.get("start"), co.get("end")
     if not start:
-        return lambda t: t
+        return 0.0, 0.0, 0.0
     if not end or end["at_us"] == start["at_us"]:
-        return lambda t: t + start["offset_us"]
+        return float(start["offset_us"]), 0.0, float(start["at_us"])
     slope = (end["offset_us"] - start["offset_us"]) / (end["at_us"] - start["at_us"])
-    return lambda t: t + start["offset_us"] + slope * (t - start["at_us"])
+    return float(start["offset_us"]), slope, float(start["at_us"])
 
 
-def load_run(path: str | Path, *, allow_missing_ranks: bool = False) -> RunTrace:
+def clock_alignment(meta: dict):
+    """t (this rank's µs) -> t on rank 0's clock (``clock_params``); works on arrays too."""
+    offset, slope, at = clock_params(meta)
+    return lambda t: t + offset + slope * (t - at)
+
+
+def load_run(path: str | Path, *, allow_missing_ranks: bool = False, events_for: Iterable[int] | None = None
+             ) -> RunTrace:
     """Load a training run folder (``run.json`` + ``rank-*.json``): DDP, or sharded
-    (FSDP2: the same step tables, and its own in ``shards``)."""
+    (FSDP2: the same step tables, and its own in ``shards``).
+
+    ``events_for``: the ranks whose events are read; every other rank's steps come from
+    its summary (a rank without one, as traces before summaries: from its events). A
+    folder may then hold only summaries for ranks not asked for. None: every rank's
+    events. A sharded run's units need every rank's events: it reads them all."""
     path = Path(path)
-    run, files, _ = read_run_folder(path, (fmt.KIND_DDP, fmt.KIND_SHARDED), allow_missing_ranks=allow_missing_ranks)
-    ranks: dict[int, dict] = {}
-    rows: dict[str, list] = {"steps": [], "passes": [], "buckets": [], "grads": [], "memory": []}
-    for rank, (meta, events) in files.items():
-        ranks[rank] = meta
-        _parse_events(rank, meta, events, rows)
+    folder = open_run_folder(path, (fmt.KIND_DDP, fmt.KIND_SHARDED), allow_missing_ranks=allow_missing_ranks,
+                             summaries=events_for is not None)
+    run = folder.run
+    sharded = run.get("kind") == fmt.KIND_SHARDED
+    wanted = set(folder.ranks) if events_for is None or sharded else {int(r) for r in events_for}
+    summaries: dict[int, tuple[dict, list]] = {}
+    for rank in folder.ranks:
+        if rank in folder.summary_files and not (rank in wanted and rank in folder.rank_files):
+            try:
+                summaries[rank] = read_summary_file(folder.summary_files[rank], rank)
+            except TraceError:
+                if rank not in folder.rank_files:
+                    raise
+                # a summary is a digest of the events: read them instead
+    parse = [r for r in folder.ranks if r not in summaries]
+    missing = [r for r in parse if r not in folder.rank_files]
+    if missing:
+        raise TraceError(f"{path.name}: rank {missing[0]} has neither events nor a summary that can be read")
+    raw: dict[int, tuple[dict, list]] = {}
+    if sharded:  # the units are parsed from every rank's events at once
+        raw = {r: read_checked_rank_file(folder.rank_files[r], r) for r in parse}
+        parsed = [_rank_tables(r, *raw[r]) for r in parse]
+    else:
+        sizes = [folder.rank_files[r].stat().st_size for r in parse]
+        parsed = map_on_cores(_read_rank_tables, [(r, folder.rank_files[r]) for r in parse], sizes)
+    ranks = {r: t.meta for r, t in zip(parse, parsed)}
+    ranks.update({r: m for r, (m, _) in summaries.items()})
+    ranks = dict(sorted(ranks.items()))
+    rows = [row for t in parsed for row in t.steps]
+    rows += [{"rank": r, **msgspec.structs.asdict(line)} for r, (_, lines) in summaries.items() for line in lines]
+    steps, memory = _step_tables(rows, ranks)
     shards = None
-    if run.get("kind") == fmt.KIND_SHARDED:
+    if sharded:
         from ddpscope.viz.sharded_trace import parse_sharded
 
         try:
-            shards = parse_sharded(run, files, clock_alignment)
+            shards = parse_sharded(run, raw, clock_alignment)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise TraceError(f"{path.name}: malformed sharded trace ({type(e).__name__}: {str(e)[:200]})") from None
+
+    def joined(name: str, order: list[str], columns: list[str]) -> pd.DataFrame:
+        frames = [getattr(t, name) for t in parsed if len(getattr(t, name))]
+        if not frames:
+            return frame_of([], order, columns)
+        return pd.concat(frames, ignore_index=True).sort_values(order, kind="stable").reset_index(drop=True)
+
     return RunTrace(
-        path=path, run=run, ranks=ranks, shards=shards,
-        steps=frame_of(rows["steps"], ["rank", "step"], STEP_COLUMNS),
-        buckets=frame_of(rows["buckets"], ["rank", "step", "bucket"], BUCKET_COLUMNS),
-        grads=frame_of(rows["grads"], ["rank", "step", "ready_us"], GRAD_COLUMNS),
-        memory=frame_of(rows["memory"], ["rank", "step"], ["rank", "step"]),
-        passes=frame_of(rows["passes"], ["rank", "step", "micro"], PASS_COLUMNS),
+        path=path, run=run, ranks=ranks, shards=shards, steps=steps, memory=memory,
+        buckets=joined("buckets", ["rank", "step", "bucket"], BUCKET_COLUMNS),
+        grads=joined("grads", ["rank", "step", "ready_us"], GRAD_COLUMNS),
+        passes=joined("passes", ["rank", "step", "micro"], PASS_COLUMNS),
+        event_ranks=None if not summaries else tuple(parse),
     )
+
+
+def with_events(trace: RunTrace, ranks: Iterable[int]) -> RunTrace:
+    """``trace`` (read from summaries) with the events of ``ranks`` read too: its
+    buckets, gradients and passes then hold those ranks as well (on every core when
+    several big files are read); steps and memory are unchanged (a step folded from the
+    events is the row its summary holds)."""
+    if trace.event_ranks is None:
+        return trace
+    have = set(trace.event_ranks)
+    new = sorted({int(r) for r in ranks} - have)
+    if not new:
+        return trace
+    folder = open_run_folder(trace.path, (fmt.KIND_DDP, fmt.KIND_SHARDED), allow_missing_ranks=True, summaries=True)
+    absent = [r for r in new if r not in folder.rank_files]
+    if absent:
+        raise TraceError(f"{trace.path.name}: the events of rank {', '.join(map(str, absent))} are not in the folder "
+                         "(only their summaries): copy their rank-<r>.json beside them to see them")
+    parsed = map_on_cores(_read_rank_tables, [(r, folder.rank_files[r]) for r in new],
+                          [folder.rank_files[r].stat().st_size for r in new])
+
+    def joined(name: str, order: list[str]) -> pd.DataFrame:
+        frames = [f for f in [getattr(trace, name), *(getattr(t, name) for t in parsed)] if len(f)]
+        if not frames:
+            return getattr(trace, name)
+        return pd.concat(frames, ignore_index=True).sort_values(order, kind="stable").reset_index(drop=True)
+
+    return dataclasses.replace(
+        trace, buckets=joined("buckets", ["rank", "step", "bucket"]), grads=joined("grads", ["rank", "step", "ready_us"]),
+        passes=joined("passes", ["rank", "step", "micro"]), event_ranks=tuple(sorted(have | set(new))), cache={})
+
+
+def select_ranks(trace: RunTrace, ranks: Iterable[int]) -> RunTrace:
+    """``trace`` with only ``ranks`` in its ranks and tables (the run, world size
+    included, unchanged): what a model that needs every table of every rank reads."""
+    keep = {int(r) for r in ranks}
+
+    def of(df: pd.DataFrame) -> pd.DataFrame:
+        return df[df["rank"].isin(keep)].reset_index(drop=True) if "rank" in df else df
+
+    return dataclasses.replace(
+        trace, ranks={r: m for r, m in trace.ranks.items() if r in keep}, steps=of(trace.steps),
+        buckets=of(trace.buckets), grads=of(trace.grads), passes=of(trace.passes), memory=of(trace.memory),
+        event_ranks=None if trace.event_ranks is None else tuple(r for r in trace.event_ranks if r in keep), cache={})
+
+
+class _RankTables(msgspec.Struct):
+    """One rank's events, parsed (in a worker process when several are): its metadata,
+    its step rows (``summarize_steps``, its own clock) and its aligned per-event tables."""
+
+    meta: dict
+    steps: list
+    passes: pd.DataFrame
+    buckets: pd.DataFrame
+    grads: pd.DataFrame
+
+
+def _read_rank_tables(rank: int, path: Path) -> _RankTables:
+    return _rank_tables(rank, *read_checked_rank_file(path, rank))
+
+
+def _rank_tables(rank: int, meta: dict, events: list) -> _RankTables:
+    rows: dict[str, list] = {"passes": [], "buckets": [], "grads": []}
+    _parse_events(rank, meta, events, rows)  # checks every event first
+    try:
+        steps = [{"rank": rank, **row} for row in summarize_steps(events)]
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise TraceError(f"rank {rank}: malformed trace event ({type(e).__name__}: {str(e)[:200]})") from None
+    return _RankTables(meta=meta, steps=steps,
+                       passes=frame_of(rows["passes"], ["rank", "step", "micro"], PASS_COLUMNS),
+                       buckets=frame_of(rows["buckets"], ["rank", "step", "bucket"], BUCKET_COLUMNS),
+                       grads=frame_of(rows["grads"], ["rank", "step", "ready_us"], GRAD_COLUMNS))
+
+
+def _step_tables(rows: list[dict], metas: dict[int, dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The steps and memory tables from step rows (``summarize_steps``, with their rank),
+    their times aligned to rank 0's clock, one vectorised pass for every rank."""
+    if not rows:
+        return frame_of([], ["rank", "step"], STEP_COLUMNS), frame_of([], ["rank", "step"], ["rank", "step"])
+    df = pd.DataFrame(rows)
+    for c in STEP_COLUMNS:
+        if c not in df:
+            df[c] = np.nan
+    params = {r: clock_params(m) for r, m in metas.items()}
+    rank = df["rank"].to_numpy()
+    offset, slope, at = (np.array([params[r][k] for r in rank], dtype=float) for k in range(3))
+    for c in TIME_FIELDS:  # the same arithmetic as clock_alignment's
+        t = df[c].to_numpy(dtype=float)
+        df[c] = t + offset + slope * (t - at)
+    if "memory" not in df:
+        df["memory"] = None
+    memory = df[["rank", "step", "memory"]].dropna(subset=["memory"])
+    memory = frame_of([{"rank": r, "step": s, **_byte_counts(m)} for r, s, m in memory.itertuples(index=False)],
+                      ["rank", "step"], ["rank", "step"])
+    ints = {"rank", "step", "micro_batches", "num_buckets", "bucket_bytes"}
+    steps = df[STEP_COLUMNS].astype({c: bool if c in ("warmup", "incomplete") else "int64" if c in ints else float
+                                     for c in STEP_COLUMNS})
+    return steps.sort_values(["rank", "step"], kind="stable").reset_index(drop=True), memory
+
+
+def fill_comm_columns(steps: pd.DataFrame, buckets: pd.DataFrame, passes: pd.DataFrame) -> pd.DataFrame:
+    """``steps`` with its ``COMM_FIELDS`` computed from the bucket and pass tables where
+    they are missing (NaN, or no column): a prediction's steps, a table built by hand.
+    The same definition as a summary's (``tracer.step_summary.comm_fields``)."""
+    need = steps["comm_us"].isna() if "comm_us" in steps else pd.Series(True, index=steps.index)
+    if not need.any():
+        return steps
+    steps = steps.copy()
+    for c in COMM_FIELDS:
+        if c not in steps:
+            steps[c] = np.nan
+    by_bucket = {k: g for k, g in buckets.groupby(["rank", "step"])} if len(buckets) else {}
+    by_pass = {k: g for k, g in passes.groupby(["rank", "step"])} if len(passes) and "backward_start_us" in passes else {}
+    for i in steps.index[need]:
+        key = (steps.at[i, "rank"], steps.at[i, "step"])
+        b, p = by_bucket.get(key), by_pass.get(key)
+        calls = [] if b is None else list(zip(b["launch_us"], b["done_us"], b["bytes"]))
+        if p is not None:
+            p = p.dropna(subset=["backward_start_us", "backward_end_us"])
+            backwards = list(zip(p["backward_start_us"], p["backward_end_us"]))
+        else:
+            lo, hi = steps.at[i, "backward_start_us"], steps.at[i, "backward_end_us"]
+            backwards = [(lo, hi)] if pd.notna(lo) and pd.notna(hi) else []
+        for c, v in comm_fields(calls, backwards).items():
+            steps.at[i, c] = v
+    return steps
 
 
 # Every table has its columns whatever the trace held (a trace without backward spans
@@ -152,7 +351,7 @@ def load_run(path: str | Path, *, allow_missing_ranks: bool = False) -> RunTrace
 _SPAN_COLUMNS = [f"{phase}_{end}_us" for phase in ("forward", "backward", "sync") for end in ("start", "end")]
 STEP_COLUMNS = ["rank", "step", "warmup", "incomplete", "start_us", "end_us", "micro_batches", "forward_us",
                 "backward_us", *_SPAN_COLUMNS, "optimizer_start_us", "optimizer_end_us", "param_sync_start_us",
-                "param_sync_end_us", "param_sync_bytes", "param_sync_own_bytes"]
+                "param_sync_end_us", "param_sync_bytes", "param_sync_own_bytes", *COMM_FIELDS]
 PASS_COLUMNS = ["rank", "step", "micro", "sync", *_SPAN_COLUMNS]
 BUCKET_COLUMNS = ["rank", "step", "bucket", "bytes", "num_params", "params", "launch_us", "done_us", "incomplete"]
 GRAD_COLUMNS = ["rank", "step", "micro", "param", "name", "ready_us"]
@@ -183,12 +382,13 @@ def _byte_counts(memory: dict) -> dict:
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) < 2**62):
             raise ValueError(f"memory[{k!r}] is not a byte count")
     return memory
-_STEP_PHASES = ("forward", "backward", "sync")
 
 
 def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) -> None:
+    """Every event checked (step, finite times, non-negative durations), and the passes,
+    gradient marks and bucket all-reduces of ``events`` as rows, aligned (the steps are
+    ``summarize_steps``'s)."""
     align = clock_alignment(meta)
-    steps: dict[int, dict] = {}
     passes: dict[tuple[int, int], dict] = {}
     seen: dict[tuple[int, str], int] = {}  # (step, phase) -> spans so far (traces without "micro")
     names = meta.get("param_names") or []
@@ -203,12 +403,8 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
             if not (0 <= step < MAX_INDEX and math.isfinite(raw) and math.isfinite(dur) and dur >= 0):
                 raise ValueError(f"step {step}, ts {raw}, dur {dur} out of range")
             ts, te = align(raw), align(raw + dur)  # both ends: drift applies
-            if cat == fmt.CAT_STEP:
-                row = steps.setdefault(step, {"rank": rank, "step": step})
-                row.update(start_us=ts, end_us=te, warmup=bool(args.get("warmup", False)),
-                           incomplete=bool(args.get("incomplete", False)))
-                if isinstance(args.get("memory"), dict):
-                    rows["memory"].append({"rank": rank, "step": step, **_byte_counts(args["memory"])})
+            if cat == fmt.CAT_STEP and isinstance(args.get("memory"), dict):
+                _byte_counts(args["memory"])
             elif cat in _PHASES:
                 key = _PHASES[cat]
                 n = seen[(step, key)] = seen.get((step, key), -1) + 1
@@ -217,13 +413,8 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
                 if "sync" in args:
                     p["sync"] = bool(args["sync"])
                 p[f"{key}_start_us"], p[f"{key}_end_us"] = ts, te
-            elif cat == fmt.CAT_OPTIMIZER:
-                row = steps.setdefault(step, {"rank": rank, "step": step})
-                row["optimizer_start_us"], row["optimizer_end_us"] = ts, te
-            elif cat == fmt.CAT_PARAM_SYNC:  # ZeRO-1: the parameters broadcast after the update
-                row = steps.setdefault(step, {"rank": rank, "step": step})
-                row.update(param_sync_start_us=ts, param_sync_end_us=te, param_sync_bytes=int(args["bytes"]),
-                           param_sync_own_bytes=int(args.get("own_bytes", 0)))
+            elif cat == fmt.CAT_PARAM_SYNC:
+                int(args["bytes"]), int(args.get("own_bytes", 0))
             elif cat == fmt.CAT_GRAD:
                 p = int(args["param"])
                 if not 0 <= p < (len(names) if names else MAX_INDEX):
@@ -240,22 +431,4 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
                                         "incomplete": bool(args.get("incomplete", False))})
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise TraceError(f"rank {rank}: malformed trace event ({type(e).__name__}: {str(e)[:200]})") from None
-    by_step: dict[int, list[dict]] = {}
-    for (step, _), p in sorted(passes.items()):
-        by_step.setdefault(step, []).append(p)
-        rows["passes"].append(p)
-    for row in steps.values():
-        if "start_us" not in row:
-            raise TraceError(f"rank {rank}: step {row['step']} has events but no step span")
-        mine = by_step.get(row["step"], [])
-        row["micro_batches"] = len(mine)
-        row["forward_us"] = sum(p["forward_end_us"] - p["forward_start_us"] for p in mine if "forward_start_us" in p)
-        row["backward_us"] = sum(p["backward_end_us"] - p["backward_start_us"] for p in mine
-                                 if "backward_start_us" in p)
-        syncing = [p for p in mine if p["sync"]] or mine
-        if syncing:  # the pass whose backward launched the all-reduces
-            for key in _STEP_PHASES:
-                for end in ("start_us", "end_us"):
-                    if f"{key}_{end}" in syncing[-1]:
-                        row[f"{key}_{end}"] = syncing[-1][f"{key}_{end}"]
-        rows["steps"].append(row)
+    rows["passes"] += [p for _, p in sorted(passes.items())]

@@ -29,7 +29,8 @@ def open_rank_trace(out_dir: Path, rank: int, world: int, meta: dict, header: li
         if (out_dir / fmt.rank_file(rank)).exists():
             raise FileExistsError(f"{out_dir} already holds rank {rank}'s trace of an earlier job (a script that "
                                   "runs several, or a folder used twice): it is kept, this job is not traced")
-        writer = TraceWriter(out_dir / fmt.rank_file(rank), meta, flush_interval_s)
+        writer = TraceWriter(out_dir / fmt.rank_file(rank), meta, flush_interval_s,
+                             summary_path=out_dir / fmt.summary_file(rank))
         writer.add(header)
         on_opened()
     except FileExistsError as e:
@@ -45,7 +46,7 @@ def open_rank_trace(out_dir: Path, rank: int, world: int, meta: dict, header: li
                 writer.close(status=fmt.FAILED, error="the tracer could not start")
             except OSError:
                 pass
-            writer.path.unlink(missing_ok=True)
+            writer.unlink()
         raise RuntimeError(first)
     return writer
 

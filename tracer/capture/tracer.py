@@ -135,7 +135,7 @@ class DDPTracer:
                 self._writer.close(status=fmt.FAILED, error="the tracer could not start")
             except OSError:
                 pass
-            self._writer.path.unlink(missing_ok=True)
+            self._writer.unlink()
             self._writer = None
         self._recorder = None
 

@@ -52,7 +52,8 @@ def folder_kind(path: str | Path) -> str | None:
     if ours_rank and not has_run and is_kineto_file(ours_rank[0]):  # a profiler trace named rank-0.json
         others, ours_rank = others + ours_rank, []
     kineto = bool(others) and is_kineto_file(others[0])
-    ours = run_kind(path) if ours_rank else None
+    summaries = has_run and any(fmt.SUMMARY_FILE_RE.match(p.name) for p in path.iterdir())  # events left behind
+    ours = run_kind(path) if ours_rank or summaries else None
     if ours and kineto:
         return MIXED
     return ours or (KINETO if kineto else None)
@@ -71,6 +72,7 @@ def readable_kind(path: str | Path) -> str:
     return kind or fmt.KIND_DDP
 
 
-def load_training_trace(path: str | Path) -> RunTrace:
-    """A DDP training trace from a ddpscope run folder or a folder of profiler traces."""
-    return load_kineto(path) if readable_kind(path) == KINETO else load_run(path)
+def load_training_trace(path: str | Path, events_for=None) -> RunTrace:
+    """A DDP training trace from a ddpscope run folder (``events_for``: see ``load_run``)
+    or a folder of profiler traces."""
+    return load_kineto(path) if readable_kind(path) == KINETO else load_run(path, events_for=events_for)

@@ -25,7 +25,17 @@ import dataclasses
 import numpy as np
 import pandas as pd
 
-from ddpscope.viz.trace import BUCKET_COLUMNS, GRAD_COLUMNS, PASS_COLUMNS, STEP_COLUMNS, RunTrace, TraceError, frame_of
+from ddpscope.tracer.step_summary import COMM_FIELDS
+from ddpscope.viz.trace import (
+    BUCKET_COLUMNS,
+    GRAD_COLUMNS,
+    PASS_COLUMNS,
+    STEP_COLUMNS,
+    RunTrace,
+    TraceError,
+    fill_comm_columns,
+    frame_of,
+)
 from ddpscope.viz.whatif.layout import assign_buckets, cap_limits
 from ddpscope.viz.whatif.model import StepInputs, WhatIfModel, fit_model, step_inputs
 
@@ -213,18 +223,20 @@ def predict_run(trace: RunTrace, cap_mb: float | None, model: WhatIfModel | None
     memory = trace.memory
     if len(memory):
         memory = memory[[k in keep for k in memory.set_index(["rank", "step"]).index]].reset_index(drop=True)
+    buckets = frame_of(rows["buckets"], ["rank", "step", "bucket"], BUCKET_COLUMNS)
+    passes = frame_of(rows["passes"], ["rank", "step", "micro"], PASS_COLUMNS)
     return RunTrace(path=trace.path, run=run, ranks=trace.ranks,
-                    steps=frame_of(rows["steps"], ["rank", "step"], STEP_COLUMNS),
-                    buckets=frame_of(rows["buckets"], ["rank", "step", "bucket"], BUCKET_COLUMNS),
-                    grads=frame_of(rows["grads"], ["rank", "step", "ready_us"], GRAD_COLUMNS),
-                    memory=memory, passes=frame_of(rows["passes"], ["rank", "step", "micro"], PASS_COLUMNS))
+                    steps=fill_comm_columns(frame_of(rows["steps"], ["rank", "step"], STEP_COLUMNS), buckets, passes),
+                    buckets=buckets, grads=frame_of(rows["grads"], ["rank", "step", "ready_us"], GRAD_COLUMNS),
+                    memory=memory, passes=passes)
 
 
 def _emit_rank_step(rows, m, r, inp: StepInputs, res, sim, layout, bucket_bytes, names) -> None:
     rs = inp.ranks[r]
     micro = int(m.get("micro_batches", 1) or 1) - 1  # the syncing pass is the step's last
     shift = res["sync_end"] - float(m["sync_end_us"]) if pd.notna(m.get("sync_end_us")) else 0.0
-    row = {k: m[k] for k in m.index if not k.startswith("optimizer") and k not in ("end_us",)}
+    # what the measured all-reduces did is not the prediction's: computed from its buckets
+    row = {k: m[k] for k in m.index if not k.startswith("optimizer") and k not in ("end_us", *COMM_FIELDS)}
     row.update(rank=r, step=inp.step, warmup=False, incomplete=False,
                backward_end_us=res["backward_end"], sync_start_us=res["backward_end"], sync_end_us=res["sync_end"],
                end_us=float(m["end_us"]) + shift)

@@ -95,7 +95,7 @@ class FSDPTracer:
             self._detach()
             if self._writer is not None:
                 self._writer.close(status=fmt.FAILED, error="the tracer could not start")
-                self._writer.path.unlink(missing_ok=True)
+                self._writer.unlink()
                 self._writer = None
             self._release_cpu_group()
             reason = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"

@@ -1,0 +1,128 @@
+"""A rank's steps in one row each: the summary a viewer of many ranks reads instead of
+every event.
+
+``summarize_steps(events)`` folds the trace events of whole steps into one row per
+step: the step, pass and optimizer spans a viewer tables (``viz.trace``'s ``steps``),
+the memory measured, and what the step's bucket all-reduces did, already reduced:
+how many, their bytes, the first launch, the last completion, the union of their
+intervals (communication time) and the part of it inside backward compute.
+
+It is the one definition of those rows: the tracer's writer runs it on the training
+node for every step it writes (``rank-<r>.summary.jsonl``, beside the events), and a
+viewer that parses a rank's events runs it on them, so a row read from a summary and
+one folded from the events are the same row. Light on purpose (no torch, no numpy):
+it runs between training steps, ~10 events a step that are not gradient marks.
+
+Times are µs on the rank's own clock (readers align them as they align events);
+durations (``*_us`` that are not ``*_start_us`` / ``*_end_us`` / ``first_launch_us`` /
+``last_done_us``) are µs.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from ddpscope.tracer import format as fmt
+
+_PHASES = {fmt.CAT_FORWARD: "forward", fmt.CAT_BACKWARD: "backward", fmt.CAT_GRAD_SYNC: "sync"}
+#: the absolute times of a row (µs on the rank's clock): what a reader aligns to rank 0's
+TIME_FIELDS = ("start_us", "end_us", "forward_start_us", "forward_end_us", "backward_start_us", "backward_end_us",
+               "sync_start_us", "sync_end_us", "optimizer_start_us", "optimizer_end_us", "param_sync_start_us",
+               "param_sync_end_us", "first_launch_us", "last_done_us")
+#: the communication fields of a row (see ``summarize_steps``)
+COMM_FIELDS = ("num_buckets", "bucket_bytes", "first_launch_us", "last_done_us", "comm_us", "overlapped_us")
+
+
+def summarize_steps(events: Iterable) -> list[dict]:
+    """One row per step of ``events`` (the complete events of whole steps, as the
+    tracer writes them; anything else, such as gradient marks, is skipped), sorted by
+    step. A row: step, warmup, incomplete, start_us, end_us, micro_batches, forward_us
+    and backward_us (compute summed over the step's passes), the syncing pass's (the one
+    whose backward launched the all-reduces; the last pass if none synced)
+    forward/backward/sync start and end, optimizer start and end, ZeRO-1's param_sync
+    start, end, bytes and own_bytes, ``memory`` (byte counts by name) when measured, and
+    ``COMM_FIELDS``: num_buckets, bucket_bytes, first_launch_us, last_done_us, comm_us
+    (the union of the all-reduce intervals) and overlapped_us (the part of it inside
+    backward compute, every pass's). Raises ``KeyError`` / ``TypeError`` /
+    ``ValueError`` on an event that is not one of ours."""
+    steps: dict[int, dict] = {}
+    passes: dict[int, dict[int, dict]] = {}
+    seen: dict[tuple[int, str], int] = {}  # (step, phase) -> spans so far (traces without "micro")
+    comm: dict[int, list[tuple[float, float, int]]] = {}
+    for e in events:
+        if type(e) is not dict or e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        if cat not in _FOLDED:
+            continue
+        args = e["args"]
+        step = int(args["step"])
+        ts = float(e["ts"])
+        te = ts + float(e.get("dur", 0.0))
+        if cat == fmt.CAT_ALLREDUCE:
+            comm.setdefault(step, []).append((ts, te, int(args["bytes"])))
+        elif cat == fmt.CAT_STEP:
+            row = steps.setdefault(step, {"step": step})
+            row.update(start_us=ts, end_us=te, warmup=bool(args.get("warmup", False)),
+                       incomplete=bool(args.get("incomplete", False)))
+            if isinstance(args.get("memory"), dict):
+                row["memory"] = args["memory"]
+        elif cat in _PHASES:
+            key = _PHASES[cat]
+            n = seen[(step, key)] = seen.get((step, key), -1) + 1
+            micro = int(args.get("micro", n))
+            p = passes.setdefault(step, {}).setdefault(micro, {"synced": True})  # DDP reduced its gradients
+            if "sync" in args:
+                p["synced"] = bool(args["sync"])
+            p[key] = (ts, te)
+        elif cat == fmt.CAT_OPTIMIZER:
+            steps.setdefault(step, {"step": step}).update(optimizer_start_us=ts, optimizer_end_us=te)
+        else:  # fmt.CAT_PARAM_SYNC: ZeRO-1's parameters broadcast after the update
+            steps.setdefault(step, {"step": step}).update(
+                param_sync_start_us=ts, param_sync_end_us=te, param_sync_bytes=int(args["bytes"]),
+                param_sync_own_bytes=int(args.get("own_bytes", 0)))
+    for step, row in steps.items():
+        if "start_us" not in row:
+            raise ValueError(f"step {step} has events but no step span")
+        mine = [p for _, p in sorted(passes.get(step, {}).items())]
+        row["micro_batches"] = len(mine)
+        row["forward_us"] = sum(p["forward"][1] - p["forward"][0] for p in mine if "forward" in p)
+        row["backward_us"] = sum(p["backward"][1] - p["backward"][0] for p in mine if "backward" in p)
+        syncing = [p for p in mine if p["synced"]] or mine
+        if syncing:
+            for key in ("forward", "backward", "sync"):
+                if key in syncing[-1]:
+                    row[f"{key}_start_us"], row[f"{key}_end_us"] = syncing[-1][key]
+        row.update(comm_fields(comm.get(step, []), [p["backward"] for p in mine if "backward" in p]))
+    return [steps[s] for s in sorted(steps)]
+
+
+_FOLDED = {fmt.CAT_STEP, fmt.CAT_OPTIMIZER, fmt.CAT_PARAM_SYNC, fmt.CAT_ALLREDUCE, *_PHASES}
+
+
+def comm_fields(allreduces: list[tuple[float, float, int]], backwards: list[tuple[float, float]]) -> dict:
+    """A step's all-reduces ``(launch, done, bytes)`` reduced against its backward
+    passes ``(start, end)`` (see ``COMM_FIELDS``)."""
+    out = {"num_buckets": len(allreduces), "bucket_bytes": sum(b for _, _, b in allreduces)}
+    if not allreduces:
+        return {**out, "comm_us": 0.0, "overlapped_us": 0.0}
+    merged = union([(a, b) for a, b, _ in allreduces])
+    compute = union(backwards)
+    overlapped = 0.0
+    for lo, hi in compute:
+        for a, b in merged:
+            overlapped += max(0.0, min(b, hi) - max(a, lo))
+    return {**out, "first_launch_us": min(a for a, _, _ in allreduces),
+            "last_done_us": max(b for _, b, _ in allreduces),
+            "comm_us": sum(b - a for a, b in merged), "overlapped_us": overlapped}
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint, sorted intervals covering the same time as ``intervals``."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
