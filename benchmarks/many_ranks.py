@@ -197,6 +197,8 @@ def main() -> None:
         wall, line = summary_cli(big)
         print(f"{'ddpscope summary (fresh process, imports too)':44s} {args.ranks:6d} {wall:8.2f}")
         full, first, one = (rows[(args.full_ranks, m)] for m in ("every event", "summary-first", "one-core"))
+        print("(peak: the viewer process's own; parsing on every core, its worker processes hold their share "
+              "besides)")
         print(f"\nat {args.full_ranks} ranks: summary-first {full['wall_s'] / first['wall_s']:.1f}x faster than every "
               f"event, {full['peak_kib'] / first['peak_kib']:.1f}x less peak memory; every core "
               f"{one['wall_s'] / full['wall_s']:.2f}x faster than one")

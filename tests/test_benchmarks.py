@@ -23,10 +23,11 @@ PRINTS = {
     "overhead": "where the full tracer's time goes",
     "sharded": "prediction: from one trace, the other reshard_after_forward",
     "whatif": "model   replay%  stepMAE%",
-    "kineto": "figures (rank 0, %):",
+    "kineto": "figures per rank, % (ddpscope / HTA):",
     "rerun": "click -> new timeline on screen",
     "first_chart": "slowest first chart",
     "overview": "overview drawn (heatmap + spread)",
+    "many_ranks": "summary-first",
 }
 
 

@@ -116,10 +116,10 @@ def _ring_animation_plays(page, tmp_path: Path) -> None:
 @pytest.mark.skipif(not (ROOT.parent / "shared" / "data" / "kineto").is_dir(), reason="../shared/data/kineto is absent")
 def test_a_big_profiler_trace_opens_and_draws_its_timeline(tmp_path):
     """243 k events (the shared trace's steps repeated, as benchmarks/kineto.py builds
-    them): picked in the sidebar, its kernel timeline is on screen within a minute."""
-    from benchmarks.kineto import build_trace
+    them; rank 0 of 2): picked in the sidebar, its kernel timeline is on screen within a minute."""
+    from benchmarks.kineto import build_job
 
-    build_trace(tmp_path / "runs" / "big-profile", 6)
+    build_job(tmp_path / "runs" / "big-profile", ranks=1, copies=6, world_size=2)
     with dashboard_page(tmp_path / "runs") as (page, _, _):
         page.locator("[data-testid='stSidebar'] [data-testid='stSelectbox']").first.click()
         page.get_by_role("option", name="run: big-profile").click()

@@ -3,8 +3,8 @@ worker processes when it is worth it.
 
 Parsing JSON into tables is Python-bound (the GIL), so threads would not help; worker
 processes do, at the cost of starting them (~0.5 s: a forkserver, safe in a threaded
-server such as Streamlit's, imports pandas once) and of sending the tables back
-(pickled frames). Below ``MIN_PARALLEL_BYTES`` of input, or on one core, the files are
+server such as Streamlit's, imports the parsing module once, and its workers, forked
+from it, share those pages) and of sending the tables back (pickled frames). Below ``MIN_PARALLEL_BYTES`` of input, or on one core, the files are
 parsed here, in order.
 """
 
@@ -38,6 +38,9 @@ def map_on_cores(fn: Callable[..., T], calls: Sequence[tuple], sizes: Sequence[i
         return [fn(*args) for args in calls]
     order = sorted(range(len(calls)), key=lambda i: -sizes[i])
     ctx = multiprocessing.get_context("forkserver")
+    # the server imports fn's module once; workers forked from it share those pages
+    # (taking effect when the server starts: the first call in this process)
+    ctx.set_forkserver_preload([fn.__module__])
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = {i: pool.submit(fn, *calls[i]) for i in order}
         return [futures[i].result() for i in range(len(calls))]

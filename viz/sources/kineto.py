@@ -17,7 +17,9 @@ What is read (HTA's definitions, so the figures agree with Holistic Trace Analys
   communication from those CPU-side spans too (HTA's figures leave them out);
 - **buckets**: for DDP, each all-reduce of a step, in start order, is a bucket.
 
-Ranks come from each file's ``distributedInfo`` (else the file name). They are put on one
+Several big files are parsed on every core (``viz.parallel``): each worker reads a file
+and builds its rank's tables; only the tables come back. Ranks come from each file's
+``distributedInfo`` (else the file name). They are put on one
 time axis by Kineto's per-rank base time (``baseTimeNanoseconds``), then by the ends of the
 collectives every rank ran (a collective ends at about the same moment on every rank):
 the median difference is each rank's shift, and what is left is reported as residual skew.
@@ -25,12 +27,14 @@ the median difference is each rank's shift, and what is left is reported as resi
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from ddpscope.viz.parallel import map_on_cores
 from ddpscope.viz.sources.kineto_file import COMM_PREFIXES, FILE_RE, KinetoFile, rank_from_name, read_kineto_file
 from ddpscope.viz.trace import GRAD_COLUMNS, PASS_COLUMNS, STEP_COLUMNS, RunTrace, TraceError, frame_of
 
@@ -86,11 +90,14 @@ def load_kineto(path: str | Path) -> RunTrace:
     files = kineto_files(path)
     if not files:
         raise TraceError(f"{path} holds no profiler traces (*.json, *.json.gz)")
-    by_rank = _ranks(files)
+    # a gzip file inflates ~8x: what the parse costs is what it reads
+    parsed = map_on_cores(_parse_file, [(p,) for p in files],
+                          [p.stat().st_size * (8 if p.name.endswith(".gz") else 1) for p in files])
+    by_rank = _ranks(parsed)
     world = _world_size(by_rank)
-    tables = {r: _rank_tables(r, f) for r, f in by_rank.items()}
+    tables = {r: (f.steps, f.kernels) for r, f in by_rank.items()}
     shifts, clock = _align(by_rank, tables)
-    cpu_only = all(len(f.gpu["ts"]) == 0 for f in by_rank.values())
+    cpu_only = not any(f.gpu_events for f in by_rank.values())
     rows: dict[str, list[pd.DataFrame]] = {"steps": [], "kernels": [], "buckets": []}
     for r, (steps, kernels) in tables.items():
         for name, df in (("steps", steps), ("kernels", kernels)):
@@ -124,11 +131,40 @@ def load_kineto(path: str | Path) -> RunTrace:
                     passes=frame_of([], [], PASS_COLUMNS), kernels=kernels, source=KIND)
 
 
-def _ranks(files: list[Path]) -> dict[int, KinetoFile]:
-    out: dict[int, KinetoFile] = {}
-    for p in files:
-        f = read_kineto_file(p)
-        named = rank_from_name(p.name)
+@dataclasses.dataclass(frozen=True)
+class _ParsedFile:
+    """One file, parsed (in a worker process when several are): what its rank's tables
+    and the checks across ranks need, not its events."""
+
+    path: Path
+    rank: int | None  # its distributedInfo's
+    named: int | None  # its file name's
+    world_size: int | None
+    backend: str | None
+    base_time_ns: int | None
+    devices: int
+    hta_rounds: bool
+    timed: bool  # it holds timed events
+    gpu_events: bool
+    steps: pd.DataFrame  # with the rank it says it is (0 if it says none)
+    kernels: pd.DataFrame
+
+
+def _parse_file(path: Path) -> _ParsedFile:
+    f = read_kineto_file(path)
+    named = rank_from_name(path.name)
+    rank = f.rank if f.rank is not None else named if named is not None else 0
+    timed = bool(len(f.ops["ts"]) or len(f.gpu["ts"]))
+    steps, kernels = _rank_tables(rank, f) if timed else (None, None)
+    return _ParsedFile(path=path, rank=f.rank, named=named, world_size=f.world_size, backend=f.backend,
+                       base_time_ns=f.base_time_ns, devices=f.devices, hta_rounds=f.hta_rounds, timed=timed,
+                       gpu_events=bool(len(f.gpu["ts"])), steps=steps, kernels=kernels)
+
+
+def _ranks(files: list[_ParsedFile]) -> dict[int, _ParsedFile]:
+    out: dict[int, _ParsedFile] = {}
+    for f in files:
+        p, named = f.path, f.named
         if f.rank is not None and named is not None and f.rank != named:
             raise TraceError(f"{p.name} says rank {f.rank} in its distributedInfo but its name says rank {named}")
         rank = f.rank if f.rank is not None else named
@@ -140,13 +176,13 @@ def _ranks(files: list[Path]) -> dict[int, KinetoFile]:
             raise TraceError(f"{p.name} says it is rank {rank}")
         if rank in out:
             raise TraceError(f"{out[rank].path.name} and {p.name} are both rank {rank}")
-        if not len(f.ops["ts"]) and not len(f.gpu["ts"]):
+        if not f.timed:
             raise TraceError(f"{p.name} holds no timed events")
         out[rank] = f
     return dict(sorted(out.items()))
 
 
-def _world_size(by_rank: dict[int, KinetoFile]) -> int:
+def _world_size(by_rank: dict[int, _ParsedFile]) -> int:
     sizes = {f.world_size for f in by_rank.values() if f.world_size is not None}
     if len(sizes) > 1:
         raise TraceError(f"the files disagree on the job's world size: {sorted(sizes)}")
@@ -294,7 +330,7 @@ def _buckets(kernels: pd.DataFrame) -> pd.DataFrame:
     })
 
 
-def _align(by_rank: dict[int, KinetoFile], tables: dict) -> tuple[dict[int, float], dict]:
+def _align(by_rank: dict[int, _ParsedFile], tables: dict) -> tuple[dict[int, float], dict]:
     """Each rank's shift (µs) onto the lowest rank's clock, and how it was found."""
     ref = min(by_rank)
     bases = {r: f.base_time_ns for r, f in by_rank.items()}
