@@ -32,6 +32,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,7 @@ import time
 from pathlib import Path
 
 from ddpscope.tracer import format as fmt
+from ddpscope.tracer.step_summary import summarize_steps
 from ddpscope.tracer.writer import TraceWriter, read_json, write_json_atomic
 from ddpscope.viz.run_files import read_rank_file
 
@@ -47,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VIEWER = """
 import json, sys, time
 import ddpscope.viz.parallel as parallel
-from ddpscope.viz.trace import load_run, with_events
+from ddpscope.viz.rank_events import with_events
+from ddpscope.viz.trace import load_run
 from ddpscope.viz.rank_overview import compute_rank_overview, compute_slow_ranks, ranks_to_show, slow_rank_line
 def _vm(key):  # kB, from /proc/self/status
     return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith(key + ":")))
@@ -151,6 +154,22 @@ def summary_cli(folder: Path) -> tuple[float, str]:
     return wall, next((l for l in proc.stdout.splitlines() if l.startswith("slowest rank")), "(no slow rank named)")
 
 
+def fold_cost_us(run: Path, repeat: int = 20) -> float:
+    """The median time (µs) ``summarize_steps`` takes on one step's events of rank 0."""
+    _, events = read_rank_file(run / fmt.rank_file(0))
+    steps: dict[int, list] = {}
+    for e in events:
+        if "step" in (e.get("args") or {}):
+            steps.setdefault(e["args"]["step"], []).append(e)
+    times = []
+    for _ in range(repeat):
+        for evs in steps.values():
+            t = time.perf_counter()
+            summarize_steps(evs)
+            times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
 def sizes(folder: Path, pattern: str) -> tuple[int, int]:
     files = list(folder.glob(pattern))
     return len(files), sum(p.stat().st_size for p in files)
@@ -178,6 +197,9 @@ def main() -> None:
                 t = time.perf_counter()
                 synthesise(real, folder, n, s)
                 print(f"synthesised {n} ranks in {time.perf_counter() - t:.1f} s ({folder})", flush=True)
+        per_step = fold_cost_us(real)
+        print(f"\nthe summary's cost on the training thread: {per_step:.1f} us a step (summarize_steps on the real "
+              "run's steps, the gradient marks included, as the writer's add() hands them)")
         n_ev, ev_bytes = sizes(big, "rank-*.json")
         n_sum, sum_bytes = sizes(big, "rank-*.summary.jsonl")
         print(f"\nformat: {args.ranks} ranks x {args.steps} steps: events {ev_bytes / 2**20:.1f} MiB "

@@ -20,10 +20,11 @@ import streamlit as st
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.archive import extract_run_archive, safe_name
 from ddpscope.viz.perfetto import merge_run
+from ddpscope.viz.rank_events import select_ranks, with_events
 from ddpscope.viz.rank_overview import ranks_to_show
 from ddpscope.viz.ring_trace import load_ring
 from ddpscope.viz.sources import KINETO, MIXED, folder_kind, load_training_trace
-from ddpscope.viz.trace import TraceError, select_ranks, with_events
+from ddpscope.viz.trace import TraceError
 from ddpscope.viz.zero_trace import load_zero
 
 #: folder kinds the training pages (Timeline, Compare, What-if, Run) list

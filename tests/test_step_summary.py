@@ -22,9 +22,10 @@ from ddpscope.tracer import format as fmt
 from ddpscope.tracer.writer import TraceWriter
 from ddpscope.viz import parallel
 from ddpscope.viz.overlap import covered, merge_intervals
+from ddpscope.viz.rank_events import select_ranks, with_events
 from ddpscope.viz.rank_overview import compute_rank_overview, compute_slow_ranks
 from ddpscope.viz.run_files import TraceError, read_rank_file, read_summary_file
-from ddpscope.viz.trace import load_run, select_ranks, with_events
+from ddpscope.viz.trace import load_run
 from tests.conftest import ROOT, run_cli
 
 RANKS, STEPS, BIG, SLOW = 3, 8, 12, 7

@@ -13,9 +13,9 @@ viewer that parses a rank's events runs it on them, so a row read from a summary
 one folded from the events are the same row. Light on purpose (no torch, no numpy):
 it runs between training steps, ~10 events a step that are not gradient marks.
 
-Times are µs on the rank's own clock (readers align them as they align events);
-durations (``*_us`` that are not ``*_start_us`` / ``*_end_us`` / ``first_launch_us`` /
-``last_done_us``) are µs.
+Times are µs on the rank's own clock (readers align them as they align events:
+``TIME_FIELDS``), and so are the lengths of time (``DURATION_FIELDS``, which readers
+scale by the clock's drift).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ _PHASES = {fmt.CAT_FORWARD: "forward", fmt.CAT_BACKWARD: "backward", fmt.CAT_GRA
 TIME_FIELDS = ("start_us", "end_us", "forward_start_us", "forward_end_us", "backward_start_us", "backward_end_us",
                "sync_start_us", "sync_end_us", "optimizer_start_us", "optimizer_end_us", "param_sync_start_us",
                "param_sync_end_us", "first_launch_us", "last_done_us")
+#: the lengths of time of a row (µs)
+DURATION_FIELDS = ("forward_us", "backward_us", "comm_us", "overlapped_us")
 #: the communication fields of a row (see ``summarize_steps``)
 COMM_FIELDS = ("num_buckets", "bucket_bytes", "first_launch_us", "last_done_us", "comm_us", "overlapped_us")
 

@@ -92,8 +92,9 @@ TABLE_RANKS = 16
 
 def _summary(path: str, as_json: bool) -> int:
     from ddpscope.viz.overlap import compute_rank_medians
+    from ddpscope.viz.rank_events import with_events
     from ddpscope.viz.sources import folder_kind, load_training_trace
-    from ddpscope.viz.trace import TraceError, with_events
+    from ddpscope.viz.trace import TraceError
 
     kind = folder_kind(path)
     if kind in ("ring", "zero"):

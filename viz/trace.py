@@ -8,13 +8,13 @@ Bad input raises ``TraceError`` with a one-line message; nothing half-built is r
 Summary first: ``load_run(path, events_for=ranks)`` reads every rank's per-step summary
 (``rank-<r>.summary.jsonl``, a few KB a rank, written by the rank itself) and the
 events of ``ranks`` only: the step table covers every rank, the per-event tables
-(buckets, gradients, passes) the ranks asked for. Several rank files to parse are
-parsed on every core (``viz.parallel``).
+(buckets, gradients, passes) the ranks asked for (``viz.rank_events`` reads more ranks'
+events into such a trace). Several rank files to parse are parsed on every core
+(``viz.parallel``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.tracer import format as fmt
-from ddpscope.tracer.step_summary import COMM_FIELDS, TIME_FIELDS, comm_fields, summarize_steps
+from ddpscope.tracer.step_summary import COMM_FIELDS, DURATION_FIELDS, TIME_FIELDS, comm_fields, summarize_steps
 from ddpscope.viz.parallel import map_on_cores
 from ddpscope.viz.run_files import (
     MAX_INDEX,
@@ -189,7 +189,7 @@ def load_run(path: str | Path, *, allow_missing_ranks: bool = False, events_for:
         parsed = [_rank_tables(r, *raw[r]) for r in parse]
     else:
         sizes = [folder.rank_files[r].stat().st_size for r in parse]
-        parsed = map_on_cores(_read_rank_tables, [(r, folder.rank_files[r]) for r in parse], sizes)
+        parsed = map_on_cores(read_rank_tables, [(r, folder.rank_files[r]) for r in parse], sizes)
     ranks = {r: t.meta for r, t in zip(parse, parsed)}
     ranks.update({r: m for r, (m, _) in summaries.items()})
     ranks = dict(sorted(ranks.items()))
@@ -220,51 +220,7 @@ def load_run(path: str | Path, *, allow_missing_ranks: bool = False, events_for:
     )
 
 
-def with_events(trace: RunTrace, ranks: Iterable[int]) -> RunTrace:
-    """``trace`` (read from summaries) with the events of ``ranks`` read too: its
-    buckets, gradients and passes then hold those ranks as well (on every core when
-    several big files are read); steps and memory are unchanged (a step folded from the
-    events is the row its summary holds)."""
-    if trace.event_ranks is None:
-        return trace
-    have = set(trace.event_ranks)
-    new = sorted({int(r) for r in ranks} - have)
-    if not new:
-        return trace
-    folder = open_run_folder(trace.path, (fmt.KIND_DDP, fmt.KIND_SHARDED), allow_missing_ranks=True, summaries=True)
-    absent = [r for r in new if r not in folder.rank_files]
-    if absent:
-        raise TraceError(f"{trace.path.name}: the events of rank {', '.join(map(str, absent))} are not in the folder "
-                         "(only their summaries): copy their rank-<r>.json beside them to see them")
-    parsed = map_on_cores(_read_rank_tables, [(r, folder.rank_files[r]) for r in new],
-                          [folder.rank_files[r].stat().st_size for r in new])
-
-    def joined(name: str, order: list[str]) -> pd.DataFrame:
-        frames = [f for f in [getattr(trace, name), *(getattr(t, name) for t in parsed)] if len(f)]
-        if not frames:
-            return getattr(trace, name)
-        return pd.concat(frames, ignore_index=True).sort_values(order, kind="stable").reset_index(drop=True)
-
-    return dataclasses.replace(
-        trace, buckets=joined("buckets", ["rank", "step", "bucket"]), grads=joined("grads", ["rank", "step", "ready_us"]),
-        passes=joined("passes", ["rank", "step", "micro"]), event_ranks=tuple(sorted(have | set(new))), cache={})
-
-
-def select_ranks(trace: RunTrace, ranks: Iterable[int]) -> RunTrace:
-    """``trace`` with only ``ranks`` in its ranks and tables (the run, world size
-    included, unchanged): what a model that needs every table of every rank reads."""
-    keep = {int(r) for r in ranks}
-
-    def of(df: pd.DataFrame) -> pd.DataFrame:
-        return df[df["rank"].isin(keep)].reset_index(drop=True) if "rank" in df else df
-
-    return dataclasses.replace(
-        trace, ranks={r: m for r, m in trace.ranks.items() if r in keep}, steps=of(trace.steps),
-        buckets=of(trace.buckets), grads=of(trace.grads), passes=of(trace.passes), memory=of(trace.memory),
-        event_ranks=None if trace.event_ranks is None else tuple(r for r in trace.event_ranks if r in keep), cache={})
-
-
-class _RankTables(msgspec.Struct):
+class RankTables(msgspec.Struct):
     """One rank's events, parsed (in a worker process when several are): its metadata,
     its step rows (``summarize_steps``, its own clock) and its aligned per-event tables."""
 
@@ -275,18 +231,19 @@ class _RankTables(msgspec.Struct):
     grads: pd.DataFrame
 
 
-def _read_rank_tables(rank: int, path: Path) -> _RankTables:
+def read_rank_tables(rank: int, path: Path) -> RankTables:
+    """One rank's file, read and parsed (a module-level function: a worker process runs it)."""
     return _rank_tables(rank, *read_checked_rank_file(path, rank))
 
 
-def _rank_tables(rank: int, meta: dict, events: list) -> _RankTables:
+def _rank_tables(rank: int, meta: dict, events: list) -> RankTables:
     rows: dict[str, list] = {"passes": [], "buckets": [], "grads": []}
     _parse_events(rank, meta, events, rows)  # checks every event first
     try:
         steps = [{"rank": rank, **row} for row in summarize_steps(events)]
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise TraceError(f"rank {rank}: malformed trace event ({type(e).__name__}: {str(e)[:200]})") from None
-    return _RankTables(meta=meta, steps=steps,
+    return RankTables(meta=meta, steps=steps,
                        passes=frame_of(rows["passes"], ["rank", "step", "micro"], PASS_COLUMNS),
                        buckets=frame_of(rows["buckets"], ["rank", "step", "bucket"], BUCKET_COLUMNS),
                        grads=frame_of(rows["grads"], ["rank", "step", "ready_us"], GRAD_COLUMNS))
@@ -307,6 +264,8 @@ def _step_tables(rows: list[dict], metas: dict[int, dict]) -> tuple[pd.DataFrame
     for c in TIME_FIELDS:  # the same arithmetic as clock_alignment's
         t = df[c].to_numpy(dtype=float)
         df[c] = t + offset + slope * (t - at)
+    for c in DURATION_FIELDS:  # the alignment is affine: a length on rank 0's clock is (1 + slope) times it
+        df[c] = df[c].to_numpy(dtype=float) * (1.0 + slope)
     if "memory" not in df:
         df["memory"] = None
     memory = df[["rank", "step", "memory"]].dropna(subset=["memory"])
