@@ -111,7 +111,9 @@ def load_trace(path: str, stamp: float):
     steps from its summary, the events of the ranks drawn first (``ranks_to_show``:
     all of a run of up to ``GANTT_RANKS``; else rank 0 and the three slowest)."""
     trace = load_training_trace(path, events_for=())
-    return with_events(trace, ranks_to_show(trace, GANTT_RANKS)) if trace.source == "ddpscope" else trace
+    if trace.source != "ddpscope":
+        return trace
+    return with_events(trace, ranks_to_show(trace, GANTT_RANKS), missing_ok=True)  # a folder may hold summaries only
 
 
 def events_trace(path: str, stamp: float):
@@ -124,8 +126,9 @@ def events_trace(path: str, stamp: float):
 @st.cache_data(show_spinner="Reading the events of the ranks shown...", max_entries=16)
 def load_events(path: str, stamp: float, ranks: tuple[int, ...]):
     """``load_trace``'s trace with the events of ``ranks`` read too (a cached trace
-    already holds the ranks drawn first)."""
-    return with_events(load_trace(path, stamp), ranks)
+    already holds the ranks drawn first); ranks whose events are not in the folder
+    (only their summaries) are left out: ``trace.event_ranks`` says which are in."""
+    return with_events(load_trace(path, stamp), ranks, missing_ok=True)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)

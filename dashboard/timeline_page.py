@@ -46,10 +46,14 @@ def render_timeline(path: Path, trace) -> None:
     ranks = st.multiselect("Ranks", sorted(trace.ranks), default=default_ranks(trace), key="ranks")
     shown = trace
     if not trace.all_events:  # opened from its summaries: the events of the ranks shown are read now
+        wanted = sorted(ranks or default_ranks(trace))
         try:
-            shown = load_events(str(path), stamp_of(path), tuple(sorted(ranks or default_ranks(trace))))
+            shown = load_events(str(path), stamp_of(path), tuple(wanted))
         except TraceError as e:
             st.error(str(e))
+        if absent := [r for r in wanted if r not in (shown.event_ranks or ())]:
+            st.info(f"Only the summary of rank {', '.join(map(str, absent))} is in this folder: its steps are drawn, "
+                    f"not its buckets. Copy its rank-<r>.json beside the summaries to see them.")
     st.plotly_chart(make_timeline_figure(shown, steps=range(lo, hi + 1), ranks=ranks or default_ranks(trace)),
                     key="timeline")
     if profile_folder(trace) is not None:

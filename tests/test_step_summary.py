@@ -158,6 +158,9 @@ def test_a_folder_of_summaries_alone_gives_the_same_summary(real_run, tmp_path):
     trace = load_run(only, events_for=())
     with pytest.raises(TraceError, match="events of rank 1 are not in the folder"):
         with_events(trace, [1])
+    assert with_events(trace, [1], missing_ok=True) is trace
+    shutil.copy(real_run / fmt.rank_file(1), only / fmt.rank_file(1))  # one rank's events brought beside them
+    assert with_events(trace, [0, 1], missing_ok=True).event_ranks == (1,)
 
 
 def test_parsing_many_big_files_uses_other_processes(monkeypatch):
@@ -205,3 +208,24 @@ def _gantt_ranks(at) -> list[int]:
     the spread)."""
     gantt = json.loads(at.get("plotly_chart")[2].proto.spec)
     return sorted(int(t.split()[1]) for t in gantt["layout"]["yaxis"]["ticktext"] if t.endswith("all-reduce"))
+
+
+@pytest.mark.ddp
+def test_the_timeline_opens_a_folder_of_summaries_with_one_ranks_events(twelve_ranks, tmp_path, monkeypatch):
+    """A job's traces gathered without their events (rank 0's brought beside them): the
+    overview names the slow rank, the Gantt draws what it has, adding a rank without
+    events says how to see it."""
+    runs = tmp_path / "runs"
+    (runs / "gathered").mkdir(parents=True)
+    for p in [twelve_ranks / fmt.RUN_FILE, twelve_ranks / fmt.rank_file(0), *twelve_ranks.glob("*.summary.jsonl")]:
+        shutil.copy(p, runs / "gathered" / p.name)
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    st_config.set_option("server.address", "127.0.0.1")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and at.sidebar.selectbox(key="trace").value == "run: gathered"
+    assert any(f"Slowest rank: {SLOW}" in w.value for w in at.warning) and not at.error
+    shown = at.multiselect(key="ranks").value
+    assert 0 in shown and SLOW in shown
+    absent = ", ".join(str(r) for r in shown if r != 0)
+    assert any(f"Only the summary of rank {absent} is in this folder" in i.value for i in at.info)
+    assert _gantt_ranks(at) == shown  # their steps drawn from the summaries

@@ -94,17 +94,13 @@ def _summary(path: str, as_json: bool) -> int:
     from ddpscope.viz.overlap import compute_rank_medians
     from ddpscope.viz.rank_events import with_events
     from ddpscope.viz.sources import folder_kind, load_training_trace
-    from ddpscope.viz.trace import TraceError
 
     kind = folder_kind(path)
     if kind in ("ring", "zero"):
         return _summary_table(path, kind, as_json)
     trace = load_training_trace(path, events_for=())  # summary first: every rank's steps, no events
     if trace.source == "ddpscope" and trace.world_size <= TABLE_RANKS:  # a few ranks: their buckets too
-        try:
-            trace = with_events(trace, trace.ranks)
-        except TraceError:  # a folder of summaries only: what they hold is said
-            pass
+        trace = with_events(trace, trace.ranks, missing_ok=True)  # a folder may hold summaries only
     if trace.shards is not None:
         return _sharded_summary(trace, as_json)
     med = compute_rank_medians(trace)

@@ -15,11 +15,12 @@ from ddpscope.viz.run_files import open_run_folder
 from ddpscope.viz.trace import RunTrace, TraceError, read_rank_tables
 
 
-def with_events(trace: RunTrace, ranks: Iterable[int]) -> RunTrace:
+def with_events(trace: RunTrace, ranks: Iterable[int], missing_ok: bool = False) -> RunTrace:
     """``trace`` (read from summaries) with the events of ``ranks`` read too: its
     buckets, gradients and passes then hold those ranks as well (on every core when
     several big files are read); steps and memory are unchanged (a step folded from the
-    events is the row its summary holds)."""
+    events is the row its summary holds). A rank whose events are not in the folder
+    (only its summary) is a ``TraceError``, or, with ``missing_ok``, left out."""
     if trace.event_ranks is None:
         return trace
     have = set(trace.event_ranks)
@@ -28,6 +29,10 @@ def with_events(trace: RunTrace, ranks: Iterable[int]) -> RunTrace:
         return trace
     folder = open_run_folder(trace.path, (fmt.KIND_DDP, fmt.KIND_SHARDED), allow_missing_ranks=True, summaries=True)
     absent = [r for r in new if r not in folder.rank_files]
+    if missing_ok:
+        new, absent = [r for r in new if r not in absent], []
+        if not new:
+            return trace
     if absent:
         raise TraceError(f"{trace.path.name}: the events of rank {', '.join(map(str, absent))} are not in the folder "
                          "(only their summaries): copy their rank-<r>.json beside them to see them")
