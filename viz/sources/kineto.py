@@ -100,14 +100,16 @@ def load_kineto(path: str | Path) -> RunTrace:
     cpu_only = not any(f.gpu_events for f in by_rank.values())
     rows: dict[str, list[pd.DataFrame]] = {"steps": [], "kernels": [], "buckets": []}
     for r, (steps, kernels) in tables.items():
-        for name, df in (("steps", steps), ("kernels", kernels)):
-            df = df.copy()
+        for name, df in (("steps", steps), ("kernels", kernels)):  # this load's own tables: shifted in place
             for c in ("start_us", "end_us", "launch_us"):
                 if c in df:
                     df[c] += shifts[r]
             rows[name].append(df)
     steps = pd.concat(rows["steps"], ignore_index=True)
     kernels = pd.concat(rows["kernels"], ignore_index=True)
+    # the per-rank tables go: the joined ones replace them (a big job's peak memory)
+    by_rank = {r: dataclasses.replace(f, steps=None, kernels=None) for r, f in by_rank.items()}
+    del parsed, tables, rows, df
     buckets = _buckets(kernels)
     notes = [clock["note"]]
     if cpu_only:
