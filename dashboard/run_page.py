@@ -95,12 +95,19 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
     cap = c[0].select_slider("bucket_cap_mb (MiB, log scale)", options=CAP_OPTIONS, key="run_cap")
     steps = c[1].slider("steps", 3, 50, key="run_steps")
     nproc = c[2].slider("world size", 1, 4, key="run_nproc")
+    caps = st.text_input("or a size per bucket: bucket_cap_mb_list (MiB, in bucket order, the last repeats)",
+                         key="run_cap_list", placeholder="e.g. 1,8,25 (empty: the cap above)").strip()
     if blocked:
         st.info(f"Rerun is off: {blocked}.")
-    job_button(f"Rerun with bucket_cap_mb = {cap:g}", "run_button", jobs.start,
-               lambda: dict(nproc=widget_now("run_nproc", nproc), bucket_cap_mb=widget_now("run_cap", cap),
-                            steps=widget_now("run_steps", steps), source=path, **what),
-               disabled=busy or bool(blocked), type="primary")
+
+    def settings() -> dict:
+        chosen = widget_now("run_cap_list", caps).strip()
+        return dict(nproc=widget_now("run_nproc", nproc), steps=widget_now("run_steps", steps), source=path,
+                    bucket_cap_mb=None if chosen else widget_now("run_cap", cap),
+                    bucket_cap_mb_list=chosen or None, **what)
+
+    job_button(f"Rerun with bucket_cap_mb_list = {caps}" if caps else f"Rerun with bucket_cap_mb = {cap:g}",
+               "run_button", jobs.start, settings, disabled=busy or bool(blocked), type="primary")
 
 
 def _new_command(jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:

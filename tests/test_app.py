@@ -190,6 +190,25 @@ def test_rerun_of_the_open_trace_shows_it_beside_its_source(app, tmp_path):
 
 
 @pytest.mark.ddp
+def test_a_rerun_with_a_size_per_bucket_checks_the_list_then_runs_it(app, tmp_path):
+    _page(app, "Run")
+    app.text_input(key="run_cap_list").set_value("0.5,x").run()
+    app.button(key="run_button").click().run()
+    assert not app.exception and not app.get("progress")
+    assert any("--bucket-cap-mb-list must be sizes in MiB separated by commas" in e.value for e in app.error)
+    assert not [p for p in (tmp_path / "runs").glob("*") if p.name != "uploads"]
+    app.text_input(key="run_cap_list").set_value("0.5,2").run()
+    assert app.button(key="run_button").label == "Rerun with bucket_cap_mb_list = 0.5,2"
+    app.slider(key="run_steps").set_value(3)
+    app.button(key="run_button").click().run()
+    _wait_for_job(app)
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    run = json.loads((runs[0] / "run.json").read_text())
+    assert run["status"] == "complete" and run["bucket_cap_bytes_list"] == [2**19, 2**21]
+    assert run["bucket_cap_mb_list_requested"] == [0.5, 2.0] and "--bucket-cap-mb-list 0.5,2" in run["command"]
+
+
+@pytest.mark.ddp
 def test_a_failed_rerun_shows_the_rank_and_reason_not_a_traceback(app, monkeypatch):
     monkeypatch.setenv("DDPSCOPE_TEST_FAIL", "1:1")
     _page(app, "Run")

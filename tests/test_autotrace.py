@@ -15,6 +15,7 @@ import pytest
 
 from ddpscope.viz.overlap import compute_ddp_logging_view, compute_step_breakdown
 from ddpscope.viz.trace import load_run
+from ddpscope.viz.whatif.simulate import predict_layout, traced_cap
 from tests.conftest import ROOT, processes_mentioning, run_cli
 
 pytestmark = pytest.mark.ddp
@@ -30,6 +31,30 @@ def trace_script(tmp_path: Path, *script: str, ddpscope: tuple[str, ...] = (), n
     proc = run_cli("run", "--nproc", "2", *ddpscope, "--out", str(out), "--", *script, "--report", str(report),
                    env=env)
     return proc, out, report
+
+
+def test_a_bucket_cap_mb_list_is_applied_traced_and_predicted(tmp_path):
+    """``--bucket-cap-mb-list`` replaces the script's own bucket_cap_mb: DDP (its
+    ``bucket_bytes_cap_list``, its rebuilt layout from ``_get_ddp_logging_data()``) uses
+    the limits; run.json holds them and the layout; the what-if lays out the same buckets
+    from the trace alone; the rerun command carries the list."""
+    limits = [2**18, 2**20, 2**19]
+    proc, out, report = trace_script(tmp_path, USER, "--steps", "4", "--bucket-cap-mb", "2",
+                                     ddpscope=("--bucket-cap-mb-list", "0.25,1,0.5"), name="caplist")
+    assert proc.returncode == 0, proc.stderr
+    trace = load_run(out)
+    run, c = trace.run, checks(report)[0]
+    assert c["bucket_bytes_cap_list"] == limits == run["bucket_cap_bytes_list"]
+    assert c["bucket_bytes_cap"] == 2**20 == run["bucket_cap_bytes"]  # the largest is DDP's cap
+    assert run["bucket_cap_mb_list_requested"] == [0.25, 1.0, 0.5] and run["bucket_cap_mb_script"] == 2.0
+    rebuilt = [[int(i) for i in b.split()] for b in c["rebuilt"].split(",")]
+    assert run["bucket_layout"] == rebuilt and len(rebuilt) >= 4
+    sizes = run["param_bytes"]
+    for k, b in enumerate(rebuilt[:-1]):  # bucket k closes on the gradient that takes it to its limit
+        assert sum(sizes[i] for i in b) >= limits[min(k, len(limits) - 1)] > sum(sizes[i] for i in b[:-1])
+    assert traced_cap(trace) == (0.25, 1.0, 0.5) and predict_layout(trace, traced_cap(trace)) == rebuilt
+    assert set(trace.buckets[trace.buckets.step >= 1].bytes) == {sum(sizes[i] for i in b) for b in rebuilt}
+    assert "--bucket-cap-mb-list 0.25,1,0.5 --out " in run["command"]
 
 
 def untraced(tmp_path: Path, *script: str, name: str = "plain", nproc: int = 2) -> Path:
@@ -315,3 +340,28 @@ def test_bad_scripts_exit_2_with_one_line_and_write_nothing(tmp_path, script, me
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
     assert not out.exists()
+
+
+def test_an_older_ddp_without_bucket_cap_mb_list_takes_the_largest_as_its_cap(tmp_path, monkeypatch):
+    """A stand-in (a mock: no older torch is installed here) for DDP's constructor before
+    PyTorch 2.13, which has no ``bucket_cap_mb_list``: the list runs as bucket_cap_mb =
+    its largest, said once."""
+    import types
+
+    from ddpscope.tracer.capture import autotrace
+
+    monkeypatch.setattr(autotrace, "_patch_destroy", lambda session: None)  # torch's own stays as it is
+    seen = []
+
+    class OldDDP:
+        def __init__(self, module, device_ids=None, bucket_cap_mb=None):
+            seen.append(bucket_cap_mb)
+
+    session = autotrace.Session(autotrace.CaptureConfig(out=str(tmp_path), bucket_cap_mb_list="1,4,2"))
+    monkeypatch.setattr(session, "on_ddp_built", lambda *args: None)
+    autotrace._patch_ddp(session, types.SimpleNamespace(DistributedDataParallel=OldDDP))
+    OldDDP(object(), bucket_cap_mb=8)
+    assert seen == [4.0]
+    assert [n for n in session.notes if "takes no bucket_cap_mb_list" in n] == [
+        "this PyTorch's DDP takes no bucket_cap_mb_list: --bucket-cap-mb-list runs as bucket_cap_mb 4 MiB (its "
+        "largest), one cap for every bucket"]

@@ -67,6 +67,10 @@ def test_no_cap_given_records_what_ddp_used(tmp_path):
     (["--steps", "0"], "--steps must be"),
     (["--steps", "many"], "invalid int value"),
     (["--timeout", "-1"], "--timeout must be > 0"),
+    (["--bucket-cap-mb-list", "1,x"], "--bucket-cap-mb-list must be sizes in MiB separated by commas"),
+    (["--bucket-cap-mb-list", "1,0"], "--bucket-cap-mb-list must each be > 0"),
+    (["--bucket-cap-mb-list", ","], "--bucket-cap-mb-list must name 1 to"),
+    (["--bucket-cap-mb-list", "1,4", "--bucket-cap-mb", "2"], "give --bucket-cap-mb or --bucket-cap-mb-list, not both"),
 ])
 def test_bad_arguments_exit_2_with_one_line_and_write_nothing(tmp_path, args, message):
     assert_refused("run", ["--demo", "mlp", *args], message, tmp_path / "never")

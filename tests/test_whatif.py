@@ -16,7 +16,7 @@ import pytest
 from ddpscope.viz.overlap import compute_step_breakdown
 from ddpscope.viz.trace import RunTrace, TraceError, load_run
 from ddpscope.viz.whatif.cost import AllReduceCost, fit_line, read_calibration
-from ddpscope.viz.whatif.layout import assign_buckets, assign_buckets_python, cap_limits
+from ddpscope.viz.whatif.layout import assign_buckets, assign_buckets_python, bucket_limits, cap_limits
 from ddpscope.viz.whatif.model import WhatIfModel, check_predictable, fit_model
 from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model, ring_cost
 from ddpscope.viz.whatif.simulate import predict_layout, predict_run, traced_cap
@@ -32,8 +32,9 @@ MIB = 2**20
 def test_predicted_layout_is_the_one_ddp_rebuilt(tmp_path):
     """Real DDP (gloo, two ranks) at several caps, a model with float32 and float64
     parameters: the layout predicted from the gradients' ready order equals DDP's own
-    rebuilt layout (its runtime logging), bucket by bucket, sizes included."""
-    caps = ["default", "0.25", "1", "4", "25"]
+    rebuilt layout (its runtime logging), bucket by bucket, sizes included; per-bucket
+    limits (``bucket_cap_mb_list``) too."""
+    caps = ["default", "0.25", "1", "4", "25", "0.25/1/4", "4/0.5"]
     from ddpscope.tracer.launch.torchrun import free_port
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -47,12 +48,13 @@ def test_predicted_layout_is_the_one_ddp_rebuilt(tmp_path):
         real = [[int(i) for i in b.split()] for b in r["rebuilt_indices"].split(",")] if isinstance(
             r["rebuilt_indices"], str) else r["rebuilt_indices"]
         sizes = [int(s) for s in str(r["rebuilt_sizes"]).replace(",", " ").split()]
-        cap = None if r["cap"] == "default" else float(r["cap"])
-        predicted = assign_buckets(r["param_bytes"], r["param_dtypes"], r["order"], cap_limits(cap))
+        cap = None if r["cap"] == "default" else tuple(map(float, r["cap"].split("/"))) if "/" in r["cap"] \
+            else float(r["cap"])
+        predicted = assign_buckets(r["param_bytes"], r["param_dtypes"], r["order"], bucket_limits(cap))
         assert predicted == real, r["cap"]
         assert [sum(r["param_bytes"][i] for i in b) for b in predicted] == sizes
         # the port without torch agrees up to the order of the buckets left open at the end
-        port = assign_buckets_python(r["param_bytes"], r["param_dtypes"], r["order"], cap_limits(cap))
+        port = assign_buckets_python(r["param_bytes"], r["param_dtypes"], r["order"], bucket_limits(cap))
         assert sorted(map(tuple, port)) == sorted(map(tuple, predicted))
         assert len({r["param_dtypes"][i] for b in predicted for i in b[:1]}) == 2  # per-dtype buckets
         seen_layouts.add(len(predicted))

@@ -203,6 +203,8 @@ def launch_command(args: argparse.Namespace) -> int:
         what = cfg.demo or " ".join(cfg.script)
         # only what this run overrides: whether the script is DDP or FSDP shows once it runs
         settings = ([f"bucket_cap_mb {cfg.bucket_cap_mb:g} MiB"] if cfg.bucket_cap_mb is not None else []) + \
+            ([f"bucket_cap_mb_list {','.join(f'{c:g}' for c in cfg.bucket_cap_mb_list)} MiB"]
+             if cfg.bucket_cap_mb_list is not None else []) + \
             [f"{k} {str(v).lower()}" for k, v in cfg.sharding.items() if v is not None]
         overrides = f", overriding the script's {', '.join(settings)}" if settings else ""
         ranks = cfg.nproc * cfg.nnodes

@@ -72,6 +72,38 @@ NPROC = Option("--nproc", "processes (ranks) on this node", 2, int, in_range(1, 
 BUCKET_CAP_MB = Option(
     "--bucket-cap-mb", "DDP bucket_cap_mb in MiB, overriding the script's own (default: the script's value)",
     None, float, in_range(0, MAX_BUCKET_CAP_MB, " (MiB)", lo_open=True))
+MAX_BUCKET_LIMITS = 10_000
+
+
+def mib_list(value) -> tuple[float, ...]:
+    """``"1,8,25"`` (or a sequence of numbers) -> ``(1.0, 8.0, 25.0)``; ``ValueError`` on
+    anything that is not numbers separated by commas."""
+    parts = str(value).split(",") if isinstance(value, str) else list(value)
+    try:
+        return tuple(float(x) for x in parts if not isinstance(x, str) or x.strip())
+    except (TypeError, ValueError):
+        raise ValueError(f"must be sizes in MiB separated by commas (e.g. 1,8,25), got {value!r}") from None
+
+
+def _mib_list_check(v) -> str | None:
+    try:
+        caps = mib_list(v)
+    except ValueError as e:
+        return str(e)
+    if not caps or len(caps) > MAX_BUCKET_LIMITS:
+        return f"must name 1 to {MAX_BUCKET_LIMITS} bucket sizes in MiB, got {v!r}"
+    if not all(math.isfinite(c) and 0 < c <= MAX_BUCKET_CAP_MB for c in caps):
+        return f"must each be > 0 and <= {MAX_BUCKET_CAP_MB:g} MiB, got {v!r}"
+    return None
+
+
+BUCKET_CAP_MB_LIST = Option(
+    "--bucket-cap-mb-list", "DDP bucket_cap_mb_list: a size limit per bucket in MiB, in bucket order (bucket 0 "
+    "holds the gradients ready first: the last layers'; the last limit repeats), comma-separated, overriding the "
+    "script's bucket_cap_mb and bucket_cap_mb_list (PyTorch 2.13's C++ reducer; an older DDP without it takes the "
+    "largest as bucket_cap_mb) (default: the script's)", None, str, _mib_list_check, metavar="MB,MB,...")
+
+
 def _reshard_check(v) -> str | None:
     text = str(v).strip().lower()
     if text in ("true", "false") or text.isdigit() and int(text) >= 1:
@@ -135,6 +167,9 @@ CALIBRATE_MAX_MB = Option("--max-mb", "largest all-reduce of the sweep, in MiB (
                           in_range(0.01, 4096.0, " (MiB)"))
 WHATIF_CAPS = Option("--caps", "bucket_cap_mb values to predict, in MiB, comma-separated "
                      "(default 0.25,0.5,1,2,4,8,16,25,32,64,128,256)", None, str, metavar="MB,MB,...")
+WHATIF_CAP_LIST = Option("--cap-list", "also predict this bucket_cap_mb_list: a size limit per bucket in MiB, "
+                         "in bucket order, comma-separated (as ddpscope run --bucket-cap-mb-list)", None, str,
+                         _mib_list_check, metavar="MB,MB,...")
 
 
 def parse_caps(text: str) -> list[float]:

@@ -3,7 +3,8 @@ gradients became ready in the first backward (post-accumulate-grad hooks, as the
 sees it) and the layout DDP rebuilt, from its own runtime logging (written at the
 forward after the rebuild). Rank 0 prints one JSON line per cap.
 
-    torchrun --nproc-per-node 2 tests/workers/layout_check.py CAP[,CAP...]   ("default": no bucket_cap_mb)
+    torchrun --nproc-per-node 2 tests/workers/layout_check.py CAP[,CAP...]
+        ("default": no bucket_cap_mb; "0.25/1/4": bucket_cap_mb_list=[0.25, 1, 4])
 """
 
 import gc
@@ -38,7 +39,8 @@ def main() -> None:
     for cap in caps:
         torch.manual_seed(0)
         model = Mixed()
-        kw = {} if cap == "default" else {"bucket_cap_mb": float(cap)}
+        kw = {} if cap == "default" else {"bucket_cap_mb_list": [float(c) for c in cap.split("/")]} if "/" in cap \
+            else {"bucket_cap_mb": float(cap)}
         ddp = DDP(model, **kw)
         params = [p for p in ddp.parameters() if p.requires_grad]
         order = []

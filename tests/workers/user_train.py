@@ -134,6 +134,7 @@ def main() -> None:
         with open(os.path.join(args.report, f"check-rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "own": own, "logging": logging, "params_sha256": params_sha256(ddp.module),
                        "bucket_bytes_cap": ddp.bucket_bytes_cap,
+                       "bucket_bytes_cap_list": list(getattr(ddp, "bucket_bytes_cap_list", [])),
                        "rebuilt": ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")}, f)
         # A clean gloo teardown: every rank done with its last collective, the DDP reducers
         # (and a comm hook's pending futures) released before their process group goes. Without

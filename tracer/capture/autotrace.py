@@ -44,12 +44,14 @@ from ddpscope.tracer.capture.after_import import after_import
 from ddpscope.tracer.options import (
     BACKWARD_PREFETCH,
     BUCKET_CAP_MB,
+    BUCKET_CAP_MB_LIST,
     CAPTURE,
     FORWARD_PREFETCH,
     OUT,
     RESHARD_AFTER_FORWARD,
     STEPS,
     check_fields,
+    mib_list,
 )
 from ddpscope.tracer.progress import emit_progress, say
 from ddpscope.tracer.writer import update_run_json
@@ -64,7 +66,8 @@ FSDP2_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"  # FSDPSt
 class CaptureConfig:
     """What a rank of a ``ddpscope run`` job traces (sent through ``$DDPSCOPE_CAPTURE``).
 
-    out: the run folder. bucket_cap_mb: overrides the script's (MiB; None keeps it).
+    out: the run folder. bucket_cap_mb, bucket_cap_mb_list: override the script's (MiB;
+    None keeps it).
     steps: end the job after this many traced optimizer steps (None: run to the end).
     progress: rank 0 prints a progress line per step for the launcher.
     exit_grace_s: after ``steps``, how long the script may take to unwind (seconds).
@@ -76,6 +79,7 @@ class CaptureConfig:
 
     out: str = OUT.field()
     bucket_cap_mb: float | None = BUCKET_CAP_MB.field()
+    bucket_cap_mb_list: list[float] | None = BUCKET_CAP_MB_LIST.field()
     steps: int | None = STEPS.field()
     progress: bool = True
     exit_grace_s: float = 30.0
@@ -88,6 +92,8 @@ class CaptureConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.bucket_cap_mb_list is not None:
+            self.bucket_cap_mb_list = list(mib_list(self.bucket_cap_mb_list))
 
     def to_env(self) -> dict[str, str]:
         return {CAPTURE_ENV: json.dumps(asdict(self))}
@@ -105,6 +111,7 @@ class Session:
 
     def __init__(self, config: CaptureConfig) -> None:
         self.config = config
+        self.script_caps: dict = {}  # the script's own bucket_cap_mb(_list), as it built DDP
         self.tracer = None
         self.profiler = None  # torch.profiler beside the tracer (--profile)
         self.stacks = None  # where faulthandler writes this rank's stacks on SIGUSR1
@@ -134,7 +141,9 @@ class Session:
 
         self.times_us["ddp_built"] = _now_us()
         facts = {"capture_times_us": self.times_us, "capture": "ddpscope run", "bucket_cap_mb_script": script_cap,
+                 "bucket_cap_mb_list_script": self.script_caps.get("bucket_cap_mb_list_script"),
                  "bucket_cap_mb_requested": self.config.bucket_cap_mb if overridden else None,
+                 "bucket_cap_mb_list_requested": self.config.bucket_cap_mb_list if overridden else None,
                  "steps_requested": self.config.steps, "notes": self.notes}
         tracer = DDPTracer(ddp, "auto", TracerConfig(out_dir=self.config.out, run_meta=facts,
                                                            capture=self.config.capture,
@@ -198,8 +207,8 @@ class Session:
         self.times_us["ddp_built"] = _now_us()
         facts = {"capture_times_us": self.times_us, "capture": "ddpscope run", "sharding_requested": requested,
                  "steps_requested": cfg.steps, "notes": self.notes}
-        if cfg.bucket_cap_mb is not None:
-            self.note("--bucket-cap-mb applies to DDP; this script shards with FSDP2, which has no buckets")
+        if cfg.bucket_cap_mb is not None or cfg.bucket_cap_mb_list is not None:
+            self.note("--bucket-cap-mb(-list) applies to DDP; this script shards with FSDP2, which has no buckets")
         tracer = FSDPTracer(root, root_state, TracerConfig(out_dir=cfg.out, capture="python"), on_step=self.on_step,
                             run_meta=facts)
         why = tracer.start()  # never raises: says why it could not
@@ -333,7 +342,12 @@ def _patch_ddp(session: Session, module) -> None:
     if getattr(original, "_ddpscope", False):
         return
     signature = inspect.signature(original)
-    cap = session.config.bucket_cap_mb
+    cap, caps = session.config.bucket_cap_mb, session.config.bucket_cap_mb_list
+    has_list = "bucket_cap_mb_list" in signature.parameters  # PyTorch >= 2.13
+    if caps is not None and not has_list:  # an older DDP: one cap for every bucket
+        cap, caps = max(caps), None
+        session.note(f"this PyTorch's DDP takes no bucket_cap_mb_list: --bucket-cap-mb-list runs as bucket_cap_mb "
+                     f"{cap:g} MiB (its largest), one cap for every bucket")
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs) -> None:
@@ -342,14 +356,22 @@ def _patch_ddp(session: Session, module) -> None:
         except TypeError:  # DDP's own error, as the script would have had it
             return original(self, *args, **kwargs)
         script_cap = bound.arguments.get("bucket_cap_mb")
+        script_list = bound.arguments.get("bucket_cap_mb_list")
+        try:
+            session.script_caps = {"bucket_cap_mb_list_script": [float(c) for c in script_list] if script_list
+                                   else None}
+        except (TypeError, ValueError):  # not a list of numbers: DDP says so below
+            session.script_caps = {}
         if cap is not None:
             bound.arguments["bucket_cap_mb"] = cap
             if bound.arguments.get("bucket_cap_mb_list"):
                 bound.arguments["bucket_cap_mb_list"] = None  # it would win over bucket_cap_mb
                 session.note(f"the script's bucket_cap_mb_list is replaced by --bucket-cap-mb {cap:g}")
+        elif caps is not None:  # it wins over the script's bucket_cap_mb (the largest becomes the cap)
+            bound.arguments["bucket_cap_mb_list"] = list(caps)
         original(*bound.args, **bound.kwargs)  # DDP's errors reach the script as they are
         try:
-            session.on_ddp_built(self, script_cap, cap is not None)
+            session.on_ddp_built(self, script_cap, cap is not None or caps is not None)
         except Exception as e:  # noqa: BLE001 - training goes on, untraced
             session.note(f"tracing could not start ({type(e).__name__}: {e}); the script runs untraced")
         return None

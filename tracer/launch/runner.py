@@ -55,6 +55,7 @@ class RunConfig:
     demo: str | None = o.DEMO.field()
     nproc: int = o.NPROC.field()
     bucket_cap_mb: float | None = o.BUCKET_CAP_MB.field()
+    bucket_cap_mb_list: tuple[float, ...] | str | None = o.BUCKET_CAP_MB_LIST.field()
     steps: int | None = o.STEPS.field()
     timeout_s: float = o.TIMEOUT.field()
     hang_timeout_s: float = o.HANG_TIMEOUT.field()
@@ -71,6 +72,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         o.check_fields(self)
+        if self.bucket_cap_mb_list is not None:
+            self.bucket_cap_mb_list = o.mib_list(self.bucket_cap_mb_list)
+            if self.bucket_cap_mb is not None:
+                raise ValueError("give --bucket-cap-mb or --bucket-cap-mb-list, not both")
         self.out = Path(self.out)
         self.cwd = Path(self.cwd).resolve()
         self.script = [str(a) for a in self.script]
@@ -93,6 +98,7 @@ class RunConfig:
         """This job's identity, the same on every node: what every node was asked to run."""
         return nodes.job_key({"argv": self.argv, "nproc": self.nproc, "nnodes": self.nnodes,
                               "rdzv_endpoint": self.rdzv_endpoint, "bucket_cap_mb": self.bucket_cap_mb,
+                              "bucket_cap_mb_list": self.bucket_cap_mb_list,
                               "steps": self.steps, "capture": self.capture, **self.sharding,
                               "profile_steps": self.profile_steps if self.profile else None})
 
@@ -151,7 +157,8 @@ class RunConfig:
     def launch_config(self, capture_note: str | None = None) -> LaunchConfig:
         """``capture_note``: the compiled capture could not be built (why): the ranks use
         the Python hooks and record why."""
-        capture = CaptureConfig(out=str(self.out.resolve()), bucket_cap_mb=self.bucket_cap_mb, steps=self.steps,
+        capture = CaptureConfig(out=str(self.out.resolve()), bucket_cap_mb=self.bucket_cap_mb,
+                                bucket_cap_mb_list=self.bucket_cap_mb_list, steps=self.steps,
                                 profile_steps=self.profile_steps if self.profile else None,
                                 capture="python" if capture_note else self.capture, capture_note=capture_note,
                                 **self.sharding)
@@ -171,7 +178,8 @@ class RunConfig:
             "script": {"argv": self.argv, "module": self.module, "path": str(path),
                        "sha256": file_sha256(path), "cwd": str(self.cwd)},
             "nproc_per_node": self.nproc, "nnodes": self.nnodes,
-            "bucket_cap_mb_requested": self.bucket_cap_mb, "steps_requested": self.steps,
+            "bucket_cap_mb_requested": self.bucket_cap_mb, "bucket_cap_mb_list_requested": self.bucket_cap_mb_list,
+            "steps_requested": self.steps,
             "profile_steps": self.profile_steps if self.profile else None, "capture_path_requested": self.capture,
             "sharding_requested": self.sharding,
         }
@@ -181,6 +189,8 @@ class RunConfig:
         cmd = ["ddpscope", "run", "--nproc", str(self.nproc)]
         if self.bucket_cap_mb is not None:
             cmd += ["--bucket-cap-mb", f"{self.bucket_cap_mb:g}"]
+        if self.bucket_cap_mb_list is not None:
+            cmd += ["--bucket-cap-mb-list", ",".join(f"{c:g}" for c in self.bucket_cap_mb_list)]
         if self.steps is not None:
             cmd += ["--steps", str(self.steps)]
         if self.profile:

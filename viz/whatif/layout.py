@@ -8,6 +8,9 @@ bucket_bytes_cap]``: a bucket closes on the gradient that takes it to or past it
 own bucket, and what is left open at the end closes last. Bucket 0 is the first to be
 ready. ``bucket_cap_mb`` given explicitly makes the first bucket's cap the same as the
 others' (``_BucketCapacityConfig``); only the default (25 MiB) keeps a 1 MiB first bucket.
+``bucket_cap_mb_list`` (PyTorch 2.13) gives a limit per bucket instead, in that order,
+the last repeating (for each dtype's buckets apart), at the first bucketing and at the
+rebuild alike; the largest is then the cap DDP reports.
 
 The assignment is DDP's own C++ function when torch is importable (called on ``meta``
 tensors: sizes and dtypes only, no memory), else a line-by-line port of it.
@@ -35,6 +38,31 @@ def cap_limits(cap_mb: float | None) -> tuple[int, int]:
         raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {cap_mb}")
     cap = int(cap_mb * MIB)  # DDP truncates the same way
     return cap, cap
+
+
+Cap = float | None | tuple[float, ...]  # bucket_cap_mb (MiB; None: DDP's default), or a bucket_cap_mb_list
+
+
+def is_cap_list(cap: Cap) -> bool:
+    return cap is not None and not isinstance(cap, (int, float))
+
+
+def bucket_limits(cap: Cap) -> list[int]:
+    """DDP's byte limits, bucket by bucket (the last repeats), for ``bucket_cap_mb`` (MiB;
+    None: DDP's default) or a ``bucket_cap_mb_list`` (a sequence of MiB)."""
+    if not is_cap_list(cap):
+        return list(cap_limits(cap))
+    caps = [float(c) for c in cap]
+    if not caps or not all(c > 0 and c == c and c != float("inf") for c in caps):
+        raise ValueError(f"bucket_cap_mb_list must be sizes > 0 MiB, got {list(cap)}")
+    return [int(c * MIB) for c in caps]  # DDP truncates the same way
+
+
+def cap_label(cap: Cap) -> str:
+    """``25``, ``DDP's default`` or ``0.25,1,4`` (MiB)."""
+    if cap is None:
+        return "DDP's default"
+    return ",".join(f"{float(c):g}" for c in cap) if is_cap_list(cap) else f"{float(cap):g}"
 
 
 def assign_buckets(param_bytes: Sequence[int], param_dtypes: Sequence[str], ready_order: Sequence[int],

@@ -36,7 +36,7 @@ from ddpscope.viz.trace import (
     fill_comm_columns,
     frame_of,
 )
-from ddpscope.viz.whatif.layout import assign_buckets, cap_limits
+from ddpscope.viz.whatif.layout import Cap, assign_buckets, bucket_limits, cap_limits, is_cap_list
 from ddpscope.viz.whatif.model import StepInputs, WhatIfModel, fit_model, step_inputs
 
 _EPS = 1e-6
@@ -56,23 +56,27 @@ def ready_order(trace: RunTrace) -> list[int]:
     return seen + rest
 
 
-def traced_cap(trace: RunTrace) -> float | None:
-    """The cap to replay the trace as it ran: its ``bucket_cap_mb`` (MiB), or None when DDP
-    ran with its default (25 MiB and a 1 MiB first bucket), which an explicit 25 is not."""
+def traced_cap(trace: RunTrace) -> Cap:
+    """The cap to replay the trace as it ran: its ``bucket_cap_mb`` (MiB), its
+    ``bucket_cap_mb_list`` (a tuple of MiB), or None when DDP ran with its default (25
+    MiB and a 1 MiB first bucket), which an explicit 25 is not."""
     run = trace.run
+    if run.get("bucket_cap_bytes_list"):
+        return tuple(b / 2**20 for b in run["bucket_cap_bytes_list"])
     if run.get("bucket_cap_default"):
         return None
     cap = run.get("bucket_cap_mb")
     return float(cap) if cap else None
 
 
-def predict_layout(trace: RunTrace, cap_mb: float | None) -> list[list[int]]:
-    """The buckets DDP builds for ``cap_mb`` (MiB) from this trace's ready order."""
+def predict_layout(trace: RunTrace, cap_mb: Cap) -> list[list[int]]:
+    """The buckets DDP builds for ``cap_mb`` (MiB, or a per-bucket list) from this trace's
+    ready order."""
     run = trace.run
     sizes = run.get("param_bytes") or []
     dtypes = run.get("param_dtypes") or ["float32"] * len(sizes)
     try:
-        return assign_buckets(sizes, dtypes, ready_order(trace), cap_limits(cap_mb))
+        return assign_buckets(sizes, dtypes, ready_order(trace), bucket_limits(cap_mb))
     except ValueError as e:  # what the trace says of its parameters does not hold together
         raise TraceError(f"{trace.path.name}: cannot lay out its buckets: {e}") from None
 
@@ -183,14 +187,16 @@ def simulate_step(inputs: StepInputs, layout: list[list[int]], bucket_bytes: lis
     return {"ranks": out, "start": start, "done": done}
 
 
-def predict_run(trace: RunTrace, cap_mb: float | None, model: WhatIfModel | None = None,
+def predict_run(trace: RunTrace, cap_mb: Cap, model: WhatIfModel | None = None,
                 fitted: WhatIfModel | None = None) -> RunTrace:
     """``trace``'s usable steps replayed at ``bucket_cap_mb`` = ``cap_mb`` (MiB; None:
-    DDP's default) with ``model`` (fitted to ``trace`` when not given). ``fitted``: the
+    DDP's default; a tuple: ``bucket_cap_mb_list``) with ``model`` (fitted to ``trace`` when not given). ``fitted``: the
     model fitted to the trace, when ``model`` is another (a projection): the trace's
     compute is read with it. The result's ``run`` says ``"status": "predicted"`` and
     holds the layout and the model's notes."""
-    if cap_mb is not None and not (np.isfinite(cap_mb) and cap_mb > 0):
+    if is_cap_list(cap_mb):
+        bucket_limits(cap_mb)  # ValueError on a bad list
+    elif cap_mb is not None and not (np.isfinite(cap_mb) and cap_mb > 0):
         raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {cap_mb}")
     model = model or fit_model(trace)
     layout = predict_layout(trace, cap_mb)
@@ -215,9 +221,11 @@ def predict_run(trace: RunTrace, cap_mb: float | None, model: WhatIfModel | None
         rp = passes.set_index(["rank", "step"]).index
         others = passes[[k in keep for k in rp]]
         rows["passes"] += _unsynced_passes(others, rows["steps"])
-    first, cap_bytes = cap_limits(cap_mb)
+    per_bucket = bucket_limits(cap_mb) if is_cap_list(cap_mb) else None
+    first, cap_bytes = (max(per_bucket),) * 2 if per_bucket else cap_limits(cap_mb)
     run = {**trace.run, "status": "predicted", "bucket_cap_mb": cap_bytes / 2**20, "bucket_cap_bytes": cap_bytes,
            "first_bucket_cap_bytes": first, "bucket_cap_default": cap_mb is None, "bucket_layout": layout,
+           "bucket_cap_bytes_list": per_bucket,
            "prediction": {"from": str(trace.path), "from_bucket_cap_mb": trace.run.get("bucket_cap_mb"),
                           "model": _model_json(model)}}
     memory = trace.memory

@@ -8,6 +8,7 @@ import pandas as pd
 
 from ddpscope.viz.overlap import compute_step_breakdown
 from ddpscope.viz.trace import RunTrace
+from ddpscope.viz.whatif.layout import cap_label, is_cap_list
 from ddpscope.viz.whatif.model import WhatIfModel, fit_model
 from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 
@@ -23,8 +24,10 @@ def _medians(trace: RunTrace) -> dict:
 
 
 def compute_cap_sweep(trace: RunTrace, caps=DEFAULT_CAPS, model: WhatIfModel | None = None,
-                      fitted: WhatIfModel | None = None) -> pd.DataFrame:
-    """One row per cap (MiB): buckets, first bucket's cap (MiB), and the predicted medians
+                      fitted: WhatIfModel | None = None, lists=()) -> pd.DataFrame:
+    """One row per cap (MiB), and per ``bucket_cap_mb_list`` in ``lists`` (its
+    ``bucket_cap_mb`` column the largest limit, ``bucket_cap_mb_list`` the list as text,
+    None for a uniform cap): buckets, first bucket's cap (MiB), and the predicted medians
     over steps and ranks of step, backward compute, communication and exposed
     communication (ms), overlap %; ``traced`` marks the trace's own setting, replayed
     (added when not among ``caps``; DDP's default, 25 MiB with a 1 MiB first bucket, is a
@@ -32,13 +35,15 @@ def compute_cap_sweep(trace: RunTrace, caps=DEFAULT_CAPS, model: WhatIfModel | N
     row) and ``model``. Caps must be > 0. ``fitted``: see ``predict_run``."""
     model = model or fit_model(trace)
     own = traced_cap(trace)
-    label = float(trace.run.get("bucket_cap_mb") or 25.0) if own is None else own
+    label = float(trace.run.get("bucket_cap_mb") or 25.0) if own is None or is_cap_list(own) else own
     settings = {(float(c), float(c)) for c in caps} | {(label, own)}
+    settings |= {(max(map(float, c)), tuple(map(float, c))) for c in lists}
     rows, preds = [], []
-    for shown, cap in sorted(settings, key=lambda s: (s[0], s[1] is not None)):
+    for shown, cap in sorted(settings, key=lambda s: (s[0], s[1] is not None, is_cap_list(s[1]), str(s[1]))):
         pred = predict_run(trace, cap, model, fitted)
         preds.append(pred)
-        rows.append({"bucket_cap_mb": shown, "buckets": len(pred.run["bucket_layout"]),
+        rows.append({"bucket_cap_mb": shown, "bucket_cap_mb_list": cap_label(cap) if is_cap_list(cap) else None,
+                     "buckets": len(pred.run["bucket_layout"]),
                      "first_bucket_mb": pred.run["first_bucket_cap_bytes"] / 2**20, **_medians(pred),
                      "traced": cap == own})
     df = pd.DataFrame(rows)
@@ -57,7 +62,9 @@ def recommend_cap(sweep: pd.DataFrame) -> dict:
     if len(base) and gain < MIN_GAIN * base_ms:
         best = base.iloc[0]
         gain = 0.0
-    return {"bucket_cap_mb": float(best["bucket_cap_mb"]), "step_ms": float(best["step_ms"]),
+    return {"bucket_cap_mb": float(best["bucket_cap_mb"]),
+            "bucket_cap_mb_list": best.get("bucket_cap_mb_list") if pd.notna(best.get("bucket_cap_mb_list")) else None,
+            "step_ms": float(best["step_ms"]),
             "exposed_ms": float(best["exposed_ms"]), "traced_step_ms": base_ms, "gain_ms": gain,
             "gain_pct": 100.0 * gain / base_ms if base_ms > 0 else float("nan")}
 
