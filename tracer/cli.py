@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpscope.tracer import options as o
-from ddpscope.tracer.progress import MESSAGE_PREFIX
+from ddpscope.tracer.progress import MESSAGE_PREFIX, PROGRESS_PASSTHROUGH_ENV, emit_progress
 
 PROG = "ddpscope"
 
@@ -188,6 +188,9 @@ def launch_command(args: argparse.Namespace) -> int:
     last, unsaid = [0.0], [None]
 
     def progress(rec: dict) -> None:
+        if os.environ.get(PROGRESS_PASSTHROUGH_ENV) == "1":  # a node of an emulated run: its launcher shows it
+            emit_progress(**rec)
+            return
         line = describe(rec, cfg)
         now = time.monotonic()
         # a fast script makes hundreds of steps a second: a line per half second, and the last
@@ -207,9 +210,11 @@ def launch_command(args: argparse.Namespace) -> int:
              if cfg.bucket_cap_mb_list is not None else []) + \
             [f"{k} {str(v).lower()}" for k, v in cfg.sharding.items() if v is not None]
         overrides = f", overriding the script's {', '.join(settings)}" if settings else ""
-        ranks = cfg.nproc * cfg.nnodes
+        ranks = cfg.nproc * (cfg.emulate_nodes or cfg.nnodes)
         node = f" (node {cfg.node_rank} of {cfg.nnodes}: ranks {output.first_rank}..{output.first_rank + cfg.nproc - 1})" \
             if cfg.nnodes > 1 else ""
+        if cfg.emulate_nodes:
+            node = f" ({cfg.emulate_nodes} emulated nodes of {cfg.nproc} ranks, each over a {cfg.link} link)"
         say(f"tracing {what} on {ranks} ranks{node}{overrides}")
         shown = ("ddpscope's lines only" if args.quiet else "every rank's output" if args.verbose else
                  "rank 0's output" if output.first_rank == 0 else "no rank's output (rank 0 is on node 0)")

@@ -129,6 +129,24 @@ HANG_TIMEOUT = Option("--hang-timeout", "hang watchdog: when no rank moves for t
                       "the first step), name the stuck rank(s), save every rank's stacks and stop the job (0: off)",
                       60.0, float, in_range(0, WEEK_S, " seconds"))
 NNODES = Option("--nnodes", "torchrun --nnodes (multi-node)", 1, int, in_range(1, 10_000))
+
+
+def _rate_check(v) -> str | None:
+    from ddpscope.tracer.launch.lab import parse_rate  # torch-free, like this module
+
+    try:
+        parse_rate(v)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+EMULATE_NODES = Option("--emulate-nodes", "run N nodes on this machine: network namespaces joined through links "
+                       "shaped to --link, --nproc ranks each, gloo between them over those links (needs root or "
+                       "CAP_NET_ADMIN; emulates each link's bandwidth, not its latency)", None, int,
+                       in_range(2, 64), metavar="N")
+LINK = Option("--link", "with --emulate-nodes: each node's link rate, both ways, in tc's units (100mbit, 1gbit, "
+              "10gbit; default 1gbit)", None, str, _rate_check, metavar="RATE")
 NODE_RANK = Option("--node-rank", "torchrun --node-rank", 0, int, in_range(0, 9_999))
 RDZV_ENDPOINT = Option("--rdzv-endpoint", "torchrun --rdzv-endpoint HOST:PORT (node 0 hosts it)", None, str,
                        metavar="HOST:PORT")

@@ -16,6 +16,9 @@ import sys
 
 PROGRESS_PREFIX = "ddpscope-progress "
 MESSAGE_PREFIX = "ddpscope: "
+#: set for ``ddpscope run`` as one node of an emulated run: it hands its progress records
+#: on as progress lines (the emulated run's launcher shows them), not as text
+PROGRESS_PASSTHROUGH_ENV = "DDPSCOPE_PROGRESS_PASSTHROUGH"
 
 
 def say(text: str) -> None:

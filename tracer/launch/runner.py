@@ -28,7 +28,7 @@ from typing import Callable
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer import options as o
 from ddpscope.tracer.capture.autotrace import CaptureConfig
-from ddpscope.tracer.launch import nodes
+from ddpscope.tracer.launch import lab, nodes
 from ddpscope.tracer.launch.hangs import read_positions
 from ddpscope.tracer.launch.native import build_native
 from ddpscope.tracer.launch.nodes import check_out_dir
@@ -61,6 +61,8 @@ class RunConfig:
     hang_timeout_s: float = o.HANG_TIMEOUT.field()
     nnodes: int = o.NNODES.field()
     node_rank: int = o.NODE_RANK.field()
+    emulate_nodes: int | None = o.EMULATE_NODES.field()
+    link: str | None = o.LINK.field()
     rdzv_endpoint: str | None = o.RDZV_ENDPOINT.field()
     profile: bool = o.PROFILE.field()
     profile_steps: int = o.PROFILE_STEPS.field()
@@ -90,6 +92,15 @@ class RunConfig:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
+        if self.link is not None and self.emulate_nodes is None:
+            raise ValueError("--link goes with --emulate-nodes N")
+        if self.emulate_nodes is not None:
+            if self.nnodes > 1 or self.rdzv_endpoint:
+                raise ValueError("--emulate-nodes runs every node here: leave out --nnodes, --node-rank and "
+                                 "--rdzv-endpoint")
+            self.link = (self.link or "1gbit").strip().lower()
+            if (reason := lab.why_not()) is not None:
+                raise ValueError(f"--emulate-nodes: {reason}")
         self.program_path()  # the script or module exists
         check_out_dir(self.out, self.job if self.nnodes > 1 else None, self.node_rank)
 
@@ -205,6 +216,8 @@ class RunConfig:
         if self.nnodes > 1:
             cmd += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
                     "--rdzv-endpoint", str(self.rdzv_endpoint)]
+        if self.emulate_nodes is not None:
+            cmd += ["--emulate-nodes", str(self.emulate_nodes), "--link", str(self.link)]
         cmd += ["--out", str(self.out)]
         return cmd + (["--demo", self.demo] if self.demo else ["--", *self.script])
 
@@ -265,6 +278,10 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
     if cfg.capture == "compiled":  # built before any rank starts: no traced step pays for it
         built = build_native(lambda line: on_output(None, line, True))
         note = None if built["ok"] else f"the compiled capture could not be built: {built['error'][:300]}"
+    if cfg.emulate_nodes is not None:  # every node a launcher of its own, in the lab
+        from ddpscope.tracer.launch.emulated import run_emulated
+
+        return run_emulated(cfg, on_progress, on_output)
     node = None if cfg.nnodes == 1 else Node(job=cfg.job, rank=cfg.node_rank, count=cfg.nnodes, nproc=cfg.nproc)
     result = launch_traced(cfg.launch_config(note), cfg.out, {**cfg.facts(), "command": shlex.join(cfg.command())},
                             on_progress, on_output, launcher, node)

@@ -1,0 +1,146 @@
+"""``ddpscope run --emulate-nodes N --link RATE``: a multi-node job on one machine.
+
+The launcher builds a ``Lab`` (N network namespaces joined through links shaped to
+RATE), then runs one ``ddpscope run --nnodes N --node-rank k`` per node inside its
+namespace, all into the one ``--out`` (the multi-node layout of ``nodes.py``: node 0
+owns run.json), gloo bound to the lab's interface. Each node's launcher is a whole
+``ddpscope run`` (its own torchrun, watchdogs and reaping); this one watches them,
+hands on node 0's output and progress, stops them all when one fails or on Ctrl-C, and
+removes the lab whatever happened. A node's launcher is told to stop (SIGTERM) if this
+process dies, and the next lab removes what was left. Torch-free.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer.launch.lab import Lab
+from ddpscope.tracer.launch.torchrun import LaunchResult, OnLine
+from ddpscope.tracer.progress import MESSAGE_PREFIX, PROGRESS_PASSTHROUGH_ENV, parse_progress
+from ddpscope.tracer.writer import update_run_json
+
+#: what runs a node's launcher so that it is told to stop (SIGTERM) when this process dies
+#: (PR_SET_PDEATHSIG, kept across exec; util-linux's setpriv; without it the node's own
+#: watchdogs end it)
+_STOP_WITH_PARENT = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
+STOP_GRACE_S = 30.0  # a node's launcher stops its job and reaps it within this after SIGTERM
+
+
+def node_argv(command: list[str], node: int, nodes: int, endpoint: str) -> list[str]:
+    """Node ``node``'s ``ddpscope run`` from the emulated run's command line
+    (``RunConfig.command()``): the same settings, as one node of ``nodes``."""
+    argv, skip = [], 0
+    for i, a in enumerate(command[2:]):
+        if skip:
+            skip -= 1
+            continue
+        if a in ("--emulate-nodes", "--link"):
+            skip = 1
+            continue
+        if a == "--out" and "--nnodes" not in argv:
+            argv += ["--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint]
+        argv.append(a)
+    return [sys.executable, "-m", "ddpscope.tracer", "run", *argv]
+
+
+def run_emulated(cfg, on_progress: Callable[[dict], None], on_output: OnLine) -> LaunchResult:
+    """Run ``cfg`` (a ``RunConfig`` with ``emulate_nodes``) on a lab of that many nodes."""
+    lines: queue.Queue = queue.Queue()
+    tails = {k: collections.deque(maxlen=40) for k in range(cfg.emulate_nodes)}
+    procs: list[subprocess.Popen] = []
+    interrupted = False
+    with Lab(cfg.emulate_nodes, cfg.link) as lab:
+        command = cfg.command()
+        env = {**os.environ, **lab.env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        for node in lab.nodes:
+            argv = node_argv(command, node.index, cfg.emulate_nodes, lab.endpoint)
+            proc = subprocess.Popen([*node.prefix(), *_STOP_WITH_PARENT, *argv], cwd=cfg.cwd,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, errors="replace", bufsize=1, start_new_session=True,
+                                    env={**env, PROGRESS_PASSTHROUGH_ENV: "1" if node.index == 0 else "0"})
+            procs.append(proc)
+            for stream, err in ((proc.stdout, False), (proc.stderr, True)):
+                threading.Thread(target=_pump, args=(node.index, stream, err, lines), daemon=True).start()
+        try:
+            open_streams = 2 * len(procs)
+            deadline = time.monotonic() + cfg.timeout_s + STOP_GRACE_S + 60
+            while open_streams and time.monotonic() < deadline:
+                try:
+                    item = lines.get(timeout=0.5)
+                except queue.Empty:
+                    if any(p.poll() not in (None, 0) for p in procs):  # one node failed: the others stop too
+                        _stop(procs)
+                    continue
+                if item is None:
+                    open_streams -= 1
+                    continue
+                k, line, err = item
+                tails[k].append(line)
+                if k == 0:
+                    _hand_on(line, err, str(cfg.out), on_progress, on_output)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            _stop(procs)
+    codes = [p.returncode for p in procs]
+    result = LaunchResult(returncode=next((c for c in codes if c), 0), interrupted=interrupted)
+    if result.returncode or interrupted:
+        bad = next((k for k, c in enumerate(codes) if c), 0)
+        said = [line for line in tails[bad] if "run failed:" in line or "error:" in line]
+        result.reason = ("interrupted" if interrupted else
+                         said[-1].split(": ", 1)[-1] if said else f"node {bad}'s launcher exited with code {codes[bad]}")
+        result.stderr_tail = "\n".join(tails[bad])
+    if cfg.out.is_dir() and (cfg.out / fmt.RUN_FILE).exists():
+        update_run_json(cfg.out, {"emulation": {"nodes": cfg.emulate_nodes, "link": lab.rate,
+                                                "link_bps": lab.rate_bps, "nproc_per_node": cfg.nproc,
+                                                "shaped": "egress of each node's link, both ways (tc tbf)",
+                                                "not_emulated": "latency, switch topology, NVLink"},
+                                  "command": " ".join(command)})
+    return result
+
+
+def _hand_on(line: str, err: bool, out: str, on_progress, on_output: OnLine) -> None:
+    """Node 0's launcher's line: a progress record, its rank 0's output, or its own line
+    (not those this launcher says itself: what it traces, where it writes)."""
+    rec = parse_progress(line)
+    if rec is not None:
+        on_progress(rec)
+    elif line.strip() == out or line.startswith((MESSAGE_PREFIX + "tracing ", MESSAGE_PREFIX + "showing ")):
+        return
+    else:
+        on_output(0, line, err)
+
+
+def _pump(node: int, stream, err: bool, lines: queue.Queue) -> None:
+    try:
+        for line in stream:
+            lines.put((node, line.rstrip("\n"), err))
+    finally:
+        lines.put(None)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Every node's launcher stopped (SIGTERM: it stops its job and reaps it) and reaped."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    end = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
