@@ -18,7 +18,7 @@ Beside the events, a writer given a ``summary_path`` keeps the rank's *summary*
 as they are added (``tracer/step_summary.py``), and a ``{"meta": ...}`` line whenever
 the metadata changed (without the per-parameter lists, which ``run.json`` holds). It
 is appended at the same flushes, so a viewer of a thousand ranks reads a few KB a rank
-instead of every event (see the README's "Many ranks").
+instead of every event (see docs/many-ranks.md).
 """
 
 from __future__ import annotations
