@@ -79,15 +79,15 @@ def compute_slow_ranks(overview: pd.DataFrame, top: int | None = None) -> pd.Dat
 
 def ranks_to_show(trace: RunTrace, most: int = 8) -> list[int]:
     """The ranks to draw first: every rank of a run of up to ``most``; of a bigger one,
-    rank 0 and the three ranks that held the others back most (their steps are all a
-    summary-first trace needs)."""
+    rank 0 and the three other ranks that held the others back most (their steps are all
+    a summary-first trace needs)."""
     ranks = sorted(int(r) for r in trace.ranks) if trace.ranks else sorted(trace.steps["rank"].unique())
     if len(ranks) <= most:
         return ranks
     if "rank_overview" not in trace.cache:  # computed once per loaded trace
         trace.cache["rank_overview"] = compute_rank_overview(trace)
-    slow = compute_slow_ranks(trace.cache["rank_overview"])
-    return sorted({ranks[0], *(int(r) for r in slow["rank"].head(3))})
+    slow = [int(r) for r in compute_slow_ranks(trace.cache["rank_overview"])["rank"] if int(r) != ranks[0]]
+    return sorted({ranks[0], *slow[:3]})
 
 
 def slow_rank_line(slow: pd.DataFrame, min_ms: float = 1.0) -> str | None:
