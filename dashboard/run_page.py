@@ -22,12 +22,32 @@ from ddpscope.dashboard.common import (
 )
 from ddpscope.dashboard.sharded_view import sharded_rerun_settings, show_sharded_comparison
 from ddpscope.dashboard.timeline_page import show_comparison
+from ddpscope.tracer.launch import lab
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.tracer.launch.runner import file_sha256
 from ddpscope.tracer.options import DEMO_MODELS
 from ddpscope.viz.trace import TraceError
 
 CAP_OPTIONS = [0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 5.0, 8.0, 10.0, 16.0, 25.0, 32.0, 50.0, 64.0, 100.0, 250.0, 500.0]  # MiB
+LINKS = ["100mbit", "200mbit", "1gbit", "10gbit"]
+
+
+def lab_controls(prefix: str, disabled: bool = False):
+    """A switch for emulated nodes (``ddpscope run --emulate-nodes``) and, on, their
+    number and link; returns a function giving the job's settings for them."""
+    why = lab.why_not()
+    on = st.toggle("Emulate nodes over shaped links", key=f"{prefix}_lab", disabled=disabled or why is not None,
+                   help=why or "N network namespaces joined through links of this rate (tc tbf), the world size "
+                   "ranks in each: communication crosses a link as between machines. Bandwidth is emulated, "
+                   "latency is not.")
+    if not on:
+        return lambda: {}
+    c = st.columns(2)
+    nodes = c[0].slider("nodes", 2, 4, 2, key=f"{prefix}_lab_nodes")
+    link = c[1].select_slider("link", options=LINKS, value="1gbit", key=f"{prefix}_lab_link")
+    return lambda: {"emulate_nodes": widget_now(f"{prefix}_lab_nodes", nodes) if widget_now(f"{prefix}_lab", on)
+                    else None, "link": widget_now(f"{prefix}_lab_link", link) if widget_now(f"{prefix}_lab", on)
+                    else None}
 
 
 def rerun_source(path: Path, run: dict) -> dict | None:
@@ -97,6 +117,7 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
     nproc = c[2].slider("world size", 1, 4, key="run_nproc")
     caps = st.text_input("or a size per bucket: bucket_cap_mb_list (MiB, in bucket order, the last repeats)",
                          key="run_cap_list", placeholder="e.g. 1,8,25 (empty: the cap above)").strip()
+    emulation = lab_controls("run")
     if blocked:
         st.info(f"Rerun is off: {blocked}.")
 
@@ -104,7 +125,7 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
         chosen = widget_now("run_cap_list", caps).strip()
         return dict(nproc=widget_now("run_nproc", nproc), steps=widget_now("run_steps", steps), source=path,
                     bucket_cap_mb=None if chosen else widget_now("run_cap", cap),
-                    bucket_cap_mb_list=chosen or None, **what)
+                    bucket_cap_mb_list=chosen or None, **emulation(), **what)
 
     job_button(f"Rerun with bucket_cap_mb_list = {caps}" if caps else f"Rerun with bucket_cap_mb = {cap:g}",
                "run_button", jobs.start, settings, disabled=busy or bool(blocked), type="primary")
@@ -120,6 +141,8 @@ def _new_command(jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
     cap = c[2].select_slider("bucket_cap_mb (MiB)", options=["script's own", *CAP_OPTIONS], key="new_cap",
                              disabled=not policy.allowed)
     steps = c[3].slider("steps", 3, 50, 10, key="new_steps", disabled=not policy.allowed)
+    emulation = lab_controls("new", disabled=not policy.allowed)
+
     def settings() -> dict:
         try:
             argv = shlex.split(widget_now("new_cmd", command))
@@ -128,7 +151,7 @@ def _new_command(jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
         chosen = widget_now("new_cap", cap)
         return dict(script=argv, cwd=widget_now("new_cwd", cwd), nproc=widget_now("new_nproc", nproc),
                     steps=widget_now("new_steps", steps),
-                    bucket_cap_mb=None if chosen == "script's own" else float(chosen))
+                    bucket_cap_mb=None if chosen == "script's own" else float(chosen), **emulation())
 
     job_button("Start", "new_button", jobs.start, settings, disabled=busy or not policy.allowed)
 

@@ -13,6 +13,7 @@ import pytest
 from streamlit import config as st_config
 from streamlit.testing.v1 import AppTest
 
+from ddpscope.tracer.launch.lab import lab_leftovers, why_not
 from tests.conftest import KINETO, ROOT, SAMPLES
 from tests.test_kineto import gpu_profile
 
@@ -206,6 +207,24 @@ def test_a_rerun_with_a_size_per_bucket_checks_the_list_then_runs_it(app, tmp_pa
     run = json.loads((runs[0] / "run.json").read_text())
     assert run["status"] == "complete" and run["bucket_cap_bytes_list"] == [2**19, 2**21]
     assert run["bucket_cap_mb_list_requested"] == [0.5, 2.0] and "--bucket-cap-mb-list 0.5,2" in run["command"]
+
+
+@pytest.mark.ddp
+@pytest.mark.skipif(why_not() is not None, reason=f"no emulated nodes here: {why_not()}")
+def test_a_rerun_on_emulated_nodes_runs_across_the_shaped_links(app, tmp_path):
+    _page(app, "Run")
+    app.toggle(key="run_lab").set_value(True).run()
+    app.select_slider(key="run_lab_link").set_value("200mbit")
+    app.slider(key="run_nproc").set_value(1)
+    app.slider(key="run_steps").set_value(3)
+    app.button(key="run_button").click().run()
+    _wait_for_job(app)
+    assert not app.exception
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    run = json.loads((runs[0] / "run.json").read_text())
+    assert run["status"] == "complete" and run["world_size"] == 2
+    assert run["emulation"]["nodes"] == 2 and run["emulation"]["link"] == "200mbit"
+    assert not lab_leftovers()
 
 
 @pytest.mark.ddp

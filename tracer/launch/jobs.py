@@ -91,18 +91,21 @@ class JobManager:
               bucket_cap_mb_list: tuple[float, ...] | str | None = None,
               script: list[str] | None = None, cwd: str | Path | None = None, timeout_s: float = 600.0,
               source: Path | None = None, reshard_after_forward: str | None = None,
-              forward_prefetch: int | None = None, backward_prefetch: int | None = None) -> Job | None:
+              forward_prefetch: int | None = None, backward_prefetch: int | None = None,
+              emulate_nodes: int | None = None, link: str | None = None) -> Job | None:
         """Start a traced training run (``demo``, or ``script`` run in ``cwd``); None if a
         job is already going. ``ValueError`` (naming the setting) on bad settings, before
         anything starts. ``bucket_cap_mb_list``: per-bucket limits (MiB) instead of
         ``bucket_cap_mb``. ``source``: the run this one reruns. ``reshard_after_forward``,
-        ``forward_prefetch``, ``backward_prefetch``: FSDP2 settings overriding the script's."""
+        ``forward_prefetch``, ``backward_prefetch``: FSDP2 settings overriding the script's.
+        ``emulate_nodes``, ``link``: that many nodes of ``nproc`` ranks, over links of that
+        rate (``tracer/launch/lab.py``)."""
         def make(out: Path) -> RunConfig:
             return RunConfig(out=out, demo=demo, script=list(script or []), cwd=cwd or Path.cwd(), nproc=nproc,
                              bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=bucket_cap_mb_list, steps=steps,
                              timeout_s=timeout_s,
                              reshard_after_forward=reshard_after_forward, forward_prefetch=forward_prefetch,
-                             backward_prefetch=backward_prefetch)
+                             backward_prefetch=backward_prefetch, emulate_nodes=emulate_nodes, link=link)
 
         return self._start(make, "ddp", steps, source)
 
