@@ -71,7 +71,7 @@ def run_viz_command(args, prog: str) -> int:
             print(f"{args.out} ({size / 2**20:.2f} MiB): open it at https://ui.perfetto.dev")
             code = 0
         elif args.command == "whatif":
-            code = _whatif(args.path, args.caps, args.json, args.cap_list)
+            code = _whatif(args.path, args.caps, args.json, getattr(args, "cap_list", None))
         else:
             code = _summary(args.path, args.json)
         sys.stdout.flush()  # here, where a reader that left (a pipe) is caught, not at exit
