@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -141,3 +143,15 @@ def test_stopping_the_runner_stops_and_reaps_the_job(tmp_path, sig):
     assert json.loads((out / "run.json").read_text())["status"] == "failed"
     assert len(load_run(out).steps.query("rank == 0 and not incomplete")) >= 1
     assert processes_mentioning(str(out)) == []
+
+
+@pytest.mark.ddp
+def test_a_terminal_that_goes_away_does_not_end_the_job(tmp_path):
+    """``ddpscope run ... | head -c 1``: the pipe closes after one byte; the job runs to
+    its end all the same (its output is in its logs) and its trace is complete."""
+    out = tmp_path / "piped"
+    subprocess.run(f"{sys.executable} -m ddpscope.tracer run --demo mlp --steps 6 --out {out} 2>&1 | head -c 1",
+                   shell=True, cwd="/", timeout=240, capture_output=True)
+    trace = load_run(out)
+    assert trace.status == "complete" and trace.steps.groupby("rank").size().to_dict() == {0: 6, 1: 6}
+    assert not processes_mentioning(str(out))

@@ -110,8 +110,17 @@ class OutputFilter:
 
     def __init__(self, verbose: bool, quiet: bool, first_rank: int = 0) -> None:
         self.verbose, self.quiet, self.first_rank = verbose, quiet, first_rank
+        self.lost = False  # the terminal went away (a closed pipe): the job goes on, its output is in the logs
 
     def __call__(self, rank: int | None, line: str, err: bool) -> None:
+        if self.lost:
+            return
+        try:
+            self._show(rank, line, err)
+        except (OSError, ValueError):  # BrokenPipeError, a closed stream: never the job's end
+            self.lost = True
+
+    def _show(self, rank: int | None, line: str, err: bool) -> None:
         if self.verbose:
             text = line if rank is None else f"[rank {self.first_rank + rank}] {line}"
             print(text, file=sys.stderr if err or rank is None else sys.stdout, flush=True)
@@ -122,8 +131,12 @@ class OutputFilter:
 
 
 def say(text: str) -> None:
-    """One of ddpscope's own lines on the terminal, marked as the capture's are."""
-    print(MESSAGE_PREFIX + text, file=sys.stderr, flush=True)
+    """One of ddpscope's own lines on the terminal, marked as the capture's are (a closed
+    stream loses the line, never the job)."""
+    try:
+        print(MESSAGE_PREFIX + text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def run_progress(rec: dict, cfg) -> str | None:

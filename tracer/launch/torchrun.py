@@ -160,7 +160,9 @@ def launch(cfg: LaunchConfig, on_line: OnLine = lambda r, l, e: None) -> LaunchR
         interrupted = True
     finally:
         workers |= descendants(proc.pid)
-        _terminate(proc, workers)
+        # a second Ctrl-C or SIGTERM (a scheduler, a parent's death) must not cut the
+        # stop short: the job would be left running with no launcher
+        interrupted = _terminate_shielded(proc, workers) or interrupted
         for reader in readers:
             reader.join(timeout=5)
         while True:  # what the readers had left: torchrun's summary comes last
@@ -244,6 +246,22 @@ def _pump(stream, lines: queue.Queue, err: bool) -> None:
     for line in stream:
         lines.put((line.rstrip("\n"), err))
     lines.put(None)
+
+
+def _terminate_shielded(proc: subprocess.Popen, workers: set[int]) -> bool:
+    """``_terminate``, with Ctrl-C and SIGTERM held until it is done (in the main thread,
+    where Python delivers them); whether one came meanwhile."""
+    if threading.current_thread() is not threading.main_thread():
+        _terminate(proc, workers)
+        return False
+    held: list[int] = []
+    before = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _terminate(proc, workers)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    return bool(held)
 
 
 def _terminate(proc: subprocess.Popen, workers: set[int], grace_s: float = 10.0) -> None:
