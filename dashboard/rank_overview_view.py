@@ -9,7 +9,7 @@ import streamlit as st
 from ddpscope.dashboard.common import GANTT_RANKS
 from ddpscope.viz.rank_overview import (
     METRICS,
-    compute_rank_overview,
+    cached_rank_overview,
     compute_slow_ranks,
     make_rank_heatmap_figure,
     make_step_spread_figure,
@@ -24,17 +24,11 @@ def default_ranks(trace) -> list[int]:
     return ranks_to_show(trace, GANTT_RANKS)
 
 
-def _overview(trace):
-    if "rank_overview" not in trace.cache:  # computed once per loaded trace (load_trace caches the trace)
-        trace.cache["rank_overview"] = compute_rank_overview(trace)
-    return trace.cache["rank_overview"]
-
-
 def render_rank_overview(trace, ranks_key: str = "ranks") -> None:
     """Above the Gantt, for runs of more than two ranks (two are both in the Gantt, with
     the straggler table below). A click on a heatmap cell adds its rank to the Gantt's
     ranks (the multiselect under ``ranks_key``, drawn after this)."""
-    overview = _overview(trace)
+    overview = cached_rank_overview(trace)  # once per loaded trace (load_trace caches the trace)
     n = overview["rank"].nunique() if len(overview) else 0
     if n <= 2:
         return

@@ -12,7 +12,7 @@ import pandas as pd
 from ddpscope.tracer import format as fmt
 from ddpscope.viz.parallel import map_on_cores
 from ddpscope.viz.run_files import open_run_folder
-from ddpscope.viz.trace import RunTrace, TraceError, read_rank_tables
+from ddpscope.viz.trace import EVENT_TABLES, RunTrace, TraceError, join_tables, read_rank_tables
 
 
 def with_events(trace: RunTrace, ranks: Iterable[int], missing_ok: bool = False) -> RunTrace:
@@ -39,15 +39,9 @@ def with_events(trace: RunTrace, ranks: Iterable[int], missing_ok: bool = False)
     parsed = map_on_cores(read_rank_tables, [(r, folder.rank_files[r]) for r in new],
                           [folder.rank_files[r].stat().st_size for r in new])
 
-    def joined(name: str, order: list[str]) -> pd.DataFrame:
-        frames = [f for f in [getattr(trace, name), *(getattr(t, name) for t in parsed)] if len(f)]
-        if not frames:
-            return getattr(trace, name)
-        return pd.concat(frames, ignore_index=True).sort_values(order, kind="stable").reset_index(drop=True)
-
-    return dataclasses.replace(
-        trace, buckets=joined("buckets", ["rank", "step", "bucket"]), grads=joined("grads", ["rank", "step", "ready_us"]),
-        passes=joined("passes", ["rank", "step", "micro"]), event_ranks=tuple(sorted(have | set(new))), cache={})
+    tables = {name: join_tables([getattr(trace, name), *(getattr(t, name) for t in parsed)], name)
+              for name in EVENT_TABLES}
+    return dataclasses.replace(trace, **tables, event_ranks=tuple(sorted(have | set(new))), cache={})
 
 
 def select_ranks(trace: RunTrace, ranks: Iterable[int]) -> RunTrace:

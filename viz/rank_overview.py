@@ -77,6 +77,13 @@ def compute_slow_ranks(overview: pd.DataFrame, top: int | None = None) -> pd.Dat
     return out if top is None else out.head(top)
 
 
+def cached_rank_overview(trace: RunTrace) -> pd.DataFrame:
+    """``compute_rank_overview(trace)``, computed once per loaded trace (in its cache)."""
+    if "rank_overview" not in trace.cache:
+        trace.cache["rank_overview"] = compute_rank_overview(trace)
+    return trace.cache["rank_overview"]
+
+
 def ranks_to_show(trace: RunTrace, most: int = 8) -> list[int]:
     """The ranks to draw first: every rank of a run of up to ``most``; of a bigger one,
     rank 0 and the three other ranks that held the others back most (their steps are all
@@ -84,9 +91,7 @@ def ranks_to_show(trace: RunTrace, most: int = 8) -> list[int]:
     ranks = sorted(int(r) for r in trace.ranks) if trace.ranks else sorted(trace.steps["rank"].unique())
     if len(ranks) <= most:
         return ranks
-    if "rank_overview" not in trace.cache:  # computed once per loaded trace
-        trace.cache["rank_overview"] = compute_rank_overview(trace)
-    slow = [int(r) for r in compute_slow_ranks(trace.cache["rank_overview"])["rank"] if int(r) != ranks[0]]
+    slow = [int(r) for r in compute_slow_ranks(cached_rank_overview(trace))["rank"] if int(r) != ranks[0]]
     return sorted({ranks[0], *slow[:3]})
 
 

@@ -205,17 +205,9 @@ def load_run(path: str | Path, *, allow_missing_ranks: bool = False, events_for:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise TraceError(f"{path.name}: malformed sharded trace ({type(e).__name__}: {str(e)[:200]})") from None
 
-    def joined(name: str, order: list[str], columns: list[str]) -> pd.DataFrame:
-        frames = [getattr(t, name) for t in parsed if len(getattr(t, name))]
-        if not frames:
-            return frame_of([], order, columns)
-        return pd.concat(frames, ignore_index=True).sort_values(order, kind="stable").reset_index(drop=True)
-
     return RunTrace(
         path=path, run=run, ranks=ranks, shards=shards, steps=steps, memory=memory,
-        buckets=joined("buckets", ["rank", "step", "bucket"], BUCKET_COLUMNS),
-        grads=joined("grads", ["rank", "step", "ready_us"], GRAD_COLUMNS),
-        passes=joined("passes", ["rank", "step", "micro"], PASS_COLUMNS),
+        **{name: join_tables([getattr(t, name) for t in parsed], name) for name in EVENT_TABLES},
         event_ranks=None if not summaries else tuple(parse),
     )
 
@@ -316,6 +308,19 @@ BUCKET_COLUMNS = ["rank", "step", "bucket", "bytes", "num_params", "params", "la
 GRAD_COLUMNS = ["rank", "step", "micro", "param", "name", "ready_us"]
 _INT_COLUMNS = {"rank", "step", "micro", "bucket", "bytes", "num_params", "param", "micro_batches"}
 _BOOL_COLUMNS = {"warmup", "incomplete", "sync"}
+#: the per-event tables of a rank (what ``events_for`` leaves out): name -> (sort order, columns)
+EVENT_TABLES = {"buckets": (["rank", "step", "bucket"], BUCKET_COLUMNS),
+                "grads": (["rank", "step", "ready_us"], GRAD_COLUMNS),
+                "passes": (["rank", "step", "micro"], PASS_COLUMNS)}
+
+
+def join_tables(frames: list[pd.DataFrame], name: str) -> pd.DataFrame:
+    """Ranks' ``name`` tables (one of ``EVENT_TABLES``) as one, sorted as ``load_run``'s."""
+    order, columns = EVENT_TABLES[name]
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return frame_of([], order, columns)
+    return pd.concat(frames, ignore_index=True).sort_values(order, kind="stable").reset_index(drop=True)
 
 
 def frame_of(rows: list[dict], order: list[str], columns: list[str] | None = None) -> pd.DataFrame:
@@ -372,8 +377,6 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
                 if "sync" in args:
                     p["sync"] = bool(args["sync"])
                 p[f"{key}_start_us"], p[f"{key}_end_us"] = ts, te
-            elif cat == fmt.CAT_PARAM_SYNC:
-                int(args["bytes"]), int(args.get("own_bytes", 0))
             elif cat == fmt.CAT_GRAD:
                 p = int(args["param"])
                 if not 0 <= p < (len(names) if names else MAX_INDEX):
