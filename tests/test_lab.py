@@ -145,6 +145,8 @@ def test_a_killed_launcher_stops_its_nodes_and_the_next_lab_removes_what_it_left
     while processes_mentioning(str(out)) and time.monotonic() < deadline:  # ...its nodes stop (SIGTERM on its death)
         time.sleep(0.5)
     assert not processes_mentioning(str(out))
+    # each node's launcher stopped its job the ordinary way, and said so (none died mid-write)
+    assert {json.loads((out / "nodes" / f"node-{k}.json").read_text())["status"] for k in (0, 1)} == {"failed"}
     assert set(sweep_stale()) >= set(left)  # what a later run does first
     assert not [x for x in lab_leftovers() if f"-{proc.pid}-" in x]
 

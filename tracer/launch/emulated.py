@@ -5,7 +5,8 @@ RATE), then runs one ``ddpscope run --nnodes N --node-rank k`` per node inside i
 namespace, all into the one ``--out`` (the multi-node layout of ``nodes.py``: node 0
 owns run.json), gloo bound to the lab's interface. Each node's launcher is a whole
 ``ddpscope run`` (its own torchrun, watchdogs and reaping); this one watches them,
-hands on node 0's output and progress, stops them all when one fails or on Ctrl-C, and
+hands on node 0's output and progress (each launcher writes to files this one
+follows, so that nothing it writes fails if this one dies), stops them all when one fails or on Ctrl-C, and
 removes the lab whatever happened. A node's launcher is told to stop (SIGTERM) if this
 process dies, and the next lab removes what was left. Torch-free.
 """
@@ -19,13 +20,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer.launch.lab import Lab
-from ddpscope.tracer.launch.torchrun import LaunchResult, OnLine
+from ddpscope.tracer.launch.torchrun import LaunchResult, OnLine, signals_held
 from ddpscope.tracer.progress import MESSAGE_PREFIX, PROGRESS_PASSTHROUGH_ENV, parse_progress
 from ddpscope.tracer.writer import update_run_json
 
@@ -40,7 +43,7 @@ def node_argv(command: list[str], node: int, nodes: int, endpoint: str) -> list[
     """Node ``node``'s ``ddpscope run`` from the emulated run's command line
     (``RunConfig.command()``): the same settings, as one node of ``nodes``."""
     argv, skip = [], 0
-    for i, a in enumerate(command[2:]):
+    for a in command[2:]:
         if skip:
             skip -= 1
             continue
@@ -58,23 +61,40 @@ def run_emulated(cfg, on_progress: Callable[[dict], None], on_output: OnLine) ->
     lines: queue.Queue = queue.Queue()
     tails = {k: collections.deque(maxlen=40) for k in range(cfg.emulate_nodes)}
     procs: list[subprocess.Popen] = []
+    # A node's launcher writes to files, not to pipes to this process: if this process
+    # dies, the launcher's writes still succeed and its job stops the ordinary way (the
+    # SIGTERM of _STOP_WITH_PARENT), never cut short by a pipe with no reader.
+    spool = Path(tempfile.mkdtemp(prefix="ddpscope-lab-"))
+    try:
+        with Lab(cfg.emulate_nodes, cfg.link) as lab:
+            command = cfg.command()
+            env = {**os.environ, **lab.env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            for node in lab.nodes:
+                argv = node_argv(command, node.index, cfg.emulate_nodes, lab.endpoint)
+                files = {name: spool / f"node-{node.index}.{name}" for name in ("out", "err")}
+                with open(files["out"], "w") as out, open(files["err"], "w") as err:
+                    proc = subprocess.Popen([*node.prefix(), *_STOP_WITH_PARENT, *argv], cwd=cfg.cwd,
+                                            stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                                            env={**env, PROGRESS_PASSTHROUGH_ENV: "1" if node.index == 0 else "0"})
+                procs.append(proc)
+                for name, is_err in (("out", False), ("err", True)):
+                    threading.Thread(target=_follow, args=(node.index, files[name], is_err, proc, lines),
+                                     daemon=True).start()
+            interrupted = _watch(cfg, procs, lines, tails, on_progress, on_output)
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
+    return _result(cfg, lab, command, procs, tails, interrupted)
+
+
+def _watch(cfg, procs: list[subprocess.Popen], lines: queue.Queue, tails: dict, on_progress, on_output) -> bool:
+    """Until every node's launcher has ended: node 0's lines handed on; all stopped when
+    one fails, on Ctrl-C, or past the watchdog. Whether it was interrupted."""
     interrupted = False
-    with Lab(cfg.emulate_nodes, cfg.link) as lab:
-        command = cfg.command()
-        env = {**os.environ, **lab.env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        for node in lab.nodes:
-            argv = node_argv(command, node.index, cfg.emulate_nodes, lab.endpoint)
-            proc = subprocess.Popen([*node.prefix(), *_STOP_WITH_PARENT, *argv], cwd=cfg.cwd,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, errors="replace", bufsize=1, start_new_session=True,
-                                    env={**env, PROGRESS_PASSTHROUGH_ENV: "1" if node.index == 0 else "0"})
-            procs.append(proc)
-            for stream, err in ((proc.stdout, False), (proc.stderr, True)):
-                threading.Thread(target=_pump, args=(node.index, stream, err, lines), daemon=True).start()
+    with signals_held() as stop:  # acted on each turn, never raised mid-call (see torchrun.launch)
         try:
             open_streams = 2 * len(procs)
             deadline = time.monotonic() + cfg.timeout_s + STOP_GRACE_S + 60
-            while open_streams and time.monotonic() < deadline:
+            while open_streams and time.monotonic() < deadline and not stop:
                 try:
                     item = lines.get(timeout=0.5)
                 except queue.Empty:
@@ -92,6 +112,14 @@ def run_emulated(cfg, on_progress: Callable[[dict], None], on_output: OnLine) ->
             interrupted = True
         finally:
             _stop(procs)
+            interrupted = interrupted or bool(stop)
+    return interrupted
+
+
+def _result(cfg, lab: Lab, command: list[str], procs: list[subprocess.Popen], tails: dict,
+            interrupted: bool) -> LaunchResult:
+    """How the emulated run ended (the first node that failed says why); run.json told
+    what was emulated."""
     codes = [p.returncode for p in procs]
     result = LaunchResult(returncode=next((c for c in codes if c), 0), interrupted=interrupted)
     if result.returncode or interrupted:
@@ -121,10 +149,26 @@ def _hand_on(line: str, err: bool, out: str, on_progress, on_output: OnLine) -> 
         on_output(0, line, err)
 
 
-def _pump(node: int, stream, err: bool, lines: queue.Queue) -> None:
+def _follow(node: int, path: Path, err: bool, proc: subprocess.Popen, lines: queue.Queue) -> None:
+    """Hand on the lines of a node launcher's output file as they are written, to its end."""
     try:
-        for line in stream:
-            lines.put((node, line.rstrip("\n"), err))
+        with open(path, errors="replace") as f:
+            part = ""
+            while True:
+                text = f.readline()
+                if text:
+                    part += text
+                    if part.endswith("\n"):
+                        lines.put((node, part.rstrip("\n"), err))
+                        part = ""
+                elif proc.poll() is None:
+                    time.sleep(0.05)
+                elif not (text := f.read()):  # ended, and all it wrote is read
+                    break
+                else:
+                    part += text
+            if part:
+                lines.put((node, part.rstrip("\n"), err))
     finally:
         lines.put(None)
 

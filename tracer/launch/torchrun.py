@@ -8,6 +8,7 @@ failing rank, a one-line reason and the tail of that rank's stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -134,44 +135,51 @@ def launch(cfg: LaunchConfig, on_line: OnLine = lambda r, l, e: None) -> LaunchR
     watch = HangWatch(cfg.run_dir, cfg.hang_timeout_s) if cfg.run_dir is not None and cfg.hang_timeout_s > 0 else None
     agent: deque[str] = deque(maxlen=400)  # torchrun's own lines: its summary of how each rank ended
     workers: set[int] = set()
-    try:
-        while open_streams:
-            if watch is not None and (hang := watch.poll()) is not None:
-                break
-            try:
-                item = lines.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
-            except queue.Empty:
-                workers |= descendants(proc.pid)  # remember them: torchrun may die first
-                if time.monotonic() >= deadline:
-                    timed_out = True
+    # Ctrl-C and SIGTERM are held while the job runs and while it is stopped: raised as
+    # KeyboardInterrupt at any point they could break a lock mid-release (a queue's: then
+    # "RuntimeError: release unlocked lock" ends the launcher with its job still running)
+    # or cut the stop short; the loop looks at them each turn (<= 0.5 s)
+    with signals_held() as stop:
+        try:
+            while open_streams:
+                if stop:  # Ctrl-C or SIGTERM: noted by the handler, acted on here (never mid-call: see above)
+                    interrupted = True
                     break
-                continue
-            if item is None:
-                open_streams -= 1
-                continue
-            line, err = item
-            m = _RANK_PREFIX.match(line)
-            if m:
-                on_line(int(m.group(1)), m.group(2), err)
-            else:
-                agent.append(line)
-                on_line(None, line, err)
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        workers |= descendants(proc.pid)
-        # a second Ctrl-C or SIGTERM (a scheduler, a parent's death) must not cut the
-        # stop short: the job would be left running with no launcher
-        interrupted = _terminate_shielded(proc, workers) or interrupted
-        for reader in readers:
-            reader.join(timeout=5)
-        while True:  # what the readers had left: torchrun's summary comes last
-            try:
-                item = lines.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None and not _RANK_PREFIX.match(item[0]):
-                agent.append(item[0])
+                if watch is not None and (hang := watch.poll()) is not None:
+                    break
+                try:
+                    item = lines.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                except queue.Empty:
+                    workers |= descendants(proc.pid)  # remember them: torchrun may die first
+                    if time.monotonic() >= deadline:
+                        timed_out = True
+                        break
+                    continue
+                if item is None:
+                    open_streams -= 1
+                    continue
+                line, err = item
+                m = _RANK_PREFIX.match(line)
+                if m:
+                    on_line(int(m.group(1)), m.group(2), err)
+                else:
+                    agent.append(line)
+                    on_line(None, line, err)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            workers |= descendants(proc.pid)
+            _terminate(proc, workers)
+            interrupted = interrupted or bool(stop)
+            for reader in readers:
+                reader.join(timeout=5)
+            while True:  # what the readers had left: torchrun's summary comes last
+                try:
+                    item = lines.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None and not _RANK_PREFIX.match(item[0]):
+                    agent.append(item[0])
     return job_result(cfg, proc.returncode, timed_out, interrupted, hang=hang, exits=agent_exits(list(agent)))
 
 
@@ -248,20 +256,20 @@ def _pump(stream, lines: queue.Queue, err: bool) -> None:
     lines.put(None)
 
 
-def _terminate_shielded(proc: subprocess.Popen, workers: set[int]) -> bool:
-    """``_terminate``, with Ctrl-C and SIGTERM held until it is done (in the main thread,
-    where Python delivers them); whether one came meanwhile."""
-    if threading.current_thread() is not threading.main_thread():
-        _terminate(proc, workers)
-        return False
+@contextlib.contextmanager
+def signals_held():
+    """Ctrl-C and SIGTERM held (noted, not raised) inside the block, in the main thread
+    (where Python delivers them); yields the list of those that came."""
     held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
     before = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _terminate(proc, workers)
+        yield held
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
-    return bool(held)
 
 
 def _terminate(proc: subprocess.Popen, workers: set[int], grace_s: float = 10.0) -> None:
