@@ -5,7 +5,8 @@
     ddpscope run --demo gpt --out DIR
     ddpscope ring | zero ...            ddpscope's own workloads
     ddpscope calibrate RUN               all-reduce sweep + contention, stored with the run
-    ddpscope whatif RUN [--caps ...]     predicted step time at other bucket_cap_mb
+    ddpscope whatif RUN [--caps ...]     predicted step time at other bucket_cap_mb, the advisor
+    ddpscope whatif RUN --apply          ... and the run again with its recommendation, A/B
     ddpscope summary RUN | perfetto RUN --out FILE
     ddpscope dashboard [RUNS_DIR]
 
@@ -180,12 +181,8 @@ def launch_command(args: argparse.Namespace) -> int:
     """parse (config) -> run (the job, through its runner) -> report, for run/ring/zero/calibrate."""
     from ddpscope.tracer.launch import calibrate, own_jobs, runner
 
-    config_cls, run, describe = {
-        "run": (runner.RunConfig, runner.run_job, run_progress),
-        "ring": (own_jobs.RingConfig, own_jobs.run_ring, ring_progress),
-        "zero": (own_jobs.ZeroConfig, own_jobs.run_zero, zero_progress),
-        "calibrate": (calibrate.CalibrateConfig, calibrate.run_calibrate, calibrate_progress),
-    }[args.command]
+    config_cls = {"run": runner.RunConfig, "ring": own_jobs.RingConfig, "zero": own_jobs.ZeroConfig,
+                  "calibrate": calibrate.CalibrateConfig}[args.command]
     prog = f"{PROG} {args.command}"
     settings = {k: v for k, v in vars(args).items() if k not in ("command", "verbose", "quiet")}
     if settings.get("script", [])[:1] == ["--"]:  # argparse keeps the separator
@@ -197,7 +194,21 @@ def launch_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    return run_config(cfg, args.command, args.verbose, args.quiet)
 
+
+def run_config(cfg, command: str, verbose: bool = False, quiet: bool = False) -> int:
+    """Run a built config of ``command`` (run/ring/zero/calibrate) to its end, showing its
+    progress and output; the exit code."""
+    from ddpscope.tracer.launch import calibrate, own_jobs, runner
+
+    run, describe = {
+        "run": (runner.run_job, run_progress),
+        "ring": (own_jobs.run_ring, ring_progress),
+        "zero": (own_jobs.run_zero, zero_progress),
+        "calibrate": (calibrate.run_calibrate, calibrate_progress),
+    }[command]
+    prog = f"{PROG} {command}"
     last, unsaid = [0.0], [None]
 
     def progress(rec: dict) -> None:
@@ -214,8 +225,8 @@ def launch_command(args: argparse.Namespace) -> int:
         elif line:
             unsaid[0] = line
 
-    output = OutputFilter(args.verbose, args.quiet, getattr(cfg, "node_rank", 0) * getattr(cfg, "nproc", 0))
-    if args.command == "run":
+    output = OutputFilter(verbose, quiet, getattr(cfg, "node_rank", 0) * getattr(cfg, "nproc", 0))
+    if command == "run":
         what = cfg.demo or " ".join(cfg.script)
         # only what this run overrides: whether the script is DDP or FSDP shows once it runs
         settings = ([f"bucket_cap_mb {cfg.bucket_cap_mb:g} MiB"] if cfg.bucket_cap_mb is not None else []) + \
@@ -229,7 +240,7 @@ def launch_command(args: argparse.Namespace) -> int:
         if cfg.emulate_nodes:
             node = f" ({cfg.emulate_nodes} emulated nodes of {cfg.nproc} ranks, each over a {cfg.link} link)"
         say(f"tracing {what} on {ranks} ranks{node}{overrides}")
-        shown = ("ddpscope's lines only" if args.quiet else "every rank's output" if args.verbose else
+        shown = ("ddpscope's lines only" if quiet else "every rank's output" if verbose else
                  "rank 0's output" if output.first_rank == 0 else "no rank's output (rank 0 is on node 0)")
         say(f"showing {shown}; every rank's stdout and stderr are kept in {cfg.out / 'logs'}")
     # SIGTERM (a scheduler, `kill`) ends the job like Ctrl-C does: stopped and reaped.
@@ -249,7 +260,7 @@ def launch_command(args: argparse.Namespace) -> int:
             print(f"  consequence: {line}", file=sys.stderr)
         if result.stderr_tail and not result.hung:
             print(f"--- rank {result.failed_rank} stderr (last lines) ---\n{result.stderr_tail}", file=sys.stderr)
-        if args.command != "calibrate":  # run.json is node 0's (a node of several keeps its own record)
+        if command != "calibrate":  # run.json is node 0's (a node of several keeps its own record)
             says = "run.json says failed" if getattr(cfg, "node_rank", 0) == 0 else \
                 f"nodes/node-{cfg.node_rank}.json says failed"
             print(f"partial trace kept in {cfg.out} ({says})", file=sys.stderr)
@@ -261,8 +272,63 @@ def launch_command(args: argparse.Namespace) -> int:
         print(f"{prog}: warning: {result.incomplete}; what was written is kept in {cfg.out}", file=sys.stderr)
     if getattr(result, "elsewhere", None):  # a multi-node job whose nodes each wrote their own folder
         say(result.elsewhere)
-    print(cfg.run / "calibration.json" if args.command == "calibrate" else cfg.out)
+    print(cfg.run / "calibration.json" if command == "calibrate" else cfg.out)
     return 0
+
+
+def whatif_apply(args: argparse.Namespace) -> int:
+    """``ddpscope whatif RUN --apply``: the advisor's report, then, when it recommends a
+    change, the run again with it (same script, ranks, steps, emulated nodes), then A
+    (the traced run) against B (the rerun): predicted against measured, bucket by bucket."""
+    from ddpscope.tracer.launch.rerun import rerun_settings, script_changed
+    from ddpscope.tracer.launch.runner import RunConfig
+    from ddpscope.tracer.writer import update_run_json
+    from ddpscope.viz.trace import TraceError
+    from ddpscope.viz.whatif.advisor import setting_text
+    from ddpscope.viz.whatif.report import cap_argument, print_ab, whatif_report
+
+    prog = f"{PROG} whatif"
+    if args.json:
+        print(f"{prog}: error: --apply prints tables: leave out --json", file=sys.stderr)
+        return 2
+    try:
+        _, (trace, advice) = whatif_report(args.path, args.caps, False, args.cap_list)
+    except (TraceError, ValueError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if not advice.change:
+        print("--apply: nothing rerun")
+        return 0
+    out = Path(args.apply_out) if args.apply_out else _beside(Path(args.path))
+    try:
+        cfg = RunConfig(out=out, **rerun_settings(trace.run), **cap_argument(advice.setting))
+    except ValueError as e:
+        print(f"{prog}: error: --apply: {e}", file=sys.stderr)
+        return 2
+    if script_changed(trace.run):
+        say("the script's file changed since the traced run: A and B are two versions of it")
+    say(f"applying {setting_text(advice.setting)}: the same run again, into {out}")
+    code = run_config(cfg, "run", quiet=True)
+    if code != 0:
+        return code
+    update_run_json(out, {"advice": {"from": str(trace.path.resolve()), "predicted_step_ms": advice.step_ms,
+                                     "predicted_exposed_ms": advice.exposed_ms, "gain_ms": advice.gain_ms,
+                                     "gain_interval_ms": list(advice.interval_ms)}})
+    try:
+        print_ab(trace, advice, out)
+    except (TraceError, ValueError) as e:  # the rerun finished but cannot be compared: say why, keep it
+        print(f"{prog}: the rerun in {out} cannot be compared: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _beside(run: Path) -> Path:
+    """``RUN-advised`` (``-2``, ``-3``... when taken) beside the run folder."""
+    base = run.resolve()
+    out, n = base.with_name(f"{base.name}-advised"), 2
+    while out.exists():
+        out, n = base.with_name(f"{base.name}-advised-{n}"), n + 1
+    return out
 
 
 def dashboard_command(args: argparse.Namespace) -> int:
@@ -320,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         return dashboard_command(args)
     if args.command == "build":
         return build_command()
+    if args.command == "whatif" and args.apply:
+        return whatif_apply(args)
     from ddpscope.viz.cli import run_viz_command
 
     return run_viz_command(args, prog=f"{PROG} {args.command}")

@@ -188,6 +188,10 @@ WHATIF_CAPS = Option("--caps", "bucket_cap_mb values to predict, in MiB, comma-s
 WHATIF_CAP_LIST = Option("--cap-list", "also predict this bucket_cap_mb_list: a size limit per bucket in MiB, "
                          "in bucket order, comma-separated (as ddpscope run --bucket-cap-mb-list)", None, str,
                          _mib_list_check, metavar="MB,MB,...")
+WHATIF_APPLY = Option("--apply", "rerun the traced script (same ranks, steps, emulated nodes) with the recommended "
+                      "setting, then print predicted against measured, bucket by bucket", False, action="store_true")
+WHATIF_OUT = Option("--apply-out", "the rerun's folder with --apply (new; default: beside RUN, named RUN-advised)",
+                    metavar="DIR")
 
 
 def parse_caps(text: str) -> list[float]:

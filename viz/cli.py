@@ -35,13 +35,17 @@ def add_viz_commands(sub) -> None:
     w = sub.add_parser("whatif", help="predict step time and exposed communication at other bucket_cap_mb",
                        description="Replay a traced DDP run's steps with the buckets DDP would build at other "
                                    "bucket_cap_mb values (MiB) and print predicted step time and exposed "
-                                   "communication per cap, and the recommended cap. Uses the run's "
-                                   "calibration.json when `ddpscope calibrate` made one.")
+                                   "communication per cap; then search uniform caps and per-bucket "
+                                   "bucket_cap_mb_list layouts for the least predicted step time and recommend one "
+                                   "when its gain exceeds the run's own noise. --apply reruns the script with it. "
+                                   "Uses the run's calibration.json when `ddpscope calibrate` made one.")
     w.add_argument("path", help="a traced DDP run folder")
-    from ddpscope.tracer.options import WHATIF_CAP_LIST, WHATIF_CAPS
+    from ddpscope.tracer.options import WHATIF_APPLY, WHATIF_CAP_LIST, WHATIF_CAPS, WHATIF_OUT
 
     w.add_argument(WHATIF_CAPS.flag, dest="caps", help=WHATIF_CAPS.help, metavar=WHATIF_CAPS.metavar)
     w.add_argument(WHATIF_CAP_LIST.flag, dest="cap_list", help=WHATIF_CAP_LIST.help, metavar=WHATIF_CAP_LIST.metavar)
+    w.add_argument(WHATIF_APPLY.flag, dest="apply", action="store_true", help=WHATIF_APPLY.help)
+    w.add_argument(WHATIF_OUT.flag, dest="apply_out", help=WHATIF_OUT.help, metavar=WHATIF_OUT.metavar)
     w.add_argument("--json", action="store_true", help="print JSON instead of a table")
     m = sub.add_parser("perfetto", help="merge a run's rank files into one Perfetto trace on rank 0's clock")
     m.add_argument("path", help="a run folder (run.json + rank-<r>.json)")
@@ -71,7 +75,9 @@ def run_viz_command(args, prog: str) -> int:
             print(f"{args.out} ({size / 2**20:.2f} MiB): open it at https://ui.perfetto.dev")
             code = 0
         elif args.command == "whatif":
-            code = _whatif(args.path, args.caps, args.json, getattr(args, "cap_list", None))
+            from ddpscope.viz.whatif.report import whatif_report
+
+            code, _ = whatif_report(args.path, args.caps, args.json, getattr(args, "cap_list", None))
         else:
             code = _summary(args.path, args.json)
         sys.stdout.flush()  # here, where a reader that left (a pipe) is caught, not at exit
@@ -197,59 +203,6 @@ def _by_rank(table) -> dict:
 def _json_safe(row: dict) -> dict:
     """NaN (no communication: no overlap %) as null: JSON has no NaN."""
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
-
-
-def _whatif(path: str, caps: str | None, as_json: bool, cap_list: str | None = None) -> int:
-    from ddpscope.tracer.options import WHATIF_CAP_LIST, mib_list, parse_caps
-    from ddpscope.viz.sources import KINETO, folder_kind
-    from ddpscope.viz.trace import TraceError, load_run
-    from ddpscope.viz.whatif.cost import read_calibration
-    from ddpscope.viz.whatif.layout import cap_label, is_cap_list
-    from ddpscope.viz.whatif.simulate import traced_cap
-    from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, recommend_cap
-
-    wanted = parse_caps(caps) if caps is not None else list(DEFAULT_CAPS)
-    if cap_list is not None:
-        WHATIF_CAP_LIST.validate(cap_list)  # ValueError naming --cap-list
-    lists = [mib_list(cap_list)] if cap_list is not None else []
-    kind = folder_kind(path)
-    if kind == KINETO:
-        raise TraceError(f"{path} holds profiler traces; what-if needs a ddpscope trace (gradient ready times): "
-                         "trace the job with `ddpscope run`")
-    if kind not in (None, "ddp"):
-        raise TraceError(f"{path} is a {kind} run; what-if needs a DDP training run")
-    trace = load_run(path)
-    sweep = compute_cap_sweep(trace, wanted, lists=lists)
-    best = recommend_cap(sweep)
-    model = sweep.attrs["model"]
-    cols = ["bucket_cap_mb", "bucket_cap_mb_list", "first_bucket_mb", "buckets", "step_ms", "exposed_ms", "comm_ms", "backward_ms",
-            "overlap_pct", "traced"]
-    if as_json:
-        print(json.dumps({"path": str(trace.path), "world_size": trace.world_size,
-                          "traced_bucket_cap_mb": trace.run.get("bucket_cap_mb"),
-                          "caps": [_json_safe(r) for r in sweep[cols].astype(object).to_dict("records")],
-                          "recommended": _json_safe(best),
-                          "model_notes": list(model.notes)}, indent=1, default=float))
-        return 0
-    own = traced_cap(trace)
-    traced = f"bucket_cap_mb_list={cap_label(own)}" if is_cap_list(own) else \
-        f"bucket_cap_mb={_mib(trace.run.get('bucket_cap_mb'))}"
-    print(f"{trace.path}  ranks={trace.world_size}  traced at {traced}  (predicted medians over steps and ranks, ms)")
-    print(sweep[cols].round(2).fillna({"bucket_cap_mb_list": "-"}).to_string(index=False))
-    for note in model.notes:
-        print(f"  model: {note}")
-    if read_calibration(trace.path) is None:
-        print(f"  hint: `ddpscope calibrate {path}` measures all-reduce times and contention on these ranks; "
-              "without it they are fitted to this trace's buckets alone")
-    setting = f"bucket_cap_mb_list={best['bucket_cap_mb_list']}" if best["bucket_cap_mb_list"] else \
-        f"bucket_cap_mb={best['bucket_cap_mb']:g}"
-    if best["gain_ms"] > 0:
-        print(f"recommended: {setting}  predicted step {best['step_ms']:.1f} ms, "
-              f"{best['gain_ms']:.1f} ms ({best['gain_pct']:.1f}%) faster than the traced cap")
-    else:
-        print(f"recommended: keep {setting} (no cap is predicted to be "
-              f"{100 * 0.02:.0f}% faster)")
-    return 0
 
 
 def _sharded_summary(trace, as_json: bool) -> int:

@@ -1,0 +1,307 @@
+"""The bucket advisor: the bucket layout with the least predicted step time, and whether
+its gain is worth a change, judged against the noise of the run itself.
+
+Searched, every candidate replayed by the what-if simulator on the trace's own steps:
+- uniform caps (``bucket_cap_mb``, MiB);
+- growing ``bucket_cap_mb_list``s: a small first bucket, so that communication starts
+  early, then each limit ``growth`` times the one before, up to a largest;
+- per-bucket layouts: from the best so far, a local search that moves one boundary
+  between neighbouring buckets by one parameter or more, merges two neighbours or splits
+  one at its middle byte (parameters in gradient-ready order, as DDP's rebuild takes
+  them), each written back as the ``bucket_cap_mb_list`` that DDP's own bucketing turns
+  into exactly that layout (checked with it).
+
+A simpler setting (a uniform cap, then a shorter list) within ``SIMPLER`` of the best
+is preferred: the model is not that exact. The gain is the predicted step at the traced
+setting (replayed) less the predicted step at the recommendation, so the model's bias
+at the traced setting cancels. Its interval is the noise of two runs' median step time:
+√2 x the half-width of the 95 % interval of the traced run's median, bootstrapped over
+its steps. A gain inside the noise, or under ``MIN_GAIN`` of the step, changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from ddpscope.viz.trace import RunTrace, TraceError
+from ddpscope.viz.whatif.layout import MIB, Cap, assign_buckets, bucket_limits, cap_label, is_cap_list
+from ddpscope.viz.whatif.model import WhatIfModel, fit_model, step_inputs, usable_steps
+from ddpscope.viz.whatif.simulate import predict_run, ready_order, simulate_step, traced_cap
+from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, MIN_GAIN, _medians
+
+#: a simpler setting this close to the best (fraction of its step) is recommended instead
+SIMPLER = 0.005
+#: growing lists: first limits, growth factors and largest limits searched (MiB)
+FIRSTS, GROWTHS, LARGEST = (0.25, 0.5, 1.0, 2.0, 4.0), (2.0, 4.0), (8.0, 25.0, 64.0, 256.0)
+#: steps replayed per candidate while searching (evenly spaced); the winners replay all
+SEARCH_STEPS = 8
+BOOTSTRAP = 2000
+_KINDS = {"traced": 0, "uniform": 1, "growing list": 2, "per-bucket list": 3}  # simplest first
+
+
+@dataclass(frozen=True, kw_only=True)
+class Advice:
+    """What the advisor recommends. Times are medians over steps and ranks (ms).
+
+    ``setting``: ``bucket_cap_mb`` (a float), a ``bucket_cap_mb_list`` (a tuple of MiB) or
+    None (DDP's default); the traced setting when ``change`` is False. ``best``: the
+    best setting found, even when not worth a change. ``noise_ms``: half-width of the
+    gain's 95 % interval. ``candidates``: every layout searched (kind, setting, buckets,
+    step_ms on the search's steps), best first."""
+
+    setting: Cap
+    best: Cap
+    change: bool
+    why: str
+    step_ms: float
+    exposed_ms: float
+    buckets: int
+    traced: Cap
+    traced_step_ms: float
+    measured_step_ms: float
+    gain_ms: float
+    noise_ms: float
+    searched: dict[str, int]
+    candidates: pd.DataFrame = field(repr=False)
+    prediction: RunTrace = field(repr=False)
+
+    @property
+    def gain_pct(self) -> float:
+        return 100.0 * self.gain_ms / self.traced_step_ms if self.traced_step_ms > 0 else float("nan")
+
+    @property
+    def interval_ms(self) -> tuple[float, float]:
+        return self.gain_ms - self.noise_ms, self.gain_ms + self.noise_ms
+
+    def as_json(self) -> dict:
+        """The ``recommended`` object of ``ddpscope whatif --json``."""
+        return {**setting_json(self.setting), "step_ms": self.step_ms, "exposed_ms": self.exposed_ms,
+                "buckets": self.buckets, "change": self.change, "why": self.why,
+                "traced": setting_json(self.traced), "traced_step_ms": self.traced_step_ms,
+                "measured_step_ms": self.measured_step_ms, "gain_ms": self.gain_ms, "gain_pct": self.gain_pct,
+                "gain_interval_ms": list(self.interval_ms), "noise_ms": self.noise_ms,
+                "best_found": setting_json(self.best), "searched": self.searched}
+
+
+def setting_json(cap: Cap) -> dict:
+    """``{"bucket_cap_mb": x}``, ``{"bucket_cap_mb_list": [...]}`` or DDP's default (null cap)."""
+    if is_cap_list(cap):
+        return {"bucket_cap_mb_list": [float(c) for c in cap]}
+    return {"bucket_cap_mb": None if cap is None else float(cap)}
+
+
+def setting_text(cap: Cap) -> str:
+    """The setting as a user writes it: ``bucket_cap_mb=4`` or ``bucket_cap_mb_list=1,4,25``."""
+    if is_cap_list(cap):
+        return f"bucket_cap_mb_list={cap_label(cap)}"
+    return "DDP's default bucket_cap_mb (25, first bucket 1)" if cap is None else f"bucket_cap_mb={float(cap):g}"
+
+
+def step_noise_ms(trace: RunTrace, seed: int = 0) -> float:
+    """Half-width (ms) of the 95 % bootstrap interval of the median step time over the
+    trace's usable steps (resampling whole steps, every rank's time in each)."""
+    steps = usable_steps(trace)
+    s = trace.steps[trace.steps["step"].isin(steps)]
+    per_step = [g.to_numpy(float) / 1e3 for _, g in (s["end_us"] - s["start_us"]).groupby(s["step"])]
+    if len(per_step) < 2:
+        return float("nan")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(per_step), size=(BOOTSTRAP, len(per_step)))
+    meds = [float(np.median(np.concatenate([per_step[i] for i in row]))) for row in picks]
+    lo, hi = np.percentile(meds, [2.5, 97.5])
+    return float(hi - lo) / 2.0
+
+
+class _Search:
+    """Candidates replayed on a few steps; layouts remembered so none is simulated twice."""
+
+    def __init__(self, trace: RunTrace, model: WhatIfModel) -> None:
+        run = trace.run
+        self.sizes = [int(b) for b in run["param_bytes"]]
+        self.dtypes = run.get("param_dtypes") or ["float32"] * len(self.sizes)
+        self.order = ready_order(trace)
+        self.model = model
+        inputs = step_inputs(trace, model)
+        if not inputs:
+            raise TraceError(f"{trace.path.name}: no step to replay")
+        pick = np.unique(np.linspace(0, len(inputs) - 1, min(SEARCH_STEPS, len(inputs))).round().astype(int))
+        self.inputs = [inputs[i] for i in pick]
+        m = trace.steps.set_index(["rank", "step"])
+        self.measured = {k: (float(row["end_us"] - row["start_us"]), float(row.get("sync_end_us", np.nan)))
+                         for k, row in m.iterrows()}
+        self.seen: dict[tuple, float] = {}
+        self.rows: list[dict] = []
+
+    def layout(self, cap: Cap) -> list[list[int]]:
+        return assign_buckets(self.sizes, self.dtypes, self.order, bucket_limits(cap))
+
+    def step_ms(self, layout: list[list[int]]) -> float:
+        key = tuple(map(tuple, layout))
+        if key not in self.seen:
+            nbytes = [float(sum(self.sizes[p] for p in b)) for b in layout]
+            vals = []
+            for inp in self.inputs:
+                sim = simulate_step(inp, layout, nbytes, self.model)
+                for r, res in sim["ranks"].items():
+                    step_us, sync_end = self.measured[(r, inp.step)]
+                    # as predict_run: the step moves by what its sync end moves
+                    vals.append(step_us + (res["sync_end"] - sync_end if math.isfinite(sync_end) else 0.0))
+            self.seen[key] = float(np.median(vals)) / 1e3
+        return self.seen[key]
+
+    def add(self, kind: str, cap: Cap, layout: list[list[int]] | None = None) -> float:
+        layout = layout if layout is not None else self.layout(cap)
+        ms = self.step_ms(layout)
+        self.rows.append({"kind": kind, "setting": cap, "label": setting_text(cap), "buckets": len(layout),
+                          "step_ms": ms})
+        return ms
+
+
+def growing_lists() -> list[tuple[float, ...]]:
+    """``(first, first x growth, ..., largest)`` for every first, growth and largest."""
+    out = []
+    for first in FIRSTS:
+        for growth in GROWTHS:
+            for largest in LARGEST:
+                if largest <= first:
+                    continue
+                caps = [first]
+                while caps[-1] < largest:
+                    caps.append(min(caps[-1] * growth, largest))
+                out.append(tuple(caps))
+    return out
+
+
+def _roundest(lo: int, hi: float) -> float:
+    """The MiB value with the fewest digits whose whole bytes (DDP truncates) lie in
+    ``(lo, hi]`` bytes."""
+    for digits in range(-2, 10):
+        step = 10.0 ** -digits
+        v = (math.floor(lo / MIB / step) + 1) * step
+        v = float(f"{v:.{max(digits, 0)}f}")
+        if lo < int(v * MIB) <= hi:
+            return v
+    raise ValueError("no limit fits")  # not reached for integer byte sizes
+
+
+def list_for_layout(search: _Search, layout: list[list[int]]) -> tuple[float, ...] | None:
+    """The shortest, roundest ``bucket_cap_mb_list`` under which DDP's bucketing builds
+    ``layout`` (buckets of consecutive parameters in ready order, one dtype); None when
+    none does."""
+    caps: list[float] = []
+    for k, b in enumerate(layout):
+        total = sum(search.sizes[p] for p in b)
+        lo = total - search.sizes[b[-1]]  # a limit at or under this closes the bucket a parameter early
+        last = k == len(layout) - 1  # what is open at the end closes anyway: any larger limit will do
+        if last and caps and caps[-1] * MIB > lo:
+            break
+        caps.append(_roundest(lo, math.inf if last else total))
+    while len(caps) > 1 and caps[-1] == caps[-2]:  # the last limit repeats
+        caps.pop()
+    cap = tuple(caps)
+    return cap if search.layout(cap) == layout else None
+
+
+def _neighbours(cuts: tuple[int, ...], n: int, sizes_in_order: list[int]) -> list[tuple[int, ...]]:
+    """Partitions one move away: a boundary moved by 1, 2, 4 or 8 parameters, two
+    buckets merged, one bucket split at its middle byte."""
+    out = set()
+    bounds = (0, *cuts, n)
+    for i, c in enumerate(cuts):
+        out.add(cuts[:i] + cuts[i + 1:])
+        for d in (-8, -4, -2, -1, 1, 2, 4, 8):
+            if bounds[i] < c + d < bounds[i + 2]:
+                out.add(cuts[:i] + (c + d,) + cuts[i + 1:])
+    for a, b in zip(bounds, bounds[1:]):
+        if b - a >= 2:
+            csum = np.cumsum(sizes_in_order[a:b])
+            mid = a + 1 + int(np.searchsorted(csum, csum[-1] / 2.0))
+            mid = min(max(mid, a + 1), b - 1)
+            out.add(tuple(sorted((*cuts, mid))))
+    out.discard(cuts)
+    return sorted(out)
+
+
+def _local_search(search: _Search, start: list[list[int]], budget: int) -> None:
+    """Best-improvement moves from ``start`` until none helps or ``budget`` layouts are
+    replayed; every layout that a list can build is added as a candidate."""
+    order = search.order
+    n = len(order)
+    pos = {p: i for i, p in enumerate(order)}
+    if any([pos[p] for p in b] != list(range(pos[b[0]], pos[b[0]] + len(b))) for b in start):
+        return  # buckets not consecutive in ready order: not a partition this search moves
+    sizes = [search.sizes[p] for p in order]
+    cuts = tuple(pos[b[0]] for b in start[1:])
+    best = search.step_ms(start)
+    spent = 0
+    while spent < budget:
+        moves = []
+        for nc in _neighbours(cuts, n, sizes):
+            layout = [order[a:b] for a, b in zip((0, *nc), (*nc, n))]
+            fresh = tuple(map(tuple, layout)) not in search.seen
+            moves.append((search.step_ms(layout), nc, layout))
+            spent += fresh
+            if spent >= budget:
+                break
+        ms, nc, layout = min(moves, key=lambda m: m[0], default=(math.inf, None, None))
+        if nc is None or ms >= best * (1 - 1e-4):
+            return
+        cap = list_for_layout(search, layout)
+        if cap is None:
+            return
+        best, cuts = ms, nc
+        search.add("per-bucket list", cap, layout)
+
+
+def advise(trace: RunTrace, model: WhatIfModel | None = None, *, caps=DEFAULT_CAPS, lists=(),
+           local_budget: int = 400) -> Advice:
+    """Search bucket layouts for ``trace`` (see the module) and recommend one.
+    ``lists``: more ``bucket_cap_mb_list``s to try; ``local_budget``: layouts the local
+    search may replay (0: none)."""
+    model = model or fit_model(trace)
+    search = _Search(trace, model)
+    own = traced_cap(trace)
+    search.add("traced", own)
+    for c in caps:
+        search.add("uniform", float(c))
+    single_dtype = len(set(search.dtypes)) == 1
+    for c in [*growing_lists(), *[tuple(map(float, x)) for x in lists]]:
+        search.add("growing list", c)
+    if single_dtype and local_budget > 0:
+        top = min(search.rows, key=lambda r: r["step_ms"])
+        _local_search(search, search.layout(top["setting"]), local_budget)
+    table = pd.DataFrame(search.rows)
+    kinds = table["kind"].value_counts().to_dict()
+    # no change, then a uniform cap, then the shortest list; then the fewest buckets
+    table["simplicity"] = [(_KINDS[k], len(s) if is_cap_list(s) else 0, n)
+                           for k, s, n in zip(table["kind"], table["setting"], table["buckets"])]
+    table = table.drop_duplicates("label").sort_values(["step_ms", "simplicity"], kind="stable").reset_index(drop=True)
+    fastest = float(table["step_ms"].iloc[0])
+    near = table[table["step_ms"] <= fastest * (1 + SIMPLER)]
+    best = near.sort_values(["simplicity", "step_ms"], kind="stable").iloc[0]["setting"]
+
+    pred_best = predict_run(trace, best, model)
+    pred_own = predict_run(trace, own, model)
+    mb, mo = _medians(pred_best), _medians(pred_own)
+    gain = mo["step_ms"] - mb["step_ms"]
+    noise = math.sqrt(2.0) * step_noise_ms(trace)
+    floor = MIN_GAIN * mo["step_ms"]
+    if (gain > noise or not math.isfinite(noise)) and gain >= floor:
+        change, why = True, (f"predicted {gain:.1f} ms faster a step, more than the noise (±{noise:.1f} ms)"
+                             if math.isfinite(noise) else f"predicted {gain:.1f} ms faster a step (noise unknown: "
+                             "too few steps)")
+    else:
+        change = False
+        why = (f"no change is worth it: the best layout found is predicted {max(gain, 0.0):.1f} ms faster a step, "
+               + (f"inside the noise (±{noise:.1f} ms)" if math.isfinite(noise) and gain <= noise else
+                  f"under {100 * MIN_GAIN:.0f} % of the step"))
+    chosen, m = (best, mb) if change else (own, mo)
+    return Advice(setting=chosen, best=best, change=change, why=why, step_ms=m["step_ms"], exposed_ms=m["exposed_ms"],
+                  buckets=len((pred_best if change else pred_own).run["bucket_layout"]), traced=own,
+                  traced_step_ms=mo["step_ms"], measured_step_ms=_medians(trace)["step_ms"], gain_ms=gain,
+                  noise_ms=noise, searched={k: int(kinds.get(k, 0)) for k in _KINDS if k != "traced"},
+                  candidates=table.drop(columns="simplicity"), prediction=pred_best if change else pred_own)

@@ -1,0 +1,130 @@
+"""``ddpscope whatif RUN``'s report: the predicted table per cap, the advisor's search and
+its recommendation (text or ``--json``), and after ``--apply`` the A/B report of the
+traced run against its rerun."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from ddpscope.viz.trace import RunTrace, TraceError, load_run
+from ddpscope.viz.whatif.advisor import SIMPLER, Advice, advise, setting_text
+from ddpscope.viz.whatif.layout import cap_label, is_cap_list
+
+_SWEEP_COLS = ["bucket_cap_mb", "bucket_cap_mb_list", "first_bucket_mb", "buckets", "step_ms", "exposed_ms",
+               "comm_ms", "backward_ms", "overlap_pct", "traced"]
+
+
+def _safe(v):
+    """NaN as null: JSON has no NaN."""
+    if isinstance(v, dict):
+        return {k: _safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_safe(x) for x in v]
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | None = None
+                  ) -> tuple[int, tuple[RunTrace, Advice] | None]:
+    """Print the report; returns (exit code, (trace, advice)). ``TraceError`` or
+    ``ValueError`` (one line, naming the flag) on bad input."""
+    from ddpscope.tracer.options import WHATIF_CAP_LIST, mib_list, parse_caps
+    from ddpscope.viz.sources import KINETO, folder_kind
+    from ddpscope.viz.whatif.cost import read_calibration
+    from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep
+
+    wanted = parse_caps(caps) if caps is not None else list(DEFAULT_CAPS)
+    if cap_list is not None:
+        WHATIF_CAP_LIST.validate(cap_list)  # ValueError naming --cap-list
+    lists = [mib_list(cap_list)] if cap_list is not None else []
+    kind = folder_kind(path)
+    if kind == KINETO:
+        raise TraceError(f"{path} holds profiler traces; what-if needs a ddpscope trace (gradient ready times): "
+                         "trace the job with `ddpscope run`")
+    if kind not in (None, "ddp"):
+        raise TraceError(f"{path} is a {kind} run; what-if needs a DDP training run")
+    trace = load_run(path)
+    sweep = compute_cap_sweep(trace, wanted, lists=lists)
+    model = sweep.attrs["model"]
+    advice = advise(trace, model, caps=wanted, lists=lists)
+    if as_json:
+        top = advice.candidates.head(10)
+        print(json.dumps(_safe({"path": str(trace.path), "world_size": trace.world_size,
+                                "traced_bucket_cap_mb": trace.run.get("bucket_cap_mb"),
+                                "caps": sweep[_SWEEP_COLS].astype(object).to_dict("records"),
+                                "recommended": advice.as_json(),
+                                "candidates": [{"kind": r.kind, "setting": r.label, "buckets": int(r.buckets),
+                                                "step_ms": float(r.step_ms)} for r in top.itertuples()],
+                                "model_notes": list(model.notes)}), indent=1, default=float))
+        return 0, (trace, advice)
+    print(f"{trace.path}  ranks={trace.world_size}  traced at {setting_text(advice.traced)}  "
+          "(predicted medians over steps and ranks, ms)")
+    print(sweep[_SWEEP_COLS].round(2).fillna({"bucket_cap_mb_list": "-"}).to_string(index=False))
+    for note in model.notes:
+        print(f"  model: {note}")
+    if read_calibration(trace.path) is None:
+        print(f"  hint: `ddpscope calibrate {path}` measures all-reduce times and contention on these ranks; "
+              "without it they are fitted to this trace's buckets alone")
+    print_advice(advice)
+    return 0, (trace, advice)
+
+
+def print_advice(advice: Advice) -> None:
+    n = advice.searched
+    print(f"advisor: searched {n['uniform']} uniform caps, {n['growing list']} growing lists and "
+          f"{n['per-bucket list']} per-bucket layouts (local search), in gradient-ready order; best found "
+          f"{setting_text(advice.best)}")
+    cands = advice.candidates
+    chosen = setting_text(advice.best)
+    shown = cands.head(5)
+    if chosen not in set(shown["label"]):
+        shown = pd.concat([shown, cands[cands["label"] == chosen]])
+    for r in shown.itertuples():
+        mark = "  <- best found (the simplest within {:.1f} % of the fastest)".format(100 * SIMPLER) \
+            if r.label == chosen else ""
+        print(f"  {r.step_ms:9.2f} ms  {r.buckets:3d} buckets  {r.kind:15s} {r.label}{mark}")
+    lo, hi = advice.interval_ms
+    noise = f"95 % interval {lo:.1f}..{hi:.1f} ms from this run's step-to-step noise" if math.isfinite(lo) else \
+        "too few steps to measure the noise"
+    if advice.change:
+        print(f"recommended: {setting_text(advice.setting)}  predicted step {advice.step_ms:.1f} ms against "
+              f"{advice.traced_step_ms:.1f} ms at the traced setting (measured {advice.measured_step_ms:.1f}): "
+              f"{advice.gain_ms:.1f} ms ({advice.gain_pct:.1f} %) faster, {noise}")
+    else:
+        print(f"recommended: keep {setting_text(advice.traced)}: {advice.why}")
+
+
+def print_ab(a: RunTrace, advice: Advice, b_path: str | Path) -> None:
+    """After ``--apply``: predicted against measured, and bucket by bucket, A beside B."""
+    from ddpscope.viz.whatif.ab import compute_ab_steps, compute_bucket_ab
+    from ddpscope.viz.whatif.simulate import predict_run, traced_cap
+
+    b = load_run(b_path)
+    pred = advice.prediction
+    if traced_cap(b) != advice.setting:  # the script overrode it after all: predict what ran
+        pred = predict_run(a, traced_cap(b))
+    print(f"\nA = {a.path} ({setting_text(advice.traced)}), B = {b.path} ({setting_text(traced_cap(b))})")
+    if b.run.get("status") != "complete":
+        print(f"B is {b.run.get('status')}: the comparison is of what it finished")
+    steps = compute_ab_steps(a, pred, b)
+    print(steps.round(2).to_string(index=False))
+    print("bucket by bucket (medians over steps and ranks; ms from the rank's backward start):")
+    print(compute_bucket_ab(a, b).round(2).to_string(index=False, na_rep="-"))
+    row = steps.set_index("median").loc["step_ms"]
+    gained = row["A measured"] - row["B measured"]
+    lo, hi = advice.interval_ms
+    inside = "inside" if lo <= gained <= hi else "outside"
+    print(f"measured: B {gained:.1f} ms a step {'faster' if gained >= 0 else 'slower'} than A "
+          f"({100 * gained / row['A measured']:.1f} %); predicted {advice.gain_ms:.1f} ms, {inside} the interval "
+          f"{lo:.1f}..{hi:.1f} ms")
+    print(f"the diff timeline: `ddpscope dashboard {Path(b.path).parent}`, open B, What-if tab")
+
+
+def cap_argument(cap) -> dict:
+    """``RunConfig`` keyword for a setting: ``bucket_cap_mb`` or ``bucket_cap_mb_list``."""
+    if is_cap_list(cap):
+        return {"bucket_cap_mb_list": cap_label(cap)}
+    return {"bucket_cap_mb": float(cap)}
