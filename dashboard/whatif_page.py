@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
+from ddpscope.dashboard.advisor_view import render_ab, render_advisor
 from ddpscope.dashboard.common import (
     CommandPolicy,
     events_trace,
@@ -21,10 +22,12 @@ from ddpscope.dashboard.common import (
 )
 from ddpscope.dashboard.run_page import rerun_source
 from ddpscope.tracer.launch.jobs import JobManager
+from ddpscope.tracer.launch.rerun import rerun_settings
 from ddpscope.viz.gantt import make_timeline_figure, timeline_extent_ms
 from ddpscope.viz.overlap import compute_run_comparison
 from ddpscope.viz.trace import TraceError
 from ddpscope.viz.whatif.figures import make_cap_sweep_figure
+from ddpscope.viz.whatif.layout import cap_label, is_cap_list
 from ddpscope.viz.whatif.model import fit_model
 from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model
 from ddpscope.viz.whatif.simulate import predict_run, traced_cap
@@ -54,12 +57,14 @@ def cap_sweep(path: str, stamp: float, caps: tuple[float, ...], world_size: int 
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def predicted_trace(path: str, stamp: float, cap: float):
+def predicted_trace(path: str, stamp: float, cap: float | str):
     """The trace predicted at ``cap`` MiB (at its own cap: replayed as it ran, DDP's
-    default first bucket included)."""
+    default first bucket included; a text: the traced ``bucket_cap_mb_list``)."""
     trace = events_trace(path, stamp)
     own = traced_cap(trace)
-    if own is None and cap == float(trace.run.get("bucket_cap_mb") or 25.0):
+    if isinstance(cap, str):
+        cap = own
+    elif own is None and cap == float(trace.run.get("bucket_cap_mb") or 25.0):
         cap = None  # DDP's default, as it ran
     return predict_run(trace, cap, whatif_model(path, stamp))
 
@@ -83,14 +88,13 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
     except (TraceError, ValueError) as e:
         st.info(f"No prediction for this trace: {e}")
         return
+    render_ab(path, stamp, trace, traces)
     measured = _measured_runs(trace, traces)
     points = compute_measured_points(measured)
     st.plotly_chart(make_cap_sweep_figure(sweep, points, best["bucket_cap_mb"]), key="predict_curve")
-    if best["gain_ms"] > 0:
-        st.success(f"Predicted best: bucket_cap_mb = {best['bucket_cap_mb']:g} MiB, step {best['step_ms']:.1f} ms, "
-                   f"{best['gain_ms']:.1f} ms ({best['gain_pct']:.1f}%) faster than the traced cap.")
-    else:
-        st.info(f"No cap is predicted to be clearly faster than the traced {best['bucket_cap_mb']:g} MiB.")
+    st.caption(f"Of the uniform caps on the curve, {best['bucket_cap_mb']:g} MiB is predicted fastest "
+               f"({best['step_ms']:.1f} ms a step). The advisor below also searches per-bucket layouts.")
+    render_advisor(path, stamp, trace, jobs, busy, policy)
     with st.expander("Predicted table and how the model was fitted"):
         st.dataframe(sweep.round(2), hide_index=True, key="predict_table")
         for note in notes:
@@ -98,9 +102,13 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
         st.caption("`ddpscope calibrate RUN` measures all-reduce times and contention on these ranks; the "
                    "prediction uses it when the run folder has one.")
     caps = sorted(set(sweep["bucket_cap_mb"].tolist()))
+    own = traced_cap(trace)
+    if is_cap_list(own):  # a list-traced run: its list is a setting of its own, beside the uniform caps
+        caps = [cap_label(own)] + caps
     if st.session_state.get("predict_for") != str(path):
         st.session_state.update(predict_for=str(path), predict_cap=best["bucket_cap_mb"])
-    cap = st.select_slider("A cap to look at (MiB)", options=caps, key="predict_cap")
+    cap = st.select_slider("A cap to look at (MiB; a list: the traced bucket_cap_mb_list)", options=caps,
+                           key="predict_cap")
     _predicted_beside_measured(path, stamp, trace, cap, measured)
     _run_at_cap(path, trace, cap, jobs, busy, policy)
     with st.expander("Projection: another world size and link"):
@@ -120,14 +128,17 @@ def _measured_runs(trace, traces: dict[str, Path]) -> dict:
     return out
 
 
-def _predicted_beside_measured(path: Path, stamp: float, trace, cap: float, measured: dict) -> None:
-    pred = predicted_trace(str(path), stamp, float(cap))
-    real = {k: t for k, t in measured.items() if abs(float(t.run["bucket_cap_mb"]) - cap) < 1e-9}
+def _predicted_beside_measured(path: Path, stamp: float, trace, cap: float | str, measured: dict) -> None:
+    text = f"{cap} MiB (the traced list)" if isinstance(cap, str) else f"{cap:g} MiB"
+    pred = predicted_trace(str(path), stamp, cap if isinstance(cap, str) else float(cap))
+    real = {} if isinstance(cap, str) else \
+        {k: t for k, t in measured.items() if abs(float(t.run["bucket_cap_mb"]) - cap) < 1e-9}
     label, real_t = next(iter(real.items()), (None, None))
     if real_t is None:
         label, real_t = label_of(path), trace
-        st.caption(f"No real run at {cap:g} MiB yet: the predicted timeline is shown beside the traced run.")
-    shown = {f"predicted at {cap:g} MiB": pred, f"{label} (measured)": real_t}
+        if not isinstance(cap, str):
+            st.caption(f"No real run at {text} yet: the predicted timeline is shown beside the traced run.")
+    shown = {f"predicted at {text}": pred, f"{label} (measured)": real_t}
     st.dataframe(compute_run_comparison(shown).round(2), hide_index=True, key="predict_vs")
     width = max(timeline_extent_ms(t, [first_real_step(t)]) for t in shown.values())
     cols = st.columns(2)
@@ -137,22 +148,31 @@ def _predicted_beside_measured(path: Path, stamp: float, trace, cap: float, meas
         col.plotly_chart(fig, key=f"predict_timeline_{n}")
 
 
-def _run_at_cap(path: Path, trace, cap: float, jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
+def _run_at_cap(path: Path, trace, cap: float | str, jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
     source = rerun_source(path, trace.run)
-    if source is None:
-        st.info("This trace does not say how it was made: it cannot be rerun from here.")
+    try:
+        settings = rerun_settings(trace.run)  # the same ranks, steps and emulated nodes
+    except ValueError as e:
+        st.info(f"This trace cannot be rerun from here: {e}.")
         return
+    settings.pop("capture", None)
     blocked = None
-    if "script" in source:
+    if source is not None and "script" in source:
         blocked = ("this trace was uploaded: its command is not run here" if source["upload"] else
                    None if policy.allowed else "starting commands is off (see the Run tab)")
     if blocked:
         st.info(f"Run at this cap is off: {blocked}.")
-    what = {"demo": source["demo"]} if "demo" in source else {"script": source["script"], "cwd": source["cwd"]}
-    steps = int(min(max(trace.run.get("steps") or 10, 3), 50))
-    job_button(f"Run at bucket_cap_mb = {cap:g}", "predict_run", jobs.start,
-               lambda: dict(nproc=source["nproc"], bucket_cap_mb=float(widget_now("predict_cap", cap)), steps=steps,
-                            source=path, **what),
+    steps = int(settings.pop("steps", None) or min(max(trace.run.get("steps") or 10, 3), 50))
+
+    def chosen() -> dict:
+        now = widget_now("predict_cap", cap)
+        if isinstance(now, str):
+            return {"bucket_cap_mb": None, "bucket_cap_mb_list": now}
+        return {"bucket_cap_mb": float(now)}
+
+    shown = f"bucket_cap_mb_list = {cap}" if isinstance(cap, str) else f"bucket_cap_mb = {cap:g}"
+    job_button(f"Run at {shown}", "predict_run", jobs.start,
+               lambda: dict(**settings, **chosen(), steps=steps, source=path),
                disabled=busy or bool(blocked), type="primary",
                help="Runs it for real (the live loop); when it ends it shows on the curve and beside the prediction.")
 

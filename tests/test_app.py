@@ -556,6 +556,42 @@ def test_run_at_the_predicted_cap_puts_the_real_run_on_the_curve(app, tmp_path):
     assert list(vs["run"]) == ["predicted at 4 MiB", f"run: {runs[0].name} (measured)"]
 
 
+def test_whatif_advisor_says_keep_or_change(app):
+    """The open sample (GPT, 1 MiB): no change worth it; the 25 MiB sample (one bucket
+    after backward): a change, with its interval, and its Apply button."""
+    _page(app, "What-if")
+    assert any(i.value.startswith("Advisor: keep bucket_cap_mb=1") and "noise" in i.value for i in app.info)
+    app.sidebar.selectbox(key="trace").set_value("sample: gpt-2rank-cap25mb").run()
+    assert not app.exception
+    said = next(s.value for s in app.success if s.value.startswith("Advisor:"))
+    assert "95 % interval" in said and "faster" in said
+    assert app.button(key="advice_apply").label.startswith("Apply: run it again with bucket_cap_mb")
+    assert len(next(d.value for d in app.dataframe if {"kind", "label", "step_ms"} <= set(d.value.columns))) > 40
+
+
+@pytest.mark.ddp
+def test_apply_on_the_page_reruns_and_shows_a_against_b(app, tmp_path):
+    """Apply on the 25 MiB sample: a real rerun with the recommendation whose run.json
+    says where it came from; opening it shows A against B: steps, the diff timeline, the
+    bucket table."""
+    _page(app, "What-if")
+    app.sidebar.selectbox(key="trace").set_value("sample: gpt-2rank-cap25mb").run()
+    app.button(key="advice_apply").click().run()
+    _wait_for_job(app)
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    assert len(runs) == 1
+    run = json.loads((runs[0] / "run.json").read_text())
+    assert run["advice"]["from"] == str((SAMPLES / "gpt-2rank-cap25mb").resolve()) and run["status"] == "complete"
+    app.sidebar.selectbox(key="trace").set_value(f"run: {runs[0].name}").run()
+    assert not app.exception
+    steps = next(d.value for d in app.dataframe if "B predicted" in d.value.columns)
+    assert list(steps["median"]) == ["step_ms", "exposed_ms", "comm_ms", "backward_ms"]
+    assert {"A measured", "B predicted", "B measured", "error %"} <= set(steps.columns)
+    assert any("exposed_ms B" in d.value.columns for d in app.dataframe)
+    names = {t.get("name") for t in _chart(app, "A against B")["data"]}
+    assert {"A (measured): all-reduce", "B (measured): all-reduce"} <= names
+
+
 def test_upload_of_a_profiler_trace_opens_its_kernel_timeline(app):
     app.sidebar.file_uploader(key="upload").upload("worker0.pt.trace.json.gz",
                                                    gzip.compress(json.dumps(gpu_profile(0, world=8)).encode()))

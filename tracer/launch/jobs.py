@@ -16,11 +16,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from ddpscope.tracer.format import RUN_FILE
 from ddpscope.tracer.launch import torchrun
 from ddpscope.tracer.launch.own_jobs import RingConfig, ZeroConfig, run_ring, run_zero
 from ddpscope.tracer.launch.runner import RunConfig, run_job
 from ddpscope.tracer.launch.torchrun import LaunchResult
 from ddpscope.tracer.progress import MESSAGE_PREFIX
+from ddpscope.tracer.writer import update_run_json
 
 Config = RunConfig | RingConfig | ZeroConfig
 
@@ -39,6 +41,7 @@ class Job:
     result: LaunchResult | None = None
     error: str | None = None  # the run could not even start
     source: Path | None = None  # the run this one reruns (with other settings)
+    facts: dict | None = None  # added to the run's run.json when it ends (an applied recommendation)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -92,14 +95,15 @@ class JobManager:
               script: list[str] | None = None, cwd: str | Path | None = None, timeout_s: float = 600.0,
               source: Path | None = None, reshard_after_forward: str | None = None,
               forward_prefetch: int | None = None, backward_prefetch: int | None = None,
-              emulate_nodes: int | None = None, link: str | None = None) -> Job | None:
+              emulate_nodes: int | None = None, link: str | None = None, facts: dict | None = None) -> Job | None:
         """Start a traced training run (``demo``, or ``script`` run in ``cwd``); None if a
         job is already going. ``ValueError`` (naming the setting) on bad settings, before
         anything starts. ``bucket_cap_mb_list``: per-bucket limits (MiB) instead of
         ``bucket_cap_mb``. ``source``: the run this one reruns. ``reshard_after_forward``,
         ``forward_prefetch``, ``backward_prefetch``: FSDP2 settings overriding the script's.
         ``emulate_nodes``, ``link``: that many nodes of ``nproc`` ranks, over links of that
-        rate (``tracer/launch/lab.py``)."""
+        rate (``tracer/launch/lab.py``). ``facts``: added to the run's ``run.json`` when it
+        ends (what the What-if page predicted for it)."""
         def make(out: Path) -> RunConfig:
             return RunConfig(out=out, demo=demo, script=list(script or []), cwd=cwd or Path.cwd(), nproc=nproc,
                              bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=bucket_cap_mb_list, steps=steps,
@@ -107,7 +111,7 @@ class JobManager:
                              reshard_after_forward=reshard_after_forward, forward_prefetch=forward_prefetch,
                              backward_prefetch=backward_prefetch, emulate_nodes=emulate_nodes, link=link)
 
-        return self._start(make, "ddp", steps, source)
+        return self._start(make, "ddp", steps, source, facts)
 
     def start_ring(self, *, nproc: int, mb: float, repeat: int, timeout_s: float = 600.0) -> Job | None:
         """Start a ring all-reduce run (``ddpscope ring``); as ``start``."""
@@ -120,8 +124,8 @@ class JobManager:
         return self._start(lambda out: ZeroConfig(out=out, model=model, nproc=nproc, stages=stages,
                                                   timeout_s=timeout_s), "zero", len(stages.split(",")))
 
-    def _start(self, make: Callable[[Path], Config], kind: str, total: int, source: Path | None = None
-               ) -> Job | None:
+    def _start(self, make: Callable[[Path], Config], kind: str, total: int, source: Path | None = None,
+               facts: dict | None = None) -> Job | None:
         with self._lock:
             if self.current is not None and self.current.running:
                 return None
@@ -131,7 +135,7 @@ class JobManager:
             while out.exists():
                 out = self.runs_dir / f"{run_name(base)}-{n}"
                 n += 1
-            job = Job(out=out, config=replace(base, out=out), kind=kind, total=total, source=source)
+            job = Job(out=out, config=replace(base, out=out), kind=kind, total=total, source=source, facts=facts)
             self.current = job
         threading.Thread(target=self._run, args=(job,), name="ddpscope-job", daemon=True).start()
         return job
@@ -154,5 +158,7 @@ class JobManager:
 
         try:
             job.result = _RUNNERS[type(job.config)](job.config, progress, output, launcher=self.launcher)
+            if job.facts and (job.out / RUN_FILE).exists():
+                update_run_json(job.out, job.facts)
         except Exception as e:  # never lose the reason; the page shows it
             job.error = f"{type(e).__name__}: {e}"

@@ -1,0 +1,135 @@
+"""The What-if page's advisor: the recommended bucket layout (uniform or per bucket) and
+whether it is worth a change, "Apply" (the run again with it), and A against B: a run
+and its applied rerun, predicted against measured, bucket by bucket, a diff timeline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from ddpscope.dashboard.common import CommandPolicy, events_trace, job_button, label_of, stamp_of
+from ddpscope.dashboard.run_page import rerun_source
+from ddpscope.tracer.launch.jobs import JobManager
+from ddpscope.tracer.launch.rerun import rerun_settings
+from ddpscope.viz.trace import TraceError
+from ddpscope.viz.whatif.ab import compute_ab_steps, compute_bucket_ab, make_ab_timeline_figure
+from ddpscope.viz.whatif.advisor import SIMPLER, advise, setting_text
+from ddpscope.viz.whatif.model import fit_model
+from ddpscope.viz.whatif.report import cap_argument
+from ddpscope.viz.whatif.simulate import predict_run, traced_cap
+
+
+@st.cache_data(show_spinner="Searching bucket layouts...", max_entries=8)
+def advice_for(path: str, stamp: float) -> tuple[dict, pd.DataFrame, object]:
+    """(the recommendation as ``whatif --json`` gives it, the candidates searched, the
+    setting) for the trace at ``path``."""
+    trace = events_trace(path, stamp)
+    a = advise(trace, fit_model(trace))
+    return a.as_json(), a.candidates.drop(columns="setting"), a.setting
+
+
+def render_advisor(path: Path, stamp: float, trace, jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
+    try:
+        rec, candidates, setting = advice_for(str(path), stamp)
+    except (TraceError, ValueError) as e:
+        st.info(f"No advice for this trace: {e}")
+        return
+    lo, hi = rec["gain_interval_ms"]
+    if rec["change"]:
+        st.success(f"Advisor: **{setting_text(setting)}**, predicted step {rec['step_ms']:.1f} ms against "
+                   f"{rec['traced_step_ms']:.1f} ms at the traced setting: {rec['gain_ms']:.1f} ms "
+                   f"({rec['gain_pct']:.1f} %) faster, 95 % interval {lo:.1f}..{hi:.1f} ms from this run's "
+                   "step-to-step noise.")
+    else:
+        st.info(f"Advisor: keep {setting_text(setting)}. {rec['why'][0].upper()}{rec['why'][1:]}.")
+    n = rec["searched"]
+    with st.expander(f"What the advisor searched: {n['uniform']} uniform caps, {n['growing list']} growing lists, "
+                     f"{n['per-bucket list']} per-bucket layouts"):
+        st.caption("Every candidate replayed on this trace's steps (the search uses up to 8 of them). Layouts are "
+                   "built by DDP's own bucketing from the gradients' ready order; a per-bucket layout is written as "
+                   f"the bucket_cap_mb_list that builds it. The simplest setting within {100 * SIMPLER:.1f} % of the "
+                   "fastest is the one recommended. A gain is worth a change when it exceeds √2 x the half-width "
+                   "of the 95 % interval of this run's median step (bootstrapped over its steps).")
+        st.dataframe(candidates.round(2), hide_index=True, key="advice_candidates")
+    if rec["change"]:
+        _apply_button(path, trace, rec, setting, jobs, busy, policy)
+
+
+def _apply_button(path: Path, trace, rec: dict, setting, jobs: JobManager, busy: bool,
+                  policy: CommandPolicy) -> None:
+    source = rerun_source(path, trace.run)
+    try:
+        settings = rerun_settings(trace.run)
+    except ValueError as e:
+        st.info(f"Apply is off: {e}.")
+        return
+    settings.pop("capture", None)  # the page's runs use the default capture path
+    blocked = None
+    if source is not None and "script" in source:
+        blocked = ("this trace was uploaded: its command is not run here" if source["upload"] else
+                   None if policy.allowed else "starting commands is off (see the Run tab)")
+    if blocked:
+        st.info(f"Apply is off: {blocked}.")
+    facts = {"advice": {"from": str(Path(path).resolve()), "predicted_step_ms": rec["step_ms"],
+                        "predicted_exposed_ms": rec["exposed_ms"], "gain_ms": rec["gain_ms"],
+                        "gain_interval_ms": rec["gain_interval_ms"]}}
+    cap = cap_argument(setting)
+    if "bucket_cap_mb" not in cap:
+        cap["bucket_cap_mb"] = None
+    steps = int(settings.pop("steps", None) or min(max(trace.run.get("steps") or 10, 3), 50))
+    job_button(f"Apply: run it again with {setting_text(setting)}", "advice_apply", jobs.start,
+               lambda: dict(**settings, **cap, steps=steps, source=path, facts=facts),
+               disabled=busy or bool(blocked), type="primary",
+               help="Runs the same job again for real (same ranks, steps, emulated nodes) with the recommendation; "
+                    "open the new run here to see A against B.")
+
+
+def render_ab(path: Path, stamp: float, trace, traces: dict[str, Path]) -> None:
+    """A against B when the open run is an applied recommendation (B) or has one (A)."""
+    pair = _pair(path, trace, traces)
+    if pair is None:
+        return
+    a_path, b_path = pair
+    st.subheader("A against B: the recommendation applied")
+    try:
+        a = events_trace(str(a_path), stamp_of(a_path))
+        b = events_trace(str(b_path), stamp_of(b_path))
+        pred = predict_run(a, traced_cap(b), fit_model(a))
+    except (TraceError, ValueError) as e:
+        st.info(f"A and B cannot be compared: {e}")
+        return
+    st.caption(f"A = {label_of(a_path)} ({setting_text(traced_cap(a))}); B = {label_of(b_path)} "
+               f"({setting_text(traced_cap(b))}). B predicted from A, and B measured.")
+    steps = compute_ab_steps(a, pred, b)
+    st.dataframe(steps.round(2), hide_index=True, key="ab_steps")
+    st.plotly_chart(make_ab_timeline_figure({"A (measured)": a, "B predicted": pred, "B (measured)": b}),
+                    key="ab_timeline")
+    st.caption("Per bucket (medians over steps and ranks, ms from the rank's backward start): launch, time in "
+               "flight, and exposed time, the part of the wait after backward that ends with this bucket.")
+    st.dataframe(compute_bucket_ab(a, b).round(2), hide_index=True, key="ab_buckets")
+
+
+def _pair(path: Path, trace, traces: dict[str, Path]) -> tuple[Path, Path] | None:
+    """(A, B): this run and its newest applied rerun, or the run this one applied advice to."""
+    came_from = (trace.run.get("advice") or {}).get("from") if isinstance(trace.run.get("advice"), dict) else None
+    if came_from and Path(came_from).is_dir():
+        return Path(came_from), path
+    here = str(Path(path).resolve())
+    for p in sorted(traces.values(), key=stamp_of, reverse=True):
+        run = _run_json(p)
+        advice = run.get("advice") if isinstance(run.get("advice"), dict) else {}
+        if advice.get("from") == here and p != path:
+            return path, p
+    return None
+
+
+def _run_json(path: Path) -> dict:
+    try:
+        out = json.loads((path / "run.json").read_text())
+        return out if isinstance(out, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
