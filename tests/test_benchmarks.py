@@ -28,6 +28,7 @@ PRINTS = {
     "first_chart": "slowest first chart",
     "overview": "overview drawn (heatmap + spread)",
     "many_ranks": "summary-first",
+    "advisor": "workload  link        MAPE %",
 }
 
 

@@ -167,6 +167,17 @@ def test_infinite_bandwidth_leaves_latencies_queued_in_bucket_order(lanes, expos
     assert (np.diff(b["done_us"].to_numpy()) >= -1e-6).all()  # done in bucket order
 
 
+def test_all_reduces_across_nodes_share_the_link():
+    """Four 3 ms all-reduces at the end of backward, two lanes: on one machine they run two
+    at a time (6 ms exposed); across nodes the two in flight split the link, so the four
+    take their sum, 12 ms. A run of emulated nodes (or nnodes > 1) is fitted that way."""
+    t = synthetic(ready_ms=(40, 40, 40, 40))
+    pred = predict_run(t, 1, model(latency_us=3e3, lanes=2, shared_link=True))
+    assert medians(pred)["exposed_ms"] == pytest.approx(12.0, abs=1e-3)
+    t.run["emulation"] = {"nodes": 2, "link": "1gbit"}
+    assert fit_model(t).shared_link and not fit_model(synthetic()).shared_link
+
+
 def test_all_reduces_beside_backward_take_compute():
     """Steal: each all-reduce beside compute costs backward 2 ms (+ 1 ms per MiB). Traced
     as one bucket after backward (nothing to remove); predicted at 1 MiB, the three

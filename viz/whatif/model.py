@@ -26,7 +26,12 @@ around the syncing backward (before it, after DDP has every averaged gradient).
   (same name but for layer numbers, same size) cost the same work, so their overlapped
   and non-overlapped durations give a slowdown, turned into µs/MiB with the run's own
   time in flight per MiB; else 0 (``notes`` say which);
-- ``launch_us``: bucket ready (its last gradient) -> DDP hands it to the hook (median).
+- ``launch_us``: bucket ready (its last gradient) -> DDP hands it to the hook (median);
+- ``shared_link``: whether all-reduces in flight at once share one link. On one machine
+  (loopback) they do not: a small gloo all-reduce mostly waits on its peer, and two run
+  side by side on two cores. Across nodes (``nnodes`` > 1, emulated nodes included) the
+  node's link is the bottleneck and they split its bandwidth: each then progresses at
+  1/n of its rate while n are in flight, in the fit as in the simulation.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class WhatIfModel:
     steal_us_per_allreduce: float = 0.0
     steal_us_per_mib: float = 0.0
     launch_us: float = 0.0
+    shared_link: bool = False
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -196,7 +202,8 @@ def fit_model(trace: RunTrace, calibration: Calibration | None | str = "auto") -
         calibration = None
     backend = str(trace.run.get("backend") or next(iter(trace.ranks.values())).get("backend") or "gloo")
     lanes = LANES.get(backend, 1)
-    cost, kappa, c_note = fit_comm(trace, lanes, calibration)
+    shared = across_nodes(trace)
+    cost, kappa, c_note = fit_comm(trace, lanes, calibration, shared)
     steal = calibration.steal() if calibration is not None else None
     if steal is not None:
         # the run's all-reduces took ``scale`` x the calibration's: their work on the cores too
@@ -210,9 +217,17 @@ def fit_model(trace: RunTrace, calibration: Calibration | None | str = "auto") -
         else:
             steal = (0.0, s / (1.0 + s) * flight_us_per_mib(trace))
     notes += [f"{s_note}: {steal[0]:.0f} µs per all-reduce + {steal[1]:.0f} µs per MiB", c_note]
+    if shared:
+        notes.append("the ranks span nodes: all-reduces in flight at once share the node's link")
     return WhatIfModel(cost=cost, lanes=lanes, comm_slowdown=kappa, steal_us_per_allreduce=float(steal[0]),
-                       steal_us_per_mib=float(steal[1]),
+                       steal_us_per_mib=float(steal[1]), shared_link=shared,
                        launch_us=launch_delay_us(trace), notes=tuple(notes))
+
+
+def across_nodes(trace: RunTrace) -> bool:
+    """Whether the run's ranks span nodes (real or emulated): their all-reduces cross a link."""
+    run = trace.run
+    return int(run.get("nnodes") or 1) > 1 or isinstance(run.get("emulation"), dict)
 
 
 def flight_us_per_mib(trace: RunTrace) -> float:
@@ -298,10 +313,13 @@ def fit_compute_slowdown(trace: RunTrace) -> tuple[float | None, str]:
     return best_s, f"backward's slowdown under communication fitted to {len(roles)} kinds of gradient: {best_s:.2f}"
 
 
-def fit_comm(trace: RunTrace, lanes: int, calibration: Calibration | None) -> tuple[AllReduceCost, float, str]:
+def fit_comm(trace: RunTrace, lanes: int, calibration: Calibration | None, shared_link: bool = False
+             ) -> tuple[AllReduceCost, float, str]:
     """All-reduce cost alone and its slowdown beside backward compute, from every bucket
-    of the usable steps (with the calibration's curve when there is one)."""
+    of the usable steps (with the calibration's curve when there is one). ``shared_link``:
+    a slice of flight beside n - 1 others did 1/n of the bucket's work."""
     samples = _comm_samples(trace, lanes)
+    share = 1.0 / np.maximum(samples["in_flight"], 1) if shared_link else 1.0
     if not len(samples["bytes"]):
         raise TraceError(f"{trace.path.name}: no finished all-reduce to fit the communication cost to")
     nbytes = np.asarray(samples["bytes"], float)
@@ -319,7 +337,7 @@ def fit_comm(trace: RunTrace, lanes: int, calibration: Calibration | None) -> tu
                                           "buckets that ran alone after backward)")
     best = None
     for kappa in _SLOWDOWN_GRID:
-        work = (flight / (1.0 + kappa * busy)).sum(axis=1)  # µs each, uncontended
+        work = (flight * share / (1.0 + kappa * busy)).sum(axis=1)  # µs each, uncontended
         cost = base if base is not None else fit_line(nbytes, work, "the run's own buckets")
         err = float(np.sum(np.log(np.maximum(work, 1.0) / cost.time_us(nbytes)) ** 2))
         if best is None or err < best[0] - 1e-9:

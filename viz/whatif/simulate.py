@@ -8,9 +8,10 @@ Each step is simulated on every rank at once, event by event (times µs):
   in index order, ``launch_us`` after ready;
 - the process group runs all-reduces in bucket order, at most ``lanes`` at once; one
   starts when every rank has launched it and a lane is free, takes the fitted cost of its
-  size, and goes 1 + comm_slowdown times slower while any rank computes (lanes do not
-  share the link: on gloo a small all-reduce is mostly waiting on its peer, and what
-  sharing there is shows in the fitted cost);
+  size, and goes 1 + comm_slowdown times slower while any rank computes (on one machine
+  lanes do not share the link: on gloo a small all-reduce is mostly waiting on its peer,
+  and what sharing there is shows in the fitted cost; across nodes they split it, each
+  at 1/n of its rate while n are in flight: ``model.shared_link``);
 - after backward, each rank waits for its last all-reduce, then DDP's finalize and the
   rest of the step (optimizer, data) take what they took in the trace.
 
@@ -151,6 +152,8 @@ def simulate_step(inputs: StepInputs, layout: list[list[int]], bucket_bytes: lis
         taken = min(0.95, float(sum(steal[j] for j in in_flight)))
         c_rate = {r: 1.0 - taken if computing(r) else 0.0 for r in ranks}
         m_rate = 1.0 / (1.0 + kappa) if any_compute else 1.0
+        if model.shared_link and in_flight:  # the all-reduces in flight split the link
+            m_rate /= len(in_flight)
         compute_eta = {r: t + (miles[r][pos[r]][0] - work[r]) / c_rate[r] for r in ranks
                        if r not in bwd_end and t >= rs[r].b0 - _EPS and pos[r] < len(miles[r])}
         comm_eta = {j: t + remaining[j] / m_rate for j in in_flight}
