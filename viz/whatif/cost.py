@@ -63,15 +63,18 @@ class AllReduceCost:
                              scale=float(scale), source=source)
 
 
-def fit_line(nbytes, us, source: str) -> AllReduceCost:
+def fit_line(nbytes, us, source: str, through_origin: bool = False) -> AllReduceCost:
     """Least squares ``us = latency + bytes x us_per_byte`` with latency >= 0; with one
-    distinct size (or a fit that says negative latency) the line goes through the origin.
-    Raises ``ValueError`` with no positive sample."""
+    distinct size, a fit that says negative latency, or ``through_origin``, the line goes
+    through the origin. Raises ``ValueError`` with no positive sample."""
     m, t = np.asarray(nbytes, float), np.asarray(us, float)
     ok = np.isfinite(m) & np.isfinite(t) & (m > 0) & (t > 0)
     m, t = m[ok], t[ok]
     if not len(m):
         raise ValueError("no all-reduce to fit the cost to")
+    if through_origin:
+        per_byte = float(np.sum(m * t) / np.sum(m * m))
+        return AllReduceCost(latency_us=0.0, us_per_byte=per_byte, source=f"{source}, bandwidth only")
     if len(np.unique(m)) >= 2:
         (lat, per_byte), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(m), m]), t, rcond=None)
         if lat >= 0 and per_byte > 0:

@@ -31,7 +31,10 @@ around the syncing backward (before it, after DDP has every averaged gradient).
   (loopback) they do not: a small gloo all-reduce mostly waits on its peer, and two run
   side by side on two cores. Across nodes (``nnodes`` > 1, emulated nodes included) the
   node's link is the bottleneck and they split its bandwidth: each then progresses at
-  1/n of its rate while n are in flight, in the fit as in the simulation.
+  1/n of its rate while n are in flight, in the fit as in the simulation; and, without a
+  calibration, the cost is the link's bandwidth alone (a line through the origin): two
+  or three bucket sizes cannot tell a latency from the link's unfairness between
+  streams, and the lab has no latency (no ``netem``).
 """
 
 from __future__ import annotations
@@ -338,7 +341,9 @@ def fit_comm(trace: RunTrace, lanes: int, calibration: Calibration | None, share
     best = None
     for kappa in _SLOWDOWN_GRID:
         work = (flight * share / (1.0 + kappa * busy)).sum(axis=1)  # µs each, uncontended
-        cost = base if base is not None else fit_line(nbytes, work, "the run's own buckets")
+        # across nodes the link's bandwidth is the cost: a few bucket sizes cannot tell a
+        # latency from the link's unfairness between streams (tens of ms fitted on 2 sizes)
+        cost = base if base is not None else fit_line(nbytes, work, "the run's own buckets", shared_link)
         err = float(np.sum(np.log(np.maximum(work, 1.0) / cost.time_us(nbytes)) ** 2))
         if best is None or err < best[0] - 1e-9:
             best = (err, cost, float(kappa))
