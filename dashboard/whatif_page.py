@@ -28,7 +28,7 @@ from ddpscope.viz.overlap import compute_run_comparison
 from ddpscope.viz.trace import TraceError
 from ddpscope.viz.whatif.figures import make_cap_sweep_figure
 from ddpscope.viz.whatif.layout import cap_label, is_cap_list
-from ddpscope.viz.whatif.model import fit_model
+from ddpscope.viz.whatif.model import fit_model, regime
 from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model
 from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, compute_measured_points, recommend_cap, same_job
@@ -88,6 +88,7 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
     except (TraceError, ValueError) as e:
         st.info(f"No prediction for this trace: {e}")
         return
+    st.caption(regime(trace))
     render_ab(path, stamp, trace, traces)
     measured = _measured_runs(trace, traces)
     points = compute_measured_points(measured)

@@ -17,7 +17,7 @@ from ddpscope.viz.overlap import compute_step_breakdown
 from ddpscope.viz.trace import RunTrace, TraceError, load_run
 from ddpscope.viz.whatif.cost import AllReduceCost, fit_line, read_calibration
 from ddpscope.viz.whatif.layout import assign_buckets, assign_buckets_python, bucket_limits, cap_limits
-from ddpscope.viz.whatif.model import WhatIfModel, check_predictable, fit_model
+from ddpscope.viz.whatif.model import WhatIfModel, check_predictable, fit_model, regime
 from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model, ring_cost
 from ddpscope.viz.whatif.simulate import predict_layout, predict_run, traced_cap
 from ddpscope.viz.whatif.sweep import compute_cap_sweep, recommend_cap
@@ -174,8 +174,10 @@ def test_all_reduces_across_nodes_share_the_link():
     t = synthetic(ready_ms=(40, 40, 40, 40))
     pred = predict_run(t, 1, model(latency_us=3e3, lanes=2, shared_link=True))
     assert medians(pred)["exposed_ms"] == pytest.approx(12.0, abs=1e-3)
+    assert "one machine (loopback)" in regime(t)
     t.run["emulation"] = {"nodes": 2, "link": "1gbit"}
     assert fit_model(t).shared_link and not fit_model(synthetic()).shared_link
+    assert "2 emulated nodes, each over a 1gbit link" in regime(t) and "share the CPU cores" in regime(t)
 
 
 def test_all_reduces_beside_backward_take_compute():

@@ -227,6 +227,23 @@ def fit_model(trace: RunTrace, calibration: Calibration | None | str = "auto") -
                        launch_us=launch_delay_us(trace), notes=tuple(notes))
 
 
+def regime(trace: RunTrace) -> str:
+    """Which regime the run was in, in a sentence: what bounds its communication, and
+    whether communication competes with compute for the cores."""
+    run = trace.run
+    emu = run.get("emulation") if isinstance(run.get("emulation"), dict) else None
+    device = str(run.get("device") or "cpu")
+    cores = ("gloo's threads share the CPU cores with autograd, so overlapping communication costs compute"
+             if device == "cpu" else "NCCL runs beside the compute on its own stream")
+    if emu:
+        where = f"{emu.get('nodes')} emulated nodes, each over a {emu.get('link')} link (bandwidth-bound)"
+    elif int(run.get("nnodes") or 1) > 1:
+        where = f"{run.get('nnodes')} nodes: all-reduces cross the network"
+    else:
+        where = "one machine (loopback): communication is nearly free and bucket sizes matter little"
+    return f"Regime: {where}; {cores}."
+
+
 def across_nodes(trace: RunTrace) -> bool:
     """Whether the run's ranks span nodes (real or emulated): their all-reduces cross a link."""
     run = trace.run

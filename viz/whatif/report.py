@@ -13,6 +13,7 @@ import pandas as pd
 from ddpscope.viz.trace import RunTrace, TraceError, load_run
 from ddpscope.viz.whatif.advisor import SIMPLER, Advice, advise, setting_text
 from ddpscope.viz.whatif.layout import cap_label, is_cap_list
+from ddpscope.viz.whatif.model import regime
 
 _SWEEP_COLS = ["bucket_cap_mb", "bucket_cap_mb_list", "first_bucket_mb", "buckets", "step_ms", "exposed_ms",
                "comm_ms", "backward_ms", "overlap_pct", "traced"]
@@ -62,6 +63,7 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
         return 0, (trace, advice)
     print(f"{trace.path}  ranks={trace.world_size}  traced at {setting_text(advice.traced)}  "
           "(predicted medians over steps and ranks, ms)")
+    print(regime(trace))
     print(sweep[_SWEEP_COLS].round(2).fillna({"bucket_cap_mb_list": "-"}).to_string(index=False))
     for note in model.notes:
         print(f"  model: {note}")
