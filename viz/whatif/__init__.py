@@ -5,5 +5,8 @@
 - ``model``: what the simulator takes from a trace (ready times with slowdown removed,
   fixed per-step costs, the compute slowdown under communication);
 - ``simulate``: one step replayed with another layout -> the trace's own tables;
-- ``sweep``: many caps, the recommended one; ``projection``: another world size / link.
+- ``sweep``: many caps, the fastest; ``projection``: another world size / link;
+- ``advisor``: uniform caps, growing and per-bucket ``bucket_cap_mb_list``s searched, the
+  recommendation judged against the run's own noise; ``ab``: a run against its rerun;
+  ``report``: ``ddpscope whatif``'s printed report.
 """
