@@ -20,17 +20,19 @@ def rerun_settings(run: dict) -> dict:
     kind = run.get("kind")
     if kind not in (None, "ddp"):
         raise ValueError(f"a {kind} run is not rerun with another bucket setting")
-    nodes = int(run.get("nnodes") or 1)
+    nodes = _whole(run.get("nnodes")) or 1
     emulation = run.get("emulation") if isinstance(run.get("emulation"), dict) else None
     if nodes > 1 and emulation is None:
         raise ValueError(f"this run had {nodes} real nodes: rerun it on them with the `ddpscope run` line printed")
-    nproc = int(run.get("nproc_per_node") or (run.get("world_size") or 2) // max(nodes, 1))
-    out: dict = {"nproc": nproc}
-    steps = run.get("steps_requested")
-    if isinstance(steps, int) and steps > 0:
+    nproc = _whole(run.get("nproc_per_node")) or (_whole(run.get("world_size")) or 2) // nodes
+    out: dict = {"nproc": max(nproc, 1)}
+    steps = _whole(run.get("steps_requested"))
+    if steps:
         out["steps"] = steps
     if emulation is not None:
-        out.update(emulate_nodes=int(emulation["nodes"]), link=str(emulation["link"]))
+        if not _whole(emulation.get("nodes")) or not isinstance(emulation.get("link"), str):
+            raise ValueError("run.json's emulation record is malformed (nodes, link)")
+        out.update(emulate_nodes=emulation["nodes"], link=emulation["link"])
     if run.get("capture_path_requested") in ("python", "compiled"):
         out["capture"] = run["capture_path_requested"]
     script = run.get("script")
@@ -43,6 +45,11 @@ def rerun_settings(run: dict) -> dict:
     if not cwd.is_dir():
         raise ValueError(f"the script's folder {cwd} is gone: rerun it yourself with the setting printed")
     return {**out, "script": [str(a) for a in script["argv"]], "cwd": cwd}
+
+
+def _whole(v) -> int | None:
+    """A whole number > 0 from run.json, else None (a hand-edited file may hold anything)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 def script_changed(run: dict) -> bool:

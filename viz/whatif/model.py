@@ -237,7 +237,7 @@ def regime(trace: RunTrace) -> str:
              if device == "cpu" else "NCCL runs beside the compute on its own stream")
     if emu:
         where = f"{emu.get('nodes')} emulated nodes, each over a {emu.get('link')} link (bandwidth-bound)"
-    elif int(run.get("nnodes") or 1) > 1:
+    elif _nodes(run) > 1:
         where = f"{run.get('nnodes')} nodes: all-reduces cross the network"
     else:
         where = "one machine (loopback): communication is nearly free and bucket sizes matter little"
@@ -247,7 +247,13 @@ def regime(trace: RunTrace) -> str:
 def across_nodes(trace: RunTrace) -> bool:
     """Whether the run's ranks span nodes (real or emulated): their all-reduces cross a link."""
     run = trace.run
-    return int(run.get("nnodes") or 1) > 1 or isinstance(run.get("emulation"), dict)
+    return _nodes(run) > 1 or isinstance(run.get("emulation"), dict)
+
+
+def _nodes(run: dict) -> int:
+    """run.json's ``nnodes`` (1 when absent or not a whole number)."""
+    n = run.get("nnodes")
+    return n if isinstance(n, int) and not isinstance(n, bool) else 1
 
 
 def flight_us_per_mib(trace: RunTrace) -> float:
