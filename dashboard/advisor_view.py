@@ -4,16 +4,16 @@ and its applied rerun, predicted against measured, bucket by bucket, a diff time
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
 from ddpscope.dashboard.common import CommandPolicy, events_trace, job_button, label_of, stamp_of
-from ddpscope.dashboard.run_page import rerun_source
+from ddpscope.dashboard.run_page import page_rerun
+from ddpscope.tracer.format import RUN_FILE
 from ddpscope.tracer.launch.jobs import JobManager
-from ddpscope.tracer.launch.rerun import rerun_settings
+from ddpscope.tracer.writer import read_json
 from ddpscope.viz.trace import TraceError
 from ddpscope.viz.whatif.ab import compute_ab_steps, compute_bucket_ab, make_ab_timeline_figure
 from ddpscope.viz.whatif.advisor import SIMPLER, advise, setting_text
@@ -23,17 +23,29 @@ from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 
 
 @st.cache_data(show_spinner="Searching bucket layouts...", max_entries=8)
-def advice_for(path: str, stamp: float) -> tuple[dict, pd.DataFrame, object]:
+def advice_for(path: str, stamp: float, _model) -> tuple[dict, pd.DataFrame, object]:
     """(the recommendation as ``whatif --json`` gives it, the candidates searched, the
-    setting) for the trace at ``path``."""
+    setting) for the trace at ``path``; ``_model``: the model the page fitted to it (not
+    hashed: ``path`` and ``stamp`` decide it)."""
     trace = events_trace(path, stamp)
-    a = advise(trace, fit_model(trace))
+    a = advise(trace, _model)
     return a.as_json(), a.candidates.drop(columns="setting"), a.setting
 
 
-def render_advisor(path: Path, stamp: float, trace, jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
+@st.cache_data(show_spinner="Comparing A and B...", max_entries=8)
+def ab_tables(a_path: str, a_stamp: float, b_path: str, b_stamp: float):
+    """(steps table, bucket table, diff timeline) of A against B, B predicted from A."""
+    a, b = events_trace(a_path, a_stamp), events_trace(b_path, b_stamp)
+    pred = predict_run(a, traced_cap(b), fit_model(a))
+    fig = make_ab_timeline_figure({"A (measured)": a, "B predicted": pred, "B (measured)": b})
+    return compute_ab_steps(a, pred, b), compute_bucket_ab(a, b), fig, setting_text(traced_cap(a)), \
+        setting_text(traced_cap(b))
+
+
+def render_advisor(path: Path, stamp: float, trace, model, jobs: JobManager, busy: bool,
+                   policy: CommandPolicy) -> None:
     try:
-        rec, candidates, setting = advice_for(str(path), stamp)
+        rec, candidates, setting = advice_for(str(path), stamp, model)
     except (TraceError, ValueError) as e:
         st.info(f"No advice for this trace: {e}")
         return
@@ -60,28 +72,18 @@ def render_advisor(path: Path, stamp: float, trace, jobs: JobManager, busy: bool
 
 def _apply_button(path: Path, trace, rec: dict, setting, jobs: JobManager, busy: bool,
                   policy: CommandPolicy) -> None:
-    source = rerun_source(path, trace.run)
-    try:
-        settings = rerun_settings(trace.run)
-    except ValueError as e:
-        st.info(f"Apply is off: {e}.")
+    settings, blocked = page_rerun(path, trace.run, policy)
+    if settings is None:
+        st.info(f"Apply is off: {blocked}.")
         return
-    settings.pop("capture", None)  # the page's runs use the default capture path
-    blocked = None
-    if source is not None and "script" in source:
-        blocked = ("this trace was uploaded: its command is not run here" if source["upload"] else
-                   None if policy.allowed else "starting commands is off (see the Run tab)")
     if blocked:
         st.info(f"Apply is off: {blocked}.")
     facts = {"advice": {"from": str(Path(path).resolve()), "predicted_step_ms": rec["step_ms"],
                         "predicted_exposed_ms": rec["exposed_ms"], "gain_ms": rec["gain_ms"],
                         "gain_interval_ms": rec["gain_interval_ms"]}}
-    cap = cap_argument(setting)
-    if "bucket_cap_mb" not in cap:
-        cap["bucket_cap_mb"] = None
-    steps = int(settings.pop("steps", None) or min(max(trace.run.get("steps") or 10, 3), 50))
+    cap = {"bucket_cap_mb": None, **cap_argument(setting)}
     job_button(f"Apply: run it again with {setting_text(setting)}", "advice_apply", jobs.start,
-               lambda: dict(**settings, **cap, steps=steps, source=path, facts=facts),
+               lambda: dict(**settings, **cap, source=path, facts=facts),
                disabled=busy or bool(blocked), type="primary",
                help="Runs the same job again for real (same ranks, steps, emulated nodes) with the recommendation; "
                     "open the new run here to see A against B.")
@@ -95,41 +97,41 @@ def render_ab(path: Path, stamp: float, trace, traces: dict[str, Path]) -> None:
     a_path, b_path = pair
     st.subheader("A against B: the recommendation applied")
     try:
-        a = events_trace(str(a_path), stamp_of(a_path))
-        b = events_trace(str(b_path), stamp_of(b_path))
-        pred = predict_run(a, traced_cap(b), fit_model(a))
+        steps, buckets, fig, a_setting, b_setting = ab_tables(str(a_path), stamp_of(a_path), str(b_path),
+                                                              stamp_of(b_path))
     except (TraceError, ValueError) as e:
         st.info(f"A and B cannot be compared: {e}")
         return
-    st.caption(f"A = {label_of(a_path)} ({setting_text(traced_cap(a))}); B = {label_of(b_path)} "
-               f"({setting_text(traced_cap(b))}). B predicted from A, and B measured.")
-    steps = compute_ab_steps(a, pred, b)
+    st.caption(f"A = {label_of(a_path)} ({a_setting}); B = {label_of(b_path)} ({b_setting}). "
+               "B predicted from A, and B measured.")
     st.dataframe(steps.round(2), hide_index=True, key="ab_steps")
-    st.plotly_chart(make_ab_timeline_figure({"A (measured)": a, "B predicted": pred, "B (measured)": b}),
-                    key="ab_timeline")
+    st.plotly_chart(fig, key="ab_timeline")
     st.caption("Per bucket (medians over steps and ranks, ms from the rank's backward start): launch, time in "
                "flight, and exposed time, the part of the wait after backward that ends with this bucket.")
-    st.dataframe(compute_bucket_ab(a, b).round(2), hide_index=True, key="ab_buckets")
+    st.dataframe(buckets.round(2), hide_index=True, key="ab_buckets")
 
 
 def _pair(path: Path, trace, traces: dict[str, Path]) -> tuple[Path, Path] | None:
     """(A, B): this run and its newest applied rerun, or the run this one applied advice to."""
-    came_from = (trace.run.get("advice") or {}).get("from") if isinstance(trace.run.get("advice"), dict) else None
+    came_from = _advised_from(trace.run)
     if came_from and Path(came_from).is_dir():
         return Path(came_from), path
     here = str(Path(path).resolve())
     for p in sorted(traces.values(), key=stamp_of, reverse=True):
-        run = _run_json(p)
-        advice = run.get("advice") if isinstance(run.get("advice"), dict) else {}
-        if advice.get("from") == here and p != path:
+        if p != path and _advised_from(_run_json(p)) == here:
             return path, p
     return None
 
 
+def _advised_from(run: dict) -> str | None:
+    """The run an applied recommendation came from (run.json's ``advice.from``)."""
+    advice = run.get("advice")
+    return advice.get("from") if isinstance(advice, dict) else None
+
+
 def _run_json(path: Path) -> dict:
     try:
-        out = json.loads((path / "run.json").read_text())
-        return out if isinstance(out, dict) else {}
+        run = read_json(path / RUN_FILE)
     except (OSError, ValueError):
         return {}
-
+    return run if isinstance(run, dict) else {}

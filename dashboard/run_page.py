@@ -24,6 +24,7 @@ from ddpscope.dashboard.sharded_view import sharded_rerun_settings, show_sharded
 from ddpscope.dashboard.timeline_page import show_comparison
 from ddpscope.tracer.launch import lab
 from ddpscope.tracer.launch.jobs import JobManager
+from ddpscope.tracer.launch.rerun import rerun_settings
 from ddpscope.tracer.launch.runner import file_sha256
 from ddpscope.tracer.options import DEMO_MODELS
 from ddpscope.viz.trace import TraceError
@@ -61,6 +62,25 @@ def rerun_source(path: Path, run: dict) -> dict | None:
         return {"script": [str(a) for a in script["argv"]], "cwd": str(script["cwd"]), "path": script.get("path"),
                 "sha256": script.get("sha256"), "nproc": nproc, "upload": path.parent == uploads_dir()}
     return None
+
+
+def page_rerun(path: Path, run: dict, policy: CommandPolicy) -> tuple[dict | None, str | None]:
+    """What a button on the What-if page reruns ``run`` with: ``JobManager.start``
+    settings (the same ranks, steps and emulated nodes, the default capture path; the
+    bucket setting left to the button) and why starting it is off (None: on).
+    ``(None, why)`` when the run cannot be rerun from here."""
+    try:
+        settings = rerun_settings(run)
+    except ValueError as e:
+        return None, str(e)
+    settings.pop("capture", None)
+    settings["steps"] = int(settings.get("steps") or min(max(run.get("steps") or 10, 3), 50))
+    source = rerun_source(path, run)
+    blocked = None
+    if source is not None and "script" in source:
+        blocked = ("this trace was uploaded: its command is not run here" if source["upload"] else
+                   None if policy.allowed else "starting commands is off (see the Run tab)")
+    return settings, blocked
 
 
 def render_run(path: Path | None, trace, jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:

@@ -20,9 +20,8 @@ from ddpscope.dashboard.common import (
     stamp_of,
     widget_now,
 )
-from ddpscope.dashboard.run_page import rerun_source
+from ddpscope.dashboard.run_page import page_rerun
 from ddpscope.tracer.launch.jobs import JobManager
-from ddpscope.tracer.launch.rerun import rerun_settings
 from ddpscope.viz.gantt import make_timeline_figure, timeline_extent_ms
 from ddpscope.viz.overlap import compute_run_comparison
 from ddpscope.viz.trace import TraceError
@@ -95,7 +94,7 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
     st.plotly_chart(make_cap_sweep_figure(sweep, points, best["bucket_cap_mb"]), key="predict_curve")
     st.caption(f"Of the uniform caps on the curve, {best['bucket_cap_mb']:g} MiB is predicted fastest "
                f"({best['step_ms']:.1f} ms a step). The advisor below also searches per-bucket layouts.")
-    render_advisor(path, stamp, trace, jobs, busy, policy)
+    render_advisor(path, stamp, trace, whatif_model(str(path), stamp), jobs, busy, policy)
     with st.expander("Predicted table and how the model was fitted"):
         st.dataframe(sweep.round(2), hide_index=True, key="predict_table")
         for note in notes:
@@ -150,20 +149,12 @@ def _predicted_beside_measured(path: Path, stamp: float, trace, cap: float | str
 
 
 def _run_at_cap(path: Path, trace, cap: float | str, jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
-    source = rerun_source(path, trace.run)
-    try:
-        settings = rerun_settings(trace.run)  # the same ranks, steps and emulated nodes
-    except ValueError as e:
-        st.info(f"This trace cannot be rerun from here: {e}.")
+    settings, blocked = page_rerun(path, trace.run, policy)
+    if settings is None:
+        st.info(f"This trace cannot be rerun from here: {blocked}.")
         return
-    settings.pop("capture", None)
-    blocked = None
-    if source is not None and "script" in source:
-        blocked = ("this trace was uploaded: its command is not run here" if source["upload"] else
-                   None if policy.allowed else "starting commands is off (see the Run tab)")
     if blocked:
         st.info(f"Run at this cap is off: {blocked}.")
-    steps = int(settings.pop("steps", None) or min(max(trace.run.get("steps") or 10, 3), 50))
 
     def chosen() -> dict:
         now = widget_now("predict_cap", cap)
@@ -173,7 +164,7 @@ def _run_at_cap(path: Path, trace, cap: float | str, jobs: JobManager, busy: boo
 
     shown = f"bucket_cap_mb_list = {cap}" if isinstance(cap, str) else f"bucket_cap_mb = {cap:g}"
     job_button(f"Run at {shown}", "predict_run", jobs.start,
-               lambda: dict(**settings, **chosen(), steps=steps, source=path),
+               lambda: dict(**settings, **chosen(), source=path),
                disabled=busy or bool(blocked), type="primary",
                help="Runs it for real (the live loop); when it ends it shows on the curve and beside the prediction.")
 
