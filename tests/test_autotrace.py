@@ -95,7 +95,7 @@ def test_gradient_accumulation_every_micro_batch_is_its_own_pass(tmp_path):
     assert (b.launch_us >= b.backward_start_us).all() and len(b) >= 8 * 2 * 3
 
     # per micro-batch: forward and backward against the script's own perf_counter timings
-    off = []
+    off, preempted = [], set()
     for r, c in own.items():
         mine = p[p["rank"] == r].set_index(["step", "micro"])
         for o in c["own"]:
@@ -108,6 +108,7 @@ def test_gradient_accumulation_every_micro_batch_is_its_own_pass(tmp_path):
                 assert ours <= theirs + 0.05, (r, o, what, ours)  # our spans lie inside the script's
                 if theirs - ours > max(0.10 * theirs, 1.0):
                     off.append(f"rank {r} step {o['step']} micro {o['micro']} {what}: {ours:.2f} vs {theirs:.2f} ms")
+                    preempted.add((r, o["step"]))
     assert len(off) <= 3, off  # a preempted stamp or two on 2 busy cores
 
     # the step's figures: forward and backward summed over micro-batches, not first-to-last
@@ -117,7 +118,8 @@ def test_gradient_accumulation_every_micro_batch_is_its_own_pass(tmp_path):
             micro = [o for o in c["own"] if o["step"] == step]
             fwd = sum(o["forward_ms"] for o in micro)
             assert bd.loc[(r, step), "forward_ms"] <= fwd + 0.2
-            assert bd.loc[(r, step), "forward_ms"] >= 0.8 * fwd - 1.0
+            if (r, step) not in preempted:  # a pass already let off above is in its step's sum too
+                assert bd.loc[(r, step), "forward_ms"] >= 0.8 * fwd - 1.0
             assert bd.loc[(r, step), "micro_batches"] == 4
     assert (bd.comm_ms >= bd.overlapped_ms).all() and (bd.exposed_ms >= 0).all()
     assert ((bd.overlapped_ms + bd.exposed_ms - bd.comm_ms).abs() < 1e-6).all()
