@@ -39,6 +39,8 @@ SIMPLER = 0.005
 FIRSTS, GROWTHS, LARGEST = (0.25, 0.5, 1.0, 2.0, 4.0), (2.0, 4.0), (8.0, 25.0, 64.0, 256.0)
 #: steps replayed per candidate while searching (evenly spaced); the winners replay all
 SEARCH_STEPS = 8
+#: layouts the local search may replay
+LOCAL_BUDGET = 400
 BOOTSTRAP = 2000
 _KINDS = {"traced": 0, "uniform": 1, "growing list": 2, "per-bucket list": 3}  # simplest first
 
@@ -258,11 +260,12 @@ def _local_search(search: _Search, start: list[list[int]], budget: int) -> None:
 
 
 def advise(trace: RunTrace, model: WhatIfModel | None = None, *, caps=DEFAULT_CAPS, lists=(),
-           local_budget: int = 400) -> Advice:
+           local_budget: int | None = None) -> Advice:
     """Search bucket layouts for ``trace`` (see the module) and recommend one.
     ``lists``: more ``bucket_cap_mb_list``s to try; ``local_budget``: layouts the local
-    search may replay (0: none)."""
+    search may replay (0: none; default ``LOCAL_BUDGET``)."""
     model = model or fit_model(trace)
+    local_budget = LOCAL_BUDGET if local_budget is None else local_budget
     search = _Search(trace, model)
     own = traced_cap(trace)
     search.add("traced", own)
