@@ -17,6 +17,7 @@ from typing import Callable
 
 import streamlit as st
 
+from ddpscope.tracer.launch import lab
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.archive import extract_run_archive, safe_name
 from ddpscope.viz.perfetto import merge_run
@@ -37,6 +38,8 @@ SAMPLES = next((p for p in (ROOT / "samples", Path(sys.prefix) / "share" / "ddps
 ALLOW_COMMANDS_ENV = "DDPSCOPE_ALLOW_COMMANDS"
 #: the Gantt draws every rank of a run up to this many; beyond it, rank 0 and the slowest
 GANTT_RANKS = 8
+#: the link rates the pages offer for emulated nodes (tc's units)
+LINKS = ["100mbit", "200mbit", "1gbit", "10gbit"]
 
 
 def runs_dir() -> Path:
@@ -304,3 +307,21 @@ def _start_from_click(key: str, start: Callable, settings: Callable[[], dict]) -
     if started is None:
         st.session_state[f"{key}__said"] = ("info", "A run is already going; it continues. This click started "
                                                     "nothing.")
+
+
+def lab_controls(prefix: str, disabled: bool = False):
+    """A switch for emulated nodes (``ddpscope run|ring --emulate-nodes``) and, on, their
+    number and link; returns a function giving the job's settings for them."""
+    why = lab.why_not()
+    on = st.toggle("Emulate nodes over shaped links", key=f"{prefix}_lab", disabled=disabled or why is not None,
+                   help=why or "N network namespaces joined through links of this rate (tc tbf), the world size "
+                   "ranks in each: communication crosses a link as between machines. Bandwidth is emulated, "
+                   "latency is not.")
+    if not on:
+        return lambda: {}
+    c = st.columns(2)
+    nodes = c[0].slider("nodes", 2, 4, 2, key=f"{prefix}_lab_nodes")
+    link = c[1].select_slider("link", options=LINKS, value="1gbit", key=f"{prefix}_lab_link")
+    return lambda: {"emulate_nodes": widget_now(f"{prefix}_lab_nodes", nodes) if widget_now(f"{prefix}_lab", on)
+                    else None, "link": widget_now(f"{prefix}_lab_link", link) if widget_now(f"{prefix}_lab", on)
+                    else None}

@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import streamlit as st
 
-from ddpscope.dashboard.common import job_button, load_ring_trace, of_kind, pick_run, runs_dir, widget_now
+from ddpscope.dashboard.common import (
+    job_button,
+    lab_controls,
+    load_ring_trace,
+    of_kind,
+    pick_run,
+    runs_dir,
+    widget_now,
+)
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.ring import compute_ring_step_times, compute_ring_summary, default_round
 from ddpscope.viz.ring_anim import make_ring_animation_figure, make_ring_step_figure
 from ddpscope.viz.ring_cost import (
     MAX_WHATIF_N,
     RingCostModel,
+    compute_ring_fit,
     compute_ring_whatif,
+    describe_fit,
     fit_ring_cost,
     make_ring_whatif_figure,
 )
@@ -21,14 +31,15 @@ from ddpscope.viz.ring_cost import (
 def render_ring(all_runs: dict, jobs: JobManager, busy: bool) -> None:
     with st.expander("Run a ring all-reduce here", expanded=False):
         c = st.columns(4)
-        r_nproc = c[0].slider("ranks", 2, 4, 4, key="ring_run_nproc")
+        r_nproc = c[0].slider("ranks (per node)", 1, 4, 4, key="ring_run_nproc")
         r_mb = c[1].select_slider("tensor (MiB)", options=[0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0],
                                   value=4.0, key="ring_run_mb")
         r_repeat = c[2].slider("rounds", 1, 20, 5, key="ring_run_repeat")
+        emulation = lab_controls("ring", disabled=busy)
         with c[3]:
             job_button("Run ring", "ring_run_button", jobs.start_ring,
                        lambda: dict(nproc=widget_now("ring_run_nproc", r_nproc), mb=widget_now("ring_run_mb", r_mb),
-                                    repeat=widget_now("ring_run_repeat", r_repeat)), disabled=busy)
+                                    repeat=widget_now("ring_run_repeat", r_repeat), **emulation()), disabled=busy)
     ring_path, ring = pick_run(of_kind(all_runs, "ring"), "Ring trace", "ring_trace", load_ring_trace,
                                f"No ring traces yet. Make one with: ddpscope ring --nproc 4 --mb 4 "
                                f"--out {runs_dir() / 'ring'}")
@@ -78,7 +89,7 @@ def render_ring(all_runs: dict, jobs: JobManager, busy: bool) -> None:
         size = mb * 2**20
         measured = ([(n, float(main["ring_ms"]))] if main is not None and abs(size - ring.size_bytes) < 1 else None)
         st.plotly_chart(make_ring_whatif_figure(compute_ring_whatif(model, size), size, measured), key="ring_whatif")
-        st.caption(f"T(N) = 2(N-1)·a + 2(N-1)/N·M/B. Fitted to this trace's {fitted.sizes} tensor sizes: "
-                   f"a = {fitted.alpha_us:.1f} µs, B = {fitted.bandwidth_GBps:.3g} GB/s"
-                   + ("" if fitted.latency_fitted else " (latency not separable from this trace; set to 0)")
-                   + ". The model leaves out the time to add chunks; on CPU that is folded into the fit.")
+        st.caption(f"T(N) = 2(N-1)·a + 2(N-1)/N·M/B. The {describe_fit(ring, fitted)}. The model leaves out the "
+                   "time to add chunks; on CPU that is folded into the fit.")
+        if fitted.sizes:
+            st.dataframe(compute_ring_fit(ring, fitted).round(3), hide_index=True, key="ring_fit")

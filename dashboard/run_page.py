@@ -12,6 +12,7 @@ import streamlit as st
 from ddpscope.dashboard.common import (
     CommandPolicy,
     job_button,
+    lab_controls,
     label_of,
     load_trace,
     show_outcome,
@@ -22,7 +23,6 @@ from ddpscope.dashboard.common import (
 )
 from ddpscope.dashboard.sharded_view import sharded_rerun_settings, show_sharded_comparison
 from ddpscope.dashboard.timeline_page import show_comparison
-from ddpscope.tracer.launch import lab
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.tracer.launch.rerun import rerun_settings
 from ddpscope.tracer.launch.runner import file_sha256
@@ -30,25 +30,6 @@ from ddpscope.tracer.options import DEMO_MODELS
 from ddpscope.viz.trace import TraceError
 
 CAP_OPTIONS = [0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 5.0, 8.0, 10.0, 16.0, 25.0, 32.0, 50.0, 64.0, 100.0, 250.0, 500.0]  # MiB
-LINKS = ["100mbit", "200mbit", "1gbit", "10gbit"]
-
-
-def lab_controls(prefix: str, disabled: bool = False):
-    """A switch for emulated nodes (``ddpscope run --emulate-nodes``) and, on, their
-    number and link; returns a function giving the job's settings for them."""
-    why = lab.why_not()
-    on = st.toggle("Emulate nodes over shaped links", key=f"{prefix}_lab", disabled=disabled or why is not None,
-                   help=why or "N network namespaces joined through links of this rate (tc tbf), the world size "
-                   "ranks in each: communication crosses a link as between machines. Bandwidth is emulated, "
-                   "latency is not.")
-    if not on:
-        return lambda: {}
-    c = st.columns(2)
-    nodes = c[0].slider("nodes", 2, 4, 2, key=f"{prefix}_lab_nodes")
-    link = c[1].select_slider("link", options=LINKS, value="1gbit", key=f"{prefix}_lab_link")
-    return lambda: {"emulate_nodes": widget_now(f"{prefix}_lab_nodes", nodes) if widget_now(f"{prefix}_lab", on)
-                    else None, "link": widget_now(f"{prefix}_lab_link", link) if widget_now(f"{prefix}_lab", on)
-                    else None}
 
 
 def rerun_source(path: Path, run: dict) -> dict | None:

@@ -341,6 +341,30 @@ def test_ring_round_and_whatif_inputs(app):
     assert sent["y"][0] == 64.0 and 2 * 64 * 0.96 < sent["y"][-1] < 128.0  # approaching 2M
 
 
+@pytest.mark.ddp
+@pytest.mark.skipif(why_not() is not None, reason=f"no emulated nodes here: {why_not()}")
+def test_a_ring_run_from_the_page_on_emulated_nodes_is_fitted_against_the_link(app, tmp_path):
+    _page(app, "Ring all-reduce")
+    app.toggle(key="ring_lab").set_value(True).run()
+    app.select_slider(key="ring_lab_link").set_value("200mbit")
+    app.slider(key="ring_run_nproc").set_value(1)
+    app.select_slider(key="ring_run_mb").set_value(0.5)
+    app.slider(key="ring_run_repeat").set_value(2)
+    app.button(key="ring_run_button").click().run()
+    _wait_for_job(app)
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    assert len(runs) == 1 and runs[0].name.endswith("-ring-1r-0.5mb-2x200mbit"), runs
+    run = json.loads((runs[0] / "run.json").read_text())
+    assert run["status"] == "complete" and run["world_size"] == 2 and run["emulation"]["link"] == "200mbit"
+    app.selectbox(key="ring_trace").set_value(f"run: {runs[0].name}").run()
+    assert not app.exception
+    caption = next(c.value for c in app.caption if "alpha-beta fit" in c.value)
+    assert "over 2 emulated nodes' 200mbit links (0.025 GB/s): B is" in caption
+    fit = _table(app, "model_ms")
+    assert list(fit["bytes"]) == [4096, 2**15, 2**19]
+    assert not lab_leftovers()
+
+
 def test_a_broken_ring_trace_shows_a_readable_error(app, tmp_path):
     bad = tmp_path / "runs" / "broken-ring"
     bad.mkdir(parents=True)

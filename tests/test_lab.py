@@ -16,8 +16,12 @@ import time
 
 import pytest
 
-from ddpscope.tracer.launch.lab import Lab, lab_leftovers, parse_rate, sweep_stale, why_not
+from ddpscope.tracer.launch.lab import Lab, burst_bytes, lab_leftovers, parse_rate, sweep_stale, why_not
+from ddpscope.viz.ring import compute_ring_summary
+from ddpscope.viz.ring_cost import compute_ring_fit, fit_ring_cost, link_GBps
+from ddpscope.viz.ring_trace import load_ring
 from ddpscope.viz.trace import load_run
+from ddpscope.viz.whatif.cost import read_calibration
 from tests.conftest import processes_mentioning, run_cli
 
 needs_lab = pytest.mark.skipif(why_not() is not None, reason=f"no lab here: {why_not()}")
@@ -111,6 +115,52 @@ def test_two_emulated_nodes_give_one_complete_multi_node_trace_and_leave_nothing
     b = trace.buckets[trace.buckets.step >= 1]
     gbps = (b["bytes"] * 8 / ((b["done_us"] - b["launch_us"]) * 1e-6)).max()
     assert gbps < 2e8 * 1.2
+    assert not lab_leftovers()
+
+    # its calibration runs in a lab like its own: the same nodes, ranks and link
+    before = (out / "run.json").read_bytes()
+    proc = run_cli("calibrate", str(out), "--max-mb", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(out / "calibration.json")
+    cal = read_calibration(out)
+    assert cal.world_size == 2 and cal.meta["nnodes"] == 2 and cal.meta["emulation"] == run["emulation"]
+    assert cal.unlike(run, 2) is None and (out / "run.json").read_bytes() == before
+    assert sorted((out / "logs" / "calibrate").iterdir()) == [out / "logs" / "calibrate" / f"node-{k}" for k in (0, 1)]
+    # its largest all-reduce crossed the link: no faster than the link's rate allows (less one burst)
+    largest, us = cal.sizes[-1], cal.us[-1]
+    assert largest == 2**20 and us * 1e-6 >= 0.9 * (largest - burst_bytes(2e8)) * 8 / 2e8, us
+    proc = run_cli("whatif", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    notes = " ".join(json.loads(proc.stdout)["model_notes"])
+    assert "cost from calibration" in notes and "not used" not in notes
+    assert not lab_leftovers()
+
+
+@needs_lab
+@pytest.mark.ddp
+def test_a_ring_across_emulated_nodes_is_bound_by_the_link_and_fits_alpha_beta(tmp_path):
+    out = tmp_path / "ring"
+    proc = run_cli("ring", "--emulate-nodes", "2", "--link", "200mbit", "--nproc", "1", "--mb", "2",
+                   "--repeat", "3", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(out) and "round 3/3" in proc.stderr
+    ring = load_ring(out)
+    assert ring.world_size == 2 and ring.run["status"] == "complete" and ring.run["nnodes"] == 2
+    assert ring.run["command"].startswith("ddpscope ring --nproc 1 --mb 2 --repeat 3 --dtype float32 "
+                                          "--emulate-nodes 2 --link 200mbit")
+    assert link_GBps(ring) == 2e8 / 8e9
+    # PyTorch's all-reduce of the tensor runs at the link's rate (2 ranks: busbw = bytes / time)
+    summary = compute_ring_summary(ring).set_index("bytes")
+    assert abs(summary.loc[ring.size_bytes, "ref_busbw_GBps"] / link_GBps(ring) - 1) < 0.2, summary
+    # every step of the ring sends its chunk across the link: no faster than its rate (less one burst)
+    main = ring.steps[ring.steps["round"].isin(ring.main_rounds())]
+    floor_us = (main["send_bytes"] - burst_bytes(2e8)) * 8 / 2e8 * 1e6
+    assert len(main) == 2 * 2 * 3 and (main["comm_us"] >= 0.9 * floor_us).all(), main[["comm_us", "send_bytes"]]
+    # the alpha-beta model fitted to its sizes: no faster than the link, and through the tensor's time
+    model = fit_ring_cost(ring)
+    assert model.sizes == 3 and model.bandwidth_GBps <= 1.2 * link_GBps(ring)
+    fit = compute_ring_fit(ring, model).set_index("bytes")
+    assert abs(fit.loc[ring.size_bytes, "error_pct"]) < 10, fit
     assert not lab_leftovers()
 
 

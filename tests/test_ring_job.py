@@ -66,8 +66,12 @@ def test_a_ring_of_3_on_a_size_not_divisible_by_3(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--nproc", "1"], "--nproc must be in 2..64 (a ring needs two ranks)"),
-    (["--nproc", "65"], "--nproc must be in 2..64"),
+    (["--nproc", "1"], "a ring needs two ranks: give --nproc 2 or more, or --emulate-nodes 2"),
+    (["--nproc", "65"], "--nproc must be in 1..64"),
+    (["--link", "1gbit"], "--link goes with --emulate-nodes N"),
+    (["--nnodes", "2"], "--rdzv-endpoint HOST:PORT is required with --nnodes > 1"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank must be in 0..1"),
+    (["--emulate-nodes", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1"], "--emulate-nodes runs every node here"),
     (["--mb", "0"], "--mb must be > 0"),
     (["--mb", "-1"], "--mb must be > 0"),
     (["--mb", "1e6"], "--mb must be > 0 and <= 4096"),

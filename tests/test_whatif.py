@@ -15,7 +15,7 @@ import pytest
 
 from ddpscope.viz.overlap import compute_step_breakdown
 from ddpscope.viz.trace import RunTrace, TraceError, load_run
-from ddpscope.viz.whatif.cost import AllReduceCost, fit_line, read_calibration
+from ddpscope.viz.whatif.cost import AllReduceCost, Calibration, fit_line, read_calibration
 from ddpscope.viz.whatif.layout import assign_buckets, assign_buckets_python, bucket_limits, cap_limits
 from ddpscope.viz.whatif.model import WhatIfModel, check_predictable, fit_model, regime
 from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model, ring_cost
@@ -296,14 +296,40 @@ def test_a_malformed_calibration_is_one_line(tmp_path):
     assert proc.returncode == 2 and "calibration.json" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("target, message", [("ring", "not a DDP training run"), ("none", "not a run folder")])
-def test_calibrate_refuses_other_runs_with_one_line(tmp_path, target, message):
-    path = tmp_path / "none" if target == "none" else tmp_path / "ring"
-    if target == "ring":
-        shutil.copytree(SAMPLES / "ring-4rank-4mb", path)
-    proc = run_cli("calibrate", str(path))
-    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+@pytest.mark.parametrize("target, facts, args, message", [
+    ("ring", {}, [], "not a DDP training run"),
+    ("none", {}, [], "not a run folder"),
+    ("gpt", {"nnodes": 2}, [], "ran on 2 nodes: calibrate with --nnodes 2 --node-rank K --rdzv-endpoint HOST:PORT"),
+    ("gpt", {"nnodes": 2}, ["--nnodes", "2"], "--rdzv-endpoint HOST:PORT is required"),
+    ("gpt", {"nnodes": 3}, [], "world size 2 is not 3 node(s)"),
+    ("gpt", {}, ["--nnodes", "2", "--rdzv-endpoint", "h:1"], "ran on 1 node: calibrate with --nnodes 1"),
+    ("gpt", {"nnodes": 2, "emulation": {"nodes": 2, "link": "fast"}}, [], "emulation has no usable link"),
+])
+def test_calibrate_refuses_other_runs_with_one_line(tmp_path, target, facts, args, message):
+    path = tmp_path / target
+    if target != "none":
+        shutil.copytree(SAMPLES / {"ring": "ring-4rank-4mb", "gpt": "gpt-2rank-cap1mb"}[target], path)
+        run = json.loads((path / "run.json").read_text())
+        (path / "run.json").write_text(json.dumps({**run, **facts}))
+    proc = run_cli("calibrate", str(path), *args)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (path / "calibration.json").exists()
+
+
+def test_a_calibration_from_another_link_is_not_used():
+    """A calibration is the link it ran over: one from loopback says nothing of an emulated
+    1 Gbit/s link, nor one from 200 Mbit/s links of a 1 Gbit/s run."""
+    cal = Calibration(sizes=(4096.0, 2**20), us=(50.0, 500.0), world_size=2, backend="gloo",
+                      meta={"emulation": {"nodes": 2, "link": "200mbit", "link_bps": 2e8}})
+    assert cal.unlike({"emulation": {"nodes": 2, "link": "200mbit", "link_bps": 2e8}}, 2) is None
+    assert cal.unlike({"emulation": {"nodes": 2, "link": "1gbit", "link_bps": 1e9}}, 2) == \
+        "the calibration ran on 2 emulated nodes over 200 Mbit/s links, the run on 2 emulated nodes over 1000 Mbit/s links"
+    assert cal.unlike({}, 2) == "the calibration ran on 2 emulated nodes over 200 Mbit/s links, the run on no emulated link"
+    assert "ran on 2 ranks, the run on 4" in cal.unlike({}, 4)
+    t = synthetic()
+    t.run["emulation"] = {"nodes": 2, "link": "1gbit", "link_bps": 1e9}
+    m = fit_model(t, cal)
+    assert "not used" in " ".join(m.notes) and "calibration" not in m.cost.source and not m.cost.points
 
 
 # -- cost and projection ------------------------------------------------------------------------

@@ -168,7 +168,8 @@ VERBOSE = Option("--verbose", "show every rank's output, each line marked with i
 QUIET = Option("--quiet", "show ddpscope's own lines only (progress, notes), none of the script's output", False,
                action="store_true")
 # ring
-RING_NPROC = Option("--nproc", "ranks in the ring", 4, int, in_range(2, MAX_NPROC, " (a ring needs two ranks)"))
+RING_NPROC = Option("--nproc", "ranks in the ring (per node with --emulate-nodes or --nnodes)", 4, int,
+                    in_range(1, MAX_NPROC))
 RING_MB = Option("--mb", "tensor size per rank, in MiB", 4.0, float, in_range(0, 4096.0, " (MiB)", lo_open=True))
 RING_REPEAT = Option("--repeat", "timed rounds after one warm-up", 5, int, in_range(1, 1000))
 RING_DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32")

@@ -274,7 +274,22 @@ def _summary_table(path: str, kind: str, as_json: bool) -> int:
     else:
         print(f"{trace.path}  status={trace.run.get('status')}  {title}")
         print(table.round(4).to_string(index=False))
+        if kind == "ring":
+            _ring_fit(trace)
     return 0
+
+
+def _ring_fit(trace) -> None:
+    """The alpha-beta fit of a ring run, and how well it fits each size."""
+    from ddpscope.viz.ring_cost import compute_ring_fit, describe_fit, fit_ring_cost
+
+    try:
+        model = fit_ring_cost(trace)
+    except ValueError as e:
+        print(f"no alpha-beta fit: {e}")
+        return
+    print(describe_fit(trace, model))
+    print(compute_ring_fit(trace, model).round(3).to_string(index=False))
 
 
 def _mib(value) -> str:

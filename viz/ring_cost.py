@@ -78,6 +78,42 @@ def fit_ring_cost(trace: RingTrace) -> RingCostModel:
     return RingCostModel(alpha_us=0.0, bandwidth_GBps=float(1e-3 / inv_b), sizes=len(m), latency_fitted=False)
 
 
+def compute_ring_fit(trace: RingTrace, model: RingCostModel) -> pd.DataFrame:
+    """How well ``model`` fits the ring's own times: per tensor size (timed rounds),
+    bytes, MiB, ring_ms (measured median), model_ms (the alpha-beta time), error_pct
+    (model against measured)."""
+    r = compute_ring_rounds(trace)
+    med = r[~r["warmup"] & r["ring_ms"].notna()].groupby("bytes")["ring_ms"].median()
+    model_ms = model.time_us(trace.world_size, med.index.to_numpy(float)) / 1e3
+    return pd.DataFrame({"bytes": med.index, "MiB": med.index / 2**20, "ring_ms": med.to_numpy(),
+                         "model_ms": model_ms, "error_pct": (model_ms / med.to_numpy() - 1) * 100})
+
+
+def link_GBps(trace: RingTrace) -> float | None:
+    """The emulated nodes' link rate (GB/s, 10^9 bytes/s) the ring ran over; None when it
+    did not run on emulated nodes."""
+    lab = trace.run.get("emulation")
+    try:
+        return float(lab["link_bps"]) / 8e9 if isinstance(lab, dict) else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def describe_fit(trace: RingTrace, model: RingCostModel) -> str:
+    """The fit in a sentence, against the emulated link's rate when there is one."""
+    text = (f"alpha-beta fit to {model.sizes} tensor sizes: a = {model.alpha_us:.1f} µs per step, "
+            f"B = {model.bandwidth_GBps:.4g} GB/s" + ("" if model.latency_fitted else
+                                                     " (latency not separable from this trace; set to 0)"))
+    link = link_GBps(trace)
+    if link is None:
+        return text
+    lab = trace.run["emulation"]
+    ref = compute_ring_rounds(trace)
+    ref = ref[~ref["warmup"] & (ref["bytes"] == trace.size_bytes)]["ref_busbw_GBps"].median()
+    return (f"{text}; over {lab.get('nodes')} emulated nodes' {lab.get('link')} links ({link:.4g} GB/s): B is "
+            f"{model.bandwidth_GBps / link:.0%} of the link, dist.all_reduce's busbw {ref / link:.0%}")
+
+
 def compute_ring_whatif(model: RingCostModel, size_bytes: float, n_max: int = MAX_WHATIF_N) -> pd.DataFrame:
     """Predicted ring all-reduce for N = 2 .. ``n_max``: n, latency_ms, bandwidth_ms,
     total_ms, volume_bytes (sent per rank), volume_over_M (tends to 2)."""

@@ -1,10 +1,11 @@
-"""``ddpscope run --emulate-nodes N --link RATE``: a multi-node job on one machine.
+"""``ddpscope run|ring|calibrate --emulate-nodes N --link RATE``: a multi-node job on
+one machine.
 
 The launcher builds a ``Lab`` (N network namespaces joined through links shaped to
-RATE), then runs one ``ddpscope run --nnodes N --node-rank k`` per node inside its
-namespace, all into the one ``--out`` (the multi-node layout of ``nodes.py``: node 0
+RATE), then runs one ``ddpscope <command> --nnodes N --node-rank k`` per node inside its
+namespace, all into the one folder (the multi-node layout of ``nodes.py``: node 0
 owns run.json), gloo bound to the lab's interface. Each node's launcher is a whole
-``ddpscope run`` (its own torchrun, watchdogs and reaping); this one watches them,
+``ddpscope <command>`` (its own torchrun, watchdogs and reaping); this one watches them,
 hands on node 0's output and progress (each launcher writes to files this one
 follows, so that nothing it writes fails if this one dies), stops them all when one fails or on Ctrl-C, and
 removes the lab whatever happened. A node's launcher is told to stop (SIGTERM) if this
@@ -40,24 +41,32 @@ STOP_GRACE_S = 30.0  # a node's launcher stops its job and reaps it within this 
 
 
 def node_argv(command: list[str], node: int, nodes: int, endpoint: str) -> list[str]:
-    """Node ``node``'s ``ddpscope run`` from the emulated run's command line
-    (``RunConfig.command()``): the same settings, as one node of ``nodes``."""
-    argv, skip = [], 0
-    for a in command[2:]:
-        if skip:
-            skip -= 1
+    """Node ``node``'s ``ddpscope <command>`` from the emulated job's command line
+    (``ddpscope <command> [options] ...``, a config's ``command()``): the same settings,
+    as one node of ``nodes``. The node's flags go right after the command, before
+    anything positional (a script after ``--``, a run folder)."""
+    if len(command) < 2 or command[0] != "ddpscope":
+        raise ValueError(f"not a ddpscope command line: {command[:2]}")
+    argv, rest, i = [], command[2:], 0
+    while i < len(rest):
+        if rest[i] == "--":  # the script and its arguments: never read as ours
+            argv += rest[i:]
+            break
+        if rest[i] in ("--emulate-nodes", "--link"):
+            i += 2
             continue
-        if a in ("--emulate-nodes", "--link"):
-            skip = 1
-            continue
-        if a == "--out" and "--nnodes" not in argv:
-            argv += ["--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint]
-        argv.append(a)
-    return [sys.executable, "-m", "ddpscope.tracer", "run", *argv]
+        argv.append(rest[i])
+        i += 1
+    node_flags = ["--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint]
+    return [sys.executable, "-m", "ddpscope.tracer", command[1], *node_flags, *argv]
 
 
-def run_emulated(cfg, on_progress: Callable[[dict], None], on_output: OnLine) -> LaunchResult:
-    """Run ``cfg`` (a ``RunConfig`` with ``emulate_nodes``) on a lab of that many nodes."""
+def run_emulated(cfg, on_progress: Callable[[dict], None], on_output: OnLine, *, final: Path,
+                 record: Path | None) -> LaunchResult:
+    """Run ``cfg`` (a config of ``run``, ``ring`` or ``calibrate`` with ``emulate_nodes``,
+    ``link``, ``nproc``, ``timeout_s`` and ``command()``) on a lab of that many nodes.
+    ``final``: the path node 0 prints last (not handed on); ``record``: the run folder
+    whose run.json is told what was emulated (None: leave it)."""
     lines: queue.Queue = queue.Queue()
     tails = {k: collections.deque(maxlen=40) for k in range(cfg.emulate_nodes)}
     procs: list[subprocess.Popen] = []
@@ -73,20 +82,21 @@ def run_emulated(cfg, on_progress: Callable[[dict], None], on_output: OnLine) ->
                 argv = node_argv(command, node.index, cfg.emulate_nodes, lab.endpoint)
                 files = {name: spool / f"node-{node.index}.{name}" for name in ("out", "err")}
                 with open(files["out"], "w") as out, open(files["err"], "w") as err:
-                    proc = subprocess.Popen([*node.prefix(), *_STOP_WITH_PARENT, *argv], cwd=cfg.cwd,
+                    proc = subprocess.Popen([*node.prefix(), *_STOP_WITH_PARENT, *argv], cwd=getattr(cfg, "cwd", None),
                                             stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
                                             env={**env, PROGRESS_PASSTHROUGH_ENV: "1" if node.index == 0 else "0"})
                 procs.append(proc)
                 for name, is_err in (("out", False), ("err", True)):
                     threading.Thread(target=_follow, args=(node.index, files[name], is_err, proc, lines),
                                      daemon=True).start()
-            interrupted = _watch(cfg, procs, lines, tails, on_progress, on_output)
+            interrupted = _watch(cfg, procs, lines, tails, on_progress, on_output, str(final))
     finally:
         shutil.rmtree(spool, ignore_errors=True)
-    return _result(cfg, lab, command, procs, tails, interrupted)
+    return _result(cfg, lab, command, procs, tails, interrupted, record)
 
 
-def _watch(cfg, procs: list[subprocess.Popen], lines: queue.Queue, tails: dict, on_progress, on_output) -> bool:
+def _watch(cfg, procs: list[subprocess.Popen], lines: queue.Queue, tails: dict, on_progress, on_output,
+           final: str) -> bool:
     """Until every node's launcher has ended: node 0's lines handed on; all stopped when
     one fails, on Ctrl-C, or past the watchdog. Whether it was interrupted."""
     interrupted = False
@@ -107,7 +117,7 @@ def _watch(cfg, procs: list[subprocess.Popen], lines: queue.Queue, tails: dict, 
                 k, line, err = item
                 tails[k].append(line)
                 if k == 0:
-                    _hand_on(line, err, str(cfg.out), on_progress, on_output)
+                    _hand_on(line, err, final, on_progress, on_output)
         except KeyboardInterrupt:
             interrupted = True
         finally:
@@ -117,7 +127,7 @@ def _watch(cfg, procs: list[subprocess.Popen], lines: queue.Queue, tails: dict, 
 
 
 def _result(cfg, lab: Lab, command: list[str], procs: list[subprocess.Popen], tails: dict,
-            interrupted: bool) -> LaunchResult:
+            interrupted: bool, record: Path | None) -> LaunchResult:
     """How the emulated run ended (the first node that failed says why); run.json told
     what was emulated."""
     codes = [p.returncode for p in procs]
@@ -128,22 +138,28 @@ def _result(cfg, lab: Lab, command: list[str], procs: list[subprocess.Popen], ta
         result.reason = ("interrupted" if interrupted else
                          said[-1].split(": ", 1)[-1] if said else f"node {bad}'s launcher exited with code {codes[bad]}")
         result.stderr_tail = "\n".join(tails[bad])
-    if cfg.out.is_dir() and (cfg.out / fmt.RUN_FILE).exists():
-        update_run_json(cfg.out, {"emulation": {"nodes": cfg.emulate_nodes, "link": lab.rate,
-                                                "link_bps": lab.rate_bps, "nproc_per_node": cfg.nproc,
-                                                "shaped": "egress of each node's link, both ways (tc tbf)",
-                                                "not_emulated": "latency, switch topology, NVLink"},
-                                  "command": " ".join(command)})
+    if record is not None and record.is_dir() and (record / fmt.RUN_FILE).exists():
+        update_run_json(record, {"emulation": emulation_facts(cfg.emulate_nodes, lab.rate, cfg.nproc),
+                                 "command": " ".join(command)})
     return result
 
 
-def _hand_on(line: str, err: bool, out: str, on_progress, on_output: OnLine) -> None:
+def emulation_facts(nodes: int, link: str, nproc: int) -> dict:
+    """What a lab emulates, as run.json and calibration.json record it."""
+    from ddpscope.tracer.launch.lab import parse_rate
+
+    return {"nodes": nodes, "link": link, "link_bps": parse_rate(link), "nproc_per_node": nproc,
+            "shaped": "egress of each node's link, both ways (tc tbf)",
+            "not_emulated": "latency, switch topology, NVLink"}
+
+
+def _hand_on(line: str, err: bool, final: str, on_progress, on_output: OnLine) -> None:
     """Node 0's launcher's line: a progress record, its rank 0's output, or its own line
     (not those this launcher says itself: what it traces, where it writes)."""
     rec = parse_progress(line)
     if rec is not None:
         on_progress(rec)
-    elif line.strip() == out or line.startswith((MESSAGE_PREFIX + "tracing ", MESSAGE_PREFIX + "showing ")):
+    elif line.strip() == final or line.startswith((MESSAGE_PREFIX + "tracing ", MESSAGE_PREFIX + "showing ")):
         return
     else:
         on_output(0, line, err)

@@ -64,7 +64,8 @@ class Job:
 def run_name(cfg: Config, now: _dt.datetime | None = None) -> str:
     now = now or _dt.datetime.now()
     if isinstance(cfg, RingConfig):
-        return f"{now:%Y%m%d-%H%M%S}-ring-{cfg.nproc}r-{cfg.mb:g}mb"
+        lab = f"-{cfg.emulate_nodes}x{cfg.link}" if cfg.emulate_nodes else ""
+        return f"{now:%Y%m%d-%H%M%S}-ring-{cfg.nproc}r-{cfg.mb:g}mb{lab}"
     if isinstance(cfg, ZeroConfig):
         return f"{now:%Y%m%d-%H%M%S}-zero-{cfg.model}-{cfg.nproc}r"
     cap = "script" if cfg.bucket_cap_mb is None else f"{cfg.bucket_cap_mb:g}mb"
@@ -113,10 +114,12 @@ class JobManager:
 
         return self._start(make, "ddp", steps, source, facts)
 
-    def start_ring(self, *, nproc: int, mb: float, repeat: int, timeout_s: float = 600.0) -> Job | None:
-        """Start a ring all-reduce run (``ddpscope ring``); as ``start``."""
-        return self._start(lambda out: RingConfig(out=out, nproc=nproc, mb=mb, repeat=repeat, timeout_s=timeout_s),
-                           "ring", repeat)
+    def start_ring(self, *, nproc: int, mb: float, repeat: int, timeout_s: float = 600.0,
+                   emulate_nodes: int | None = None, link: str | None = None) -> Job | None:
+        """Start a ring all-reduce run (``ddpscope ring``), ``nproc`` ranks on each of
+        ``emulate_nodes`` emulated nodes when given; as ``start``."""
+        return self._start(lambda out: RingConfig(out=out, nproc=nproc, mb=mb, repeat=repeat, timeout_s=timeout_s,
+                                                  emulate_nodes=emulate_nodes, link=link), "ring", repeat)
 
     def start_zero(self, *, model: str, nproc: int, stages: str = "0,1,2,3",
                    timeout_s: float = 600.0) -> Job | None:

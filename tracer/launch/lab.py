@@ -61,6 +61,12 @@ def why_not() -> str | None:
     return None
 
 
+def burst_bytes(rate_bps: float) -> int:
+    """The token bucket of a link of ``rate_bps``: 64 KiB, or a 250 Hz timer tick's worth
+    of bytes when more (tbf needs that to keep its rate up)."""
+    return max(64 * 1024, int(rate_bps / 8 / 250))
+
+
 @dataclass(frozen=True)
 class LabNode:
     index: int
@@ -88,6 +94,12 @@ class Lab:
         self._made: list[str] = []
 
     @property
+    def burst_bytes(self) -> int:
+        """The token bucket's size: what a link sends at once, beyond its rate, after an idle
+        spell (tbf needs at least a timer tick's worth of bytes to keep its rate up)."""
+        return burst_bytes(self.rate_bps)
+
+    @property
     def endpoint(self) -> str:
         """The rendezvous endpoint: node 0's address."""
         return f"{self.nodes[0].address}:{PORT}"
@@ -112,9 +124,7 @@ class Lab:
         self.remove()
 
     def _build(self) -> None:
-        # tbf needs a bucket of at least a timer tick's worth of bytes to keep its rate up
-        burst = max(64 * 1024, int(self.rate_bps / 8 / 250))
-        shape = ["root", "tbf", "rate", self.rate, "burst", str(burst), "latency", "50ms"]
+        shape = ["root", "tbf", "rate", self.rate, "burst", str(self.burst_bytes), "latency", "50ms"]
         self._netns_add(self.switch)
         _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", self.switch, "link", "set", "br0", "up")

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from ddpscope.tracer import format as fmt
+from ddpscope.tracer.launch.lab import why_not
 from ddpscope.tracer.writer import read_records, write_json_atomic
 
 FINISH_WAIT_S = 30.0  # node 0 waits this long, at most, for the other nodes to say how they ended
@@ -39,6 +40,24 @@ def job_key(what: dict) -> str:
 def read_nodes(out: Path) -> dict[int, dict]:
     """Every node's record in the run folder ``out`` (unreadable ones left out)."""
     return read_records(Path(out) / fmt.NODES_DIR, "node-*.json", "node_rank")
+
+
+def check_node_settings(cfg) -> None:
+    """The node settings of a config with ``nnodes``, ``node_rank``, ``rdzv_endpoint``,
+    ``emulate_nodes`` and ``link`` (``ValueError`` naming the flag); the default link."""
+    if not 0 <= cfg.node_rank < cfg.nnodes:
+        raise ValueError(f"--node-rank must be in 0..{cfg.nnodes - 1}, got {cfg.node_rank}")
+    if cfg.nnodes > 1 and not cfg.rdzv_endpoint:
+        raise ValueError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
+    if cfg.link is not None and cfg.emulate_nodes is None:
+        raise ValueError("--link goes with --emulate-nodes N")
+    if cfg.emulate_nodes is not None:
+        if cfg.nnodes > 1 or cfg.rdzv_endpoint:
+            raise ValueError("--emulate-nodes runs every node here: leave out --nnodes, --node-rank and "
+                             "--rdzv-endpoint")
+        cfg.link = (cfg.link or "1gbit").strip().lower()
+        if (reason := why_not()) is not None:
+            raise ValueError(f"--emulate-nodes: {reason}")
 
 
 def check_out_dir(out: Path, job: str | None = None, node_rank: int = 0) -> None:

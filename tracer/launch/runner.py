@@ -28,7 +28,7 @@ from typing import Callable
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer import options as o
 from ddpscope.tracer.capture.autotrace import CaptureConfig
-from ddpscope.tracer.launch import lab, nodes
+from ddpscope.tracer.launch import nodes
 from ddpscope.tracer.launch.hangs import read_positions
 from ddpscope.tracer.launch.native import build_native
 from ddpscope.tracer.launch.nodes import check_out_dir
@@ -88,19 +88,7 @@ class RunConfig:
                              "or --demo gpt")
         if not self.cwd.is_dir():
             raise ValueError(f"the working folder {self.cwd} does not exist")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
-        if self.link is not None and self.emulate_nodes is None:
-            raise ValueError("--link goes with --emulate-nodes N")
-        if self.emulate_nodes is not None:
-            if self.nnodes > 1 or self.rdzv_endpoint:
-                raise ValueError("--emulate-nodes runs every node here: leave out --nnodes, --node-rank and "
-                                 "--rdzv-endpoint")
-            self.link = (self.link or "1gbit").strip().lower()
-            if (reason := lab.why_not()) is not None:
-                raise ValueError(f"--emulate-nodes: {reason}")
+        nodes.check_node_settings(self)
         self.program_path()  # the script or module exists
         check_out_dir(self.out, self.job if self.nnodes > 1 else None, self.node_rank)
 
@@ -281,7 +269,7 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
     if cfg.emulate_nodes is not None:  # every node a launcher of its own, in the lab
         from ddpscope.tracer.launch.emulated import run_emulated
 
-        return run_emulated(cfg, on_progress, on_output)
+        return run_emulated(cfg, on_progress, on_output, final=cfg.out, record=cfg.out)
     node = None if cfg.nnodes == 1 else Node(job=cfg.job, rank=cfg.node_rank, count=cfg.nnodes, nproc=cfg.nproc)
     result = launch_traced(cfg.launch_config(note), cfg.out, {**cfg.facts(), "command": shlex.join(cfg.command())},
                             on_progress, on_output, launcher, node)

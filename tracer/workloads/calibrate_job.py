@@ -18,6 +18,7 @@ nothing else there changes. Rank 0 prints ``ddpscope-progress {json}`` lines.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import threading
 import time
@@ -44,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=0.6, help="time per size, over all passes")
     p.add_argument("--bind", action="store_true", help="bind each rank to its share of the cores, as the run did")
     p.add_argument("--pg-timeout-s", type=float, default=300.0)
+    p.add_argument("--nodes", type=int, default=1, help="the nodes the ranks are on")
+    p.add_argument("--emulation", type=json.loads, default=None,
+                   help="the lab the run's nodes were emulated in (run.json's emulation, JSON)")
     return p.parse_args(argv)
 
 
@@ -175,6 +179,7 @@ def main(argv=None) -> None:
             write_json_atomic(Path(args.out) / FILE, {
                 "format": FORMAT, "version": 1, "world_size": dist.get_world_size(),
                 "backend": dist.get_backend(), "device": device.type, "bound_to_cores": bool(args.bind),
+                "nnodes": args.nodes, "emulation": args.emulation,
                 "torch_version": torch.__version__, "created_unix_s": time.time(),
                 "sizes": rows, "contention": cont,
             })

@@ -111,10 +111,31 @@ class Calibration:
         per_mib = max(0.0, (l1 - l0) / (m1 - m0))
         return max(0.0, l0 - per_mib * m0), per_mib
 
+    def unlike(self, run: dict, world_size: int) -> str | None:
+        """Why this calibration does not fit a run (its run.json and world size): other
+        ranks, or another link (emulated nodes and their rate); None when it fits."""
+        if self.world_size != world_size:
+            return f"the calibration ran on {self.world_size} ranks, the run on {world_size}"
+        ours, theirs = (_lab(d) for d in (self.meta, run))
+        if ours != theirs:
+            def say(lab):
+                return f"{lab[0]} emulated nodes over {lab[1] / 1e6:g} Mbit/s links" if lab else "no emulated link"
+            return f"the calibration ran on {say(ours)}, the run on {say(theirs)}"
+        return None
+
     def cost(self) -> AllReduceCost:
         line = fit_line(self.sizes, self.us, "calibration")
         return AllReduceCost(latency_us=line.latency_us, us_per_byte=line.us_per_byte,
                              points=tuple(zip(self.sizes, self.us)), source="calibration")
+
+
+def _lab(facts: dict) -> tuple[int, float] | None:
+    """(nodes, link bit/s) of the lab a run or calibration ran in, None if none (or unreadable)."""
+    lab = facts.get("emulation")
+    try:
+        return (int(lab["nodes"]), float(lab["link_bps"])) if isinstance(lab, dict) else None
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def read_calibration(run_dir: str | Path) -> Calibration | None:

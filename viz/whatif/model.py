@@ -200,8 +200,8 @@ def fit_model(trace: RunTrace, calibration: Calibration | None | str = "auto") -
     if calibration == "auto":
         calibration = read_calibration(trace.path)
     notes = []
-    if calibration is not None and calibration.world_size != trace.world_size:
-        notes.append(f"the calibration ran on {calibration.world_size} ranks, the run on {trace.world_size}: not used")
+    if calibration is not None and (unlike := calibration.unlike(trace.run, trace.world_size)):
+        notes.append(f"{unlike}: not used")
         calibration = None
     backend = str(trace.run.get("backend") or next(iter(trace.ranks.values())).get("backend") or "gloo")
     lanes = LANES.get(backend, 1)
