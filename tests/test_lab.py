@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from ddpscope.tracer.launch.emulated import node_argv
 from ddpscope.tracer.launch.lab import Lab, burst_bytes, lab_leftovers, parse_rate, sweep_stale, why_not
 from ddpscope.viz.ring import compute_ring_summary
 from ddpscope.viz.ring_cost import compute_ring_fit, fit_ring_cost, link_GBps
@@ -45,6 +46,22 @@ def test_link_rates_are_read_in_tcs_units_and_bad_ones_are_named():
     for bad in ("fast", "1gb", "0mbit", "500kbit", "1000gbit", ""):
         with pytest.raises(ValueError, match="must be"):
             parse_rate(bad)
+
+
+def test_a_nodes_command_is_the_jobs_own_as_one_node_of_several(tmp_path, monkeypatch):
+    """The lab's flags go, the node's come first, --out is this folder's (a node runs in
+    the script's folder), and nothing after -- is touched: it is the script's."""
+    monkeypatch.chdir(tmp_path)
+    argv = node_argv(["ddpscope", "run", "--nproc", "1", "--emulate-nodes", "2", "--link", "1gbit", "--out", "runs/x",
+                      "--", "train.py", "--link", "1", "--out", "y"], 1, 2, "10.97.0.1:29500")
+    assert argv == [sys.executable, "-m", "ddpscope.tracer", "run", "--nnodes", "2", "--node-rank", "1",
+                    "--rdzv-endpoint", "10.97.0.1:29500", "--nproc", "1", "--out", str(tmp_path / "runs" / "x"),
+                    "--", "train.py", "--link", "1", "--out", "y"]
+    assert node_argv(["ddpscope", "calibrate", "--max-mb", "1", "--emulate-nodes", "2", "--link", "1gbit", "--",
+                      "/r"], 0, 2, "h:1")[3:] == ["calibrate", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
+                                                  "h:1", "--max-mb", "1", "--", "/r"]
+    with pytest.raises(ValueError, match="not a ddpscope command line"):
+        node_argv(["torchrun", "x"], 0, 2, "h:1")
 
 
 @needs_lab

@@ -66,9 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_arguments(z, ZeroConfig)
     o.add_arguments(z, _Output)
     c = sub.add_parser("calibrate", help="measure all-reduce times and contention for a run's what-if",
-                       description="On as many local ranks as a traced run had: dist.all_reduce of 4 KiB .. "
-                                   "--max-mb, then compute and all-reduces side by side. Stored as "
-                                   "calibration.json in the run's folder; `ddpscope whatif` uses it.")
+                       description="On as many ranks as a traced run had, on its nodes: dist.all_reduce of 4 KiB "
+                                   ".. --max-mb, then compute and all-reduces side by side. Stored as "
+                                   "calibration.json in the run's folder; `ddpscope whatif` uses it. A run of "
+                                   "emulated nodes is calibrated in a lab like its own; a run on several real "
+                                   "nodes with one `calibrate RUN --nnodes N --node-rank K --rdzv-endpoint H:P` "
+                                   "per node.")
     c.add_argument("run", help="a traced DDP run folder")
     o.add_arguments(c, CalibrateConfig)
     o.add_arguments(c, _Output)

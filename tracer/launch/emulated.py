@@ -55,6 +55,10 @@ def node_argv(command: list[str], node: int, nodes: int, endpoint: str) -> list[
         if rest[i] in ("--emulate-nodes", "--link"):
             i += 2
             continue
+        if rest[i] == "--out" and i + 1 < len(rest):  # a node runs in the script's folder: this one's --out
+            argv += ["--out", str(Path(rest[i + 1]).resolve())]
+            i += 2
+            continue
         argv.append(rest[i])
         i += 1
     node_flags = ["--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint]
@@ -89,7 +93,7 @@ def run_emulated(cfg, on_progress: Callable[[dict], None], on_output: OnLine, *,
                 for name, is_err in (("out", False), ("err", True)):
                     threading.Thread(target=_follow, args=(node.index, files[name], is_err, proc, lines),
                                      daemon=True).start()
-            interrupted = _watch(cfg, procs, lines, tails, on_progress, on_output, str(final))
+            interrupted = _watch(cfg, procs, lines, tails, on_progress, on_output, str(Path(final).resolve()))
     finally:
         shutil.rmtree(spool, ignore_errors=True)
     return _result(cfg, lab, command, procs, tails, interrupted, record)
