@@ -210,6 +210,7 @@ def test_a_rerun_with_a_size_per_bucket_checks_the_list_then_runs_it(app, tmp_pa
 
 
 @pytest.mark.ddp
+@pytest.mark.lab
 @pytest.mark.skipif(why_not() is not None, reason=f"no emulated nodes here: {why_not()}")
 def test_a_rerun_on_emulated_nodes_runs_across_the_shaped_links(app, tmp_path):
     _page(app, "Run")
@@ -342,6 +343,7 @@ def test_ring_round_and_whatif_inputs(app):
 
 
 @pytest.mark.ddp
+@pytest.mark.lab
 @pytest.mark.skipif(why_not() is not None, reason=f"no emulated nodes here: {why_not()}")
 def test_a_ring_run_from_the_page_on_emulated_nodes_is_fitted_against_the_link(app, tmp_path):
     _page(app, "Ring all-reduce")

@@ -25,7 +25,13 @@ from ddpscope.viz.trace import load_run
 from ddpscope.viz.whatif.cost import read_calibration
 from tests.conftest import processes_mentioning, run_cli
 
-needs_lab = pytest.mark.skipif(why_not() is not None, reason=f"no lab here: {why_not()}")
+_no_lab = pytest.mark.skipif(why_not() is not None, reason=f"no lab here: {why_not()}")
+
+
+def needs_lab(test):
+    """A test that builds a lab: marked ``lab`` (``.ci/run`` runs them after the default
+    suite, with ``-m lab``), skipped, saying why, where no lab can be made."""
+    return pytest.mark.lab(_no_lab(test))
 DEMO = ["--nproc", "1", "--demo", "mlp"]
 
 
