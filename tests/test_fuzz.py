@@ -261,7 +261,7 @@ def sources(tmp_path_factory, mlp_run) -> list[Path]:
     return sorted(p for p in SAMPLES.iterdir() if p.is_dir()) + [profile, current]
 
 
-
+@pytest.mark.fuzz  # the campaign (~100 s): .ci/run runs it after the default suite; the hand-built cases stay in it
 def test_mutated_traces_raise_nothing_but_trace_error(tmp_path, sources, monkeypatch):
     # The campaign feeds bad input to whatif as to the rest; the advisor's local search runs,
     # but short: how far it searches is test_advisor's concern, not what bad input does.
