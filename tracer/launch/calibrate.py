@@ -18,6 +18,7 @@ from typing import Callable
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer import options as o
 from ddpscope.tracer.launch.lab import parse_rate, why_not
+from ddpscope.tracer.launch.rerun import whole_number
 from ddpscope.tracer.launch.runner import Launcher
 from ddpscope.tracer.launch.torchrun import LaunchConfig, LaunchResult, OnLine, launch
 from ddpscope.tracer.progress import parse_progress
@@ -59,7 +60,7 @@ class CalibrateConfig:
         world = facts.get("world_size") or facts.get("nproc_per_node")
         if not isinstance(world, int) or not 2 <= world:
             raise ValueError(f"{self.run}: run.json has no usable world size ({world!r}); calibrate needs 2 or more")
-        nodes = _count(facts.get("nnodes"))
+        nodes = whole_number(facts.get("nnodes")) or 1
         self.nproc = world // nodes
         if nodes * self.nproc != world or self.nproc > o.MAX_NPROC:
             raise ValueError(f"{self.run}: run.json's world size {world} is not {nodes} node(s) of up to "
@@ -106,11 +107,6 @@ class CalibrateConfig:
         return LaunchConfig(target="ddpscope.tracer.workloads.calibrate_job", args=args, nproc=self.nproc,
                             nnodes=self.nnodes, node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
                             log_dir=self.log_dir, timeout_s=self.timeout_s)
-
-
-def _count(value) -> int:
-    """A node count from run.json: a whole number >= 1, else 1."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
 
 
 def run_calibrate(cfg: CalibrateConfig, on_progress: Callable[[dict], None] = lambda p: None,

@@ -20,17 +20,17 @@ def rerun_settings(run: dict) -> dict:
     kind = run.get("kind")
     if kind not in (None, "ddp"):
         raise ValueError(f"a {kind} run is not rerun with another bucket setting")
-    nodes = _whole(run.get("nnodes")) or 1
+    nodes = whole_number(run.get("nnodes")) or 1
     emulation = run.get("emulation") if isinstance(run.get("emulation"), dict) else None
     if nodes > 1 and emulation is None:
         raise ValueError(f"this run had {nodes} real nodes: rerun it on them with the `ddpscope run` line printed")
-    nproc = _whole(run.get("nproc_per_node")) or (_whole(run.get("world_size")) or 2) // nodes
+    nproc = whole_number(run.get("nproc_per_node")) or (whole_number(run.get("world_size")) or 2) // nodes
     out: dict = {"nproc": max(nproc, 1)}
-    steps = _whole(run.get("steps_requested"))
+    steps = whole_number(run.get("steps_requested"))
     if steps:
         out["steps"] = steps
     if emulation is not None:
-        if not _whole(emulation.get("nodes")) or not isinstance(emulation.get("link"), str):
+        if not whole_number(emulation.get("nodes")) or not isinstance(emulation.get("link"), str):
             raise ValueError("run.json's emulation record is malformed (nodes, link)")
         out.update(emulate_nodes=emulation["nodes"], link=emulation["link"])
     if run.get("capture_path_requested") in ("python", "compiled"):
@@ -47,7 +47,7 @@ def rerun_settings(run: dict) -> dict:
     return {**out, "script": [str(a) for a in script["argv"]], "cwd": cwd}
 
 
-def _whole(v) -> int | None:
+def whole_number(v) -> int | None:
     """A whole number > 0 from run.json, else None (a hand-edited file may hold anything)."""
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
