@@ -73,7 +73,7 @@ def run(out: Path, workload: str, link: str, steps: int, script: Path, setting) 
     what = ["--demo", workload, "--steps", str(steps)] if workload != "large" else \
         ["--", str(script), "--steps", str(steps)]
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "ddpscope.tracer", "run", "--quiet", *where, *cap, "--out", str(out), *what]
+    cmd = [sys.executable, "-m", "ddpscope.cli", "run", "--quiet", *where, *cap, "--out", str(out), *what]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
     if r.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")

@@ -1,6 +1,6 @@
 """Timeline figure at scale: 8 ranks x 100 steps x 50 buckets (and 100 parameters).
 
-Builds ``viz.gantt.make_timeline_figure`` and a ``plotly.express.timeline`` baseline
+Builds ``viz.ddp.gantt.make_timeline_figure`` and a ``plotly.express.timeline`` baseline
 over the same bars (one row per bar, coloured by kind) in the same run, and prints the
 ratios for building the figure and for building plus JSON serialisation (what
 Streamlit ships to the browser). Both use the same derived tables (backward segments,
@@ -24,7 +24,8 @@ import numpy as np
 import pandas as pd
 import plotly.express as px
 
-from ddpscope.viz.gantt import backward_segments, exposed_segments, make_timeline_figure, select_steps
+from ddpscope.viz.ddp.gantt import backward_segments, exposed_segments, make_timeline_figure
+from ddpscope.viz.lanes import select_steps
 from ddpscope.viz.trace import RunTrace
 
 

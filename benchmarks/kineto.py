@@ -46,7 +46,7 @@ HTA_VERSION = "0.5.0"
 DDPSCOPE = """
 import json, sys, time
 from ddpscope.viz.sources.kineto import load_kineto
-from ddpscope.viz.kernel_overlap import compute_hta_breakdown
+from ddpscope.viz.ddp.kernel_overlap import compute_hta_breakdown
 def _vm(key):  # kB, from /proc/self/status (ru_maxrss would carry the parent's peak across exec)
     return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith(key + ":")))
 open("/proc/self/clear_refs", "w").write("5")  # the peak restarts here, after the imports

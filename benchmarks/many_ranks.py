@@ -49,9 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 VIEWER = """
 import json, sys, time
 import ddpscope.viz.parallel as parallel
-from ddpscope.viz.rank_events import with_events
+from ddpscope.viz.sources.rank_events import with_events
 from ddpscope.viz.trace import load_run
-from ddpscope.viz.rank_overview import compute_rank_overview, compute_slow_ranks, ranks_to_show, slow_rank_line
+from ddpscope.viz.ddp.rank_overview import compute_rank_overview, compute_slow_ranks, ranks_to_show, slow_rank_line
 def _vm(key):  # kB, from /proc/self/status
     return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith(key + ":")))
 mode = sys.argv[2]
@@ -78,7 +78,7 @@ print(json.dumps({"wall_s": wall, "read_s": read_s, "peak_kib": _vm("VmHWM"), "b
 
 def trace_real_run(out: Path, steps: int) -> None:
     """A real 2-rank DDP run, traced (``ddpscope run --demo mlp``)."""
-    proc = subprocess.run([sys.executable, "-m", "ddpscope.tracer", "run", "--demo", "mlp", "--nproc", "2",
+    proc = subprocess.run([sys.executable, "-m", "ddpscope.cli", "run", "--demo", "mlp", "--nproc", "2",
                            "--steps", str(steps), "--out", str(out), "--quiet"], capture_output=True, text=True,
                           timeout=900, cwd=tempfile.gettempdir())
     if proc.returncode != 0:
@@ -146,7 +146,7 @@ def measure(folder: Path, mode: str) -> dict:
 
 def summary_cli(folder: Path) -> tuple[float, str]:
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ddpscope.tracer", "summary", str(folder)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "ddpscope.cli", "summary", str(folder)], capture_output=True,
                           text=True, timeout=900, cwd=tempfile.gettempdir())
     wall = time.perf_counter() - t
     if proc.returncode != 0:

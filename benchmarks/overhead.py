@@ -55,8 +55,8 @@ def worker(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddpscope.tracer import DDPTracer
-    from ddpscope.tracer.capture.compiled import load_extension
-    from ddpscope.tracer.capture.hooks import reducer_params
+    from ddpscope.tracer.capture.ddp.compiled import load_extension
+    from ddpscope.tracer.capture.ddp.reducer import reducer_params
     from ddpscope.tracer.workloads.affinity import bind_local_rank_to_cores
     from ddpscope.tracer.workloads.demo.models import build_model
 

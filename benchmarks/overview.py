@@ -2,7 +2,7 @@
 
     python -m benchmarks.overview [--ranks 1024] [--steps 100] [--repeat 3] [--smoke]
 
-Builds an overview table shaped like a real run's (``viz.rank_overview``: step time,
+Builds an overview table shaped like a real run's (``viz.ddp.rank_overview``: step time,
 exposed communication, backward, launch delay per rank and step; per-rank speeds and
 step-to-step jitter, one slow rank), then, side by side:
 
@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from ddpscope.viz.rank_overview import (
+from ddpscope.viz.ddp.rank_overview import (
     compute_slow_ranks,
     make_rank_heatmap_figure,
     make_step_spread_figure,

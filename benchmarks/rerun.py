@@ -191,7 +191,7 @@ def main() -> None:
         script.write_text(USER_SCRIPT)
         runs = tmp / "runs"
         # the traces the user has open: the demo sample, and their own script traced once by the CLI
-        cli = [sys.executable, "-m", "ddpscope.tracer", "run", "--nproc", "2", "--steps", "10"]
+        cli = [sys.executable, "-m", "ddpscope.cli", "run", "--nproc", "2", "--steps", "10"]
         env = dict(os.environ)
         subprocess.run([*cli, "--out", str(runs / "my-script"), "--", "train.py"], cwd=script.parent, env=env,
                        check=True, capture_output=True)

@@ -51,7 +51,7 @@ MODES = ("untraced", "control", "traced", "memory")
 def _job(out: Path, report: Path, script_args: list[str], ddpscope_args: list[str]) -> None:
     """One traced job (``ddpscope run``) of the workload script."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DDPSCOPE_CAPTURE")}
-    cmd = [sys.executable, "-m", "ddpscope.tracer", "run", "-q", "--nproc", "2", *ddpscope_args, "--out", str(out),
+    cmd = [sys.executable, "-m", "ddpscope.cli", "run", "-q", "--nproc", "2", *ddpscope_args, "--out", str(out),
            "--", str(SCRIPT), *script_args, "--report", str(report)]
     proc = subprocess.run(cmd, cwd="/", env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
@@ -162,7 +162,7 @@ def overhead(args, tmp: Path) -> None:
 
 
 def prediction(args, tmp: Path) -> None:
-    from ddpscope.viz.sharded_predict import predict_peak, predict_step_ms
+    from ddpscope.viz.sharded.predict import predict_peak, predict_step_ms
     from ddpscope.viz.trace import load_run
 
     script = ["--steps", str(args.steps), "--layers", str(args.layers), "--dim", str(args.dim), "--seq", str(args.seq)]

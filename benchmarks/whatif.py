@@ -65,7 +65,7 @@ WIDE_SCRIPT = textwrap.dedent('''
 
 
 def ddpscope(*args: str) -> None:
-    cmd = [sys.executable, "-m", "ddpscope.tracer", *args]
+    cmd = [sys.executable, "-m", "ddpscope.cli", *args]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
     if r.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
@@ -83,7 +83,7 @@ def trace(model: str, out: Path, cap: float | None, steps: int, script: Path) ->
 
 def medians(t) -> tuple[float, float, float]:
     """Step, exposed communication and forward (ms), medians over steps and ranks."""
-    from ddpscope.viz.overlap import compute_step_breakdown
+    from ddpscope.viz.ddp.overlap import compute_step_breakdown
 
     b = compute_step_breakdown(t)
     return float(b["step_ms"].median()), float(b["exposed_ms"].median()), float(b["forward_ms"].median())

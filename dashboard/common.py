@@ -19,14 +19,14 @@ import streamlit as st
 
 from ddpscope.tracer.launch import lab
 from ddpscope.tracer.launch.jobs import JobManager
-from ddpscope.viz.archive import extract_run_archive, safe_name
+from ddpscope.viz.ddp.rank_overview import ranks_to_show
 from ddpscope.viz.perfetto import merge_run
-from ddpscope.viz.rank_events import select_ranks, with_events
-from ddpscope.viz.rank_overview import ranks_to_show
-from ddpscope.viz.ring_trace import load_ring
+from ddpscope.viz.ring.trace import load_ring
 from ddpscope.viz.sources import KINETO, MIXED, folder_kind, load_training_trace
+from ddpscope.viz.sources.archive import extract_run_archive, safe_name
+from ddpscope.viz.sources.rank_events import select_ranks, with_events
 from ddpscope.viz.trace import TraceError
-from ddpscope.viz.zero_trace import load_zero
+from ddpscope.viz.zero.trace import load_zero
 
 #: folder kinds the training pages (Timeline, Compare, What-if, Run) list
 TRAINING_KINDS = ("ddp", "sharded", KINETO, MIXED)

@@ -8,10 +8,10 @@ import streamlit as st
 from ddpscope.dashboard.common import job_button, load_zero_trace, of_kind, pick_run, runs_dir, widget_now
 from ddpscope.dashboard.sharded_view import render_sharded_memory
 from ddpscope.tracer.launch.jobs import JobManager
-from ddpscope.viz.ddp_stages import compute_ddp_stage_comparison, ddp_comm_lines, ddp_stage, ddp_stage_differences
-from ddpscope.viz.sharded_figures import make_stage_comparison_figure
-from ddpscope.viz.zero_figures import UNITS, make_zero_projection_figure, make_zero_run_figure
-from ddpscope.viz.zero_model import (
+from ddpscope.viz.ddp.stages import compute_ddp_stage_comparison, ddp_comm_lines, ddp_stage, ddp_stage_differences
+from ddpscope.viz.sharded.figures import make_stage_comparison_figure
+from ddpscope.viz.zero.figures import UNITS, make_zero_projection_figure, make_zero_run_figure
+from ddpscope.viz.zero.model import (
     PRECISIONS,
     PRESETS,
     Precision,
@@ -19,7 +19,7 @@ from ddpscope.viz.zero_model import (
     largest_model,
     transformer_activation_bytes,
 )
-from ddpscope.viz.zero_trace import compute_zero_comparison
+from ddpscope.viz.zero.trace import compute_zero_comparison
 
 # 0.1 to 1000 billion parameters, 8 steps a decade, and every preset's own size
 PARAM_OPTIONS_B = sorted({float(f"{10 ** (i / 8):.3g}") for i in range(-8, 25)} | {v / 1e9 for v in PRESETS.values()})

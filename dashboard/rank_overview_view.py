@@ -7,7 +7,7 @@ from __future__ import annotations
 import streamlit as st
 
 from ddpscope.dashboard.common import GANTT_RANKS
-from ddpscope.viz.rank_overview import (
+from ddpscope.viz.ddp.rank_overview import (
     METRICS,
     cached_rank_overview,
     compute_slow_ranks,

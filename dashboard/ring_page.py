@@ -15,9 +15,8 @@ from ddpscope.dashboard.common import (
     widget_now,
 )
 from ddpscope.tracer.launch.jobs import JobManager
-from ddpscope.viz.ring import compute_ring_step_times, compute_ring_summary, default_round
-from ddpscope.viz.ring_anim import make_ring_animation_figure, make_ring_step_figure
-from ddpscope.viz.ring_cost import (
+from ddpscope.viz.ring.animation import make_ring_animation_figure, make_ring_step_figure
+from ddpscope.viz.ring.cost import (
     MAX_WHATIF_N,
     RingCostModel,
     compute_ring_fit,
@@ -26,6 +25,7 @@ from ddpscope.viz.ring_cost import (
     fit_ring_cost,
     make_ring_whatif_figure,
 )
+from ddpscope.viz.ring.metrics import compute_ring_step_times, compute_ring_summary, default_round
 
 
 def render_ring(all_runs: dict, jobs: JobManager, busy: bool) -> None:

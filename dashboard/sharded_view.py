@@ -8,12 +8,12 @@ import pandas as pd
 import streamlit as st
 
 from ddpscope.dashboard.common import first_real_step
-from ddpscope.viz.sharded_figures import (
+from ddpscope.viz.sharded.figures import (
     make_memory_over_step_figure,
     make_sharded_timeline_figure,
     make_stage_comparison_figure,
 )
-from ddpscope.viz.sharded_metrics import (
+from ddpscope.viz.sharded.metrics import (
     comm_honesty_lines,
     compute_comm_volume,
     compute_memory_over_step,
@@ -22,7 +22,7 @@ from ddpscope.viz.sharded_metrics import (
     compute_unit_table,
     stage_differences,
 )
-from ddpscope.viz.sharded_predict import predict_memory, predict_peak, predict_step_ms
+from ddpscope.viz.sharded.predict import predict_memory, predict_peak, predict_step_ms
 
 MIB = 2**20
 RESHARD_CHOICES = {"true (ZeRO-3)": "true", "false (ZeRO-2)": "false"}

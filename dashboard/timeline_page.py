@@ -10,14 +10,15 @@ import streamlit as st
 from ddpscope.dashboard.common import first_real_step, load_events, load_trace, merged_trace_bytes, stamp_of
 from ddpscope.dashboard.rank_overview_view import default_ranks, render_rank_overview
 from ddpscope.dashboard.sharded_view import render_sharded_timeline
-from ddpscope.viz.buckets import compute_bucket_table
-from ddpscope.viz.ddp_stages import compute_param_sync
-from ddpscope.viz.gantt import make_timeline_figure, timeline_extent_ms
-from ddpscope.viz.kernel_gantt import make_kernel_timeline_figure
-from ddpscope.viz.kernel_overlap import compute_hta_breakdown
-from ddpscope.viz.overlap import compute_rank_medians, compute_run_comparison, compute_step_breakdown
-from ddpscope.viz.profile_check import compute_profile_agreement, profile_folder
-from ddpscope.viz.stragglers import compute_straggler_summary, straggler_line
+from ddpscope.viz.ddp.buckets import compute_bucket_table
+from ddpscope.viz.ddp.gantt import make_timeline_figure
+from ddpscope.viz.ddp.kernel_gantt import make_kernel_timeline_figure
+from ddpscope.viz.ddp.kernel_overlap import compute_hta_breakdown
+from ddpscope.viz.ddp.overlap import compute_rank_medians, compute_run_comparison, compute_step_breakdown
+from ddpscope.viz.ddp.profile_check import compute_profile_agreement, profile_folder
+from ddpscope.viz.ddp.stages import compute_param_sync
+from ddpscope.viz.ddp.stragglers import compute_straggler_summary, straggler_line
+from ddpscope.viz.lanes import timeline_extent_ms
 from ddpscope.viz.trace import TraceError
 
 

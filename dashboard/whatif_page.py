@@ -22,8 +22,9 @@ from ddpscope.dashboard.common import (
 )
 from ddpscope.dashboard.run_page import page_rerun
 from ddpscope.tracer.launch.jobs import JobManager
-from ddpscope.viz.gantt import make_timeline_figure, timeline_extent_ms
-from ddpscope.viz.overlap import compute_run_comparison
+from ddpscope.viz.ddp.gantt import make_timeline_figure
+from ddpscope.viz.ddp.overlap import compute_run_comparison
+from ddpscope.viz.lanes import timeline_extent_ms
 from ddpscope.viz.trace import TraceError
 from ddpscope.viz.whatif.figures import make_cap_sweep_figure
 from ddpscope.viz.whatif.layout import cap_label, is_cap_list

@@ -22,10 +22,10 @@ def workers_env() -> dict[str, str]:
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``ddpscope ...`` (``python -m ddpscope.tracer``) in a fresh process, from a folder that is
+    """``ddpscope ...`` (``python -m ddpscope.cli``) in a fresh process, from a folder that is
     not the project, with ddpscope imported as installed."""
     return subprocess.run(
-        [sys.executable, "-m", "ddpscope.tracer", *args], cwd="/", capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "ddpscope.cli", *args], cwd="/", capture_output=True, text=True, timeout=timeout,
         env={**os.environ, **(env or {})},
     )
 
@@ -94,7 +94,7 @@ def profiled_run(tmp_path_factory) -> Path:
 def compiled_capture() -> dict:
     """The compiled capture, built once before any test (as ``.ci/run`` and ``ddpscope
     run`` do) so the tests run the path users get; where it cannot be built, they run the
-    Python hooks (tests/test_compiled.py then fails, saying why)."""
+    Python hooks (tests/tracer/capture/ddp/test_compiled.py then fails, saying why)."""
     from ddpscope.tracer.capture.native.build import ensure_built
 
     return ensure_built()

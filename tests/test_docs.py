@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpscope.tracer.cli import build_parser
+from ddpscope.cli.main import build_parser
 from tests.conftest import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

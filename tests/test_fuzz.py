@@ -26,28 +26,29 @@ from pathlib import Path
 
 import pytest
 
-from ddpscope.viz.buckets import compute_bucket_table
-from ddpscope.viz.cli import run_viz_command
-from ddpscope.viz.gantt import make_timeline_figure, timeline_extent_ms
-from ddpscope.viz.kernel_gantt import make_kernel_timeline_figure
-from ddpscope.viz.kernel_overlap import compute_hta_breakdown, compute_kernel_step_breakdown
-from ddpscope.viz.overlap import (
+from ddpscope.cli.reading import run_viz_command
+from ddpscope.viz.ddp.buckets import compute_bucket_table
+from ddpscope.viz.ddp.gantt import make_timeline_figure
+from ddpscope.viz.ddp.kernel_gantt import make_kernel_timeline_figure
+from ddpscope.viz.ddp.kernel_overlap import compute_hta_breakdown, compute_kernel_step_breakdown
+from ddpscope.viz.ddp.overlap import (
     compute_ddp_logging_view,
     compute_rank_medians,
     compute_run_comparison,
     compute_step_breakdown,
 )
-from ddpscope.viz.ring import compute_ring_step_times, compute_ring_summary, default_round
-from ddpscope.viz.ring_anim import make_ring_animation_figure, make_ring_step_figure
-from ddpscope.viz.ring_trace import load_ring
+from ddpscope.viz.ddp.stragglers import compute_straggler_summary
+from ddpscope.viz.lanes import timeline_extent_ms
+from ddpscope.viz.ring.animation import make_ring_animation_figure, make_ring_step_figure
+from ddpscope.viz.ring.metrics import compute_ring_step_times, compute_ring_summary, default_round
+from ddpscope.viz.ring.trace import load_ring
 from ddpscope.viz.sources import folder_kind, load_training_trace
-from ddpscope.viz.stragglers import compute_straggler_summary
 from ddpscope.viz.trace import TraceError
 from ddpscope.viz.whatif import advisor
-from ddpscope.viz.zero_figures import make_zero_run_figure
-from ddpscope.viz.zero_trace import compute_zero_comparison, load_zero
+from ddpscope.viz.zero.figures import make_zero_run_figure
+from ddpscope.viz.zero.trace import compute_zero_comparison, load_zero
 from tests.conftest import SAMPLES
-from tests.test_kineto import gpu_profile
+from tests.viz.sources.test_kineto import gpu_profile
 
 CASES = 500
 ODD = ["x", "", 0, -1, 1e308, -1e308, 10**30, 2**63, None, True, [], {}, [1, 2], {"a": 1}, [[[]]], "nan", "5"]

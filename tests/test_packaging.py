@@ -26,7 +26,8 @@ import tomllib
 from ddpscope.tracer.launch.torchrun import free_port
 from tests.conftest import ROOT, SAMPLES
 
-PACKAGES = ("tracer", "viz", "dashboard")
+PACKAGES = ("tracer", "viz", "dashboard")  # names a user's project may own too
+FOLDERS = ("cli", *PACKAGES)  # every repository folder installed as ddpscope.<folder>
 # import name -> distribution name, where they differ
 DISTRIBUTIONS = {"yaml": "pyyaml"}
 
@@ -39,11 +40,11 @@ def test_every_folder_is_installed_under_ddpscope():
     """What the repository holds as packages is what pyproject installs, each as
     ``ddpscope.<folder>``; nothing else is installed at the top level."""
     on_disk = sorted("ddpscope." + str(p.parent.relative_to(ROOT)).replace("/", ".")
-                     for top in PACKAGES for p in (ROOT / top).rglob("__init__.py"))
+                     for top in FOLDERS for p in (ROOT / top).rglob("__init__.py"))
     tool = _pyproject()["tool"]["setuptools"]
     assert sorted(tool["packages"]) == on_disk
-    assert tool["package-dir"] == {f"ddpscope.{p}": p for p in PACKAGES}
-    assert _pyproject()["project"]["scripts"] == {"ddpscope": "ddpscope.tracer.cli:main"}
+    assert tool["package-dir"] == {f"ddpscope.{p}": p for p in FOLDERS}
+    assert _pyproject()["project"]["scripts"] == {"ddpscope": "ddpscope.cli.main:main"}
 
 
 def test_every_imported_package_is_a_dependency():
@@ -51,7 +52,7 @@ def test_every_imported_package_is_a_dependency():
     CLI) is named in pyproject's dependencies, so `pip install .` brings it."""
     declared = {re.split(r"[<>=!~ \[]", d)[0].lower() for d in _pyproject()["project"]["dependencies"]}
     imported = set()
-    for path in [ROOT / "app.py", *(p for top in PACKAGES for p in (ROOT / top).rglob("*.py"))]:
+    for path in [ROOT / "app.py", *(p for top in FOLDERS for p in (ROOT / top).rglob("*.py"))]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 imported |= {a.name.split(".")[0] for a in node.names}
@@ -109,7 +110,7 @@ def make_user_project(folder: Path) -> Path:
 
 
 def _app_path(python: str) -> str:
-    out = subprocess.run([python, "-c", "from ddpscope.tracer.cli import app_path; print(app_path())"],
+    out = subprocess.run([python, "-c", "from ddpscope.cli.dashboard import app_path; print(app_path())"],
                          capture_output=True, text=True, cwd="/", check=True)
     return out.stdout.strip()
 
@@ -125,7 +126,7 @@ def check_user_project(project: Path, ddpscope: list[str], python: str) -> None:
         seen = json.loads((project / f"owners-{rank}.json").read_text())
         assert {k: v[0] for k, v in seen["owners"].items()} == {n: f"user: {n}" for n in PACKAGES}
         assert all(v[1].startswith(str(project)) for v in seen["owners"].values())
-        assert "ddpscope.tracer.capture.autotrace" in seen["ddpscope_loaded"]  # ddpscope traced it, under its name
+        assert "ddpscope.tracer.capture.autotrace.install" in seen["ddpscope_loaded"]  # ddpscope traced it, under its name
     summary = subprocess.run([*ddpscope, "summary", "--json", "runs/mine"], cwd=project, env=env, capture_output=True,
                              text=True, timeout=120)
     assert summary.returncode == 0 and json.loads(summary.stdout)["status"] == "complete", summary.stderr
@@ -141,7 +142,7 @@ def check_user_project(project: Path, ddpscope: list[str], python: str) -> None:
 
 @pytest.mark.ddp
 def test_a_user_project_with_packages_named_like_ddpscopes_folders(tmp_path):
-    check_user_project(make_user_project(tmp_path / "project"), [sys.executable, "-m", "ddpscope.tracer"],
+    check_user_project(make_user_project(tmp_path / "project"), [sys.executable, "-m", "ddpscope.cli"],
                        sys.executable)
 
 
@@ -168,7 +169,7 @@ def test_pip_install_into_a_venv_that_holds_only_torch(tmp_path):
     assert "ddpscope" in {p["name"] for p in json.loads(listed)}
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    assert not any((Path(site) / name).exists() for name in (*PACKAGES, "app.py")), "a generic name was installed"
+    assert not any((Path(site) / name).exists() for name in (*FOLDERS, "app.py")), "a generic name was installed"
     ddpscope = str(venv / "bin" / "ddpscope")
     work = tmp_path / "elsewhere"
     work.mkdir()

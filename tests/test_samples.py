@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from ddpscope.viz.ring import compute_ring_traffic
-from ddpscope.viz.ring_trace import load_ring
+from ddpscope.viz.ring.metrics import compute_ring_traffic
+from ddpscope.viz.ring.trace import load_ring
 from ddpscope.viz.run_files import run_kind
 from ddpscope.viz.trace import load_run
-from ddpscope.viz.zero_trace import compute_zero_comparison, load_zero
+from ddpscope.viz.zero.trace import compute_zero_comparison, load_zero
 from tests.chrome_trace import check_chrome_trace
 from tests.conftest import SAMPLES
 

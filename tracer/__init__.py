@@ -11,5 +11,5 @@ def __getattr__(name):
     if name in __all__:
         import importlib
 
-        return getattr(importlib.import_module("ddpscope.tracer.capture.tracer"), name)
+        return getattr(importlib.import_module("ddpscope.tracer.capture.ddp.tracer"), name)
     raise AttributeError(name)

@@ -1,7 +1,7 @@
-"""``ddpscope ...``: an alias of the ``ddpscope`` command (``tracer/cli.py``)."""
+"""``python -m ddpscope.tracer``: the ``ddpscope`` command (``ddpscope.cli``), kept as an alias for this release."""
 
 import sys
 
-from ddpscope.tracer.cli import main
+from ddpscope.cli.main import main
 
 sys.exit(main())

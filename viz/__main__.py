@@ -1,7 +1,7 @@
-"""``python -m ddpscope.viz summary|perfetto``: an alias of ``ddpscope summary|perfetto``."""
+"""``python -m ddpscope.viz summary|whatif|perfetto|merge``: the ``ddpscope`` command (``ddpscope.cli``), kept as an alias for this release."""
 
 import sys
 
-from ddpscope.viz.cli import main
+from ddpscope.cli.main import main
 
 sys.exit(main())

@@ -8,7 +8,7 @@ Bad input raises ``TraceError`` with a one-line message; nothing half-built is r
 Summary first: ``load_run(path, events_for=ranks)`` reads every rank's per-step summary
 (``rank-<r>.summary.jsonl``, a few KB a rank, written by the rank itself) and the
 events of ``ranks`` only: the step table covers every rank, the per-event tables
-(buckets, gradients, passes) the ranks asked for (``viz.rank_events`` reads more ranks'
+(buckets, gradients, passes) the ranks asked for (``viz.sources.rank_events`` reads more ranks'
 events into such a trace). Several rank files to parse are parsed on every core
 (``viz.parallel``).
 """
@@ -79,7 +79,7 @@ class RunTrace:
     #: where the trace came from: "ddpscope" (the tracer) or "kineto" (torch.profiler)
     source: str = "ddpscope"
     #: a sharded (FSDP2) run's units, per-unit compute, collectives and memory samples
-    #: (``viz.sharded_trace.ShardedTables``); None for DDP and profiler traces
+    #: (``viz.sharded.trace.ShardedTables``); None for DDP and profiler traces
     shards: object | None = None
     #: the ranks whose events were read (buckets, grads and passes hold these ranks
     #: only; ``steps`` and ``memory`` hold every rank); None: every rank's
@@ -198,7 +198,7 @@ def load_run(path: str | Path, *, allow_missing_ranks: bool = False, events_for:
     steps, memory = _step_tables(rows, ranks)
     shards = None
     if sharded:
-        from ddpscope.viz.sharded_trace import parse_sharded
+        from ddpscope.viz.sharded.trace import parse_sharded
 
         try:
             shards = parse_sharded(run, raw, clock_alignment)

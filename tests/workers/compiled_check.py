@@ -1,4 +1,4 @@
-"""Worker for tests/test_compiled.py: two checks in one 2-rank job (gloo, CPU).
+"""Worker for tests/tracer/capture/ddp/test_compiled.py: two checks in one 2-rank job (gloo, CPU).
 
 ``--mode agree``: one DDP model traced through the Python hook, whose all-reduces go
 through the compiled wrapper as well: both instruments time the same collectives; the
@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpscope.tracer import DDPTracer
-from ddpscope.tracer.capture.compiled import load_extension
+from ddpscope.tracer.capture.ddp.compiled import load_extension
 
 
 def build(width: int, depth: int) -> nn.Module:

@@ -1,4 +1,4 @@
-"""A small DDP training script on CUDA, for tests/test_cuda.py (run under ``ddpscope run``).
+"""A small DDP training script on CUDA, for tests/tracer/capture/test_cuda.py (run under ``ddpscope run``).
 
     cuda_train.py --backend nccl|gloo --report PATH [--steps N]
 

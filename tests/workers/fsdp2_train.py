@@ -72,7 +72,7 @@ def main() -> None:
     p.add_argument("--differ", action="store_true", help="rank 1 leaves the last block to the root unit")
     p.add_argument("--hang", default=None, help="RANK:STEP:BLOCK: that rank sleeps in that block's forward")
     p.add_argument("--fsdp1", action="store_true", help="FSDP1 (FullyShardedDataParallel) instead")
-    p.add_argument("--cuda", action="store_true", help="NCCL and CUDA (tests/test_cuda.py)")
+    p.add_argument("--cuda", action="store_true", help="NCCL and CUDA (tests/tracer/capture/test_cuda.py)")
     p.add_argument("--hsdp", type=int, default=1, help="R > 1: HSDP, R replicas of world/R shards (a 2-D mesh)")
     args = p.parse_args()
     dist.init_process_group("nccl" if args.cuda else "gloo")

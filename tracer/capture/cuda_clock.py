@@ -1,26 +1,24 @@
 """CUDA clock: ``torch.cuda.Event`` stamps, resolved with one synchronize per step.
 
 NOT exercised by CI (the CI machines have no GPU); its arithmetic is covered by unit
-tests that pass fake events (tests/test_clock.py says so).
+tests that pass fake events (tests/tracer/capture/test_clock.py says so).
 
 How it maps GPU time onto the host clock: at construction it synchronizes, records an
 *anchor* event on an idle stream and reads the host clock right after the event has
 completed. A stamp's host time is then ``anchor_host_us + anchor.elapsed_time(ev)``.
 
-Where stamps are recorded (see hooks.py):
+Where stamps are recorded (see ddp/step_hooks.py and ddp/comm_hook.py):
 - compute-side stamps (forward, gradient ready, bucket launch, optimizer) on the
   current stream of the autograd/main thread, i.e. the compute stream;
 - a bucket's completion inside the all-reduce future's ``then`` callback, whose
   current stream waits for the NCCL work, so the event completes when NCCL does.
-  With the compiled capture the wrapper records its own events (compiled.py) and hands
+  With the compiled capture the wrapper records its own events (ddp/compiled.py) and hands
   them over as host µs already: those pass through ``resolve`` as they are.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
-
-from ddpscope.tracer.capture.clock import CpuClock
 
 
 class CudaEventClock:
@@ -32,7 +30,7 @@ class CudaEventClock:
 
     def __init__(
         self,
-        host_clock: CpuClock,
+        host_clock: Any,  # the host clock (clock.CpuClock): its host_us(); clock.make_clock builds this one
         event_factory: Callable[[], Any] | None = None,
         synchronize: Callable[[], None] | None = None,
     ) -> None:

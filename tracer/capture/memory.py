@@ -18,6 +18,10 @@ from typing import Callable, Iterable
 
 import torch
 
+# Steps whose memory every tracer (DDP's, FSDP2's) always measures; later ones are measured
+# at an interval (the recorders' ``_measure_memory_now``).
+FIRST_MEASURED_STEPS = 3
+
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank's own data of ``t``: a DTensor's local shard (FSDP), else ``t``."""

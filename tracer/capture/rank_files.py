@@ -1,6 +1,7 @@
 """What every tracer of a rank (DDP's, FSDP2's) does with its trace file and its own
 process group, the same way: open the file only if every rank can (agreed over the
-tracer's gloo group), and destroy that group as soon as its last collective is done."""
+tracer's gloo group), write the same header (process and lane names for Perfetto), and
+destroy that group as soon as its last collective is done."""
 
 from __future__ import annotations
 
@@ -65,3 +66,20 @@ def release_group(group) -> None:
         dist.destroy_process_group(group)
     except Exception:  # noqa: BLE001 - gone with the default group already: our reference is the last
         pass
+
+
+def thread_meta(pid: int, tid: int, name: str) -> list[dict]:
+    return [
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}},
+        {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}},
+    ]
+
+
+def header_events(rank: int, host: str) -> list[dict]:
+    """Process and lane names for Perfetto."""
+    return [
+        {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank} ({host})"}},
+        {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+        *thread_meta(rank, fmt.TID_COMPUTE, "compute (step / forward / backward / optimizer)"),
+        *thread_meta(rank, fmt.TID_GRADS, "gradient ready"),
+    ]

@@ -62,7 +62,7 @@ def node_argv(command: list[str], node: int, nodes: int, endpoint: str) -> list[
         argv.append(rest[i])
         i += 1
     node_flags = ["--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint]
-    return [sys.executable, "-m", "ddpscope.tracer", command[1], *node_flags, *argv]
+    return [sys.executable, "-m", "ddpscope.cli", command[1], *node_flags, *argv]
 
 
 def run_emulated(cfg, on_progress: Callable[[dict], None], on_output: OnLine, *, final: Path,

@@ -3,7 +3,7 @@ launches ddpscope's own ring and ZeRO jobs the same way, through ``launch_traced
 
 ``run`` traces a training script as it is (the user's, or the bundled demo with
 ``--demo``): its ranks start with the capture bootstrap on ``PYTHONPATH`` and the
-capture settings in the environment (``tracer.capture.autotrace``). Torch-free: the
+capture settings in the environment (``tracer.capture.autotrace.config``). Torch-free: the
 dashboard validates settings with these configs without importing torch.
 
 The run folder gets ``run.json`` (status ``running`` until rank 0 marks it ``complete``;
@@ -27,7 +27,7 @@ from typing import Callable
 
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer import options as o
-from ddpscope.tracer.capture.autotrace import CaptureConfig
+from ddpscope.tracer.capture.autotrace.config import CaptureConfig
 from ddpscope.tracer.launch import nodes
 from ddpscope.tracer.launch.hangs import read_positions
 from ddpscope.tracer.launch.native import build_native
@@ -38,7 +38,7 @@ from ddpscope.tracer.writer import read_json, write_json_atomic
 
 Launcher = Callable[[LaunchConfig, OnLine], LaunchResult]
 
-BOOTSTRAP = Path(__file__).resolve().parents[1] / "capture" / "bootstrap"
+BOOTSTRAP = Path(__file__).resolve().parents[1] / "capture" / "autotrace" / "bootstrap"
 DEMO_SCRIPT = "ddpscope.tracer.workloads.demo.train"
 DEMO_STEPS = 20  # a demo run without --steps
 

@@ -2,7 +2,7 @@
 
 A cold ``torchrun`` launch on a 2-core machine spends seconds before the script's first
 line: torchrun's own start, then every rank's interpreter start and ``import torch``.
-``WarmLauncher`` starts one zygote (``tracer.capture.zygote``) ahead of time and forks
+``WarmLauncher`` starts one zygote (``tracer.capture.autotrace.zygote``) ahead of time and forks
 the ranks from it, so the dashboard's rerun loop pays that once. It offers the same
 ``launch(cfg, on_line) -> LaunchResult`` as ``tracer.launch.torchrun`` with the same
 guarantees: the same log layout (so failures are explained the same way), a watchdog,
@@ -62,7 +62,7 @@ class WarmLauncher:
     def _spawn_and_read(self, env: dict, events: queue.Queue, spawned: queue.Queue) -> None:
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "ddpscope.tracer.capture.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                [sys.executable, "-m", "ddpscope.tracer.capture.autotrace.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, env=env, start_new_session=True, bufsize=0)
         except BaseException as e:  # noqa: BLE001 - handed to start(), which raises it
             spawned.put(e)

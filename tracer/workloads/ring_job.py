@@ -1,7 +1,7 @@
 """The ring job: one process per rank, started by torchrun (see ``own_jobs.run_ring``).
 
 For each size (two small calibration sizes, then the requested one) it runs one warm-up
-and then ``--repeat`` rounds of: our ring all-reduce (``tracer/ring.py``) and PyTorch's
+and then ``--repeat`` rounds of: our ring all-reduce (``tracer/workloads/ring.py``) and PyTorch's
 own ``dist.all_reduce`` on the same input, in alternating order, checking that both give
 the same sum. Every step of every ring is traced. Each rank writes ``rank-<r>.json``
 (valid after every round); rank 0 writes the run's facts into ``run.json``.

@@ -2,8 +2,8 @@
 
 A folder is one of
 - a ddpscope run (``run.json`` + ``rank-<r>.json`` written by the tracer): ``"ddp"``,
-  ``"ring"`` or ``"zero"`` as its ``run.json`` says (``viz.trace``, ``viz.ring_trace``,
-  ``viz.zero_trace``);
+  ``"ring"`` or ``"zero"`` as its ``run.json`` says (``viz.trace``, ``viz.ring.trace``,
+  ``viz.zero.trace``);
 - PyTorch profiler (Kineto) traces, one file per rank (``*.json``, ``*.json.gz``,
   ``*.pt.trace.json[.gz]``): ``"kineto"`` (``viz.sources.kineto``);
 - both at once: ``"mixed"``, which loads as one readable error.

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ddpscope.viz.overlap import covered, merge_intervals
+from ddpscope.viz.intervals import covered, merge_intervals
 from ddpscope.viz.trace import RunTrace, TraceError
 from ddpscope.viz.whatif.cost import AllReduceCost, Calibration, fit_line, read_calibration
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ddpscope.viz.overlap import compute_step_breakdown
+from ddpscope.viz.ddp.overlap import compute_step_breakdown
 from ddpscope.viz.trace import RunTrace
 from ddpscope.viz.whatif.layout import cap_label, is_cap_list
 from ddpscope.viz.whatif.model import WhatIfModel, fit_model

@@ -9,7 +9,7 @@ per collective on its kind's lane; an instant per memory sample on measured step
 from __future__ import annotations
 
 from ddpscope.tracer import format as fmt
-from ddpscope.tracer.capture.events import _thread_meta
+from ddpscope.tracer.capture.rank_files import thread_meta
 from ddpscope.tracer.capture.sharded.recorder import ShardedStep
 
 _TID = {"all_gather": fmt.TID_ALL_GATHER, "reduce_scatter": fmt.TID_REDUCE_SCATTER,
@@ -20,9 +20,9 @@ _CAT = {"all_gather": fmt.CAT_ALL_GATHER, "reduce_scatter": fmt.CAT_REDUCE_SCATT
 
 def lane_events(rank: int) -> list[dict]:
     """Names of the sharded lanes, for Perfetto."""
-    return [*_thread_meta(rank, fmt.TID_UNITS, "compute per FSDP unit (and waits for all-gathers)"),
-            *_thread_meta(rank, fmt.TID_ALL_GATHER, "all-gather"),
-            *_thread_meta(rank, fmt.TID_REDUCE_SCATTER, "reduce-scatter")]
+    return [*thread_meta(rank, fmt.TID_UNITS, "compute per FSDP unit (and waits for all-gathers)"),
+            *thread_meta(rank, fmt.TID_ALL_GATHER, "all-gather"),
+            *thread_meta(rank, fmt.TID_REDUCE_SCATTER, "reduce-scatter")]
 
 
 def _span(cat: str, name: str, pid: int, tid: int, ts: float | None, te: float | None, args: dict) -> dict | None:

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from ddpscope.tracer.capture.hooks import HookGuard, HookHandles
+from ddpscope.tracer.capture.hook_guard import HookGuard, HookHandles
 from ddpscope.tracer.capture.sharded.recorder import BACKWARD, FORWARD, ShardedRecorder
 from ddpscope.tracer.capture.sharded.units import Unit
 

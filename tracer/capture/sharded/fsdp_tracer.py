@@ -20,12 +20,11 @@ import torch.distributed as dist
 
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer.capture.clock import make_clock
-from ddpscope.tracer.capture.events import header_events
-from ddpscope.tracer.capture.hooks import HookGuard, HookHandles, _attach_optimizer_finder
+from ddpscope.tracer.capture.hook_guard import HookGuard, HookHandles, attach_optimizer_finder
 from ddpscope.tracer.capture.live import LiveFile
+from ddpscope.tracer.capture.memory import FIRST_MEASURED_STEPS
 from ddpscope.tracer.capture.offsets import estimate_offsets
-from ddpscope.tracer.capture.rank_files import open_rank_trace, release_group
-from ddpscope.tracer.capture.recorder import FIRST_MEASURED_STEPS
+from ddpscope.tracer.capture.rank_files import header_events, open_rank_trace, release_group
 from ddpscope.tracer.capture.sharded import units as fsdp_units
 from ddpscope.tracer.capture.sharded.events import lane_events, step_events
 from ddpscope.tracer.capture.sharded.fsdp_hooks import FSDPHooks
@@ -156,7 +155,7 @@ class FSDPTracer:
         self._hooks = FSDPHooks(self.model, self.units, self.recorder, self._guard,
                                 on_measured_forward=(self.memory.activations.start, self.memory.activations.stop))
         self._hooks.attach()
-        _attach_optimizer_finder(list(self.model.parameters()), self.recorder, self._handles, self._guard)
+        attach_optimizer_finder(list(self.model.parameters()), self.recorder, self._handles, self._guard)
         try:
             self._live = LiveFile(cfg.out_dir, self.rank, self.recorder, position=lambda: position(self.recorder, names))
         except OSError:

@@ -1,0 +1,285 @@
+"""The reading commands: ``ddpscope summary PATH [--json]``, the figures of a run folder;
+``ddpscope whatif PATH`` (``viz.whatif.report``); ``ddpscope perfetto PATH --out FILE``,
+every rank in one Perfetto trace (``viz.perfetto``); ``ddpscope merge``.
+
+- a DDP run: per rank, medians over non-warm-up steps: step, forward, backward compute,
+  optimizer, all-reduce busy time, overlapped and exposed communication (ms), overlap %;
+- a ring run: per tensor size, the ring beside ``dist.all_reduce`` (ms, GB/s);
+- a ZeRO run: per stage and rank, measured model states beside the ZeRO model, the
+  step's peak and the bytes sent (bytes).
+
+Exit 2 with a one-line message on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+
+def add_viz_commands(sub) -> None:
+    """``summary`` and ``perfetto`` on a subparsers object (the ``ddpscope`` command's too)."""
+    s = sub.add_parser("summary", help="per-rank medians over non-warm-up steps",
+                       description="The figures of a run folder: a DDP run's per-rank medians, a ring or ZeRO "
+                                   "run's summary table.")
+    s.add_argument("path", help="a run folder (run.json + rank-<r>.json)")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    w = sub.add_parser("whatif", help="predict step time and exposed communication at other bucket_cap_mb",
+                       description="Replay a traced DDP run's steps with the buckets DDP would build at other "
+                                   "bucket_cap_mb values (MiB) and print predicted step time and exposed "
+                                   "communication per cap; then search uniform caps and per-bucket "
+                                   "bucket_cap_mb_list layouts for the least predicted step time and recommend one "
+                                   "when its gain exceeds the run's own noise. --apply reruns the script with it. "
+                                   "Uses the run's calibration.json when `ddpscope calibrate` made one.")
+    w.add_argument("path", help="a traced DDP run folder")
+    from ddpscope.tracer.options import WHATIF_APPLY, WHATIF_CAP_LIST, WHATIF_CAPS, WHATIF_OUT
+
+    w.add_argument(WHATIF_CAPS.flag, dest="caps", help=WHATIF_CAPS.help, metavar=WHATIF_CAPS.metavar)
+    w.add_argument(WHATIF_CAP_LIST.flag, dest="cap_list", help=WHATIF_CAP_LIST.help, metavar=WHATIF_CAP_LIST.metavar)
+    w.add_argument(WHATIF_APPLY.flag, dest="apply", action="store_true", help=WHATIF_APPLY.help)
+    w.add_argument(WHATIF_OUT.flag, dest="apply_out", help=WHATIF_OUT.help, metavar=WHATIF_OUT.metavar)
+    w.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    m = sub.add_parser("perfetto", help="merge a run's rank files into one Perfetto trace on rank 0's clock")
+    m.add_argument("path", help="a run folder (run.json + rank-<r>.json)")
+    m.add_argument("--out", required=True, help="the merged trace to write (a new .json file)")
+    j = sub.add_parser("merge", help="join the folders the nodes of one multi-node run wrote apart into one run",
+                       description="Join the run folders that the nodes of one multi-node `ddpscope run` wrote "
+                                   "apart (each node given its own --out) into one run folder: every node and "
+                                   "rank once, node 0's run.json. Nothing is changed in the node folders.")
+    j.add_argument("folders", nargs="+", metavar="FOLDER", help="every node's run folder")
+    j.add_argument("--out", required=True, help="the merged run folder to make (new)")
+
+
+def run_viz_command(args, prog: str) -> int:
+    """Run ``summary``, ``whatif`` or ``perfetto``; one line and exit 2 on bad input."""
+    from ddpscope.viz.trace import TraceError
+
+    try:
+        if args.command == "merge":
+            from ddpscope.viz.sources.merge import merge_runs
+
+            print(merge_runs(args.folders, args.out))
+            code = 0
+        elif args.command == "perfetto":
+            from ddpscope.viz.perfetto import write_merged
+
+            size = write_merged(args.path, args.out)
+            print(f"{args.out} ({size / 2**20:.2f} MiB): open it at https://ui.perfetto.dev")
+            code = 0
+        elif args.command == "whatif":
+            from ddpscope.viz.whatif.report import whatif_report
+
+            code, _ = whatif_report(args.path, args.caps, args.json, getattr(args, "cap_list", None))
+        else:
+            code = _summary(args.path, args.json)
+        sys.stdout.flush()  # here, where a reader that left (a pipe) is caught, not at exit
+        return code
+    except (TraceError, ValueError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `ddpscope whatif RUN | head`: the reader left early; nothing went wrong here
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
+    except OSError as e:  # a folder that cannot be read or written (the merge leaves nothing half-made)
+        print(f"{prog}: error: {e.strerror or e}: {e.filename or ''}", file=sys.stderr)
+        return 2
+
+
+#: ``summary`` prints a row per rank up to this many ranks (and reads their events)
+TABLE_RANKS = 16
+
+
+def _summary(path: str, as_json: bool) -> int:
+    from ddpscope.viz.ddp.overlap import compute_rank_medians
+    from ddpscope.viz.sources import folder_kind, load_training_trace
+    from ddpscope.viz.sources.rank_events import with_events
+
+    kind = folder_kind(path)
+    if kind in ("ring", "zero"):
+        return _summary_table(path, kind, as_json)
+    trace = load_training_trace(path, events_for=())  # summary first: every rank's steps, no events
+    if trace.source == "ddpscope" and trace.world_size <= TABLE_RANKS:  # a few ranks: their buckets too
+        trace = with_events(trace, trace.ranks, missing_ok=True)  # a folder may hold summaries only
+    if trace.shards is not None:
+        return _sharded_summary(trace, as_json)
+    med = compute_rank_medians(trace)
+    hta = None
+    if trace.source == "kineto":
+        from ddpscope.viz.ddp.kernel_overlap import compute_hta_breakdown
+
+        hta = compute_hta_breakdown(trace)
+    stragglers = line = None
+    if trace.source == "ddpscope" and trace.all_events:  # who each bucket waited for: every rank's buckets
+        from ddpscope.viz.ddp.stragglers import compute_straggler_summary, straggler_line
+
+        stragglers = compute_straggler_summary(trace)
+        line = straggler_line(stragglers)
+    slow = None
+    if trace.world_size > 2:  # every rank at once (viz.ddp.rank_overview): who holds the others back
+        from ddpscope.viz.ddp.rank_overview import compute_rank_overview, compute_slow_ranks, slow_rank_line
+
+        slow = compute_slow_ranks(compute_rank_overview(trace))
+        line = "\n".join(x for x in (line, slow_rank_line(slow)) if x) or None
+    zero1 = _zero1_summary(trace) if trace.source == "ddpscope" else None
+    if as_json:
+        out = {"path": str(trace.path), "source": trace.source, "status": trace.status,
+               "unfinished": trace.unfinished, "world_size": trace.world_size, "bucket_cap_mb": trace.run.get("bucket_cap_mb"),
+               "ranks": _by_rank(med)}
+        if stragglers is not None:
+            out["stragglers"] = _by_rank(stragglers)
+        if slow is not None:
+            out["slow_ranks"] = [_json_safe(r) for r in slow.astype(object).to_dict("records")]
+        if zero1:
+            out["zero1"] = zero1
+        if hta is not None:
+            out.update(ranks_present=trace.run["ranks_present"], hta=_by_rank(hta), clock=trace.run["clock"],
+                       notes=trace.run["notes"])
+        print(json.dumps(out, indent=1, default=float))
+        return 0
+    if hta is None:
+        print(f"{trace.path}  status={trace.status}  ranks={trace.world_size}  "
+              f"bucket_cap_mb={_mib(trace.run.get('bucket_cap_mb'))}  (medians over non-warm-up steps, ms)")
+        if trace.unfinished:
+            print(f"{trace.status}: {trace.unfinished}")
+    else:
+        print(f"{trace.path}  profiler trace, ranks {trace.run['ranks_present']} of {trace.world_size}  "
+              "(medians over ProfilerSteps, ms)")
+    if len(med) > TABLE_RANKS:  # a thousand rows say less than their spread and the slowest ranks
+        spread = med.drop(columns=["rank"]).quantile([0.0, 0.5, 0.9, 1.0]).rename(index=lambda q: f"p{q * 100:g}")
+        print(f"over the {len(med)} ranks (min p0, median p50, p90, max p100 of the ranks' medians):")
+        print(spread.round(2).to_string())
+        if slow is not None and len(slow):
+            print("the ranks that held the others back most:")
+            print(slow.head(5).round(2).to_string(index=False))
+    else:
+        print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
+    if line:
+        print(line)
+    if zero1:
+        print(f"ZeRO-1 (ZeroRedundancyOptimizer): parameter broadcast {zero1['param_sync_ms']:.2f} ms a step "
+              f"(median, {zero1['pct_of_step']:.1f} % of the step; the step waits for all of it), "
+              f"{zero1['bytes'] / 2**20:.3f} MiB")
+        for text in zero1["volume"]:
+            print("  " + text)
+    if hta is not None:
+        print("as Holistic Trace Analysis computes them (last ProfilerStep left out; %):")
+        print(hta[["rank", "comp_comm_overlap_pct", "idle_pct", "compute_pct", "non_compute_pct",
+                   "ddpscope_overlap_pct", "hta_rounded"]].round(2)
+              .to_string(index=False))
+        for note in trace.run["notes"]:
+            print(f"  note: {note}")
+    return 0
+
+
+def _zero1_summary(trace) -> dict | None:
+    """A ZeRO-1 run's parameter broadcasts (medians over non-warm-up steps) and its
+    communication volume in words; None for plain DDP."""
+    from ddpscope.viz.ddp.stages import compute_param_sync, ddp_comm_lines, ddp_stage
+
+    if ddp_stage(trace).get("stage") != 1:
+        return None
+    sync = compute_param_sync(trace)
+    warm = set(trace.steps.loc[trace.steps["warmup"].astype(bool), "step"])
+    sync = sync[~sync["step"].isin(warm)] if len(sync[~sync["step"].isin(warm)]) else sync
+    if not len(sync):
+        return None
+    return {"param_sync_ms": float(sync["sync_ms"].median()), "pct_of_step": float(sync["pct_of_step"].median()),
+            "bytes": int(sync["bytes"].median()), "volume": ddp_comm_lines(trace)[1:]}
+
+
+def _by_rank(table) -> dict:
+    return {str(int(r["rank"])): _json_safe({k: v for k, v in r.items() if k != "rank"})
+            for r in table.astype(object).to_dict("records")}
+
+
+def _json_safe(row: dict) -> dict:
+    """NaN (no communication: no overlap %) as null: JSON has no NaN."""
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+
+
+def _sharded_summary(trace, as_json: bool) -> int:
+    """A sharded run: per-step medians, the units, the ZeRO stage's model states and what
+    was really sent (gloo's reduce-scatter is an all-reduce)."""
+    from ddpscope.viz.sharded.metrics import (
+        comm_honesty_lines,
+        compute_comm_volume,
+        compute_sharded_steps,
+        compute_stage_comparison,
+        compute_unit_table,
+    )
+
+    steps = compute_sharded_steps(trace)
+    real = steps[~steps["warmup"] & ~steps["incomplete"]]
+    med = real.drop(columns=["step", "warmup", "incomplete"]).groupby("rank").median().reset_index()
+    units, stages, volume = compute_unit_table(trace), compute_stage_comparison(trace), compute_comm_volume(trace)
+    sh = trace.shards
+    if as_json:
+        out = {"path": str(trace.path), "source": trace.source, "kind": "sharded", "status": trace.status,
+               "unfinished": trace.unfinished, "world_size": trace.world_size, "stage": sh.stage,
+               "stage_reason": sh.stage_reason, "ranks": _by_rank(med), "units": units.to_dict("records"),
+               "model_states": stages.to_dict("records"), "comm_volume": volume.to_dict("records"),
+               "comm_D_bytes": volume.attrs["D_bytes"], "comm": comm_honesty_lines(trace)}
+        print(json.dumps(out, indent=1, default=lambda v: None if v != v else float(v)))
+        return 0
+    print(f"{trace.path}  status={trace.status}  ranks={trace.world_size}  FSDP2 units={len(sh.units)}  "
+          f"ZeRO stage {sh.stage}  (medians over non-warm-up steps, ms; peak bytes)")
+    if trace.unfinished:
+        print(f"{trace.status}: {trace.unfinished}")
+    print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
+    print("per unit (ms per step, bytes per step):")
+    hsdp = ["all_reduce_bytes", "all_reduce_ms"] if "all_reduce_ms" in units else []  # across replicas
+    print(units[["unit", "params", "all_gathers", "all_gather_bytes", "all_gather_ms", "reduce_scatter_bytes",
+                 "reduce_scatter_ms", *hsdp, "wait_ms", "exposed_ms", "forward_ms", "backward_ms"]].round(3)
+          .to_string(index=False))
+    print("model states (bytes) beside ZeRO stages 0-3:")
+    print(stages[["row", "params_bytes", "grads_bytes", "optimizer_state_bytes", "model_state_bytes",
+                  "measured/predicted"]].round(3).to_string(index=False))
+    for line in comm_honesty_lines(trace):
+        print(line)
+    return 0
+
+
+def _summary_table(path: str, kind: str, as_json: bool) -> int:
+    """Ring or ZeRO runs: one table (TraceError propagates to the caller)."""
+    if kind == "ring":
+        from ddpscope.viz.ring.metrics import compute_ring_summary
+        from ddpscope.viz.ring.trace import load_ring
+
+        trace = load_ring(path)
+        table, title = compute_ring_summary(trace), f"ring all-reduce, {trace.world_size} ranks (medians, ms, GB/s)"
+    else:
+        from ddpscope.viz.zero.trace import compute_zero_comparison, load_zero
+
+        trace = load_zero(path)
+        table = compute_zero_comparison(trace)
+        title = f"ZeRO stages, {trace.params} parameters, {trace.world_size} ranks (bytes)"
+    if as_json:
+        print(json.dumps({"path": str(trace.path), "kind": kind, "status": trace.run.get("status"),
+                          "rows": table.astype(object).to_dict("records")}, indent=1, default=float))
+    else:
+        print(f"{trace.path}  status={trace.run.get('status')}  {title}")
+        print(table.round(4).to_string(index=False))
+        if kind == "ring":
+            _ring_fit(trace)
+    return 0
+
+
+def _ring_fit(trace) -> None:
+    """The alpha-beta fit of a ring run, and how well it fits each size."""
+    from ddpscope.viz.ring.cost import compute_ring_fit, describe_fit, fit_ring_cost
+
+    try:
+        model = fit_ring_cost(trace)
+    except ValueError as e:
+        print(f"no alpha-beta fit: {e}")
+        return
+    print(describe_fit(trace, model))
+    print(compute_ring_fit(trace, model).round(3).to_string(index=False))
+
+
+def _mib(value) -> str:
+    """A cap in MiB, 6 significant digits (read back from the whole bytes DDP used, a
+    requested 0.0001 is 104 bytes: ``9.91821e-05``, not ``9.918212890625e-05``)."""
+    return f"{value:.6g}" if isinstance(value, (int, float)) else str(value)

@@ -1,0 +1,828 @@
+"""The Streamlit page with AppTest: each view, uploads, and the run flow (real runs)."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import shutil
+import time
+import zipfile
+
+import pytest
+from streamlit import config as st_config
+from streamlit.testing.v1 import AppTest
+
+from ddpscope.tracer.launch.lab import lab_leftovers, why_not
+from tests.conftest import KINETO, ROOT, SAMPLES
+from tests.viz.sources.test_kineto import gpu_profile
+
+# element order on the page: dataframes
+MEDIANS, PER_STEP, STRAGGLERS, BUCKETS = 0, 1, 2, 3
+
+
+@pytest.fixture
+def app(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(tmp_path / "runs"))
+    st_config.set_option("server.address", "127.0.0.1")  # as .streamlit/config.toml and `ddpscope dashboard`
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and not at.error
+    return at
+
+
+def _page(at, label: str):
+    """Open one page of the dashboard (only the open page computes) and run."""
+    at.session_state["page"] = label
+    return at.run()
+
+
+def _spec(at, n=0):
+    return json.loads(at.get("plotly_chart")[n].proto.spec)
+
+
+def _metric(at, label):
+    return next(m.value for m in at.metric if m.label == label)
+
+
+def _zip(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def test_timeline_view_opens_on_a_sample_with_both_ranks(app):
+    assert app.title[0].value == "ddpscope"
+    medians = app.dataframe[MEDIANS].value
+    assert list(medians["rank"]) == [0, 1] and (medians["step_ms"] > 0).all()
+    spec = _spec(app)
+    assert {"forward", "bucket all-reduce", "optimizer.step"} <= {t["name"] for t in spec["data"]}
+    assert spec["layout"]["yaxis"]["ticktext"] == ["rank 0 · compute", "rank 0 · all-reduce",
+                                                    "rank 1 · compute", "rank 1 · all-reduce"]
+
+
+def test_switching_traces_ranks_and_steps(app):
+    options = app.sidebar.selectbox(key="trace").options
+    assert len(options) >= 3
+    for name in options:
+        app.sidebar.selectbox(key="trace").set_value(name).run()
+        assert not app.exception and not app.error
+        table = app.dataframe[BUCKETS].value
+        assert len(table) == int(_metric(app, "buckets"))
+        if _metric(app, "bucket_cap_mb (MiB)") == "1":
+            assert len(table) >= 10
+    app.multiselect(key="ranks").set_value([1]).run()
+    assert _spec(app)["layout"]["yaxis"]["ticktext"] == ["rank 1 · compute", "rank 1 · all-reduce"]
+    app.select_slider(key="steps").set_range(2, 5).run()
+    assert not app.exception and app.select_slider(key="steps").value == (2, 5)
+
+
+def test_compare_view_puts_runs_on_one_time_scale(app):
+    _page(app, "Compare runs")
+    table = app.dataframe[0].value
+    assert len(table) == 2 and table["step_ms_vs_first"].iloc[0] == 0
+    assert sorted(table["buckets"]) == [1, 20]
+    ranges = [_spec(app, n)["layout"]["xaxis"]["range"] for n in (0, 1)]
+    assert ranges[0] == ranges[1] and ranges[0][1] > 50
+
+
+def test_upload_of_a_run_archive_opens_it(app):
+    files = {f"gpt/{p.name}": p.read_bytes() for p in (SAMPLES / "gpt-2rank-cap25mb").iterdir()}
+    app.sidebar.file_uploader(key="upload").upload("my-run.zip", _zip(files), "application/zip")
+    app.run()
+    assert not app.exception and not app.sidebar.error
+    assert app.sidebar.selectbox(key="trace").value.startswith("upload: my-run-")
+    assert _metric(app, "buckets") == "1"
+
+
+def _sample_with(sample: str, name: str, old: bytes, new: bytes) -> dict[str, bytes]:
+    """A sample's files, ``old`` replaced by ``new`` once in the file ``name``."""
+    files = {p.name: p.read_bytes() for p in (SAMPLES / sample).iterdir()}
+    assert old in files[name]
+    files[name] = files[name].replace(old, new, 1)
+    return files
+
+
+@pytest.mark.parametrize("name, make, message", [
+    ("notes.zip", lambda: b"just some text", "not a readable .zip or .tar(.gz) archive"),
+    ("empty.zip", lambda: _zip({"readme.txt": b"hi"}), "holds no rank-<r>.json"),
+    ("trunc.zip", lambda: _zip({"rank-0.json": (SAMPLES / "mlp-2rank-cap1mb" / "rank-0.json").read_bytes()[:5000],
+                                "rank-1.json": (SAMPLES / "mlp-2rank-cap1mb" / "rank-1.json").read_bytes()}),
+     "is not valid JSON (truncated"),
+    ("kineto.zip", lambda: _zip({"rank-0.json": json.dumps({"traceEvents": [], "schemaVersion": 1}).encode()}),
+     "holds no timed events"),
+    ("trunc.json.gz", lambda: gzip.compress(json.dumps(gpu_profile(0)).encode())[:-100],
+     "truncated or corrupt gzip"),
+    ("half.zip", lambda: _zip({"rank-0.json": (SAMPLES / "mlp-2rank-cap1mb" / "rank-0.json").read_bytes(),
+                               "run.json": (SAMPLES / "mlp-2rank-cap1mb" / "run.json").read_bytes()}),
+     "rank 1 of 2 are missing"),
+    ("evil.zip", lambda: _zip({"../../escape/rank-0.json": b"{}"}), "unsafe path"),
+    ("surrogate.zip", lambda: _zip(_sample_with("mlp-2rank-cap1mb", "rank-0.json", b'"layers.0.weight"', b'"layers.0.\\ud800"')),
+     "rank-0.json is not valid JSON"),
+    ("version.zip", lambda: _zip(_sample_with("mlp-2rank-cap1mb", "run.json", b'"version": 1', b'"version": "abc"')),
+     "is not a version number"),
+    ("digits.zip", lambda: _zip(_sample_with("gpt-2rank-cap1mb", "run.json", b'"world_size": 2',
+                                             b'"world_size": 1' + b"0" * 5000)), "run.json is not valid JSON"),
+])
+def test_bad_uploads_give_one_line_and_the_page_keeps_working(app, tmp_path, name, make, message):
+    app.sidebar.file_uploader(key="upload").upload(name, make())
+    app.run()
+    assert not app.exception
+    err = app.sidebar.error[0].value
+    assert message in err and "\n" not in err
+    assert app.sidebar.selectbox(key="trace").value.startswith("sample:")  # still on what it showed
+    assert not (tmp_path / "escape").exists() and not list((tmp_path / "runs").glob("uploads/*"))
+    assert app.dataframe[MEDIANS].value is not None
+
+
+def _wait_for_job(app, timeout=150):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        app.run()
+        assert not app.exception
+        if not app.get("progress"):
+            return
+    raise AssertionError("the run did not finish")
+
+
+def _charts(app) -> list[dict]:
+    return [json.loads(c.proto.spec) for c in app.get("plotly_chart")]
+
+
+def _script_run(folder, argv, cwd="/tmp", nproc=2):
+    """A copy of a sample that says it came from ``ddpscope run -- argv`` (no run needed)."""
+    folder.mkdir(parents=True)
+    for p in (SAMPLES / "gpt-2rank-cap1mb").iterdir():
+        (folder / p.name).write_bytes(p.read_bytes())
+    run = json.loads((folder / "run.json").read_text())
+    run.pop("model", None)
+    run.update(script={"argv": argv, "module": False, "path": str(ROOT / argv[0]), "cwd": cwd, "sha256": None},
+               nproc_per_node=nproc, demo=None)
+    (folder / "run.json").write_text(json.dumps(run))
+
+
+@pytest.mark.ddp
+def test_rerun_of_the_open_trace_shows_it_beside_its_source(app, tmp_path):
+    """The open trace (the 1 MiB demo sample) rerun at 25 MiB from the Run page: progress
+    where the user clicked, then both runs side by side with no picking."""
+    assert app.sidebar.selectbox(key="trace").value == "sample: gpt-2rank-cap1mb"
+    _page(app, "Run")
+    app.select_slider(key="run_cap").set_value(25.0)
+    app.slider(key="run_steps").set_value(4)
+    app.button(key="run_button").click().run()
+    assert app.get("progress"), "no progress shown"
+    assert app.button(key="run_button").disabled  # a second click cannot start a second job
+    _wait_for_job(app)
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    assert len(runs) == 1 and f"run: {runs[0].name}" in app.sidebar.selectbox(key="trace").options
+    table = [d.value for d in app.dataframe if "step_ms_vs_first" in d.value.columns][-1]
+    assert list(table["run"]) == ["sample: gpt-2rank-cap1mb", f"run: {runs[0].name}"]
+    assert list(table["bucket_cap_mb"]) == [1.0, 25.0] and table["buckets"].iloc[0] > table["buckets"].iloc[1]
+    pair = [c for c in _charts(app) if "gpt-2rank-cap1mb (step" in json.dumps(c["layout"].get("title"))
+            or f"{runs[0].name} (step" in json.dumps(c["layout"].get("title"))]
+    assert len(pair) >= 2 and pair[-1]["layout"]["xaxis"]["range"] == pair[-2]["layout"]["xaxis"]["range"]
+    layouts = [d.value for d in app.dataframe if list(d.value.columns)[:3] == ["bucket", "mib", "num_params"]
+               and "launch_offset_ms" not in d.value.columns]
+    assert sorted(len(t) for t in layouts[-2:]) == [table["buckets"].iloc[1], table["buckets"].iloc[0]]
+    run = json.loads((runs[0] / "run.json").read_text())
+    assert run["demo"] == "gpt" and run["bucket_cap_mb"] == 25.0 and run["status"] == "complete"
+
+
+@pytest.mark.ddp
+def test_a_rerun_with_a_size_per_bucket_checks_the_list_then_runs_it(app, tmp_path):
+    _page(app, "Run")
+    app.text_input(key="run_cap_list").set_value("0.5,x").run()
+    app.button(key="run_button").click().run()
+    assert not app.exception and not app.get("progress")
+    assert any("--bucket-cap-mb-list must be sizes in MiB separated by commas" in e.value for e in app.error)
+    assert not [p for p in (tmp_path / "runs").glob("*") if p.name != "uploads"]
+    app.text_input(key="run_cap_list").set_value("0.5,2").run()
+    assert app.button(key="run_button").label == "Rerun with bucket_cap_mb_list = 0.5,2"
+    app.slider(key="run_steps").set_value(3)
+    app.button(key="run_button").click().run()
+    _wait_for_job(app)
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    run = json.loads((runs[0] / "run.json").read_text())
+    assert run["status"] == "complete" and run["bucket_cap_bytes_list"] == [2**19, 2**21]
+    assert run["bucket_cap_mb_list_requested"] == [0.5, 2.0] and "--bucket-cap-mb-list 0.5,2" in run["command"]
+
+
+@pytest.mark.ddp
+@pytest.mark.lab
+@pytest.mark.skipif(why_not() is not None, reason=f"no emulated nodes here: {why_not()}")
+def test_a_rerun_on_emulated_nodes_runs_across_the_shaped_links(app, tmp_path):
+    _page(app, "Run")
+    app.toggle(key="run_lab").set_value(True).run()
+    app.select_slider(key="run_lab_link").set_value("200mbit")
+    app.slider(key="run_nproc").set_value(1)
+    app.slider(key="run_steps").set_value(3)
+    app.button(key="run_button").click().run()
+    _wait_for_job(app)
+    assert not app.exception
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    run = json.loads((runs[0] / "run.json").read_text())
+    assert run["status"] == "complete" and run["world_size"] == 2
+    assert run["emulation"]["nodes"] == 2 and run["emulation"]["link"] == "200mbit"
+    assert not lab_leftovers()
+
+
+@pytest.mark.ddp
+def test_a_failed_rerun_shows_the_rank_and_reason_not_a_traceback(app, monkeypatch):
+    monkeypatch.setenv("DDPSCOPE_TEST_FAIL", "1:1")
+    _page(app, "Run")
+    app.slider(key="run_steps").set_value(3)
+    app.button(key="run_button").click().run()
+    _wait_for_job(app)
+    assert not app.exception
+    assert any("failed: rank 1 failed: RuntimeError: injected failure" in e.value for e in app.error)
+    assert "Traceback" in app.code[-1].value  # the rank's stderr tail, shown as text
+    app.sidebar.selectbox(key="trace").set_value("sample: mlp-2rank-cap1mb").run()  # the page keeps working
+    assert not app.exception
+
+
+@pytest.mark.ddp
+def test_a_new_command_is_checked_before_it_starts_then_runs(app, tmp_path):
+    _page(app, "Run")
+    app.text_input(key="new_cmd").set_value("missing.py --lr 3")
+    app.text_input(key="new_cwd").set_value(str(tmp_path))
+    app.button(key="new_button").click().run()
+    assert not app.exception and not app.get("progress")
+    assert any(e.value == f"script missing.py does not exist (in {tmp_path})" for e in app.error)
+    assert not [p for p in (tmp_path / "runs").glob("*") if p.name != "uploads"]
+    script = ROOT / "tests" / "workers" / "user_train.py"
+    app.text_input(key="new_cmd").set_value(f"{script} --steps 4 --report {tmp_path / 'report'}")
+    app.button(key="new_button").click().run()
+    _wait_for_job(app)
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    assert len(runs) == 1 and runs[0].name.split("-")[2] == "user_train"
+    run = json.loads((runs[0] / "run.json").read_text())
+    assert run["status"] == "complete" and run["script"]["cwd"] == str(tmp_path) and run["steps"] == 4
+    assert (tmp_path / "report" / "check-rank1.json").exists()
+
+
+def test_commands_are_off_when_the_page_is_reachable_from_other_machines(app, tmp_path, monkeypatch):
+    _script_run(tmp_path / "runs" / "mine", ["tests/workers/user_train.py", "--steps", "3"])
+    _page(app, "Run")
+    app.sidebar.selectbox(key="trace").set_value("run: mine").run()
+    assert not app.button(key="run_button").disabled and not app.button(key="new_button").disabled
+    assert "user_train.py --steps 3" in app.code[0].value
+    st_config.set_option("server.address", "0.0.0.0")
+    try:
+        app.run()
+        assert any("reachable from other machines" in i.value for i in app.info)
+        assert app.button(key="run_button").disabled and app.button(key="new_button").disabled
+        assert app.text_input(key="new_cmd").disabled
+        app.sidebar.selectbox(key="trace").set_value("sample: gpt-2rank-cap1mb").run()
+        assert not app.button(key="run_button").disabled  # the demo is not an arbitrary command
+        monkeypatch.setenv("DDPSCOPE_ALLOW_COMMANDS", "1")
+        app.run()
+        assert not app.button(key="new_button").disabled
+        assert any("--allow-commands" in w.value for w in app.warning)
+    finally:
+        st_config.set_option("server.address", "127.0.0.1")
+
+
+def test_an_uploaded_script_run_is_not_rerun(app, tmp_path):
+    _script_run(tmp_path / "runs" / "uploads" / "theirs", ["train.py"])
+    _page(app, "Run")
+    app.sidebar.selectbox(key="trace").set_value("upload: theirs").run()
+    assert app.button(key="run_button").disabled
+    assert any("uploaded" in i.value for i in app.info)
+
+
+def _ring_specs(app) -> dict[str, dict]:
+    """The Ring page's charts: animation (has frames), steps and what-if, by what they show."""
+    specs = [json.loads(c.proto.spec) for c in app.get("plotly_chart")]
+    out = {}
+    for s in specs:
+        if s.get("frames"):
+            out["animation"] = s
+        elif any(t.get("name") == "2M (limit)" for t in s["data"]):
+            out["whatif"] = s
+        elif "Time per ring step and rank" in json.dumps(s["layout"].get("title")):
+            out["steps"] = s
+    return out
+
+
+def test_ring_page_animates_the_sample(app):
+    assert _metric(app, "ranks") == "2"  # the timeline's run
+    _page(app, "Ring all-reduce")
+    assert app.selectbox(key="ring_trace").value == "sample: ring-4rank-4mb"
+    assert "sample: ring-4rank-4mb" not in app.sidebar.selectbox(key="trace").options  # not a DDP run
+    assert [str(m.value) for m in app.metric if m.label == "ranks"][:1] == ["4"]  # the ring's
+    assert float(_metric(app, "ring, median (ms)")) > 0 and float(_metric(app, "dist.all_reduce, median (ms)")) > 0
+    specs = _ring_specs(app)
+    assert len(specs["animation"]["frames"]) == 2 * 3 + 1
+    assert len(specs["steps"]["data"]) == 4
+    summary = _table(app, "ring_ms")  # the ring summary (no other table has that column)
+    assert list(summary["bytes"]) == [4096, 2**18, 2**22]
+
+
+def test_ring_round_and_whatif_inputs(app):
+    _page(app, "Ring all-reduce")
+    rounds = app.select_slider(key="ring_round").options
+    other = next(r for r in rounds if str(r) != str(app.select_slider(key="ring_round").value))
+    app.select_slider(key="ring_round").set_value(int(other)).run()
+    assert not app.exception
+    assert _ring_specs(app)["animation"]["layout"]["meta"]["round"] == int(other)
+    whatif = _ring_specs(app)["whatif"]
+    assert any(t.get("name") == "measured (median)" for t in whatif["data"])  # at the traced size
+    app.number_input(key="whatif_mb").set_value(64.0)
+    app.number_input(key="whatif_alpha").set_value(0.0)
+    app.number_input(key="whatif_bw").set_value(2.0).run()
+    assert not app.exception
+    whatif = _ring_specs(app)["whatif"]
+    names = [t.get("name") for t in whatif["data"]]
+    assert "measured (median)" not in names  # another size: nothing measured to show
+    latency = whatif["data"][names.index("latency term 2(N-1)·a")]
+    assert latency["x"][-1] == 64
+    sent = whatif["data"][names.index("sent per rank (MiB)")]
+    assert sent["y"][0] == 64.0 and 2 * 64 * 0.96 < sent["y"][-1] < 128.0  # approaching 2M
+
+
+@pytest.mark.ddp
+@pytest.mark.lab
+@pytest.mark.skipif(why_not() is not None, reason=f"no emulated nodes here: {why_not()}")
+def test_a_ring_run_from_the_page_on_emulated_nodes_is_fitted_against_the_link(app, tmp_path):
+    _page(app, "Ring all-reduce")
+    app.toggle(key="ring_lab").set_value(True).run()
+    app.select_slider(key="ring_lab_link").set_value("200mbit")
+    app.slider(key="ring_run_nproc").set_value(1)
+    app.select_slider(key="ring_run_mb").set_value(0.5)
+    app.slider(key="ring_run_repeat").set_value(2)
+    app.button(key="ring_run_button").click().run()
+    _wait_for_job(app)
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    assert len(runs) == 1 and runs[0].name.endswith("-ring-1r-0.5mb-2x200mbit"), runs
+    run = json.loads((runs[0] / "run.json").read_text())
+    assert run["status"] == "complete" and run["world_size"] == 2 and run["emulation"]["link"] == "200mbit"
+    app.selectbox(key="ring_trace").set_value(f"run: {runs[0].name}").run()
+    assert not app.exception
+    caption = next(c.value for c in app.caption if "alpha-beta fit" in c.value)
+    assert "over 2 emulated nodes' 200mbit links (0.025 GB/s): B is" in caption
+    fit = _table(app, "model_ms")
+    assert list(fit["bytes"]) == [4096, 2**15, 2**19]
+    assert not lab_leftovers()
+
+
+def test_a_broken_ring_trace_shows_a_readable_error(app, tmp_path):
+    bad = tmp_path / "runs" / "broken-ring"
+    bad.mkdir(parents=True)
+    for p in (SAMPLES / "ring-4rank-4mb").iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    (bad / "rank-3.json").write_bytes(b'{"traceEvents": [')
+    _page(app, "Ring all-reduce")
+    app.selectbox(key="ring_trace").set_value("run: broken-ring").run()
+    assert not app.exception
+    assert any("rank-3.json is not valid JSON" in e.value and "\n" not in e.value for e in app.error)
+
+
+def test_upload_of_a_ring_archive_opens_the_ring_page(app):
+    files = {f"ring/{p.name}": p.read_bytes() for p in (SAMPLES / "ring-4rank-4mb").iterdir()}
+    app.sidebar.file_uploader(key="upload").upload("my-ring.zip", _zip(files), "application/zip")
+    _page(app, "Ring all-reduce")
+    assert not app.exception and not app.sidebar.error
+    assert app.selectbox(key="ring_trace").value.startswith("upload: my-ring-")
+    assert len(_ring_specs(app)["animation"]["frames"]) == 7
+
+
+def _chart(app, title_part: str) -> dict:
+    for c in app.get("plotly_chart"):
+        spec = json.loads(c.proto.spec)
+        if title_part in json.dumps(spec["layout"].get("title")) or title_part in json.dumps(spec["layout"].get("yaxis")):
+            return spec
+    raise AssertionError(f"no chart with {title_part!r}")
+
+
+def _table(app, column: str):
+    return next(d.value for d in app.dataframe if column in d.value.columns)
+
+
+def test_memory_page_shows_the_zero_sample_beside_the_model(app):
+    _page(app, "Memory (ZeRO)")
+    assert app.selectbox(key="zero_trace").value == "sample: zero-gpt-2rank"
+    run = _chart(app, "measured vs predicted per ZeRO stage (GB)")  # GB by default
+    bars = {t["name"]: t for t in run["data"]}
+    assert {"parameters", "gradients", "optimizer state"} <= set(bars)
+    assert bars["parameters"]["x"][1][:4] == ["measured"] * 4 and bars["parameters"]["x"][1][4:] == ["predicted"] * 4
+    table = next(d.value for d in app.dataframe if {"measured/predicted", "name"} <= set(d.value.columns))
+    assert len(table) == 4 and ((table["measured/predicted"] - 1).abs() < 0.05).all()
+    comm = _table(app, "collective")
+    assert set(comm["collective"]) == {"all_reduce", "broadcast", "all_gather"}
+    # the open run (a DDP sample: stage 0) first, beside the ZeRO model; the sample predates the
+    # optimizer's name in run.json, so K is read off the measurement, and the page says so
+    ddp = _table(app, "measured/predicted")
+    assert list(ddp["row"]) == ["measured (rank 0)", "measured (rank 1)", "stage 0", "stage 1", "stage 2", "stage 3"]
+    assert any("K unknown to ddpscope, read off the measurement" in m.value for m in app.markdown)
+
+
+def test_memory_projection_reproduces_figure_1_and_reacts_to_widgets(app):
+    _page(app, "Memory (ZeRO)")
+    # the default: the paper's 7.5B parameters, N = 64, mixed precision, K = 12, in GB
+    table = _table(app, "per device (GB)")
+    assert table["per device (GB)"].round(1).tolist() == [120.0, 31.4, 16.6, 1.9]
+    assert _chart(app, "per device (GB)")["layout"]["yaxis"]["title"]["text"] == "per device (GB)"
+    app.radio(key="zero_unit").set_value("GiB").run()
+    assert _table(app, "per device (GiB)")["per device (GiB)"].iloc[0] == pytest.approx(120e9 / 2**30, abs=1e-3)
+    app.radio(key="zero_unit").set_value("GB").run()
+    app.select_slider(key="proj_n").set_value(8).run()
+    assert _table(app, "per device (GB)")["per device (GB)"].round(3).tolist()[3] == 15.0
+    app.selectbox(key="proj_preset").set_value("GPT-3 (175B)").run()
+    assert app.select_slider(key="proj_params_b").value == 175.0
+    app.select_slider(key="proj_params_b").set_value(1000.0).run()
+    assert _table(app, "per device (GB)")["per device (GB)"].iloc[0] == pytest.approx((2 + 2 + 12) * 1000)
+    app.radio(key="proj_precision").set_value("fp32").run()
+    assert app.slider(key="proj_k").value == 8
+    app.checkbox(key="proj_act").check().run()
+    assert not app.exception
+    fits = _table(app, "largest model that fits (B params)")["largest model that fits (B params)"]
+    assert fits.is_monotonic_increasing
+
+
+def test_a_broken_zero_run_shows_a_readable_error(app, tmp_path):
+    bad = tmp_path / "runs" / "broken-zero"
+    bad.mkdir(parents=True)
+    (bad / "run.json").write_bytes((SAMPLES / "zero-gpt-2rank" / "run.json").read_bytes())
+    (bad / "rank-0.json").write_text(json.dumps({"traceEvents": [], "otherData": {"ddpscope": {
+        "format": "ddpscope-trace", "version": 1, "rank": 0, "world_size": 2}}}))
+    (bad / "rank-1.json").write_bytes((SAMPLES / "zero-gpt-2rank" / "rank-1.json").read_bytes())
+    _page(app, "Memory (ZeRO)")
+    app.selectbox(key="zero_trace").set_value("run: broken-zero").run()
+    assert not app.exception
+    assert any("rank-0.json holds no ZeRO stage measurements" in e.value for e in app.error)
+
+
+@pytest.mark.ddp
+def test_ring_and_zero_runs_start_from_their_pages(app, tmp_path):
+    _page(app, "Ring all-reduce")
+    app.slider(key="ring_run_nproc").set_value(2)
+    app.select_slider(key="ring_run_mb").set_value(0.5)
+    app.slider(key="ring_run_repeat").set_value(2)
+    app.button(key="ring_run_button").click().run()
+    assert app.get("progress")
+    _page(app, "Memory (ZeRO)")
+    assert app.button(key="zero_run_button").disabled  # one job at a time
+    _wait_for_job(app)
+    _page(app, "Ring all-reduce")
+    assert any("on the Ring all-reduce tab" in s.value for s in app.sidebar.success)
+    ring_label = next(o for o in app.selectbox(key="ring_trace").options if o.startswith("run: "))
+    app.selectbox(key="ring_trace").set_value(ring_label).run()
+    assert not app.exception and len(_ring_specs(app)["animation"]["frames"]) == 3  # 2 ranks: 2 steps + start
+
+    _page(app, "Memory (ZeRO)")
+    app.selectbox(key="zero_run_model").set_value("mlp")
+    app.button(key="zero_run_button").click().run()
+    _wait_for_job(app)
+    assert any("on the Memory (ZeRO) tab" in s.value for s in app.sidebar.success)
+    zero_label = next(o for o in app.selectbox(key="zero_trace").options if o.startswith("run: "))
+    app.selectbox(key="zero_trace").set_value(zero_label).run()
+    table = next(d.value for d in app.dataframe if {"measured/predicted", "name"} <= set(d.value.columns))
+    assert len(table) == 4 and ((table["measured/predicted"] - 1).abs() < 0.05).all()
+
+
+def test_timeline_offers_the_merged_perfetto_trace(app):
+    buttons = app.get("download_button")
+    assert len(buttons) == 1 and "Perfetto" in buttons[0].proto.label
+
+
+def test_a_ring_run_with_no_complete_round_says_so(app, tmp_path):
+    bad = tmp_path / "runs" / "no-rounds"
+    bad.mkdir(parents=True)
+    for p in (SAMPLES / "ring-4rank-4mb").iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    doc = json.loads((bad / "rank-3.json").read_text())
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("cat") != "ring_step"]
+    (bad / "rank-3.json").write_text(json.dumps(doc))
+    _page(app, "Ring all-reduce")
+    app.selectbox(key="ring_trace").set_value("run: no-rounds").run()
+    assert not app.exception
+    assert any("no ring round finished on every rank" in e.value for e in app.error)
+
+
+def _predict_chart(app, title_part="Predicted step time against bucket_cap_mb") -> dict:
+    return _chart(app, title_part)
+
+
+def _vs_table(app):
+    """The What-if page's predicted-beside-measured table (dataframes carry no key)."""
+    return next(d.value for d in app.dataframe if "run" in d.value.columns
+                and any(str(r).startswith("predicted at") for r in d.value["run"]))
+
+
+def _proj_table(app):
+    """The projection's table: the last cap sweep on the page (the first is the prediction's)."""
+    return [d.value for d in app.dataframe if "traced" in d.value.columns][-1]
+
+
+def test_whatif_page_draws_the_predicted_curve_with_the_measured_runs_on_it(app):
+    """The open sample (GPT, 1 MiB) predicted at every cap; the other GPT sample (25 MiB,
+    same job) is a measured point; the best cap is starred; a predicted timeline shows
+    beside the measured run at the chosen cap."""
+    _page(app, "What-if")
+    spec = _predict_chart(app)
+    traces = {t["name"]: t for t in spec["data"]}
+    assert {"step (predicted)", "exposed communication (predicted)", "step (measured runs)",
+            "best cap (predicted)", "traced cap (replayed)"} <= set(traces)
+    assert spec["layout"]["xaxis"]["type"] == "log"
+    assert sorted(traces["step (measured runs)"]["x"]) == [1.0, 25.0]
+    assert traces["traced cap (replayed)"]["x"] == [1.0]
+    app.select_slider(key="predict_cap").set_value(25.0).run()
+    assert not app.exception
+    vs = _vs_table(app)
+    assert list(vs["run"]) == ["predicted at 25 MiB", "sample: gpt-2rank-cap25mb (measured)"]
+    assert list(vs["buckets"]) == [1, 1]  # as DDP built it: an explicit 25 MiB caps the first bucket too
+    titles = [json.dumps(c["layout"].get("title")) for c in _charts(app)]
+    assert any("predicted at 25 MiB" in t for t in titles) and any("(measured)" in t for t in titles)
+
+
+def test_whatif_projection_reacts_to_world_size_and_link(app):
+    _page(app, "What-if")
+    assert "64 ranks" in json.dumps(_predict_chart(app, "Projection:")["layout"]["title"])
+    app.selectbox(key="predict_proj_link").set_value("NVLink (H100 SXM, one node)").run()
+    fast = _proj_table(app)
+    assert app.number_input(key="predict_proj_bw").value == 360.0
+    app.selectbox(key="predict_proj_link").set_value("Ethernet 25 Gb/s (TCP)").run()
+    app.number_input(key="predict_proj_n").set_value(1024).run()
+    assert not app.exception
+    slow = _proj_table(app)
+    assert "1024 ranks" in json.dumps(_predict_chart(app, "Projection:")["layout"]["title"])
+    assert (slow["exposed_ms"].to_numpy() > fast["exposed_ms"].to_numpy()).all()
+    app.number_input(key="predict_proj_bw").set_value(1e4).run()  # edited by hand
+    app.number_input(key="predict_proj_lat").set_value(0.0).run()
+    assert (_proj_table(app)["exposed_ms"] < slow["exposed_ms"]).all()
+
+
+def test_whatif_refuses_a_trace_it_cannot_predict_in_one_line(app, tmp_path):
+    bad = tmp_path / "runs" / "no-sizes"
+    shutil.copytree(SAMPLES / "gpt-2rank-cap1mb", bad)
+    run = json.loads((bad / "run.json").read_text())
+    run.pop("param_bytes")
+    (bad / "run.json").write_text(json.dumps(run))
+    _page(app, "What-if")  # lists the new folder
+    app.sidebar.selectbox(key="trace").set_value("run: no-sizes").run()
+    assert not app.exception
+    assert any("No prediction for this trace" in i.value and "param" in i.value for i in app.info)
+
+
+@pytest.mark.ddp
+def test_run_at_the_predicted_cap_puts_the_real_run_on_the_curve(app, tmp_path):
+    _page(app, "What-if")
+    app.select_slider(key="predict_cap").set_value(4.0).run()
+    app.button(key="predict_run").click().run()
+    assert app.get("progress")
+    _wait_for_job(app)
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    assert len(runs) == 1 and json.loads((runs[0] / "run.json").read_text())["bucket_cap_mb"] == 4.0
+    app.select_slider(key="predict_cap").set_value(4.0).run()
+    measured = {t["name"]: t for t in _predict_chart(app)["data"]}["step (measured runs)"]
+    assert 4.0 in measured["x"] and f"run: {runs[0].name}" in measured["text"]
+    vs = _vs_table(app)
+    assert list(vs["run"]) == ["predicted at 4 MiB", f"run: {runs[0].name} (measured)"]
+
+
+def test_whatif_advisor_says_keep_or_change(app):
+    """The open sample (GPT, 1 MiB): no change worth it; the 25 MiB sample (one bucket
+    after backward): a change, with its interval, and its Apply button."""
+    _page(app, "What-if")
+    assert any(i.value.startswith("Advisor: keep bucket_cap_mb=1") and "noise" in i.value for i in app.info)
+    app.sidebar.selectbox(key="trace").set_value("sample: gpt-2rank-cap25mb").run()
+    assert not app.exception
+    said = next(s.value for s in app.success if s.value.startswith("Advisor:"))
+    assert "95 % interval" in said and "faster" in said
+    assert app.button(key="advice_apply").label.startswith("Apply: run it again with bucket_cap_mb")
+    assert len(next(d.value for d in app.dataframe if {"kind", "label", "step_ms"} <= set(d.value.columns))) > 40
+
+
+@pytest.mark.ddp
+def test_apply_on_the_page_reruns_and_shows_a_against_b(app, tmp_path):
+    """Apply on the 25 MiB sample: a real rerun with the recommendation whose run.json
+    says where it came from; opening it shows A against B: steps, the diff timeline, the
+    bucket table."""
+    _page(app, "What-if")
+    app.sidebar.selectbox(key="trace").set_value("sample: gpt-2rank-cap25mb").run()
+    app.button(key="advice_apply").click().run()
+    _wait_for_job(app)
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]
+    assert len(runs) == 1
+    run = json.loads((runs[0] / "run.json").read_text())
+    assert run["advice"]["from"] == str((SAMPLES / "gpt-2rank-cap25mb").resolve()) and run["status"] == "complete"
+    app.sidebar.selectbox(key="trace").set_value(f"run: {runs[0].name}").run()
+    assert not app.exception
+    steps = next(d.value for d in app.dataframe if "B predicted" in d.value.columns)
+    assert list(steps["median"]) == ["step_ms", "exposed_ms", "comm_ms", "backward_ms"]
+    assert {"A measured", "B predicted", "B measured", "error %"} <= set(steps.columns)
+    assert any("exposed_ms B" in d.value.columns for d in app.dataframe)
+    names = {t.get("name") for t in _chart(app, "A against B")["data"]}
+    assert {"A (measured): all-reduce", "B (measured): all-reduce"} <= names
+
+
+def test_upload_of_a_profiler_trace_opens_its_kernel_timeline(app):
+    app.sidebar.file_uploader(key="upload").upload("worker0.pt.trace.json.gz",
+                                                   gzip.compress(json.dumps(gpu_profile(0, world=8)).encode()))
+    app.run()
+    assert not app.exception and not app.sidebar.error
+    assert app.sidebar.selectbox(key="trace").value.startswith("upload: worker0")
+    assert _metric(app, "source") == "torch.profiler" and _metric(app, "ranks") == "1 of 8"
+    lanes = _spec(app)["layout"]["yaxis"]["ticktext"]
+    assert lanes == ["rank 0 · compute", "rank 0 · allreduce", "rank 0 · exposed comm"]
+    hta = next(d.value for d in app.dataframe if "comp_comm_overlap_pct" in d.value.columns)
+    assert hta["comp_comm_overlap_pct"].round(2).tolist() == [33.33]
+    _page(app, "What-if")
+    assert any("No prediction for a profiler trace" in i.value for i in app.info)  # What-if says why
+
+
+@pytest.mark.skipif(not KINETO.is_dir(), reason="../shared/data/kineto is absent")
+def test_shared_gpu_traces_open_with_per_stream_lanes(app, tmp_path):
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    (tmp_path / "runs" / "cluster").symlink_to(KINETO / "hta-sampled-2rank")  # read in place, never copied
+    app.run()
+    app.sidebar.selectbox(key="trace").set_value("run: cluster").run()
+    assert not app.exception and not app.error
+    assert _metric(app, "ranks") == "2 of 128"
+    assert any("2 of the job's 128 ranks" in i.value for i in app.info)
+    app.toggle(key="per_stream").set_value(True).run()
+    lanes = _spec(app)["layout"]["yaxis"]["ticktext"]
+    assert "rank 1 · stream 7" in lanes and "rank 1 · sendrecv" in lanes
+
+
+@pytest.mark.ddp
+def test_a_profiled_run_shows_the_profiler_beside_the_tracer(app, tmp_path, profiled_run):
+    shutil.copytree(profiled_run, tmp_path / "runs" / "profiled")
+    app.run()
+    app.sidebar.selectbox(key="trace").set_value("run: profiled").run()
+    app.select_slider(key="steps").set_value((2, 3)).run()
+    assert not app.exception and not app.error
+    titles = [json.dumps(_spec(app, n)["layout"].get("title")) for n in range(len(app.get("plotly_chart")))]
+    assert any("torch.profiler" in t for t in titles)
+    table = next(d.value for d in app.dataframe if "end_before_done_ms" in d.value.columns)
+    assert sorted(table["step"].unique()) == [2, 3] and (table["tracer_bytes"] == table["profile_bytes"]).all()
+
+
+def test_a_run_folder_that_cannot_be_read_never_stops_the_page(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    bad = runs / "deep"
+    bad.mkdir(parents=True)
+    (bad / "run.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's recursion limit
+    (bad / "rank-0.json").write_text("{}")
+    shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", runs / "good")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90)
+    at.run()
+    assert not at.exception
+    options = at.sidebar.selectbox(key="trace").options
+    assert "run: good" in options and "run: deep" in options  # listed, as what it is
+    at.sidebar.selectbox(key="trace").set_value("run: deep").run()
+    assert not at.exception and any("nested too deeply" in e.value for e in at.error)
+    at.sidebar.selectbox(key="trace").set_value("run: good").run()
+    assert not at.exception and at.dataframe[MEDIANS].value is not None
+
+
+def test_a_run_whose_trace_was_not_finished_says_incomplete_not_complete(tmp_path, monkeypatch):
+    """A rank file still "running" (its last write never came: a full disk, a stopped
+    run) under a run.json that says complete: the page shows it incomplete, with where
+    it stopped, and still draws what was written."""
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", runs / "cut")
+    rank1 = runs / "cut" / "rank-1.json"
+    data = json.loads(rank1.read_text())
+    data["otherData"]["ddpscope"].update(status="running", steps=4)
+    rank1.write_text(json.dumps(data))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90)
+    at.run()
+    at.sidebar.selectbox(key="trace").set_value("run: cut").run()
+    assert not at.exception and not at.error
+    assert _metric(at, "status") == "incomplete"
+    assert any("rank 1 after step 4" in w.value for w in at.warning)
+    assert at.get("plotly_chart") and at.dataframe[MEDIANS].value is not None
+
+
+@pytest.mark.ddp
+def test_a_click_from_a_page_drawn_before_a_run_began_is_answered_not_dropped(app, tmp_path):
+    """Two tabs: the second was drawn while nothing ran (its Run button enabled). Its
+    click while the first tab's run goes on says so, and starts nothing."""
+    slow = tmp_path / "slow.py"  # a job that surely outlasts the second click (no DDP: nothing traced)
+    slow.write_text("import time\ntime.sleep(20)\n")
+    other = _page(AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run(), "Run")
+    assert not other.button(key="run_button").disabled
+    _page(app, "Run")
+    app.text_input(key="new_cmd").input(str(slow))
+    app.button(key="new_button").click().run()
+    assert app.get("progress") and app.button(key="run_button").disabled
+    other.button(key="run_button").click().run()
+    assert any("A run is already going" in i.value for i in other.info)
+    _wait_for_job(app)
+    assert len([p for p in (tmp_path / "runs").iterdir() if p.name != "uploads"]) == 1
+
+
+def test_a_bad_run_left_in_uploads_breaks_no_session(tmp_path, monkeypatch):
+    """A run folder that does not load (here: a parameter name that is a lone surrogate,
+    and a run.json with version "abc", put straight into uploads/ as an older ddpscope
+    could have) never takes a session down: every page draws, the folders are listed,
+    and each says what is wrong when opened."""
+    for name, (file, old, new) in {"surrogate": ("rank-0.json", b'"layers.0.weight"', b'"layers.0.\\ud800"'),
+                                   "abc": ("run.json", b'"version": 1', b'"version": "abc"')}.items():
+        folder = tmp_path / "runs" / "uploads" / name
+        folder.mkdir(parents=True)
+        for f, data in _sample_with("mlp-2rank-cap1mb", file, old, new).items():
+            (folder / f).write_bytes(data)
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(tmp_path / "runs"))
+    st_config.set_option("server.address", "127.0.0.1")
+    for _ in range(2):  # a fresh session, twice
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+        assert not at.exception and not at.error, [e.value for e in at.error]
+        options = at.sidebar.selectbox(key="trace").options
+        assert "upload: surrogate" in options and "upload: abc" in options
+    for label, message in (("upload: surrogate", "rank-0.json is not valid JSON"), ("upload: abc", "version number")):
+        at.sidebar.selectbox(key="trace").set_value(label).run()
+        assert not at.exception
+        errors = [e.value for e in at.error]
+        assert any(message in e for e in errors) and all("\n" not in e for e in errors), errors
+
+
+def test_the_page_opens_on_the_users_newest_run(tmp_path, monkeypatch):
+    """`ddpscope dashboard runs` after `ddpscope run --out runs/...`: the user's newest run
+    is shown first, not a sample."""
+    for name in ("older", "newer"):
+        shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", tmp_path / "runs" / name)
+        time.sleep(0.05)
+        (tmp_path / "runs" / name / "run.json").touch()
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(tmp_path / "runs"))
+    st_config.set_option("server.address", "127.0.0.1")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and at.sidebar.selectbox(key="trace").value == "run: newer"
+
+
+@pytest.mark.ddp
+def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, monkeypatch):
+    """A user's FSDP2 run (traced here): the Timeline draws units against all-gather and
+    reduce-scatter lanes, the Memory page opens on it, the Run page predicts a rerun."""
+    from tests.tracer.capture.autotrace.test_autotrace import WORKERS, trace_script
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    proc, out, _ = trace_script(runs, str(WORKERS / "fsdp2_train.py"), "--steps", "4", name="fsdp2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and not at.error
+    assert at.sidebar.selectbox(key="trace").value == "run: fsdp2"  # the user's newest run
+    assert _metric(at, "ZeRO stage") == "3" and _metric(at, "FSDP units") == "5"
+    spec = _spec(at)
+    ticks = spec["layout"]["yaxis"]["ticktext"]
+    assert ticks[:3] == ["rank 0 · compute", "rank 0 · all-gather", "rank 0 · reduce-scatter"]
+    assert {"layers.0", "waiting for an all-gather"} <= {t["name"] for t in spec["data"]}
+    units = next(d.value for d in at.dataframe if "all_gather_ms" in d.value.columns)
+    assert list(units["unit"]) == ["(root)", "layers.0", "layers.1", "layers.2", "layers.3"]
+    assert any("gloo has no reduce-scatter" in m.value for m in at.markdown)
+    _page(at, "Memory (ZeRO)")
+    titles = [json.dumps(c["layout"].get("title")) for c in _charts(at)]
+    assert any("memory over one step (measured)" in t for t in titles)
+    assert any("beside ZeRO stages 0-3" in t for t in titles)
+    _page(at, "Run")
+    assert _metric(at, "predicted peak (rank 0)").endswith("MiB")
+    at.selectbox(key="run_reshard").set_value("false (ZeRO-2)").run()
+    assert not at.exception
+    assert at.button(key="run_button").label == "Rerun with reshard_after_forward = false"
+
+
+@pytest.mark.ddp
+def test_a_zero1_run_shows_its_broadcasts_and_its_stage_on_the_memory_page(tmp_path, monkeypatch):
+    """DDP with ZeroRedundancyOptimizer (traced here): the Timeline draws its parameter
+    broadcasts and says what they cost; the Memory page sets the run beside stages 0-3."""
+    from tests.tracer.capture.autotrace.test_autotrace import trace_script
+    from tests.tracer.capture.ddp.test_hooks import SETUPS
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    proc, _, _ = trace_script(runs, SETUPS, "zero", "--steps", "4", name="zero1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and not at.error
+    assert at.sidebar.selectbox(key="trace").value == "run: zero1"
+    assert "parameter broadcast (ZeRO-1)" in {t["name"] for t in _spec(at)["data"]}
+    assert any("ZeRO-1 (ZeroRedundancyOptimizer)" in i.value for i in at.info)
+    _page(at, "Memory (ZeRO)")
+    titles = [json.dumps(c["layout"].get("title")) for c in _charts(at)]
+    assert any("beside ZeRO stages 0-3" in t for t in titles)
+    table = next(d.value for d in at.dataframe if "measured/predicted" in d.value.columns)
+    assert list(table["row"])[-4:] == ["stage 0", "stage 1", "stage 2", "stage 3"]
+    assert any("ZeroRedundancyOptimizer partitions whole parameters" in m.value for m in at.markdown)
+
+
+def test_only_the_open_page_computes_and_a_link_opens_any_page(app):
+    """The first chart comes sooner: a page's content is built only while it is open. The
+    open page is in the URL (``?page=...``): a link opens that page."""
+    assert app.session_state["page"] == "Timeline" and app.get("plotly_chart")
+    for key in ("ring_trace", "zero_trace"):  # the Ring and Memory pages: not built
+        with pytest.raises(KeyError):
+            app.selectbox(key=key)
+    linked = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90)
+    linked.query_params["page"] = "Memory (ZeRO)"
+    linked.run()
+    assert not linked.exception and linked.session_state["page"] == "Memory (ZeRO)"
+    assert linked.selectbox(key="zero_trace").value == "sample: zero-gpt-2rank"
+    assert not linked.get("download_button")  # the Timeline's Perfetto download: not built

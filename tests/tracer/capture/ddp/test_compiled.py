@@ -1,0 +1,244 @@
+"""The compiled capture (``--capture compiled``): DDP's all-reduces timed by a C++
+process group beside the reducer. Real 2-rank gloo jobs; the extension is built once
+for the session (``ddpscope build``; ``.ci/run`` builds it first)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpscope.tracer.capture.native import build as native
+from ddpscope.viz.run_files import read_rank_file
+from tests.conftest import ROOT, processes_mentioning, run_cli
+from tests.tracer.capture.autotrace.test_autotrace import USER, _port, checks, trace_script, untraced
+
+pytestmark = pytest.mark.ddp
+WORKER = str(ROOT / "tests" / "workers" / "compiled_check.py")
+
+
+@pytest.fixture(scope="module")
+def built():
+    result = native.ensure_built()
+    if not result["ok"]:
+        pytest.fail(f"the compiled capture does not build here: {result['error']}")
+    return result
+
+
+def _job(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
+                           "static", "--rdzv-endpoint", f"127.0.0.1:{_port()}", WORKER, *args], cwd="/",
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_both_paths_time_the_same_allreduces_in_one_run(tmp_path, built):
+    """The Python hook's all-reduces also go through the compiled wrapper: two instruments
+    on the same collectives. Same count, sizes and order every step; the wrapper stamps
+    launch after the hook (the hook's own Python runs first: 45-260 µs measured here) and
+    completion before it (its C++ callback is registered first, and needs no GIL: 10-120
+    µs earlier). The bound of 5 ms is for a loaded 2-core machine."""
+    _job(tmp_path, "--mode", "agree", "--out", str(tmp_path))
+    for r in (0, 1):
+        compiled = json.loads((tmp_path / f"report-{r}.json").read_text())["compiled"]
+        events = read_rank_file(tmp_path / "trace" / f"rank-{r}.json")[1]
+        hooked = [e for e in events if e.get("cat") == "allreduce"]  # raw µs on this rank's clock
+        assert len(compiled) == 6 and [len(s) for s in compiled] == [1, 3, 3, 3, 3, 3]  # DDP rebuilds after step 0
+        for step, recs in enumerate(compiled):
+            mine = sorted((e for e in hooked if e["args"]["step"] == step), key=lambda e: e["ts"])
+            assert [b for _, _, b in recs] == [e["args"]["bytes"] for e in mine]
+            for (launch, done, _), e in zip(recs, mine):
+                assert launch <= done
+                assert 0 <= launch - e["ts"] < 5000
+                assert 0 <= e["ts"] + e["dur"] - done < 5000
+        # gradient-ready times: the Python hook runs inside the accumulation, the C++ post
+        # hook just after it: same parameters in the same order, C++ a little later
+        ready = json.loads((tmp_path / f"report-{r}.json").read_text())["ready"]
+        python = [e for e in events if e.get("cat") == "grad_ready"]
+        for step, stamps in enumerate(ready):
+            mine = sorted((e for e in python if e["args"]["step"] == step), key=lambda e: e["ts"])
+            assert [p for p, _ in stamps] == [e["args"]["param"] for e in mine] and len(stamps) == 12
+            assert all(0 <= t - e["ts"] < 5000 for (_, t), e in zip(stamps, mine))
+
+
+def test_a_compiled_run_of_a_users_script_matches_ddp_and_changes_nothing(tmp_path, built):
+    proc, out, report = trace_script(tmp_path, USER, "--steps", "6", "--bucket-cap-mb", "1",
+                                     ddpscope=("--capture", "compiled"))
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads((out / "run.json").read_text())
+    assert run["capture_path"] == "compiled" and run["capture_path_note"] is None
+    from ddpscope.viz.trace import load_run
+
+    trace = load_run(out)
+    for r in (0, 1):  # DDP's own bucket layout after its rebuild, from its runtime logging
+        rebuilt = [[int(i) for i in b.split()] for b in checks(report)[r]["rebuilt"].split(",")]
+        assert run["bucket_layout"] == rebuilt
+        b = trace.buckets[(trace.buckets["rank"] == r) & (trace.buckets["step"] >= 1)]
+        assert (b.groupby("step").size() == len(rebuilt)).all()
+        assert (b["done_us"] >= b["launch_us"]).all() and not b["incomplete"].any()
+        first = b[b["step"] == 1].sort_values("bucket")
+        names = trace.ranks[r]["param_names"]
+        assert [sorted(p) for p in first["params"]] == [sorted(names[i] for i in idx) for idx in rebuilt]
+        # gradient-ready times (C++ hooks): every parameter once per step, and no bucket
+        # launched before the last of its gradients was ready
+        g = trace.grads[(trace.grads["rank"] == r) & (trace.grads["step"] >= 1)]
+        assert (g.groupby("step").size() == len(names)).all()
+        for (step, bucket), row in b.set_index(["step", "bucket"]).iterrows():
+            ready = g[(g["step"] == step) & g["name"].isin(row["params"])]["ready_us"]
+            assert len(ready) == len(row["params"]) and ready.max() <= row["launch_us"]
+    plain = untraced(tmp_path, USER, "--steps", "6", "--bucket-cap-mb", "1")
+    for r in (0, 1):
+        assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
+
+
+def test_the_scripts_own_hook_is_timed_in_python_and_said(tmp_path, built):
+    proc, out, report = trace_script(tmp_path, USER, "--hook", "fp16", "--steps", "5", "--bucket-cap-mb", "1",
+                                     ddpscope=("--capture", "compiled"))
+    assert proc.returncode == 0, proc.stderr
+    meta, events = read_rank_file(out / "rank-0.json")
+    assert meta["capture_path"] == "python" and "communication hook" in meta["capture_path_note"]
+    assert len([e for e in events if e.get("cat") == "allreduce" and e["args"]["step"] >= 1]) >= 4
+    plain = untraced(tmp_path, USER, "--hook", "fp16", "--steps", "5", "--bucket-cap-mb", "1")
+    for r in (0, 1):
+        assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
+
+
+def test_two_models_then_detached_run_on_untraced_and_bit_identical(tmp_path, built):
+    _job(tmp_path, "--mode", "detach", "--out", str(tmp_path / "traced"))
+    _job(tmp_path, "--mode", "detach", "--untraced", "--out", str(tmp_path / "plain"))
+    for r in (0, 1):
+        traced = json.loads((tmp_path / "traced" / f"report-{r}.json").read_text())
+        plain = json.loads((tmp_path / "plain" / f"report-{r}.json").read_text())
+        assert traced["wrappers"] == {"a": True, "b": True}
+        assert traced["attached_after_exit"] == {"a": False, "b": False}
+        assert traced["records_after_exit"] == {"a": 0, "b": 0}  # the reducers' own groups again
+        assert traced["sha"] == plain["sha"]
+    from ddpscope.viz.trace import load_run
+
+    ddp_says = json.loads((tmp_path / "traced" / "report-0.json").read_text())["buckets"]
+    for k in ("a", "b"):  # each model's own all-reduces, one record per bucket of its own, every step
+        t = load_run(tmp_path / "traced" / k)
+        per_step = t.buckets[t.buckets["step"] >= 1].groupby(["rank", "step"]).size()
+        assert len(per_step) == 2 * 5 and set(per_step) == {ddp_says[k]}
+
+
+def test_without_a_compiler_the_python_hook_times_the_run_and_says_so(tmp_path):
+    """An empty cache and CXX naming no compiler: the build fails in one line, the run
+    goes on with the Python hook, run.json says which path ran and why."""
+    env = {"DDPSCOPE_CACHE": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-such-compiler")}
+    out, report = tmp_path / "run", tmp_path / "report"
+    proc = run_cli("run", "--nproc", "2", "--capture", "compiled", "--out", str(out), "--", USER, "--steps", "4",
+                   "--report", str(report), env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    said = [l for l in proc.stderr.splitlines() if "compiled capture" in l]
+    assert any("could not be built" in l for l in said) and "Traceback" not in proc.stderr
+    run = json.loads((out / "run.json").read_text())
+    assert run["capture_path"] == "python" and "could not be built" in run["capture_path_note"]
+    events = read_rank_file(out / "rank-1.json")[1]
+    assert any(e.get("cat") == "allreduce" for e in events)
+    assert processes_mentioning(str(out)) == []
+
+
+def test_device_times_reach_the_buckets_of_the_take_before_and_settle_at_the_end():
+    """On CUDA the wrapper hands each take's device times over at the next take (no sync
+    inside a step). Plain bookkeeping: no GPU needed, nothing faked."""
+    from ddpscope.tracer.capture.ddp.compiled import DeviceLag
+    from ddpscope.tracer.capture.ddp.records import BucketRecord
+
+    lag = DeviceLag()
+    step3, step4 = object(), object()
+    b3 = [BucketRecord(index=k, nbytes=8, params=(k,), launch=None) for k in range(2)]
+    lag.hand_over(step3, b3)
+    assert lag.holds_any_of([step4, step3]) and not lag.holds_any_of([step4])
+    lag.fill([])  # a take with nothing of the device's (CPU, or nothing new): still waiting
+    assert lag.holds_any_of([step3])
+    lag.fill([(2_000_000, 2_500_000), (2_100_000, 0)])  # ns; 0: its completion never came
+    assert [(b.launch, b.done) for b in b3] == [(2000.0, 2500.0), (2100.0, None)]
+    assert not lag.holds_any_of([step3])
+    b4 = [BucketRecord(index=0, nbytes=8, params=(0,), launch=None)]
+    lag.hand_over(step4, b4)
+    lag.fill([(3_000_000, 3_200_000)])
+    assert (b4[0].launch, b4[0].done) == (3000.0, 3200.0) and b3[0].launch == 2000.0
+
+
+def test_a_second_build_waits_on_the_lock_and_finds_the_first_ones_build(tmp_path, built):
+    """Ranks of several jobs (or nodes sharing a cache) never compile side by side: a
+    builder holding the lock makes the next one wait, which then takes the finished build.
+    Real processes and a real flock; the first build is played by this test (no compile)."""
+    import fcntl
+    import shutil
+    import time
+
+    env = {**os.environ, "DDPSCOPE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    folder = Path(subprocess.run([sys.executable, "-c", "from ddpscope.tracer.capture.native import build; print(build.build_dir())"],
+                                 env=env, capture_output=True, text=True, check=True).stdout.strip())
+    folder.mkdir(parents=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first builder, mid-build
+        second = subprocess.Popen([sys.executable, "-m", "ddpscope.tracer.capture.native.build"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(2.0)
+        assert second.poll() is None, second.communicate()  # waiting on the lock, not compiling
+        lib = Path(built["library"])
+        shutil.copy(lib, folder / lib.name)  # the first builder's result, then its stamp
+        (folder / native.STAMP).write_text(json.dumps({"library": lib.name}))
+    out, err = second.communicate(timeout=60)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["ok"] and result["built"] is False and Path(result["library"]) == folder / lib.name, err
+
+
+def test_the_gradients_bytes_counted_in_cxx_equal_pythons(built):
+    """The memory accounting's C++ count of the gradients (each region once) against
+    ``distinct_bytes``, on real gradients: own tensors, views into one flat buffer (as
+    ``gradient_as_bucket_view`` makes them), one tensor shared by two parameters, none;
+    a sparse gradient is left to Python (-1)."""
+    import torch
+
+    from ddpscope.tracer.capture.memory import distinct_bytes
+
+    ext = native.load_built()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    params = list(model.parameters())
+    count = ext.GradBytes(params)
+    assert count() == 0  # no gradients yet
+    model(torch.randn(3, 16)).sum().backward()
+    grads = [p.grad for p in params]
+    assert count() == distinct_bytes(grads) == sum(p.numel() * 4 for p in params)
+    flat = torch.zeros(sum(p.numel() for p in params))
+    at = 0
+    for p in params:
+        p.grad = flat[at: at + p.numel()].view_as(p)
+        at += p.numel()
+    assert count() == distinct_bytes(p.grad for p in params) == flat.nbytes
+    params[1].grad = params[3].grad = torch.ones(8)  # one tensor for both biases: counted once
+    params[0].grad = None
+    views = sum(params[k].numel() * 4 for k in (2, 4, 5))
+    assert count() == distinct_bytes(p.grad for p in params) == 8 * 4 + views
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    assert ext.GradBytes(list(emb.parameters()))() == -1
+
+
+def test_two_syncing_backwards_in_a_step_are_attributed_as_the_python_hook_does(tmp_path, built):
+    """Gradient accumulation without ``no_sync``: DDP all-reduces after each backward.
+    The compiled capture takes a pass's all-reduces when the next backward starts (or the
+    step closes): the same buckets, bytes and parameters per step as the Python hook sees,
+    DDP's pre-rebuild bucket in the first pass of step 0 included."""
+    worker = str(ROOT / "tests" / "workers" / "multisync_check.py")
+    seen = {}
+    for capture in ("compiled", "python"):
+        proc = subprocess.run([sys.executable, worker, capture, str(_port()), str(tmp_path / capture)], cwd="/",
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seen[capture] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["compiled"] == seen["python"]
+    steps = {}
+    for step, _, _, _ in seen["compiled"]:
+        steps[step] = steps.get(step, 0) + 1
+    assert steps == {0: 4, 1: 6, 2: 6, 3: 6}  # step 0: one bucket before DDP's rebuild, then 3; then 3 + 3

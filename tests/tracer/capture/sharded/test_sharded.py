@@ -1,0 +1,271 @@
+"""Sharded training traced end to end: real 2-rank FSDP2 jobs on gloo (the user's own
+torchtitan-style script, ``workers/fsdp2_train.py``), each checked against an
+independent instrument: the untraced run (bit-identical parameters), PyTorch's own
+``FSDPMemTracker`` on the same run, the model's shapes (padded shard and message
+sizes), the ZeRO paper's formulas, and a rerun for every prediction."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+
+import pytest
+
+from ddpscope.viz.sharded.metrics import (
+    comm_honesty_lines,
+    compute_comm_volume,
+    compute_memory_over_step,
+    compute_sharded_steps,
+    compute_stage_comparison,
+    compute_unit_table,
+    stage_differences,
+)
+from ddpscope.viz.sharded.predict import predict_peak
+from ddpscope.viz.trace import clock_alignment, load_run
+from tests.conftest import run_cli
+from tests.tracer.capture.autotrace.test_autotrace import WORKERS, checks, trace_script, untraced
+
+pytestmark = pytest.mark.ddp
+SCRIPT = str(WORKERS / "fsdp2_train.py")
+DIM, LAYERS, VOCAB, N = 64, 4, 256, 2
+
+
+def _padded_bytes(shape: tuple[int, ...], item: int = 4) -> int:
+    """A parameter's gathered bytes: FSDP pads dim 0 to a multiple of N."""
+    rows = math.ceil(shape[0] / N) * N
+    return rows * math.prod(shape[1:]) * item
+
+
+def _expected_units(item: int = 4) -> dict[str, int]:
+    block = [(DIM,), (DIM,), (4 * DIM, DIM), (4 * DIM,), (DIM, 4 * DIM), (DIM,)]
+    root = [(VOCAB, DIM), (DIM,), (DIM,), (VOCAB, DIM)]
+    units = {"(root)": sum(_padded_bytes(s, item) for s in root)}
+    units.update({f"layers.{k}": sum(_padded_bytes(s, item) for s in block) for k in range(LAYERS)})
+    return units
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zero3")
+    proc, out, report = trace_script(tmp, SCRIPT, "--steps", "4", "--memtracker")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, out, report
+
+
+def test_traced_fsdp2_trains_bit_identically_and_is_cut_per_unit(zero3):
+    tmp, out, report = zero3
+    plain = untraced(tmp, SCRIPT, "--steps", "4", "--memtracker")
+    for r in range(N):
+        traced, base = (json.loads((d / f"rank{r}.json").read_text()) for d in (report, plain))
+        assert traced["params_sha256"] == base["params_sha256"] and traced["losses"] == base["losses"]
+    trace = load_run(out)
+    sh = trace.shards
+    assert trace.run["kind"] == "sharded" and sh.stage == 3 and trace.status == "complete"
+    assert dict(zip(sh.units["name"], sh.units["unsharded_bytes"])) == _expected_units()
+    assert (trace.steps.groupby("rank").size() == 4).all()
+    colls = sh.colls[sh.colls["step"] == 2]
+    for name, nbytes in _expected_units().items():  # messages as the model's shapes say
+        mine = colls[(colls["rank"] == 0) & (colls["name"] == name)]
+        assert sorted(mine["collective"]) == ["all_gather", "all_gather", "reduce_scatter"]  # ZeRO-3: forward, backward
+        assert (mine["bytes"] == nbytes).all()
+        assert set(mine[mine["collective"] == "all_gather"]["phase"]) == {"forward", "backward"}
+    assert (sh.colls[sh.colls["collective"] == "reduce_scatter"]["sent_as"] == "all_reduce").all()  # gloo
+    # compute is cut per unit and never overlaps a collective on the training thread (gloo)
+    table = compute_unit_table(trace)
+    assert (table["forward_ms"] > 0).all() and (table["backward_ms"] > 0).all()
+    steps = compute_sharded_steps(trace)
+    real = steps[~steps["warmup"]]
+    assert (real["compute_ms"] + real["all_gather_ms"] + real["reduce_scatter_ms"] <= real["step_ms"] + 1e-6).all()
+
+
+def test_memory_by_category_agrees_with_fsdp_mem_tracker_and_the_zero_model(zero3):
+    _, out, report = zero3
+    trace = load_run(out)
+    for r in range(N):
+        tracker = json.loads((report / f"rank{r}.json").read_text())["memtracker"]["cpu"]
+        mine = trace.shards.memory[trace.shards.memory["rank"] == r]
+        assert mine["sharded_params_bytes"].max() == tracker["_FSDPRefType.SHARDED_PARAM"]
+        assert mine["optimizer_state_bytes"].max() == tracker["_FSDPRefType.OPT"]
+        # activations saved for backward are part of what the tracker calls activations; the
+        # tracker also sees temporaries, which CPU has no counter for
+        assert 0.5 * tracker["_FSDPRefType.ACT"] <= mine["activations_bytes"].max() <= tracker["_FSDPRefType.ACT"]
+        assert 0.6 * tracker["Total"] <= mine["total_bytes"].max() <= tracker["Total"]
+    cmp = compute_stage_comparison(trace)
+    measured = cmp[cmp["rank"].notna()]
+    assert ((measured["measured/predicted"] >= 1.0) & (measured["measured/predicted"] <= 1.05)).all()  # padding only
+    stage3 = cmp[cmp["row"] == "stage 3"].iloc[0]
+    assert stage3["params_bytes"] * N == pytest.approx(4 * trace.shards.units["numel"].sum())  # 4P/N, fp32
+    samples = compute_memory_over_step(trace, 0)
+    peak = samples[samples["peak"]].iloc[0]
+    assert peak["total_bytes"] == samples["total_bytes"].max() and peak["phase"] in ("forward", "backward")
+
+
+def test_communication_volume_says_what_gloo_sent_and_what_nccl_would(zero3):
+    trace = load_run(zero3[1])
+    vol = compute_comm_volume(trace).set_index("collective")
+    d = sum(_expected_units().values())
+    assert vol.attrs["D_bytes"] == d
+    assert vol.loc["all_gather", "message_D"] == pytest.approx(2.0)  # forward and backward: ZeRO-3's 2 of 3D
+    assert vol.loc["reduce_scatter", "ran_as"] == "all_reduce"
+    assert vol.loc["reduce_scatter", "sent_D"] == pytest.approx(2 * (N - 1) / N)  # the whole gradient, all-reduced
+    assert vol.loc["total", "nccl_D"] == pytest.approx(3 * (N - 1) / N)  # the ZeRO model: 3D x (N-1)/N
+    proc = run_cli("summary", str(zero3[1]))
+    assert proc.returncode == 0 and "gloo has no reduce-scatter" in proc.stdout and "ZeRO stage 3" in proc.stdout
+
+
+def test_rerun_with_reshard_false_is_stage_2_as_predicted(zero3, tmp_path):
+    _, out, _ = zero3
+    proc, out2, _ = trace_script(tmp_path, SCRIPT, "--steps", "4", ddpscope=("--reshard-after-forward", "false"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = load_run(out), load_run(out2)
+    assert second.shards.stage == 2
+    assert not second.shards.units[~second.shards.units["root"]]["reshard_after_forward"].any()
+    bwd = second.shards.colls[(second.shards.colls["collective"] == "all_gather")
+                              & (second.shards.colls["phase"] == "backward") & (second.shards.colls["step"] > 0)]
+    assert set(bwd["name"]) <= {"(root)"}  # the blocks stay gathered from forward to backward
+    predicted = predict_peak(first, reshard_after_forward=False)
+    measured = predict_peak(second)  # its own settings: the measured peak
+    err = (predicted["predicted_peak_bytes"] / measured["measured_peak_bytes"] - 1).abs()
+    assert (err <= 0.05).all(), (predicted, measured)
+    assert (predicted["predicted_peak_bytes"] > predicted["measured_peak_bytes"]).all()  # ZeRO-2 holds more
+
+
+def test_accumulation_and_mixed_precision_are_traced(tmp_path):
+    proc, out, _ = trace_script(tmp_path, SCRIPT, "--steps", "3", "--accum", "2", "--bf16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trace = load_run(out)
+    assert (trace.steps["micro_batches"] == 2).all()
+    assert trace.run["sharding"]["param_dtype"] == "bfloat16"
+    colls = trace.shards.colls
+    ag = colls[(colls["collective"] == "all_gather") & (colls["name"] == "layers.0")]
+    assert (ag["bytes"] == _expected_units(item=2)["layers.0"]).all()  # gathered in bf16
+    rs = colls[(colls["collective"] == "reduce_scatter") & (colls["rank"] == 0)].groupby("step").size()
+    assert (rs == len(_expected_units())).all()  # one reduction per unit per step: the last micro-batch's
+    # each collective in D of its own dtype: gathered in bf16, reduced in fp32 (twice the bytes)
+    vol = compute_comm_volume(trace).set_index("collective")
+    assert trace.run["sharding"]["reduce_dtype"] == "float32"
+    assert vol.attrs["D_reduce_bytes"] == 2 * vol.attrs["D_bytes"]
+    assert vol.loc["all_gather", "message_D"] == pytest.approx(2 * 2)  # ZeRO-3: forward and backward, per micro-batch
+    assert vol.loc["reduce_scatter", "message_D"] == pytest.approx(1.0)  # once, the last micro-batch's
+    assert vol.loc["total", "nccl_D"] == pytest.approx(5 * (N - 1) / N)
+    assert any("Mixed precision" in line for line in comm_honesty_lines(trace))
+
+
+def test_meta_device_initialisation_is_traced(tmp_path):
+    proc, out, _ = trace_script(tmp_path, SCRIPT, "--steps", "3", "--meta-init")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_run(out).shards.stage == 3
+
+
+@pytest.mark.parametrize("hsdp", [(), ("--hsdp",)], ids=["fsdp", "hsdp"])
+def test_hooks_are_gone_when_the_trace_closes(tmp_path, hsdp):
+    proc, _, report = trace_script(tmp_path, str(WORKERS / "fsdp_hooks_check.py"), *hsdp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = untraced(tmp_path, str(WORKERS / "fsdp_hooks_check.py"), *hsdp)
+    for r in range(N):
+        traced, base = (json.loads((d / f"rank{r}.json").read_text()) for d in (report, plain))
+        assert traced["during"][0] == ["post_backward", "pre_forward"]  # it was traced
+        assert traced["stand_in_during"] == bool(hsdp)  # HSDP's all-reduce timed through a stand-in
+        assert traced["collectives_dist_is_torch"]  # and torch.distributed again after
+        assert {k: v for k, v in traced.items() if k not in ("during", "stand_in_during")} == \
+            {k: v for k, v in base.items() if k not in ("during", "stand_in_during")}
+
+
+@pytest.mark.parametrize("flags, said", [
+    (("--mix-ddp",), "the script mixes DDP and FSDP"),
+    (("--fsdp1",), "FSDP1 (FullyShardedDataParallel) is not traced"),
+])
+def test_setups_ddpscope_does_not_trace_are_named_and_train_on(tmp_path, flags, said):
+    proc, out, report = trace_script(tmp_path, SCRIPT, "--steps", "3", *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert said in proc.stderr and "Traceback" not in proc.stderr
+    assert all((report / f"rank{r}.json").exists() for r in range(N))  # it trained to its end
+    assert any(said in n for n in json.loads((out / "run.json").read_text())["notes"])
+
+
+def test_units_that_differ_between_ranks_are_named(tmp_path):
+    proc, out, _ = trace_script(tmp_path, SCRIPT, "--steps", "2", "--differ", ddpscope=("--timeout", "60"))
+    assert "the FSDP units differ between ranks" in proc.stderr  # then FSDP's own collectives fail, untraced
+    assert "Traceback" not in proc.stderr.split("ddpscope run:")[-1]
+
+
+def test_a_hang_inside_a_unit_is_named_by_the_watchdog(tmp_path):
+    proc, out, _ = trace_script(tmp_path, SCRIPT, "--steps", "5", "--hang", "1:2:1",
+                                ddpscope=("--hang-timeout", "4", "--timeout", "90"))
+    assert proc.returncode != 0
+    assert "rank 1: step 2, forward of unit layers.1" in proc.stderr
+    assert "all-gather of unit layers.2 (forward)" in proc.stderr  # where rank 0 waits for it
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "failed" and run["failure"]["hung"]
+
+
+def test_lightning_model_parallel_strategy_fsdp2_is_traced_bit_identical(tmp_path):
+    """Lightning's ModelParallelStrategy (FSDP2 applied in configure_model) on CPU: traced per
+    unit, one step per optimizer step (Lightning steps with a closure), weights unchanged."""
+    script = str(WORKERS / "lightning_fsdp2.py")
+    proc, out, report = trace_script(tmp_path, script, "--steps", "4", name="lightning-fsdp2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = untraced(tmp_path, script, "--steps", "4")
+    for r in range(N):
+        assert checks(report)[r] == checks(plain)[r]  # the same weights, and global_step 4
+    trace = load_run(out)
+    assert trace.status == "complete" and trace.shards.stage == 3
+    assert list(trace.shards.units["name"]) == ["(root)", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert trace.steps.groupby("rank").size().to_dict() == {0: 4, 1: 4}
+    colls = trace.shards.colls
+    per_step = colls[(colls["rank"] == 0) & (colls["collective"] == "all_gather")].groupby("step").size()
+    assert (per_step == 1 + 2 * 4).all()  # the root kept gathered for backward; each block gathered twice
+
+
+def test_hsdp_all_reduce_across_replicas_is_timed_apart(tmp_path):
+    """HSDP on 4 ranks (2 replicas of 2 shards): each unit's gradient shard is all-reduced
+    across replicas after its reduce-scatter; timed on its own, counted in D, and the
+    model states set beside ZeRO with N = the shard group."""
+    args = (SCRIPT, "--steps", "3", "--hsdp", "2")
+    proc, out, report = trace_script(tmp_path, *args, ddpscope=("--nproc", "4"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = untraced(tmp_path, *args, nproc=4)
+    for r in range(4):
+        traced, base = (json.loads((d / f"rank{r}.json").read_text()) for d in (report, plain))
+        assert traced["params_sha256"] == base["params_sha256"]
+    trace = load_run(out)
+    units = trace.shards.units
+    assert (units["shard_size"] == 2).all() and (units["replicate_size"] == 2).all()
+    colls = trace.shards.colls
+    expected = _expected_units()  # the model's shapes, padded to the shard group of 2
+    ar = colls[colls["collective"] == "all_reduce"]
+    assert len(ar) == 4 * 3 * len(expected)  # every rank, step and unit
+    assert all(b == expected[n] // 2 for n, b in zip(ar["name"], ar["bytes"]))  # this rank's fp32 gradient shard
+    rs = colls[colls["collective"] == "reduce_scatter"].set_index(["rank", "step", "unit"])
+    for row in ar.itertuples():  # after its own unit's reduce-scatter
+        assert row.start_us >= rs.loc[(row.rank, row.step, row.unit), "end_us"] - 1.0
+    vol = compute_comm_volume(trace).set_index("collective")
+    assert vol.loc["all_reduce", "message_D"] == pytest.approx(0.5)  # D / S
+    assert vol.loc["total", "nccl_D"] == pytest.approx(3 * 1 / 2 + 2 * 1 / 2 * 0.5)  # ZeRO-3 in S = 2, + replicas
+    stages = compute_stage_comparison(trace)
+    measured = stages[stages["rank"].notna()]
+    assert ((measured["measured/predicted"] - 1).abs() < 0.05).all()  # N = 2, not 4
+    assert any("HSDP: 2 replicas of 2 ranks" in line for line in stage_differences(trace))
+
+
+def test_collective_bytes_match_the_profilers_allocations_on_the_same_run(tmp_path):
+    """torch.profiler (``ddpscope run --profile``, with its memory events) on the same run:
+    every all-gather and reduce-scatter we timed on a profiled step holds an allocation
+    the profiler saw, of exactly the bytes we recorded, inside the span we timed."""
+    proc, out, _ = trace_script(tmp_path, SCRIPT, "--steps", "4", ddpscope=("--profile", "--profile-steps", "2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trace = load_run(out)
+    meta = trace.ranks[0]
+    assert meta["profile"]["status"] == "saved"
+    raw = json.loads(gzip.open(out / meta["profile"]["file"]).read())
+    base_us, offset = raw["baseTimeNanoseconds"] / 1e3, meta["profile"]["unix_minus_host_us"]
+    align = clock_alignment(meta)
+    allocs = [(align(e["ts"] + base_us - offset), e["args"]["Bytes"]) for e in raw["traceEvents"]
+              if e.get("name") == "[memory]" and e["args"]["Bytes"] > 0]
+    colls = trace.shards.colls
+    profiled = colls[(colls["rank"] == 0) & colls["step"].isin([1, 2])]
+    assert set(profiled["collective"]) == {"all_gather", "reduce_scatter"} and len(profiled) >= 2 * 2 * 5
+    for c in profiled.itertuples():
+        assert any(c.start_us - 5 <= ts <= c.end_us + 5 and b == c.bytes for ts, b in allocs), \
+            f"{c.collective} of {c.name} (step {c.step}, {c.bytes} bytes): no such allocation in the profile"

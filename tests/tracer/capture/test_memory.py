@@ -1,0 +1,93 @@
+"""Memory accounting with real tensors and a real optimizer."""
+
+import torch
+
+from ddpscope.tracer.capture.memory import MemoryMeter, distinct_bytes
+
+
+def test_views_of_one_region_count_once():
+    flat = torch.zeros(1000)
+    a, b = flat[:500], flat[500:]
+    assert distinct_bytes([flat, flat]) == 4000
+    assert distinct_bytes([a, b]) == 4000
+    assert distinct_bytes([a, a.view(10, 50)]) == 2000
+
+
+def test_params_grads_adam_state_and_aliased_bucket_buffers():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    params = list(model.parameters())
+    n_bytes = sum(p.numel() * 4 for p in params)
+    opt = torch.optim.Adam(params)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    # a DDP-like flat bucket that the gradients alias (gradient_as_bucket_view=True) ...
+    bucket = torch.zeros(sum(p.numel() for p in params))
+    offset = 0
+    for p in params:
+        view = bucket[offset: offset + p.numel()].view_as(p)
+        view.copy_(p.grad)
+        p.grad = view
+        offset += p.numel()
+    meter = MemoryMeter(params)
+    m = meter(opt, [bucket])
+    assert m["params_bytes"] == n_bytes and m["grads_bytes"] == n_bytes
+    assert m["optimizer_state_bytes"] == 2 * n_bytes + 4 * len(params)  # exp_avg, exp_avg_sq, step
+    assert m["bucket_buffers_bytes"] == 0  # aliased: no extra memory
+    # ... and one that is a separate copy (gradient_as_bucket_view=False)
+    assert meter(opt, [bucket.clone()])["bucket_buffers_bytes"] == n_bytes
+    assert m["rss_bytes"] > n_bytes
+    meter.close()
+
+
+def test_the_meter_sees_new_optimizer_state_and_new_gradients():
+    # it keeps the optimizer state's bytes while the state holds the same tensors: new
+    # ones (another optimizer's, a loaded state dict) are counted again, as are new grads
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    params = list(model.parameters())
+    n_bytes = sum(p.numel() * 4 for p in params)
+    meter = MemoryMeter(params)
+    opt = torch.optim.SGD(params, lr=0.1)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    first = meter(opt)
+    assert first["optimizer_state_bytes"] == 0 and first["grads_bytes"] == n_bytes
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    opt.step()
+    assert meter(opt)["optimizer_state_bytes"] == n_bytes  # a momentum buffer per parameter
+    adam = torch.optim.Adam(params)
+    adam.step()
+    assert meter(adam)["optimizer_state_bytes"] == 2 * n_bytes + 4 * len(params)
+    opt.load_state_dict(torch.optim.SGD(params, lr=0.1, momentum=0.9).state_dict())  # no state yet
+    opt.zero_grad(set_to_none=True)
+    after = meter(opt)
+    assert after["grads_bytes"] == 0 and after["optimizer_state_bytes"] == 0
+    before = after["rss_bytes"]
+    hold = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched: resident
+    assert meter(opt)["rss_bytes"] >= before + 60 * 2**20
+    del hold
+    meter.close()
+
+
+def test_the_first_steps_then_one_a_interval_have_their_memory_measured():
+    import time
+
+    from ddpscope.tracer.capture.clock import CpuClock
+    from ddpscope.tracer.capture.ddp.recorder import StepRecorder
+
+    lin = torch.nn.Linear(8, 4)
+    out: list[dict] = []
+    rec = StepRecorder(clock=CpuClock(), rank=0, param_names=["w", "b"], params=list(lin.parameters()),
+                       optimizer=None, step_boundary="explicit", memory_interval_s=0.3,
+                       emit=lambda events, layouts: out.extend(e for e in events if isinstance(e, dict)))
+    for pause in (0, 0, 0, 0, 0, 0.35, 0):
+        time.sleep(pause)
+        rec.on_forward_start()
+        rec.on_forward_end(warmup=False)
+        rec.mark_step()
+    rec.finish(aborted=False)
+    steps = [e for e in out if e["cat"] == "step"]
+    counters = [e for e in out if e["ph"] == "C"]
+    assert [s["args"]["step"] for s in steps if "memory" in s["args"]] == [0, 1, 2, 5]
+    assert len(counters) == 4 and counters[-1]["args"]["params_bytes"] == (8 * 4 + 4) * 4

@@ -1,0 +1,97 @@
+"""The user's training comes first: a trace that can no longer be written stops tracing
+(one line per rank), and training runs to its end, unchanged."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpscope.tracer import format as fmt
+from ddpscope.viz.sources import load_training_trace
+from tests.conftest import processes_mentioning
+from tests.tracer.capture.autotrace.test_autotrace import USER, checks, untraced
+
+pytestmark = pytest.mark.ddp
+
+
+def _traced(out: Path, report: Path, steps: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ddpscope.cli", "run", "--nproc", "2", "--out", str(out), "--", USER,
+                             "--steps", str(steps), "--report", str(report)], cwd="/", stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(out: Path, step: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if json.loads((out / fmt.live_file(0)).read_text())["steps_done"] >= step:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"rank 0 did not reach step {step}")
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, size: str = "3m"):
+    """A tmpfs of ``size`` at ``where`` (a real full disk: ENOSPC); skips where mounting
+    is not allowed (not root, or no CAP_SYS_ADMIN in a container)."""
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root with CAP_SYS_ADMIN)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_training_goes_on_when_the_disk_fills_and_the_trace_says_incomplete(tmp_path):
+    with small_disk(tmp_path / "disk") as disk:
+        out, report = disk / "run", tmp_path / "report"
+        # ~4 s of training (steps take ~15 ms): the disk fills while it trains, not after
+        proc = _traced(out, report, 300)
+        _wait_for_step(out, 3)
+        with open(disk / "filler", "wb") as f:  # fill the disk: every later write fails with ENOSPC
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err
+        assert "the trace is incomplete (rank 0 stopped tracing at step" in err
+        trace = load_training_trace(out)  # what was written whole before the disk filled
+        assert trace.status == fmt.INCOMPLETE and "not finished" in trace.unfinished
+        done = trace.steps.groupby("rank")["step"].max()
+        assert set(done.index) == {0, 1} and (done >= 3).all() and (done < 300).all()
+    plain = untraced(tmp_path, USER, "--steps", "300")
+    for r in (0, 1):  # trained to its end, bit-identical to the same script untraced
+        assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
+
+
+def test_training_goes_on_when_the_run_folder_disappears(tmp_path):
+    # As root (as here), permission bits do not stop a write: removing the folder does.
+    out, report = tmp_path / "gone", tmp_path / "report"
+    proc = _traced(out, report, 100)  # ~2 s: the writer's next flush (every 0.25 s) comes while it trains
+    _wait_for_step(out, 3)
+    # One rename removes the folder at once (rmtree races the writers: a file made between its
+    # listing and its rmdir fails it); the renamed copy goes when the run is over.
+    out.rename(tmp_path / "removed")
+    _, err = proc.communicate(timeout=240)
+    shutil.rmtree(tmp_path / "removed")
+    assert proc.returncode == 0, err
+    stops = [l for l in err.splitlines() if "tracing stops here, training goes on" in l]
+    assert 1 <= len(stops) <= 2 and "Traceback" not in err, err  # one line per rank, at most
+    assert "was removed during the run" in err
+    plain = untraced(tmp_path, USER, "--steps", "100")
+    for r in (0, 1):  # trained to its end (it writes its report last), bit-identical to the same script untraced
+        assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
+    assert processes_mentioning(str(out)) == []

@@ -1,0 +1,67 @@
+"""Stragglers: the rank every other rank's all-reduce waited for, and by how much."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from ddpscope.viz.ddp.gantt import make_timeline_figure
+from ddpscope.viz.ddp.stragglers import compute_launch_spread, compute_straggler_summary, compute_wait_caused
+from ddpscope.viz.trace import RunTrace, load_run
+from tests.conftest import SAMPLES, run_cli
+
+
+def _trace(launches: dict[int, list[list[float]]]) -> RunTrace:
+    """launches[rank][step] = launch times (µs) of buckets 0.."""
+    b, s = [], []
+    for rank, steps in launches.items():
+        for step, times in enumerate(steps):
+            s.append({"rank": rank, "step": step, "warmup": False, "incomplete": False, "start_us": 0, "end_us": 1})
+            for k, t in enumerate(times):
+                b.append({"rank": rank, "step": step, "bucket": k, "bytes": 1, "num_params": 1, "params": ["w"],
+                          "launch_us": t, "done_us": t + 5, "incomplete": False})
+    return RunTrace(path=SAMPLES, run={"world_size": len(launches)}, ranks={r: {} for r in launches},
+                    steps=pd.DataFrame(s), buckets=pd.DataFrame(b), grads=pd.DataFrame(), memory=pd.DataFrame())
+
+
+def test_the_last_launcher_and_the_wait_it_caused():
+    t = _trace({0: [[100, 200, 300], [100, 200, 300]], 1: [[130, 260, 290], [100, 200, 350]], 2: [[100, 210, 300],
+                                                                                                 [110, 200, 300]]})
+    spread = compute_launch_spread(t)
+    assert spread["last_rank"].tolist() == [1, 1, 0, 2, 0, 1]  # ties: the first rank with the latest launch
+    assert spread["spread_ms"].tolist() == pytest.approx([0.03, 0.06, 0.01, 0.01, 0.0, 0.05])
+    w = compute_wait_caused(t).set_index(["rank", "step"])
+    # step 0: rank 1 launched buckets 0 and 1 last: rank 0 waited max(30, 60), rank 2 max(30, 50)
+    assert w.loc[(1, 0), "wait_caused_ms"] == pytest.approx(0.055)
+    assert w.loc[(1, 1), "wait_caused_ms"] == pytest.approx(0.05)
+    s = compute_straggler_summary(t).set_index("rank")
+    assert s["wait_caused_ms"].idxmax() == 1 and s.loc[1, "last_launch_pct"] == pytest.approx(50.0)
+    assert s.loc[1, "launch_delay_ms"] == pytest.approx(0.03)  # step 0's first bucket; step 1's was rank 2's
+
+
+def test_one_rank_has_no_stragglers():
+    t = _trace({0: [[100, 200]]})
+    assert compute_straggler_summary(t).empty and compute_launch_spread(t).empty
+
+
+@pytest.mark.ddp
+def test_a_delayed_rank_is_named_and_its_delay_measured(tmp_path):
+    out = tmp_path / "late"
+    # 60 ms of sleep in rank 1's every forward: its launches trail by that plus how much
+    # slower its backward reaches the first bucket, a few ms that vary with the machine's load
+    proc = run_cli("run", "--nproc", "2", "--demo", "mlp", "--steps", "14", "--bucket-cap-mb", "1", "--out", str(out),
+                   env={"DDPSCOPE_TEST_DELAY_FORWARD": "1:60"})
+    assert proc.returncode == 0, proc.stderr
+    summary = run_cli("summary", "--json", str(out))
+    stragglers = json.loads(summary.stdout)["stragglers"]
+    assert max(stragglers, key=lambda r: stragglers[r]["wait_caused_ms"]) == "1"
+    assert stragglers["1"]["last_launch_pct"] > 90
+    assert 48 <= stragglers["1"]["launch_delay_ms"] <= 72  # 60 ms, within 20 %
+    assert stragglers["1"]["wait_caused_ms"] >= stragglers["1"]["launch_delay_ms"]
+    text = run_cli("summary", str(out)).stdout
+    assert "straggler: rank 1 launched last" in text
+    fig = make_timeline_figure(load_run(out))
+    marks = next(d for d in fig.data if d.name.startswith("launched last"))
+    assert len(marks.x) == len(compute_launch_spread(load_run(out)))

@@ -1,0 +1,182 @@
+"""The bucket advisor: the lists it writes build the layouts it claims (DDP's own
+bucketing), its recommendations on traces with known answers, the noise rule, the
+``whatif`` output's shape, ``--apply`` rerunning for real, and the A/B tables."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from ddpscope.tracer.launch.rerun import rerun_settings
+from ddpscope.viz.trace import load_run
+from ddpscope.viz.whatif.ab import compute_ab_steps, compute_bucket_ab, compute_bucket_timing, make_ab_timeline_figure
+from ddpscope.viz.whatif.advisor import _Search, advise, list_for_layout, step_noise_ms
+from ddpscope.viz.whatif.simulate import predict_run
+from tests.conftest import SAMPLES, run_cli
+from tests.viz.whatif.test_whatif import MIB, model, synthetic
+
+
+def test_a_written_list_builds_exactly_its_layout_with_ddps_bucketing():
+    """Random parameter sizes, random partitions of the ready order: the list written for
+    each, put through DDP's ``compute_bucket_assignment_by_size``, gives that partition."""
+    rng = np.random.default_rng(1)
+    t = synthetic()
+    search = _Search(t, model())
+    for _ in range(300):
+        n = int(rng.integers(1, 30))
+        search.sizes = [int(x) * 4 for x in rng.integers(1, 2**20, n)]
+        search.dtypes, search.order = ["float32"] * n, [int(i) for i in rng.permutation(n)]
+        k = int(rng.integers(0, n))
+        cuts = sorted(set(int(c) for c in rng.integers(1, n, k))) if n > 1 else []
+        layout = [search.order[a:b] for a, b in zip([0, *cuts], [*cuts, n])]
+        cap = list_for_layout(search, layout)
+        assert cap is not None and search.layout(cap) == layout
+        assert all(c == round(c, 6) for c in cap)  # short decimals, not bytes / 2**20 to 15 digits
+
+
+def test_one_bucket_after_backward_gets_split_and_the_gain_is_the_exposed_tail():
+    """Traced as one bucket (every all-reduce after backward), at 2 ns a byte and no
+    steal: smaller buckets hide all but the last one's all-reduce; identical steps: no
+    noise, so the change is worth it."""
+    t = synthetic(bucket_of=[0, 0, 0, 0])
+    t.run["bucket_cap_mb"] = 100.0
+    a = advise(t, model(latency_us=100.0, us_per_byte=2e-3))
+    assert a.change and a.noise_ms == 0.0 and a.buckets >= 2
+    one = 100.0 + MIB * 2e-3  # one parameter's all-reduce, µs
+    assert a.gain_ms == pytest.approx((4 * MIB * 2e-3 + 100.0 - one) / 1e3, abs=0.05)
+    assert a.interval_ms == (a.gain_ms, a.gain_ms)
+    j = a.as_json()
+    assert j["change"] and j["step_ms"] == pytest.approx(a.step_ms) and j["traced"] == {"bucket_cap_mb": 100.0}
+    assert ("bucket_cap_mb" in j) != ("bucket_cap_mb_list" in j)
+    assert a.candidates["label"].is_unique and a.searched["uniform"] == 12
+
+
+def test_no_communication_means_no_change():
+    t = synthetic(bucket_of=[0, 0, 0, 0])
+    t.run["bucket_cap_mb"] = 100.0
+    a = advise(t, model())
+    assert not a.change and a.setting == 100.0 and "no change is worth it" in a.why
+
+
+def test_a_gain_inside_the_noise_changes_nothing():
+    """The same trace with one step in three 40 ms slower: the noise outgrows the gain."""
+    t = synthetic(bucket_of=[0, 0, 0, 0], steps=6)
+    t.run["bucket_cap_mb"] = 100.0
+    slow = t.steps["step"] % 3 == 0
+    t.steps.loc[slow, "end_us"] += 40e3
+    assert step_noise_ms(t) > 5
+    a = advise(t, model(latency_us=100.0, us_per_byte=2e-3))
+    assert a.gain_ms > 0 and not a.change and "inside the noise" in a.why and a.setting == 100.0
+    assert a.best != 100.0  # what was found is still said
+
+
+def test_local_search_beats_every_uniform_cap_and_growing_list_where_one_exists():
+    """Five parameters of uneven sizes (1.3, 0.9, 3.6, 3.2, 0.6 MiB) ready at 9, 13, 21,
+    24 and 29 ms, all-reduces of 3 ms + 4 ms/MiB one at a time (found by a random search
+    over such traces): no uniform cap and no growing list cuts them as well as a
+    per-bucket layout, which the advisor finds, recommends (more than 0.5 % faster) and
+    writes as a list that builds it."""
+    t = synthetic(ready_ms=(9, 13, 21, 24, 29), bucket_of=[0] * 5)
+    t.run["bucket_cap_mb"] = 100.0
+    t.run["param_bytes"] = [n * 4096 for n in (335, 238, 914, 821, 143)]
+    m = model(latency_us=3e3, us_per_byte=4e3 / MIB)
+    a = advise(t, m)
+    c = a.candidates
+    local = c[c["kind"] == "per-bucket list"]["step_ms"].min()
+    assert local < 0.99 * c[c["kind"] != "per-bucket list"]["step_ms"].min()
+    assert len(a.best) > 1 and a.change
+    for row in c.itertuples():  # every candidate's setting builds as many buckets as it says
+        assert len(predict_run(t, row.setting, m).run["bucket_layout"]) == row.buckets
+
+
+def test_whatif_json_carries_the_recommendation():
+    proc = run_cli("whatif", str(SAMPLES / "gpt-2rank-cap25mb"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    rec = out["recommended"]
+    assert rec["change"] and ("bucket_cap_mb" in rec) != ("bucket_cap_mb_list" in rec)
+    assert rec["step_ms"] < rec["traced_step_ms"] and len(rec["gain_interval_ms"]) == 2
+    lo, hi = rec["gain_interval_ms"]
+    assert lo < rec["gain_ms"] < hi and rec["noise_ms"] > 0
+    assert set(rec["searched"]) == {"uniform", "growing list", "per-bucket list"}
+    assert out["candidates"] and {"kind", "setting", "buckets", "step_ms"} <= set(out["candidates"][0])
+    keep = json.loads(run_cli("whatif", str(SAMPLES / "mlp-2rank-cap1mb"), "--json").stdout)["recommended"]
+    assert not keep["change"] and keep["bucket_cap_mb"] == 1.0 and "no change" in keep["why"]
+
+
+def test_apply_with_nothing_to_change_reruns_nothing(tmp_path):
+    run = tmp_path / "mlp"
+    shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", run)
+    proc = run_cli("whatif", str(run), "--apply")
+    assert proc.returncode == 0 and "nothing rerun" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp"]
+
+
+@pytest.mark.parametrize("extra, change, message", [
+    (["--json"], None, "leave out --json"),
+    ([], {"model": "not-a-demo"}, "does not say which script ran"),
+    ([], {"nnodes": 2, "nproc_per_node": 1}, "real nodes"),
+])
+def test_apply_refuses_with_one_line(tmp_path, extra, change, message):
+    run = tmp_path / "gpt"
+    shutil.copytree(SAMPLES / "gpt-2rank-cap25mb", run)
+    if change:
+        r = json.loads((run / "run.json").read_text())
+        r.update(change)
+        (run / "run.json").write_text(json.dumps(r))
+    proc = run_cli("whatif", str(run), "--apply", *extra)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+        proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt"]
+
+
+@pytest.mark.ddp
+def test_apply_reruns_with_the_recommendation_and_prints_a_b(tmp_path):
+    """The GPT sample traced at 25 MiB (one bucket after backward): the recommendation is
+    rerun for real (the demo, 2 ranks, the sample's 12 steps); B's run.json has the
+    setting and where it came from; the A/B tables are printed."""
+    run, out = tmp_path / "gpt", tmp_path / "b"
+    shutil.copytree(SAMPLES / "gpt-2rank-cap25mb", run)
+    rec = json.loads(run_cli("whatif", str(run), "--json").stdout)["recommended"]
+    proc = run_cli("whatif", str(run), "--apply", "--apply-out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    b = load_run(out)
+    assert b.status == "complete" and b.run["steps"] == 12 and b.world_size == 2
+    if "bucket_cap_mb_list" in rec:
+        assert b.run["bucket_cap_bytes_list"] == [int(c * MIB) for c in rec["bucket_cap_mb_list"]]
+    else:
+        assert b.run["bucket_cap_mb"] == pytest.approx(rec["bucket_cap_mb"], rel=1e-6)
+    assert b.run["advice"]["from"] == str(run.resolve())
+    assert b.run["advice"]["predicted_step_ms"] == pytest.approx(rec["step_ms"])
+    text = proc.stdout
+    assert "B predicted" in text and "exposed_ms A" in text and "measured: B" in text
+    assert len(b.run["bucket_layout"]) >= 2  # the recommendation split the traced single bucket
+
+
+def test_a_b_tables_and_the_diff_timeline():
+    a = synthetic(bucket_of=[0, 0, 0, 0], comm_ms=8.0)
+    b = synthetic(comm_ms=2.0)
+    t = compute_bucket_timing(a)
+    # one bucket: launched at 40 ms (the last gradient), 8 ms in flight, all of it after backward
+    assert t[["launch_ms", "flight_ms", "exposed_ms"]].iloc[0].tolist() == pytest.approx([40.0, 8.0, 8.0])
+    tb = compute_bucket_timing(b)
+    assert tb["exposed_ms"].sum() == pytest.approx(2.0)  # the buckets' exposed parts add up to the wait
+    ab = compute_bucket_ab(a, b)
+    assert list(ab["bucket"]) == [0, 1, 2, 3] and ab["mib A"].isna().sum() == 3
+    steps = compute_ab_steps(a, b, b).set_index("median")
+    assert steps.loc["step_ms", "error %"] == 0 and steps.loc["exposed_ms", "B - A measured"] == pytest.approx(-6.0)
+    fig = make_ab_timeline_figure({"A": a, "B": b})
+    assert {"A: all-reduce", "B: all-reduce", "A: exposed", "B: exposed"} <= {d.name for d in fig.data}
+
+
+def test_rerun_settings_follow_run_json():
+    base = {"kind": "ddp", "nproc_per_node": 2, "world_size": 4, "nnodes": 2, "steps_requested": 20,
+            "demo": "mlp", "emulation": {"nodes": 2, "link": "200mbit"}}
+    assert rerun_settings(base) == {"nproc": 2, "steps": 20, "emulate_nodes": 2, "link": "200mbit", "demo": "mlp"}
+    with pytest.raises(ValueError, match="fsdp2 run"):
+        rerun_settings({**base, "kind": "fsdp2"})
+    with pytest.raises(ValueError, match="folder .* is gone"):
+        rerun_settings({"kind": "ddp", "script": {"argv": ["t.py"], "cwd": "/nonexistent/x"}})

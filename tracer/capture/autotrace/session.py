@@ -1,0 +1,196 @@
+"""This process's capture: which model is traced (the first DDP or FSDP2 model built), what
+could not be and why (said once, kept in run.json's notes), progress and the step limit
+after each step, and the end (the trace closed once, whatever ends the script)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from ddpscope.tracer.capture.autotrace.config import CaptureConfig
+from ddpscope.tracer.capture.autotrace.step_limit import end_job
+from ddpscope.tracer.progress import emit_progress, say
+from ddpscope.tracer.writer import update_run_json
+
+
+class Session:
+    """This process's capture: which DDP model is traced, what could not be, and the end."""
+
+    def __init__(self, config: CaptureConfig) -> None:
+        self.config = config
+        self.script_caps: dict = {}  # the script's own bucket_cap_mb(_list), as it built DDP
+        self.tracer = None
+        self.profiler = None  # torch.profiler beside the tracer (--profile)
+        self.stacks = None  # where faulthandler writes this rank's stacks on SIGUSR1
+        self.notes: list[str] = []
+        self.error: str | None = None  # an uncaught exception, seen by the excepthook
+        self._last = time.perf_counter()
+        # when this rank's script started (the bootstrap ran), torch's DDP was importable,
+        # and the traced model was built: µs on the host monotonic clock (the trace's)
+        self.times_us: dict[str, float] = {"bootstrap": now_us()}
+        self._lock = threading.Lock()
+
+    # -- what the patches call ------------------------------------------------------
+    def on_ddp_built(self, ddp, script_cap: Any, overridden: bool) -> None:
+        if self.tracer is not None and type(self.tracer).__name__ != "DDPTracer":
+            self.note(f"the script mixes DDP and FSDP: the DDP model ({type(ddp.module).__name__}) is not traced; "
+                      "the FSDP2 model is")
+            return
+        if self.tracer is not None:
+            self.note(f"a second DistributedDataParallel model ({type(ddp.module).__name__}) was built; "
+                      f"only the first ({type(self.tracer.model.module).__name__}) is traced")
+            return
+        reason = untraceable(ddp)
+        if reason:
+            self.note(f"{reason}; the script runs untraced")
+            return
+        from ddpscope.tracer.capture.ddp.tracer import DDPTracer, TracerConfig
+
+        self.times_us["ddp_built"] = now_us()
+        facts = {"capture_times_us": self.times_us, "capture": "ddpscope run", "bucket_cap_mb_script": script_cap,
+                 "bucket_cap_mb_list_script": self.script_caps.get("bucket_cap_mb_list_script"),
+                 "bucket_cap_mb_requested": self.config.bucket_cap_mb if overridden else None,
+                 "bucket_cap_mb_list_requested": self.config.bucket_cap_mb_list if overridden else None,
+                 "steps_requested": self.config.steps, "notes": self.notes}
+        tracer = DDPTracer(ddp, "auto", TracerConfig(out_dir=self.config.out, run_meta=facts,
+                                                           capture=self.config.capture,
+                                                           capture_note=self.config.capture_note), on_step=self.on_step)
+        why = tracer.start()  # never raises: says why it could not
+        if why is not None:
+            self.note(why)
+            return
+        self.tracer = tracer
+        if self.config.profile_steps:
+            self.profiler = _start_profiler(tracer, self.config)
+        self._last = time.perf_counter()
+
+    def on_step(self, step_record) -> None:
+        """After each closed step (training thread): progress, and the step limit."""
+        tracer = self.tracer
+        if tracer is None:  # the trace is being finished (its open step closes)
+            return
+        if self.profiler is not None:
+            self.profiler.after_step(step_record.step)
+        now = time.perf_counter()
+        done = tracer.steps
+        if self.config.progress and tracer.rank == 0:
+            emit_progress(event="step", step=done, steps=self.config.steps, ms=round((now - self._last) * 1e3, 1))
+        self._last = now
+        if self.config.steps is not None and done >= self.config.steps:
+            end_job(self.finish, self.config.exit_grace_s)
+
+    def on_fsdp1(self) -> None:
+        if not any("FullyShardedDataParallel" in n for n in self.notes):
+            self.note("FSDP1 (FullyShardedDataParallel) is not traced: ddpscope traces DistributedDataParallel "
+                      "and FSDP2 (fully_shard); the FSDP1 model runs untraced")
+
+    def on_fsdp_root(self, root_state) -> None:
+        """FSDP2 lazily initialised a root (its first forward): every unit is known now."""
+        from ddpscope.tracer.capture.sharded.fsdp_tracer import FSDPTracer
+        from ddpscope.tracer.capture.sharded.settings import apply_prefetch, apply_reshard, parse_reshard
+        from ddpscope.tracer.capture.sharded.units import find_units
+        from ddpscope.tracer.capture.sharded.units import problems as fsdp_problems
+        from ddpscope.tracer.capture.tracer_config import TracerConfig
+
+        root = root_state._modules[0]
+        if self.tracer is not None:
+            what = "DDP" if type(self.tracer).__name__ == "DDPTracer" else "FSDP"
+            self.note(f"the script mixes DDP and FSDP: a second model ({type(root).__name__}, FSDP2) is not traced; "
+                      f"the first one traced ({what}) is")
+            return
+        cfg = self.config
+        requested = {"reshard_after_forward": cfg.reshard_after_forward, "forward_prefetch": cfg.forward_prefetch,
+                     "backward_prefetch": cfg.backward_prefetch}
+        try:  # the rerun's settings, before any unit is gathered
+            units = find_units(root_state)
+            if cfg.reshard_after_forward is not None:
+                apply_reshard(units, parse_reshard(cfg.reshard_after_forward))
+            if cfg.forward_prefetch or cfg.backward_prefetch:
+                apply_prefetch(units, cfg.forward_prefetch or None, cfg.backward_prefetch)
+        except ValueError as e:  # FSDP's own check (N must divide the shard group): said, the script's kept
+            self.note(f"--reshard-after-forward / prefetch not applied ({e}); the script's settings stay")
+        self.times_us["ddp_built"] = now_us()
+        facts = {"capture_times_us": self.times_us, "capture": "ddpscope run", "sharding_requested": requested,
+                 "steps_requested": cfg.steps, "notes": self.notes}
+        if cfg.bucket_cap_mb is not None or cfg.bucket_cap_mb_list is not None:
+            self.note("--bucket-cap-mb(-list) applies to DDP; this script shards with FSDP2, which has no buckets")
+        tracer = FSDPTracer(root, root_state, TracerConfig(out_dir=cfg.out, capture="python"), on_step=self.on_step,
+                            run_meta=facts)
+        why = tracer.start()  # never raises: says why it could not
+        if why is not None:
+            self.note(why)
+            return
+        self.tracer = tracer
+        for problem in fsdp_problems(tracer.units):  # traced, with what its figures leave out
+            self.note(problem)
+        if cfg.profile_steps:
+            self.profiler = _start_profiler(tracer, cfg)
+        self._last = time.perf_counter()
+
+    # -- the end --------------------------------------------------------------------
+    def finish(self, error: str | None = None) -> None:
+        """Close the trace once (never raises: the script's own ending comes first)."""
+        with self._lock:
+            tracer, self.tracer = self.tracer, None
+            profiler, self.profiler = self.profiler, None
+        if profiler is not None:
+            profiler.stop()  # saves the steps it recorded (never raises)
+        if tracer is None:
+            return
+        try:
+            tracer.close(error or self.error)
+        except Exception as e:  # noqa: BLE001
+            say(f"could not finish the trace: {type(e).__name__}: {e}")
+
+    def note(self, text: str) -> None:
+        """Say something once on stderr (rank 0) and keep it in run.json's notes."""
+        self.notes.append(text)
+        if rank() == 0:
+            say(text)
+            try:
+                update_run_json(self.config.out, {"notes": self.notes})
+            except OSError:
+                pass
+
+
+def _start_profiler(tracer, config: CaptureConfig):
+    """torch.profiler on the first ``config.profile_steps`` traced steps, or None (one
+    line says why) if it cannot start: the trace goes on without it."""
+    from ddpscope.tracer.capture.profile import StepProfiler
+
+    try:
+        return StepProfiler(config.out, tracer.rank, config.profile_steps,
+                            cuda=str(tracer.clock.kind).startswith("cuda"), host_us=tracer.clock.host_us,
+                            set_meta=tracer.set_meta).start()
+    except Exception as e:  # noqa: BLE001 - training goes on
+        say(f"rank {tracer.rank}: torch.profiler could not start ({type(e).__name__}: {e}); tracing goes on")
+        return None
+
+
+def untraceable(ddp) -> str | None:
+    """Why this DDP model cannot be traced, or None."""
+    if getattr(ddp, "_use_python_reducer", False):
+        return ("DDP runs under compiled autograd's Python reducer (torch._dynamo.config.optimize_ddp="
+                "'python_reducer'): gradients are reduced outside DDP's reducer, which ddpscope times")
+    if getattr(ddp, "_delay_all_reduce_all_params", False):
+        return "every parameter is in delay_all_reduce_named_params: DDP builds no reducer to time"
+    if getattr(ddp, "reducer", None) is None:
+        return "this DDP model has no reducer"
+    return None
+
+
+def now_us() -> float:
+    return time.perf_counter_ns() / 1000.0  # the clock the trace uses on CPU (tracer.capture.clock)
+
+
+def rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # noqa: BLE001
+        pass
+    return int(os.environ.get("RANK", 0))

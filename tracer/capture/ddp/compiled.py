@@ -1,0 +1,204 @@
+"""Compiled bucket timing: DDP's reducer talks to a C++ process group that forwards to
+the real one and stamps every all-reduce (``native/timed_group.cpp``), so no Python
+communication hook runs and DDP keeps its fused divide-while-copying path.
+
+``CompiledBuckets.attach(ddp, recorder)`` installs the wrapper with the reducer's
+``_update_process_group`` (the DDP module's own ``process_group``, used for its buffer
+broadcasts, is left alone); ``take(step, pass)`` hands the all-reduces since the last call
+to the step as ``BucketRecord``s (bucket k = the k-th all-reduce: the reducer launches
+buckets in index order; the recorder calls it when the next backward starts or the step
+closes, by when every completion callback has run) and ``take_ready`` the gradient-ready
+times (C++ post hooks put in front of DDP's on each parameter's AccumulateGrad node);
+``detach()`` gives the reducer its group back and takes the hooks off.
+
+On CUDA (NCCL, or gloo with CUDA tensors) the host clock is wrong for a collective (an
+NCCL future completes when the kernel is enqueued): the wrapper also records CUDA events
+and hands their times over one take later (``DeviceLag``), when that step's work has
+long completed, so nothing synchronises inside a step; the gradient-ready times then
+come from the Python hooks' CUDA events (the C++ ready hooks stamp the host clock).
+NOT exercised by CI (no GPU there): tests/tracer/capture/test_cuda.py runs it where a GPU is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpscope.tracer.capture.ddp.records import BucketRecord
+from ddpscope.tracer.capture.native import build as native
+
+
+def load_extension() -> tuple[Any, str | None]:
+    """``(module, None)``, or ``(None, why not)`` in one line (never raises)."""
+    try:
+        module = native.load_built()
+    except Exception as e:  # noqa: BLE001 - a stale or broken build: the Python path
+        return None, f"the compiled capture could not be loaded ({type(e).__name__}: {str(e)[:200]})"
+    if module is None:
+        return None, "the compiled capture is not built (`ddpscope build` builds it once per torch version)"
+    return module, None
+
+
+class DeviceLag:
+    """Device times arrive one take late: the ``BucketRecord``s of the last take wait here
+    for them (their ``launch``/``done`` stay None until then)."""
+
+    def __init__(self) -> None:
+        self.waiting: list = []  # the last take's BucketRecords
+        self.step = None  # the step they belong to
+
+    def hand_over(self, step, buckets: list) -> None:
+        self.step, self.waiting = step, buckets
+
+    def fill(self, device: list[tuple[int, int]]) -> None:
+        """``device``: (launch_ns, done_ns) per all-reduce of the last take, 0 if unknown."""
+        for b, (launch, done) in zip(self.waiting, device):
+            b.launch = launch / 1e3 if launch else None
+            b.done = done / 1e3 if done else None
+        if device:
+            self.step, self.waiting = None, []
+
+    def holds_any_of(self, steps) -> bool:
+        return bool(self.waiting) and any(s is self.step for s in steps)
+
+
+class CompiledBuckets:
+    """One DDP model's all-reduces, timed in C++ (see the module's docstring)."""
+
+    def __init__(self, ext, ddp: DDP, recorder, device: torch.device, skew_ns: int = 0) -> None:
+        self.ext = ext
+        self.ddp = ddp
+        self.recorder = recorder
+        self.skew_ns = skew_ns  # the clock's test-only skew (CpuClock.skew_ns): one time axis
+        self.original = ddp.process_group  # passed in, never read from the reducer
+        self.device = None if device.type == "cpu" else device  # an accelerator: its events time the buckets
+        self.lag = DeviceLag()
+        self.group = ext.wrap(self.original, 4096, self.device)
+        self.ready = None  # gradient-ready stamps (C++ hooks on the parameters' AccumulateGrad nodes)
+        self._params: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # bucket sizes -> params per bucket
+        self.attached = False
+
+    def attach(self) -> "CompiledBuckets":
+        self._last_sync: tuple[list, int] = ([], 0)  # (step.grads, pass): the last syncing backward's
+        self._bucket_params(None)  # the first layout, before training (it allocates: not inside a step)
+        if self.host_ready:
+            self.ready = self.ext.ReadyTimes(self.recorder.params)
+        self.ddp.reducer._update_process_group(self.group)
+        self.attached = True
+        return self
+
+    @property
+    def host_ready(self) -> bool:
+        """The C++ hooks take the gradient-ready times (host clock: CPU); else the Python
+        hooks do, on the clock's stamps (CUDA events)."""
+        return self.device is None
+
+    def detach(self) -> None:
+        """The reducer's own group back and the ready hooks off (DDP untraced from here
+        on); idempotent. Between steps only (no backward running)."""
+        if self.attached:
+            self.attached = False
+            self.take_pending()
+            self.ddp.reducer._update_process_group(self.original)
+            # Hold the real group no longer than the reducer does: a group that outlives
+            # destroy_process_group is torn down while Python finalizes (see the tracer's
+            # _release_cpu_group). The wrapper's records outlive it for a late callback.
+            self.group = self.original = None
+        if self.ready is not None:
+            self.ready.remove()
+            self.ready = None
+
+    def progress(self) -> tuple[int, int]:
+        """``(launched, done)`` all-reduces of the open step (read by the live file's thread)."""
+        group = self.group  # read once: detach() may drop it meanwhile
+        return tuple(self.ext.progress(group)) if group is not None and self.attached else (0, 0)
+
+    def take_ready(self, step, k: int) -> None:
+        """The gradients accumulated since the last call, into ``step.grads`` as pass ``k``'s
+        (at the end of each backward, accumulation's included)."""
+        if self.ready is None or step is None:
+            return
+        step.grads.extend(self.ready.take(k, self.skew_ns))
+
+    def take_pending(self) -> list[tuple[int, int, int]]:
+        """The host records since the last take; the device times of the take before go
+        to the buckets waiting for them."""
+        if self.group is None:
+            return []
+        records, device = self.ext.take(self.group, 10_000)
+        self.lag.fill(device)
+        return records
+
+    def settle(self, steps) -> None:
+        """Before ``steps`` are resolved: if the last take's buckets (still waiting for their
+        device times) are among them, read those now (at the end of tracing; it waits for
+        their events if need be: a CPU-GPU sync, once)."""
+        if self.group is not None and self.lag.holds_any_of(steps):
+            self.lag.fill(self.ext.settle(self.group))
+
+    def take(self, step, pass_index: int) -> None:
+        """The all-reduces since the last call, that pass's, into ``step.buckets`` (between
+        backwards: no all-reduce of this model is in flight)."""
+        records = self.take_pending()
+        if not records or step is None:
+            return
+        sizes = tuple(b for _, _, b in records)
+        params = self._params.get(sizes) or self._from_ready_order(sizes) or self._bucket_params(sizes)
+        self._last_sync = (step.grads, pass_index)  # read only if the layout changes next
+        if self.device is None:
+            skew = self.skew_ns
+            taken = [BucketRecord(k, nbytes, params[k], (launch + skew) / 1e3, (done + skew) / 1e3 if done else None)
+                     for k, (launch, done, nbytes) in enumerate(records)]
+        else:  # the host's times are not the device's: those come a take later
+            taken = [BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=None)
+                     for k, (_, _, nbytes) in enumerate(records)]
+            self.lag.hand_over(step, taken)
+        step.buckets.extend(taken)
+
+    def _bucket_params(self, sizes: tuple[int, ...] | None) -> list[tuple[int, ...]]:
+        """Each bucket's parameter indices (the recorder's), from the reducer's current
+        buckets (``sizes``: the all-reduces' bytes; None: before training, whatever they
+        are). It allocates a copy of every bucket (~10 ms for a few MiB): done before
+        training, and inside a step only when the rebuilt layout cannot be read from the
+        ready order."""
+        index = self.recorder.param_index
+        buckets = sorted(self.ddp.reducer._get_zeros_like_grad_buckets(), key=lambda b: b.index())
+        found = [tuple(index.get(id(p), -1) for p in b.parameters()) for b in buckets]
+        have = tuple(b.buffer().numel() * b.buffer().element_size() for b in buckets)
+        self._params[have] = found
+        if sizes is not None and have != sizes:
+            # all-reduces of other sizes than the buckets (a built-in FP16_COMPRESS hook's
+            # fp16 copies): bucket k is still the k-th all-reduce; kept, not asked each step
+            mapped = self._params[sizes] = [found[k] if k < len(found) else () for k in range(len(sizes))]
+            return mapped
+        return found
+
+    def _from_ready_order(self, sizes: tuple[int, ...]) -> list[tuple[int, ...]] | None:
+        """The layout DDP rebuilt after its first iteration: its buckets are consecutive
+        runs of that iteration's gradient-ready order, filled up to the cap. Read as runs
+        whose bytes equal each all-reduce's; None if they do not (several dtypes or
+        devices, unused parameters): then the reducer is asked."""
+        grads, k = self._last_sync  # in stamp order: one autograd thread stamps them in turn
+        order, out, at = [param for param, _, kk in grads if kk == k], [], 0
+        for size in sizes:
+            run, total = [], 0
+            while at < len(order) and total < size:
+                run.append(order[at])
+                total += self.recorder.param_nbytes[order[at]]
+                at += 1
+            if total != size:
+                return None
+            out.append(tuple(run))
+        if at != len(order):
+            return None
+        self._params[sizes] = out
+        return out
+
+
+def usable(device: torch.device) -> str | None:
+    """Why the compiled capture cannot time this model, or None."""
+    if device.type not in ("cpu", "cuda"):
+        return f"the compiled capture times CPU and CUDA models, not {device.type}"
+    return None

@@ -1,0 +1,61 @@
+"""What ``run.json`` records of a traced DDP model: the bucket sizes DDP really uses, its
+settings, the script's communication hook, whether the ranks were bound to cores."""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpscope.tracer.capture.ddp.comm_hook import STATE_ATTR
+from ddpscope.tracer.capture.ddp.reducer import reducer_params
+
+
+def ddp_facts(ddp: DDP) -> dict:
+    """The model's facts for run.json (JSON-able)."""
+    return {
+        **bucket_caps(ddp),
+        "model_class": type(ddp.module).__name__,
+        "model_params": sum(p.numel() for p in reducer_params(ddp)[1]),
+        "comm_hook": _comm_hook_name(ddp),
+        "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
+        "static_graph": bool(ddp.static_graph),
+        "find_unused_parameters": bool(ddp.find_unused_parameters),
+        # a calibration binds its ranks to cores as the run's were (contention differs)
+        "ranks_bound_to_cores": _bound_to_cores(),
+    }
+
+
+def _bound_to_cores() -> bool:
+    """Whether this process may run on fewer cores than the machine has."""
+    try:
+        return len(os.sched_getaffinity(0)) < (os.cpu_count() or 0)
+    except (AttributeError, OSError):
+        return False
+
+
+def bucket_caps(ddp: DDP) -> dict:
+    """The bucket sizes DDP really uses (bytes; MiB = 2^20 bytes). DDP treats "no
+    bucket_cap_mb given" apart from an explicit 25: both cap buckets at 25 MiB, but only
+    the default makes the first bucket (the last gradients) 1 MiB
+    (``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
+    cap = int(ddp.bucket_bytes_cap)
+    config = getattr(ddp, "_bucket_config", None)
+    if config is not None:
+        first = int(config.first_bucket_bytes_cap)
+    else:  # older DDP: the flag alone says whether the default first bucket applies
+        first = int(dist._DEFAULT_FIRST_BUCKET_BYTES) if getattr(ddp, "bucket_bytes_cap_default", False) else cap
+    per_bucket = [int(b) for b in getattr(ddp, "bucket_bytes_cap_list", []) or []]
+    return {"bucket_cap_bytes": cap, "bucket_cap_mb": cap / 2**20, "first_bucket_cap_bytes": first,
+            "bucket_cap_default": first < cap and not per_bucket, "bucket_cap_bytes_list": per_bucket or None}
+
+
+def _comm_hook_name(ddp: DDP) -> str | None:
+    """The script's own communication hook (wrapped by ddpscope's), if any."""
+    state = getattr(ddp, STATE_ATTR, None)
+    if state is not None and state.builtin is not None:
+        return f"{state.builtin} (DDP's built-in C++ hook)"
+    if state is None or state.inner is None:
+        return None
+    return getattr(state.inner[0], "__qualname__", repr(state.inner[0]))

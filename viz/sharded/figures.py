@@ -1,0 +1,136 @@
+"""Figures of a sharded (FSDP2) run: the timeline with per-unit compute and one lane per
+collective kind, memory over a step by category, and the model states beside ZeRO's
+stages. Times in ms from the start of the first shown step (rank 0's clock), bytes in
+MiB (2^20) on the axes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+
+from ddpscope.tracer import format as fmt
+from ddpscope.viz.lanes import select_steps
+from ddpscope.viz.sharded.metrics import MEMORY_LABELS, with_exposed
+
+MIB = 2**20
+LANES = ("compute", "all-gather", "reduce-scatter")
+WAIT_COLOR = "rgba(228, 26, 28, 0.75)"
+MEMORY_COLORS = {"sharded_params_bytes": "#1f77b4", "unsharded_params_bytes": "#aec7e8",
+                 "sharded_grads_bytes": "#ff7f0e", "unsharded_grads_bytes": "#ffbb78",
+                 "optimizer_state_bytes": "#2ca02c", "activations_bytes": "#9467bd",
+                 "comm_buffers_bytes": "#8c564b", "other_bytes": "#c7c7c7"}
+
+
+def lane(rank: int, what: str) -> str:
+    return f"rank {rank} · {what}"
+
+
+def unit_colors(names: list[str]) -> dict[str, str]:
+    palette = qualitative.Plotly + qualitative.D3
+    return {n: palette[k % len(palette)] for k, n in enumerate(names)}
+
+
+def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
+                                 ranks: Sequence[int] | None = None) -> go.Figure:
+    """Per rank three lanes: compute cut per unit (coloured by unit, the waits for an
+    all-gather in red), the all-gathers and the reduce-scatters (a unit's colour;
+    prefetched all-gathers hatched). Exposed communication (no compute on the rank
+    beside it) is outlined in red."""
+    sh = trace.shards
+    shown = select_steps(trace, steps, ranks)
+    if shown.empty:
+        return go.Figure().update_layout(title="No finished step to show")
+    origin = float(shown["start_us"].min())
+    keep = set(zip(shown["rank"], shown["step"]))
+    ranks_shown = sorted(shown["rank"].unique())
+    labels = [lane(r, w) for r in ranks_shown for w in LANES]
+    pos = {lab: len(labels) - k for k, lab in enumerate(labels)}
+    colors = unit_colors(sh.units["name"].tolist())
+
+    def pick(df: pd.DataFrame) -> pd.DataFrame:
+        return df[[(r, s) in keep for r, s in zip(df["rank"], df["step"])]] if len(df) else df
+
+    fig = go.Figure()
+    segs = pick(sh.segments)
+    for name, g in segs.groupby("name", sort=False):
+        fig.add_trace(go.Bar(
+            name=str(name), orientation="h", y=[pos[lane(r, "compute")] for r in g["rank"]],
+            base=(g["start_us"] - origin) / 1e3, x=(g["end_us"] - g["start_us"]) / 1e3, width=0.8,
+            marker_color=colors[name], legendgroup=str(name), customdata=np.stack([g["phase"], g["step"]], axis=-1),
+            hovertemplate=f"{name} %{{customdata[0]}} (step %{{customdata[1]}})<br>%{{x:.3f}} ms<extra></extra>"))
+    waits = pick(sh.waits)
+    if len(waits):
+        fig.add_trace(go.Bar(
+            name="waiting for an all-gather", orientation="h", y=[pos[lane(r, "compute")] for r in waits["rank"]],
+            base=(waits["start_us"] - origin) / 1e3, x=(waits["end_us"] - waits["start_us"]) / 1e3, width=0.8,
+            marker_color=WAIT_COLOR, customdata=np.stack([waits["name"], waits["phase"]], axis=-1),
+            hovertemplate="compute waits for %{customdata[0]}'s all-gather (%{customdata[1]})<br>%{x:.3f} ms"
+                          "<extra></extra>"))
+    colls = pick(with_exposed(trace))
+    for (kind, name), g in colls.groupby(["collective", "name"], sort=False):
+        what = "all-gather" if kind == "all_gather" else "reduce-scatter"  # HSDP's all-reduce: after its reduce-scatter
+        sent = g["sent_as"].dropna()
+        ran = f" (ran as {sent.iloc[0].replace('_', '-')})" if len(sent) else ""
+        if kind == "all_reduce":
+            what, ran = "reduce-scatter", " (HSDP's all-reduce across replicas)"
+        exposed = g["exposed_ms"] > 0.5 * g["ms"]
+        fig.add_trace(go.Bar(
+            name=f"{kind.replace('_', '-')} {name}", orientation="h", y=[pos[lane(r, what)] for r in g["rank"]],
+            base=(g["start_us"] - origin) / 1e3, x=g["ms"], width=0.6, legendgroup=str(name), showlegend=False,
+            marker=dict(color=colors[name], pattern_shape=["/" if p else "" for p in g["prefetch"]],
+                        line=dict(color=["#e41a1c" if e else "rgba(0,0,0,0)" for e in exposed], width=1.5)),
+            customdata=np.stack([g["phase"], g["bytes"] / MIB, g["exposed_ms"], g["prefetch"]], axis=-1),
+            hovertemplate=f"{kind.replace('_', '-')} {name}{ran}, %{{customdata[0]}}<br>%{{customdata[1]:.3f}} MiB, %{{x:.3f}} ms, "
+                          "exposed %{customdata[2]:.3f} ms<br>prefetched: %{customdata[3]}<extra></extra>"))
+    fig.update_layout(
+        barmode="overlay", height=120 + 75 * len(ranks_shown) * len(LANES) // 2,
+        xaxis_title="ms from the first shown step's start (rank 0's clock)",
+        yaxis=dict(tickvals=list(pos.values()), ticktext=list(pos), range=[0.4, len(labels) + 0.6]),
+        legend=dict(orientation="h", y=-0.18), margin=dict(l=10, r=10, t=40, b=10),
+        title=f"FSDP2, ZeRO stage {sh.stage}: compute per unit against its all-gathers and reduce-scatters")
+    return fig
+
+
+def make_memory_over_step_figure(samples: pd.DataFrame, title: str = "Memory over one step") -> go.Figure:
+    """Stacked areas of bytes by category at each unit boundary of one step (measured, or
+    predicted: ``sharded.predict.predict_memory``), with the peak marked."""
+    fig = go.Figure()
+    if samples.empty:
+        return fig.update_layout(title=f"{title}: no measured step")
+    for cat in fmt.MEMORY_CATEGORIES:
+        if cat not in samples or not (samples[cat].fillna(0) > 0).any():
+            continue
+        fig.add_trace(go.Scatter(
+            x=samples["t_ms"], y=samples[cat].fillna(0) / MIB, name=MEMORY_LABELS[cat], stackgroup="memory",
+            mode="lines", line=dict(width=0.5, color=MEMORY_COLORS[cat]), customdata=samples["where"],
+            hovertemplate=MEMORY_LABELS[cat] + ": %{y:.3f} MiB<br>%{customdata}<extra></extra>"))
+    peak = samples[samples["peak"]]
+    if len(peak):
+        p = peak.iloc[0]
+        fig.add_trace(go.Scatter(x=[p["t_ms"]], y=[p["total_bytes"] / MIB], mode="markers+text",
+                                 marker=dict(symbol="triangle-down", size=14, color="#e41a1c"),
+                                 text=[f"peak {p['total_bytes'] / MIB:.2f} MiB: {p['where']}"],
+                                 textposition="top center", name="peak", hoverinfo="skip"))
+    fig.update_layout(title=title, xaxis_title="ms from the step's start", yaxis_title="MiB",
+                      height=420, legend=dict(orientation="h", y=-0.2), margin=dict(l=10, r=10, t=40, b=10))
+    return fig
+
+
+def make_stage_comparison_figure(comparison: pd.DataFrame) -> go.Figure:
+    """The measured model states (per rank) beside ZeRO stages 0-3 for this model and N,
+    stacked: parameters, gradients, optimizer state (MiB)."""
+    fig = go.Figure()
+    rows = comparison["row"].tolist()
+    for key, label, color in (("params_bytes", "parameters", "#1f77b4"), ("grads_bytes", "gradients", "#ff7f0e"),
+                              ("optimizer_state_bytes", "optimizer state", "#2ca02c")):
+        fig.add_trace(go.Bar(x=rows, y=comparison[key] / MIB, name=label, marker_color=color,
+                             hovertemplate="%{x}<br>" + label + ": %{y:.3f} MiB<extra></extra>"))
+    fig.update_layout(barmode="stack", height=380, yaxis_title="MiB per rank", legend=dict(orientation="h", y=-0.2),
+                      title="Model states: this run beside ZeRO stages 0-3 (this model, this N)",
+                      margin=dict(l=10, r=10, t=40, b=10))
+    return fig

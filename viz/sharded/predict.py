@@ -1,0 +1,119 @@
+"""Predict a sharded run under other FSDP2 settings, from one trace of it.
+
+Memory: a measured step's samples (one per unit boundary) are replayed with which units
+are gathered under the new ``reshard_after_forward`` and prefetch depths; everything
+else the samples hold (shards, gradients, optimizer state, activations, buffers) is
+kept as measured, since those settings do not change it. A unit is gathered from its
+forward's start (or when a unit before it prefetches it) and, when it reshards after
+forward, released at its forward's end; in backward it is gathered again at its
+backward's start (or prefetched by the unit before it in backward order: FSDP's
+default depth is one) and released at its backward's end. The root keeps the setting
+it ran with. The result has the columns of ``sharded.metrics.compute_memory_over_step``,
+so the same figure draws it.
+
+Step time: on a backend that runs collectives on the training thread (gloo), a unit
+that stays gathered from forward to backward saves its backward all-gather (and the
+wait for it); one that reshards pays one as long as its forward all-gather. Prefetching
+moves an all-gather earlier and hides nothing there. NCCL overlaps all-gathers with
+compute: this model's step time is then an upper bound (said on the page).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from ddpscope.viz.sharded.metrics import _real_steps, compute_memory_over_step, compute_sharded_steps, with_exposed
+
+
+def _reshards(setting: bool | int) -> bool:
+    return setting is not False
+
+
+def predict_memory(trace, rank: int, reshard_after_forward: bool | int | None = None,
+                   forward_prefetch: int = 0, backward_prefetch: int = 1, step: int | None = None) -> pd.DataFrame:
+    """A measured step's memory samples with the gathered parameters replayed under the
+    settings (None: each unit's own); ``unsharded_params_bytes`` and ``total_bytes``
+    change, ``peak`` marks the new largest."""
+    sh = trace.shards
+    samples = compute_memory_over_step(trace, rank, step)
+    if samples.empty:
+        return samples
+    units = sh.units.set_index("unit")
+    size = units["unsharded_bytes"].to_dict()
+    root = {int(u) for u in units.index[units["root"]]}
+    reshard = {int(u): (bool(r) if isinstance(r, bool) else int(r)) if (reshard_after_forward is None or u in root)
+               else reshard_after_forward for u, r in units["reshard_after_forward"].items()}
+    forward_order = [int(u) for u in units.index if int(u) not in root]
+    backward_order = forward_order[::-1]
+    gathered: set[int] = set()
+    replayed = []
+    for row in samples.itertuples():
+        unit, phase, at = int(row.unit), row.phase, row.at
+        if at == "end" and unit >= 0:  # the sample is taken after FSDP's own post-hook
+            if phase == "backward" or _reshards(reshard.get(unit, True)):
+                gathered.discard(unit)
+        replayed.append(sum(size[u] for u in gathered))
+        if at == "start" and unit >= 0:  # the unit (and what it prefetches) is gathered right after
+            gathered.add(unit)
+            order, depth = (forward_order, forward_prefetch) if phase == "forward" else (backward_order,
+                                                                                          backward_prefetch)
+            if unit in order and depth:
+                k = order.index(unit)
+                gathered.update(order[k + 1:k + 1 + depth])
+            elif unit in root and phase == "backward" and depth and order:
+                gathered.update(order[:depth])  # the root's backward prefetches the last unit
+        if phase == "optimizer":
+            gathered.clear()
+    out = samples.copy()
+    # what the measured sample held gathered at the same point is replaced by the replay
+    measured = out["unsharded_params_bytes"].to_numpy()
+    out["unsharded_params_bytes"] = replayed
+    out["total_bytes"] = out["total_bytes"] - measured + out["unsharded_params_bytes"]
+    out["peak"] = False
+    out.loc[out["total_bytes"].idxmax(), "peak"] = True
+    return out
+
+
+def predict_peak(trace, **settings) -> pd.DataFrame:
+    """Per rank: the measured peak and the predicted one under ``settings`` (bytes)."""
+    rows = []
+    for rank in sorted(trace.shards.memory["rank"].unique()):
+        measured = compute_memory_over_step(trace, int(rank))
+        pred = predict_memory(trace, int(rank), **settings)
+        rows.append({"rank": int(rank), "measured_peak_bytes": float(measured["total_bytes"].max()),
+                     "predicted_peak_bytes": float(pred["total_bytes"].max()),
+                     "predicted_peak_where": str(pred.loc[pred["peak"], "where"].iloc[0])})
+    return pd.DataFrame(rows)
+
+
+def predict_step_ms(trace, reshard_after_forward: bool | int | None = None) -> pd.DataFrame:
+    """Per rank: the measured median step (ms, non-warm-up steps) and the predicted one
+    when every non-root unit reshards after forward (True / N) or not (False)."""
+    sh = trace.shards
+    real = _real_steps(trace)
+    steps = compute_sharded_steps(trace)
+    steps = steps[steps["step"].isin(real)]
+    colls = with_exposed(trace)
+    colls = colls[colls["step"].isin(real) & (colls["collective"] == "all_gather")]
+    waits = sh.waits[sh.waits["step"].isin(real)]
+    units = sh.units.set_index("unit")
+    rows = []
+    for rank, mine in steps.groupby("rank"):
+        delta = 0.0
+        n_steps = max(1, mine["step"].nunique())
+        for u, setting in units["reshard_after_forward"].items():
+            if bool(units.loc[u, "root"]) or reshard_after_forward is None:
+                continue
+            if _reshards(setting) == _reshards(reshard_after_forward):
+                continue
+            c = colls[(colls["rank"] == rank) & (colls["unit"] == u)]
+            w = waits[(waits["rank"] == rank) & (waits["unit"] == u)]
+            fwd = (c[c["phase"] == "forward"]["exposed_ms"].sum()
+                   + (w[w["phase"] == "forward"]["end_us"] - w[w["phase"] == "forward"]["start_us"]).sum() / 1e3)
+            bwd = (c[c["phase"] == "backward"]["exposed_ms"].sum()
+                   + (w[w["phase"] == "backward"]["end_us"] - w[w["phase"] == "backward"]["start_us"]).sum() / 1e3)
+            # resharding now: a backward all-gather as long as the forward one; kept: it is gone
+            delta += (fwd if _reshards(reshard_after_forward) else -bwd) / n_steps
+        measured = float(mine["step_ms"].median())
+        rows.append({"rank": int(rank), "measured_step_ms": measured, "predicted_step_ms": max(0.0, measured + delta)})
+    return pd.DataFrame(rows)
