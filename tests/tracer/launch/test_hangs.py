@@ -106,6 +106,7 @@ def _pid_after_steps(out: Path, rank: int, steps: int, timeout: float = 120) -> 
 
 
 @pytest.mark.ddp
+@pytest.mark.failures
 def test_a_rank_stuck_in_its_forward_is_named_with_its_stack(tmp_path):
     out = tmp_path / "stuck"
     proc = _start(out, "--hang-timeout", "8", env={"DDPSCOPE_TEST_STALL_FORWARD": "1:4"})
@@ -125,6 +126,7 @@ def test_a_rank_stuck_in_its_forward_is_named_with_its_stack(tmp_path):
 
 
 @pytest.mark.ddp
+@pytest.mark.failures
 def test_a_stopped_rank_is_named_and_its_missing_stack_said(tmp_path):
     out = tmp_path / "stopped"
     proc = _start(out, "--hang-timeout", "6")

@@ -108,6 +108,7 @@ def test_failing_rank_reports_reason_keeps_finished_steps_and_leaves_nothing_beh
     assert processes_mentioning(str(out)) == []
 
 
+@pytest.mark.failures
 def test_watchdog_stops_a_hung_run(tmp_path):
     out = tmp_path / "hangs"
     t0 = time.monotonic()
