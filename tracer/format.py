@@ -78,6 +78,10 @@ def stacks_file(rank: int) -> str:
 TID_COMPUTE = 1  # step span with forward / backward / optimizer nested inside
 TID_GRADS = 2  # one instant event per parameter when its gradient is ready
 TID_BUCKET_BASE = 100  # bucket b's all-reduces on tid 100 + b (a bucket never overlaps itself)
+# DDP's own collectives on the reducer's group that are not buckets: the all-reduce of its
+# map of locally used parameters (int32, one per parameter) under find_unused_parameters
+# and in a static graph's first iteration. The compiled capture sees them; never buckets.
+TID_DDP_OWN = 7
 
 # Event categories ("cat").
 CAT_STEP = "step"
@@ -88,6 +92,8 @@ CAT_OPTIMIZER = "optimizer"
 CAT_GRAD = "grad_ready"
 CAT_ALLREDUCE = "allreduce"
 CAT_MEMORY = "memory"
+CAT_DDP_OWN = "ddp_collective"  # args: step, bytes (see TID_DDP_OWN)
+UNUSED_MAP = "unused-parameter map"  # the name of that all-reduce
 
 # Status of a rank file or a run.
 RUNNING = "running"

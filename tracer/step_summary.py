@@ -28,7 +28,7 @@ _PHASES = {fmt.CAT_FORWARD: "forward", fmt.CAT_BACKWARD: "backward", fmt.CAT_GRA
 #: the absolute times of a row (µs on the rank's clock): what a reader aligns to rank 0's
 TIME_FIELDS = ("start_us", "end_us", "forward_start_us", "forward_end_us", "backward_start_us", "backward_end_us",
                "sync_start_us", "sync_end_us", "optimizer_start_us", "optimizer_end_us", "param_sync_start_us",
-               "param_sync_end_us", "first_launch_us", "last_done_us")
+               "param_sync_end_us", "ddp_own_start_us", "ddp_own_end_us", "first_launch_us", "last_done_us")
 #: the lengths of time of a row (µs)
 DURATION_FIELDS = ("forward_us", "backward_us", "comm_us", "overlapped_us")
 #: the communication fields of a row (see ``summarize_steps``)
@@ -42,7 +42,9 @@ def summarize_steps(events: Iterable) -> list[dict]:
     and backward_us (compute summed over the step's passes), the syncing pass's (the one
     whose backward launched the all-reduces; the last pass if none synced)
     forward/backward/sync start and end, optimizer start and end, ZeRO-1's param_sync
-    start, end, bytes and own_bytes, ``memory`` (byte counts by name) when measured, and
+    start, end, bytes and own_bytes, DDP's own collectives that are not buckets (the
+    unused-parameter map's all-reduce: ddp_own_start_us, ddp_own_end_us from the first start
+    to the last end, ddp_own_bytes summed), ``memory`` (byte counts by name) when measured, and
     ``COMM_FIELDS``: num_buckets, bucket_bytes, first_launch_us, last_done_us, comm_us
     (the union of the all-reduce intervals) and overlapped_us (the part of it inside
     backward compute, every pass's). Raises ``KeyError`` / ``TypeError`` /
@@ -79,6 +81,11 @@ def summarize_steps(events: Iterable) -> list[dict]:
             p[key] = (ts, te)
         elif cat == fmt.CAT_OPTIMIZER:
             steps.setdefault(step, {"step": step}).update(optimizer_start_us=ts, optimizer_end_us=te)
+        elif cat == fmt.CAT_DDP_OWN:  # never a bucket: apart from COMM_FIELDS
+            row = steps.setdefault(step, {"step": step})
+            row["ddp_own_start_us"] = min(ts, row.get("ddp_own_start_us", ts))
+            row["ddp_own_end_us"] = max(te, row.get("ddp_own_end_us", te))
+            row["ddp_own_bytes"] = row.get("ddp_own_bytes", 0) + int(args["bytes"])
         else:  # fmt.CAT_PARAM_SYNC: ZeRO-1's parameters broadcast after the update
             steps.setdefault(step, {"step": step}).update(
                 param_sync_start_us=ts, param_sync_end_us=te, param_sync_bytes=int(args["bytes"]),
@@ -99,7 +106,7 @@ def summarize_steps(events: Iterable) -> list[dict]:
     return [steps[s] for s in sorted(steps)]
 
 
-_FOLDED = {fmt.CAT_STEP, fmt.CAT_OPTIMIZER, fmt.CAT_PARAM_SYNC, fmt.CAT_ALLREDUCE, *_PHASES}
+_FOLDED = {fmt.CAT_STEP, fmt.CAT_OPTIMIZER, fmt.CAT_PARAM_SYNC, fmt.CAT_DDP_OWN, fmt.CAT_ALLREDUCE, *_PHASES}
 
 
 def comm_fields(allreduces: list[tuple[float, float, int]], backwards: list[tuple[float, float]]) -> dict:

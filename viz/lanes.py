@@ -22,7 +22,8 @@ GL_THRESHOLD = 6000
 GL_COLORS = 12
 
 COLORS = {"forward": "#4C78A8", "backward": "#54A24B", "wait": "#BAB0AC",
-          "optimizer": "#F58518", "exposed": "rgba(228, 26, 28, 0.55)", "param_sync": "#B279A2"}
+          "optimizer": "#F58518", "exposed": "rgba(228, 26, 28, 0.55)", "param_sync": "#B279A2",
+          "ddp_own": "#9D755D"}
 
 
 def lane_position(fig: go.Figure, label: str) -> float:

@@ -341,6 +341,9 @@ class SummaryLine(msgspec.Struct):
     param_sync_end_us: Us | None = None
     param_sync_bytes: Big | None = None
     param_sync_own_bytes: Big | None = None
+    ddp_own_start_us: Us | None = None
+    ddp_own_end_us: Us | None = None
+    ddp_own_bytes: Big | None = None
     memory: dict[Name, Annotated[int, msgspec.Meta(ge=-2**62, le=2**62)] | Us] | None = None
     num_buckets: Count = 0
     bucket_bytes: Big = 0

@@ -64,7 +64,7 @@ def main() -> int:
                 steps, grads = [], []
                 for _ in range(args.traced):
                     step(ddp, opt, gen, 256)
-                    steps.append([[launch / 1e3, done / 1e3, nbytes] for launch, done, nbytes in ext.take(wrapper)[0]])
+                    steps.append([[launch / 1e3, done / 1e3, nbytes] for launch, done, nbytes, _ in ext.take(wrapper)[0]])
                     grads.append([[param, us] for param, us, _ in ready.take(0)])
                 ready.remove()
             report["compiled"], report["ready"] = steps, grads

@@ -37,6 +37,18 @@ def build(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 8))
 
 
+class WithUnusedHead(nn.Module):
+    """A model whose second head takes no part in the loss (a branch for another task, as
+    in multimodal and multi-task code): DDP needs ``find_unused_parameters=True``."""
+
+    def __init__(self, body: nn.Module, width: int) -> None:
+        super().__init__()
+        self.body, self.unused_head = body, nn.Linear(width, 8)
+
+    def forward(self, x):
+        return self.body(x)
+
+
 def register_hook(ddp: DDP, name: str) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -76,6 +88,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=384)
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--two-models", action="store_true")
+    p.add_argument("--find-unused", action="store_true", help="a head the loss never uses, find_unused_parameters=True")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--python-reducer", action="store_true", help="compiled autograd's Python reducer for DDP")
     p.add_argument("--fail-rank", type=int, default=-1)
@@ -93,6 +106,8 @@ def main() -> None:
                 model(torch.randn(4, args.width)).sum().backward()
             return
         kw = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+        if args.find_unused:
+            model, kw["find_unused_parameters"] = WithUnusedHead(model, args.width), True
         if args.python_reducer:
             torch._dynamo.config.optimize_ddp = "python_reducer"
         if rank == args.slow_rank:  # a straggler: a slower machine, or more data on this rank
@@ -135,7 +150,9 @@ def main() -> None:
             json.dump({"rank": rank, "own": own, "logging": logging, "params_sha256": params_sha256(ddp.module),
                        "bucket_bytes_cap": ddp.bucket_bytes_cap,
                        "bucket_bytes_cap_list": list(getattr(ddp, "bucket_bytes_cap_list", [])),
-                       "rebuilt": ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")}, f)
+                       "rebuilt": ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices"),
+                       "bucket_sizes": [int(b) for b in str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
+                                        .split(",") if b.strip()]}, f)
         # A clean gloo teardown: every rank done with its last collective, the DDP reducers
         # (and a comm hook's pending futures) released before their process group goes. Without
         # it torch 2.13 sometimes aborts one rank at exit ("terminate called without an active

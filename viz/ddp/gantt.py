@@ -132,7 +132,8 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
     (forward, backward per module from gradient-ready times, waiting for the all-reduces,
     optimizer) and an all-reduce lane (one bar per bucket, coloured by bucket index, with
     the exposed part, after backward compute ended, hatched in red; under ZeRO-1 the
-    optimizer's parameter broadcasts too). ``webgl``: draw
+    optimizer's parameter broadcasts too, and DDP's all-reduce of its unused-parameter
+    map where it runs one, apart from the buckets). ``webgl``: draw
     WebGL segments (True), SVG bars (False), or choose by size (None)."""
     if trace.source != "ddpscope":  # a profiler trace: kernels, not phases (that module builds on this one)
         from ddpscope.viz.ddp.kernel_gantt import make_kernel_timeline_figure
@@ -213,6 +214,15 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
             "ms · %{customdata[2]:.3f} MiB (every rank's partition; the step waits for it)",
             np.column_stack([sync["step"], dur(sync["param_sync_start_us"], sync["param_sync_end_us"]),
                              sync["param_sync_bytes"] / 2**20])))
+    own = shown.dropna(subset=["ddp_own_start_us", "ddp_own_end_us"]) if "ddp_own_start_us" in shown \
+        else shown.iloc[:0]
+    if len(own):  # DDP's own all-reduce of its unused-parameter map (find_unused_parameters): not a bucket
+        data.extend(lane_bars(
+            gl, "DDP's unused-parameter map", comm(own), own["ddp_own_start_us"], own["ddp_own_end_us"], origin,
+            COLORS["ddp_own"], "DDP's unused-parameter map (all-reduce, not a bucket) · step %{customdata[0]}<br>"
+            "%{customdata[1]:.2f} ms · %{customdata[2]:.0f} bytes",
+            np.column_stack([own["step"], dur(own["ddp_own_start_us"], own["ddp_own_end_us"]), own["ddp_own_bytes"]]),
+            gl_width=10))
     if len(ex):
         data.extend(lane_bars(
             gl, "exposed all-reduce (after backward)", comm(ex), ex["start_us"], ex["end_us"], origin,

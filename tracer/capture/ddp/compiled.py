@@ -7,7 +7,9 @@ communication hook runs and DDP keeps its fused divide-while-copying path.
 broadcasts, is left alone); ``take(step, pass)`` hands the all-reduces since the last call
 to the step as ``BucketRecord``s (bucket k = the k-th all-reduce: the reducer launches
 buckets in index order; the recorder calls it when the next backward starts or the step
-closes, by when every completion callback has run) and ``take_ready`` the gradient-ready
+closes, by when every completion callback has run; an all-reduce that is not of floating-point
+data is DDP's own map of used parameters, recorded as what it is and never as a bucket:
+``OwnCollective``) and ``take_ready`` the gradient-ready
 times (C++ post hooks put in front of DDP's on each parameter's AccumulateGrad node);
 ``detach()`` gives the reducer its group back and takes the hooks off.
 
@@ -26,7 +28,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpscope.tracer.capture.ddp.records import BucketRecord
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer.capture.ddp.records import BucketRecord, OwnCollective
 from ddpscope.tracer.capture.native import build as native
 
 
@@ -42,11 +45,12 @@ def load_extension() -> tuple[Any, str | None]:
 
 
 class DeviceLag:
-    """Device times arrive one take late: the ``BucketRecord``s of the last take wait here
-    for them (their ``launch``/``done`` stay None until then)."""
+    """Device times arrive one take late: the records of the last take (``BucketRecord``s
+    and ``OwnCollective``s, in the order they were launched) wait here for them (their
+    ``launch``/``done`` stay None until then)."""
 
     def __init__(self) -> None:
-        self.waiting: list = []  # the last take's BucketRecords
+        self.waiting: list = []  # the last take's records, one per all-reduce
         self.step = None  # the step they belong to
 
     def hand_over(self, step, buckets: list) -> None:
@@ -139,23 +143,29 @@ class CompiledBuckets:
             self.lag.fill(self.ext.settle(self.group))
 
     def take(self, step, pass_index: int) -> None:
-        """The all-reduces since the last call, that pass's, into ``step.buckets`` (between
-        backwards: no all-reduce of this model is in flight)."""
+        """The all-reduces since the last call, that pass's, into ``step.buckets`` and, for
+        DDP's own (not of floating-point data), ``step.own`` (between backwards: no
+        all-reduce of this model is in flight)."""
         records = self.take_pending()
         if not records or step is None:
             return
-        sizes = tuple(b for _, _, b in records)
-        params = self._params.get(sizes) or self._from_ready_order(sizes) or self._bucket_params(sizes)
+        sizes = tuple(b for _, _, b, floating in records if floating)
+        params = (self._params.get(sizes) or self._from_ready_order(sizes) or self._bucket_params(sizes)) if sizes \
+            else []
         self._last_sync = (step.grads, pass_index)  # read only if the layout changes next
-        if self.device is None:
-            skew = self.skew_ns
-            taken = [BucketRecord(k, nbytes, params[k], (launch + skew) / 1e3, (done + skew) / 1e3 if done else None)
-                     for k, (launch, done, nbytes) in enumerate(records)]
-        else:  # the host's times are not the device's: those come a take later
-            taken = [BucketRecord(index=k, nbytes=nbytes, params=params[k], launch=None)
-                     for k, (_, _, nbytes) in enumerate(records)]
+        skew, host = self.skew_ns, self.device is None  # on a device, the times come a take later
+        taken, k = [], 0
+        for launch, done, nbytes, floating in records:
+            at = ((launch + skew) / 1e3, (done + skew) / 1e3 if done else None) if host else (None, None)
+            if floating:
+                taken.append(BucketRecord(k, nbytes, params[k], *at))
+                k += 1
+            else:
+                taken.append(OwnCollective(fmt.UNUSED_MAP, nbytes, *at))
+        if not host:
             self.lag.hand_over(step, taken)
-        step.buckets.extend(taken)
+        step.buckets += [r for r in taken if type(r) is BucketRecord]
+        step.own += [r for r in taken if type(r) is OwnCollective]
 
     def _bucket_params(self, sizes: tuple[int, ...] | None) -> list[tuple[int, ...]]:
         """Each bucket's parameter indices (the recorder's), from the reducer's current

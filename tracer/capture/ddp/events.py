@@ -1,8 +1,9 @@
 """A step's Chrome trace events: what the recorder hands the writer once a step is resolved.
 
 One span per step, per pass (forward, backward, the wait for DDP's all-reduces), for
-the optimizer, per bucket all-reduce (on its own lane) and for ZeRO-1's parameter
-broadcasts (on theirs, inside the optimizer's span), a gradient-ready mark per
+the optimizer, per bucket all-reduce (on its own lane), for ZeRO-1's parameter
+broadcasts (on theirs, inside the optimizer's span) and for DDP's own collectives that
+are not buckets (the unused-parameter map's all-reduce, on theirs), a gradient-ready mark per
 parameter and a memory counter on measured steps. It runs on the training thread for
 every step, so it is written for speed: plain loops and literals, the marks (most of a
 step's events) as msgspec structs, no rounding of times that are µs at ns resolution
@@ -52,6 +53,7 @@ class StepEvents:
         self.param_names = param_names
         self.buckets_seen: set[int] = set()
         self.param_sync_seen = False
+        self.own_seen = False
         self._bucket_names_cache: dict[tuple[int, ...], list[str]] = {}
 
     def events(self, steps: list[StepRecord], nccl: list | None = None) -> Iterator[dict | GradReady]:
@@ -112,6 +114,13 @@ class StepEvents:
             ev.append(span(fmt.CAT_PARAM_SYNC, "parameter broadcast", ps.start, ps.end,
                            {"step": step, "bytes": ps.nbytes, "own_bytes": ps.own_bytes, "broadcasts": ps.broadcasts,
                             **({} if ps.end is not None else {"incomplete": True})}, tid=fmt.TID_PARAM_SYNC))
+        for o in s.own:  # DDP's own collectives: their lane, never a bucket's
+            if not self.own_seen:
+                self.own_seen = True
+                ev += thread_meta(pid, fmt.TID_DDP_OWN, "DDP's own collectives (not buckets)")
+            ev.append(span(fmt.CAT_DDP_OWN, o.name, o.launch, o.done if o.done is not None else end,
+                           {"step": step, "bytes": o.nbytes, **({} if o.done is not None else {"incomplete": True})},
+                           tid=fmt.TID_DDP_OWN, inside=False))
         names, n_names = self.param_names, len(self.param_names)
         ev += [GradReady(names[i] if 0 <= i < n_names else f"param[{i}]", pid, t, _GradArgs(step, i, k))
                for i, t, k in grads if t is not None]

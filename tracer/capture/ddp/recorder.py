@@ -316,7 +316,7 @@ def _resolve_in_place(steps: list[StepRecord], resolve: Callable[[list], list]) 
         for p in s.passes:
             stamps += [*p.forward, p.backward_start, p.backward_end, p.sync_end]
         stamps += [t for _, t, _ in s.grads]
-        for b in s.buckets:
+        for b in (*s.buckets, *s.own):
             stamps += [b.launch, b.done]
     times = iter(resolve(stamps))
     for s in steps:
@@ -330,7 +330,7 @@ def _resolve_in_place(steps: list[StepRecord], resolve: Callable[[list], list]) 
             p.forward = [next(times), next(times)]
             p.backward_start, p.backward_end, p.sync_end = next(times), next(times), next(times)
         s.grads = [(i, next(times), k) for i, _, k in s.grads]
-        for b in s.buckets:
+        for b in (*s.buckets, *s.own):
             b.launch, b.done = next(times), next(times)
 
 

@@ -22,6 +22,17 @@ class BucketRecord:
 
 
 @dataclass(slots=True)
+class OwnCollective:
+    """A collective DDP's reducer issues on its group that is not a bucket's all-reduce:
+    the all-reduce of its map of locally used parameters (``format.UNUSED_MAP``)."""
+
+    name: str
+    nbytes: int
+    launch: Any
+    done: Any = None
+
+
+@dataclass(slots=True)
 class PassRecord:
     """One forward and its backward inside a step: a micro-batch under gradient
     accumulation. ``sync``: DDP reduces gradients in this backward (the forward ran
@@ -56,6 +67,7 @@ class StepRecord:
     active: int | None = None  # the pass whose backward is running
     grads: list[tuple[int, Any, int]] = field(default_factory=list)  # (param, stamp, pass)
     buckets: list[BucketRecord] = field(default_factory=list)
+    own: list[OwnCollective] = field(default_factory=list)  # DDP's collectives that are not buckets
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
     optimizer: list[Any] | None = None
     param_sync: ParamSync | None = None  # ZeRO-1: the parameters broadcast inside the optimizer step

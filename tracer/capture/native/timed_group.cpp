@@ -63,9 +63,13 @@ struct Record {
   std::atomic<int64_t> launch_ns{0};
   std::atomic<int64_t> done_ns{0};
   std::atomic<int64_t> bytes{0};
+  // Every tensor holds floating-point (or complex) data: a gradient bucket. DDP's reducer
+  // also all-reduces its map of locally used parameters (int32) on this group, when it
+  // looks for unused parameters: that one is not a bucket.
+  std::atomic<bool> floating{true};
 };
 
-using HostRecords = std::vector<std::tuple<int64_t, int64_t, int64_t>>;  // (launch_ns, done_ns, bytes)
+using HostRecords = std::vector<std::tuple<int64_t, int64_t, int64_t, bool>>;  // (launch_ns, done_ns, bytes, floating)
 using DeviceRecords = std::vector<std::pair<int64_t, int64_t>>;         // (launch_ns, done_ns); 0: unknown
 
 // What the records and their callbacks share (outlives the wrapper while a callback may run).
@@ -135,10 +139,13 @@ class TimedGroup : public c10d::ProcessGroup {
     if (stamped) {
       Record& rec = records_->at(bank, i);
       int64_t bytes = 0;
+      bool floating = true;
       for (const auto& t : tensors) {
         bytes += static_cast<int64_t>(t.numel()) * t.element_size();
+        floating = floating && (t.is_floating_point() || t.is_complex());
       }
       rec.bytes.store(bytes, std::memory_order_relaxed);
+      rec.floating.store(floating, std::memory_order_relaxed);
       rec.done_ns.store(0, std::memory_order_relaxed);
       if (records_->device) {
         records_->record(records_->launch_event(bank, i));
@@ -185,7 +192,7 @@ class TimedGroup : public c10d::ProcessGroup {
     for (int64_t i = 0; i < n; ++i) {
       Record& rec = records_->at(bank, i);
       out.emplace_back(rec.launch_ns.load(std::memory_order_acquire), rec.done_ns.load(std::memory_order_acquire),
-                       rec.bytes.load(std::memory_order_relaxed));
+                       rec.bytes.load(std::memory_order_relaxed), rec.floating.load(std::memory_order_relaxed));
     }
     DeviceRecords previous = settle();
     taken_bank_ = bank;
@@ -378,7 +385,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return timed.take();
       },
       py::arg("group"), py::arg("wait_us") = 10000,
-      "([(launch_ns, done_ns, bytes)] since the last take (done 0: not completed within wait_us), "
+      "([(launch_ns, done_ns, bytes, floating)] since the last take (done 0: not completed within wait_us; "
+      "floating False: not a gradient bucket), "
       "[(launch_ns, done_ns)] on the device for the take before)");
   m.def(
       "settle", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).settle(); },

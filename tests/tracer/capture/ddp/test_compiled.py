@@ -97,6 +97,50 @@ def test_a_compiled_run_of_a_users_script_matches_ddp_and_changes_nothing(tmp_pa
         assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
 
 
+@pytest.mark.parametrize("capture", ["compiled", "python"])
+def test_ddps_unused_parameter_map_is_its_own_collective_never_a_bucket(tmp_path, built, capture):
+    """``find_unused_parameters=True`` (Hugging Face Trainer's default): after its last
+    bucket DDP all-reduces its map of locally used parameters (int32, one per parameter)
+    on the reducer's group. That is no bucket: every step's buckets are DDP's own (their
+    count and bytes are ``_get_ddp_logging_data()``'s ``bucket_sizes``), run.json's layout
+    has no empty bucket, and the compiled capture, which sees every all-reduce on that
+    group, keeps the map apart, on its own lane, 4 bytes per parameter, every step (the
+    Python hook never sees it). Training is bit-identical to the untraced run."""
+    script = (USER, "--steps", "5", "--find-unused", "--depth", "3", "--bucket-cap-mb", "0.25")
+    proc, out, report = trace_script(tmp_path, *script, ddpscope=("--capture", capture))
+    assert proc.returncode == 0, proc.stderr
+    from ddpscope.viz.trace import load_run
+
+    trace, ddp = load_run(out), checks(report)
+    assert trace.run["capture_path"] == capture and trace.run["find_unused_parameters"] is True
+    layout = trace.run["bucket_layout"]
+    assert len(layout) == len(ddp[0]["bucket_sizes"]) >= 2 and all(layout)
+    for r in (0, 1):
+        b = trace.buckets[trace.buckets["rank"] == r]
+        assert b["step"].nunique() == 5
+        for _, one in b.groupby("step"):
+            assert sorted(one["bytes"]) == sorted(ddp[r]["bucket_sizes"])
+        steps = trace.steps[trace.steps["rank"] == r]
+        assert (steps["num_buckets"] == len(layout)).all()
+        if capture == "compiled":
+            assert (steps["ddp_own_bytes"] == 4 * len(trace.run["param_bytes"])).all()
+            assert (steps["ddp_own_end_us"] >= steps["ddp_own_start_us"]).all()
+            assert (steps["ddp_own_start_us"] >= steps.merge(b.groupby("step")["launch_us"].max().rename("last"),
+                                                               left_on="step", right_index=True)["last"]).all()
+        else:
+            assert steps["ddp_own_bytes"].isna().all()
+    events = read_rank_file(out / "rank-0.json")[1]
+    own = [e for e in events if e.get("cat") == "ddp_collective"]
+    assert [e["name"] for e in own] == (["unused-parameter map"] * 5 if capture == "compiled" else [])
+    from ddpscope.viz.ddp.gantt import make_timeline_figure
+
+    lanes = {t.name for t in make_timeline_figure(trace).data}
+    assert ("DDP's unused-parameter map" in lanes) == (capture == "compiled") and "bucket all-reduce" in lanes
+    plain = untraced(tmp_path, *script)
+    for r in (0, 1):
+        assert ddp[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
+
+
 def test_the_scripts_own_hook_is_timed_in_python_and_said(tmp_path, built):
     proc, out, report = trace_script(tmp_path, USER, "--hook", "fp16", "--steps", "5", "--bucket-cap-mb", "1",
                                      ddpscope=("--capture", "compiled"))
