@@ -65,6 +65,8 @@ def render_advisor(path: Path, stamp: float, trace, model, jobs: JobManager, bus
                    f"the bucket_cap_mb_list that builds it. The simplest setting within {100 * SIMPLER:.1f} % of the "
                    "fastest is the one recommended. A gain is worth a change when it exceeds √2 x the half-width "
                    "of the 95 % interval of this run's median step (bootstrapped over its steps).")
+        if rec.get("note"):
+            st.caption(f"Note: {rec['note']}.")
         st.dataframe(candidates.round(2), hide_index=True, key="advice_candidates")
     if rec["change"]:
         _apply_button(path, trace, rec, setting, jobs, busy, policy)

@@ -11,6 +11,10 @@ Searched, every candidate replayed by the what-if simulator on the trace's own s
   them), each written back as the ``bucket_cap_mb_list`` that DDP's own bucketing turns
   into exactly that layout (checked with it).
 
+Where DDP never rebuilds its buckets (``find_unused_parameters=True`` in a dynamic graph)
+its layout is cut in registration order from the first registered parameter, not in
+gradient-ready order: only uniform caps are searched there, and ``Advice.note`` says why.
+
 A simpler setting (a uniform cap, then a shorter list) within ``SIMPLER`` of the best
 is preferred: the model is not that exact. The gain is the predicted step at the traced
 setting (replayed) less the predicted step at the recommendation, so the model's bias
@@ -28,7 +32,16 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.viz.trace import RunTrace, TraceError
-from ddpscope.viz.whatif.layout import MIB, Cap, assign_buckets, bucket_limits, cap_label, is_cap_list
+from ddpscope.viz.whatif.layout import (
+    MIB,
+    Cap,
+    assign_buckets,
+    bucket_limits,
+    cap_label,
+    first_layout,
+    is_cap_list,
+    rebuilds,
+)
 from ddpscope.viz.whatif.model import WhatIfModel, fit_model, step_inputs, usable_steps
 from ddpscope.viz.whatif.simulate import predict_run, ready_order, simulate_step, traced_cap
 from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, MIN_GAIN, _medians
@@ -70,6 +83,7 @@ class Advice:
     searched: dict[str, int]
     candidates: pd.DataFrame = field(repr=False)
     prediction: RunTrace = field(repr=False)
+    note: str | None = None  # what the run's flags rule out of the search, and why
 
     @property
     def gain_pct(self) -> float:
@@ -86,7 +100,7 @@ class Advice:
                 "traced": setting_json(self.traced), "traced_step_ms": self.traced_step_ms,
                 "measured_step_ms": self.measured_step_ms, "gain_ms": self.gain_ms, "gain_pct": self.gain_pct,
                 "gain_interval_ms": list(self.interval_ms), "noise_ms": self.noise_ms,
-                "best_found": setting_json(self.best), "searched": self.searched}
+                "best_found": setting_json(self.best), "searched": self.searched, "note": self.note}
 
 
 def setting_json(cap: Cap) -> dict:
@@ -126,6 +140,7 @@ class _Search:
         self.sizes = [int(b) for b in run["param_bytes"]]
         self.dtypes = run.get("param_dtypes") or ["float32"] * len(self.sizes)
         self.order = ready_order(trace)
+        self.rebuilds = rebuilds(run)  # False: DDP keeps its first layout, in registration order
         self.model = model
         inputs = step_inputs(trace, model)
         if not inputs:
@@ -139,6 +154,8 @@ class _Search:
         self.rows: list[dict] = []
 
     def layout(self, cap: Cap) -> list[list[int]]:
+        if not self.rebuilds:
+            return first_layout(self.sizes, self.dtypes, bucket_limits(cap))
         return assign_buckets(self.sizes, self.dtypes, self.order, bucket_limits(cap))
 
     def step_ms(self, layout: list[list[int]]) -> float:
@@ -272,9 +289,15 @@ def advise(trace: RunTrace, model: WhatIfModel | None = None, *, caps=DEFAULT_CA
     for c in caps:
         search.add("uniform", float(c))
     single_dtype = len(set(search.dtypes)) == 1
-    for c in [*growing_lists(), *[tuple(map(float, x)) for x in lists]]:
+    note = None
+    if not search.rebuilds:  # lists would be cut from the first registered parameter: not what they mean
+        note = ("find_unused_parameters=True: DDP never rebuilds its buckets, so they stay in registration order "
+                "(bucket 0 holds the last registered parameters) and a bucket_cap_mb_list is cut from the first "
+                "registered one: only uniform caps are searched; without find_unused_parameters (or with "
+                "static_graph=True) DDP would rebuild them in gradient-ready order")
+    for c in [*growing_lists(), *[tuple(map(float, x)) for x in lists]] if search.rebuilds else []:
         search.add("growing list", c)
-    if single_dtype and local_budget > 0:
+    if single_dtype and local_budget > 0 and search.rebuilds:
         top = min(search.rows, key=lambda r: r["step_ms"])
         _local_search(search, search.layout(top["setting"]), local_budget)
     table = pd.DataFrame(search.rows)
@@ -307,4 +330,5 @@ def advise(trace: RunTrace, model: WhatIfModel | None = None, *, caps=DEFAULT_CA
                   buckets=len((pred_best if change else pred_own).run["bucket_layout"]), traced=own,
                   traced_step_ms=mo["step_ms"], measured_step_ms=_medians(trace)["step_ms"], gain_ms=gain,
                   noise_ms=noise, searched={k: int(kinds.get(k, 0)) for k in _KINDS if k != "traced"},
-                  candidates=table.drop(columns="simplicity"), prediction=pred_best if change else pred_own)
+                  candidates=table.drop(columns="simplicity"), prediction=pred_best if change else pred_own,
+                  note=note)

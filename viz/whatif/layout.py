@@ -12,6 +12,13 @@ others' (``_BucketCapacityConfig``); only the default (25 MiB) keeps a 1 MiB fir
 the last repeating (for each dtype's buckets apart), at the first bucketing and at the
 rebuild alike; the largest is then the cap DDP reports.
 
+DDP rebuilds only when it does not look for unused parameters in a dynamic graph
+(``Reducer::should_rebuild_buckets``): with ``find_unused_parameters=True`` and no
+``static_graph`` (Hugging Face Trainer's default) the first layout stays for the whole run:
+the parameters in registration order cut by the same limits, the buckets then reversed
+(bucket 0 holds the last registered), as ``DistributedDataParallel._ddp_init_helper``
+builds it. ``rebuilds(run)`` says which policy a run's flags give.
+
 The assignment is DDP's own C++ function when torch is importable (called on ``meta``
 tensors: sizes and dtypes only, no memory), else a line-by-line port of it.
 """
@@ -63,6 +70,19 @@ def cap_label(cap: Cap) -> str:
     if cap is None:
         return "DDP's default"
     return ",".join(f"{float(c):g}" for c in cap) if is_cap_list(cap) else f"{float(cap):g}"
+
+
+def rebuilds(run: dict) -> bool:
+    """DDP rebuilds its buckets in gradient-ready order after its first iteration (the
+    run's flags, from run.json): unless it looks for unused parameters in a dynamic graph."""
+    return bool(run.get("static_graph")) or not bool(run.get("find_unused_parameters"))
+
+
+def first_layout(param_bytes: Sequence[int], param_dtypes: Sequence[str], limits: Sequence[int]) -> list[list[int]]:
+    """The buckets DDP builds at construction and keeps when it never rebuilds: the
+    parameters in registration order cut by ``limits``, the buckets reversed (bucket 0
+    holds the last registered parameters, whose gradients are ready first)."""
+    return list(reversed(assign_buckets(param_bytes, param_dtypes, range(len(param_bytes)), limits)))
 
 
 def assign_buckets(param_bytes: Sequence[int], param_dtypes: Sequence[str], ready_order: Sequence[int],

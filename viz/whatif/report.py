@@ -76,9 +76,12 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
 
 def print_advice(advice: Advice) -> None:
     n = advice.searched
+    order = "in gradient-ready order" if advice.note is None else "in registration order"
     print(f"advisor: searched {n['uniform']} uniform caps, {n['growing list']} growing lists and "
-          f"{n['per-bucket list']} per-bucket layouts (local search), in gradient-ready order; best found "
+          f"{n['per-bucket list']} per-bucket layouts (local search), {order}; best found "
           f"{setting_text(advice.best)}")
+    if advice.note:
+        print(f"  note: {advice.note}")
     cands = advice.candidates
     chosen = setting_text(advice.best)
     shown = cands.head(5)

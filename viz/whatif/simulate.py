@@ -37,7 +37,15 @@ from ddpscope.viz.trace import (
     fill_comm_columns,
     frame_of,
 )
-from ddpscope.viz.whatif.layout import Cap, assign_buckets, bucket_limits, cap_limits, is_cap_list
+from ddpscope.viz.whatif.layout import (
+    Cap,
+    assign_buckets,
+    bucket_limits,
+    cap_limits,
+    first_layout,
+    is_cap_list,
+    rebuilds,
+)
 from ddpscope.viz.whatif.model import StepInputs, WhatIfModel, fit_model, step_inputs
 
 _EPS = 1e-6
@@ -71,12 +79,16 @@ def traced_cap(trace: RunTrace) -> Cap:
 
 
 def predict_layout(trace: RunTrace, cap_mb: Cap) -> list[list[int]]:
-    """The buckets DDP builds for ``cap_mb`` (MiB, or a per-bucket list) from this trace's
-    ready order."""
+    """The buckets DDP builds for ``cap_mb`` (MiB, or a per-bucket list) under the run's
+    flags: rebuilt from this trace's ready order, or, where DDP never rebuilds
+    (``find_unused_parameters`` in a dynamic graph), its first layout in registration
+    order (``layout.rebuilds``)."""
     run = trace.run
     sizes = run.get("param_bytes") or []
     dtypes = run.get("param_dtypes") or ["float32"] * len(sizes)
     try:
+        if not rebuilds(run):
+            return first_layout(sizes, dtypes, bucket_limits(cap_mb))
         return assign_buckets(sizes, dtypes, ready_order(trace), bucket_limits(cap_mb))
     except ValueError as e:  # what the trace says of its parameters does not hold together
         raise TraceError(f"{trace.path.name}: cannot lay out its buckets: {e}") from None

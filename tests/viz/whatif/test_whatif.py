@@ -409,3 +409,37 @@ def test_output_cut_short_by_a_pipe_is_not_an_error():
                           capture_output=True, text=True, timeout=120, cwd="/",
                           env={"PATH": "/usr/bin:/bin"})
     assert "rc=0" in proc.stderr and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.ddp
+def test_the_layout_follows_ddps_rebuild_policy_under_find_unused_parameters(tmp_path):
+    """``find_unused_parameters=True`` (Hugging Face Trainer's default): DDP never rebuilds
+    its buckets, so they stay in registration order, cut from the first registered
+    parameter and reversed. From one trace (at 0.25 MiB) the what-if lays out what DDP
+    itself built in real runs at its default (1 MiB first bucket), at 0.25 MiB and at a
+    ``bucket_cap_mb_list``; with ``static_graph=True`` DDP rebuilds in gradient-ready
+    order, and the what-if follows that too. The advisor searches only uniform caps where
+    lists cannot mean what they say, and says why."""
+    from ddpscope.viz.whatif.advisor import advise
+    from tests.tracer.capture.autotrace.test_autotrace import USER, trace_script
+
+    script = (USER, "--steps", "3", "--find-unused", "--depth", "6", "--width", "256")
+    runs = {}
+    for name, flags, more in [("cap", (), ("--bucket-cap-mb", "0.25")), ("default", (), ()),
+                              ("list", ("--bucket-cap-mb-list", "0.75,0.25"), ()),
+                              ("static", (), ("--bucket-cap-mb", "0.25", "--static-graph"))]:
+        proc, out, _ = trace_script(tmp_path, *script, *more, ddpscope=flags, name=name)
+        assert proc.returncode == 0, proc.stderr
+        runs[name] = load_run(out)
+    built = {k: sorted(map(sorted, t.run["bucket_layout"])) for k, t in runs.items()}  # DDP's own buckets
+    assert len({str(v) for v in built.values()}) == 4 and all(len(v) >= 2 for v in built.values())
+    one = runs["cap"]
+    for name, cap in [("cap", 0.25), ("default", None), ("list", (0.75, 0.25))]:
+        assert sorted(map(sorted, predict_layout(one, cap))) == built[name], name
+    assert predict_layout(one, 0.25)[0] == max(predict_layout(one, 0.25), key=max)  # bucket 0: the last registered
+    static = runs["static"]
+    assert sorted(map(sorted, predict_layout(static, 0.25))) == built["static"]
+    advice = advise(one, local_budget=20)
+    assert advice.searched["growing list"] == advice.searched["per-bucket list"] == 0 and advice.searched["uniform"]
+    assert "find_unused_parameters=True" in advice.note and not isinstance(advice.setting, tuple)
+    assert advise(static, local_budget=0).note is None
