@@ -301,6 +301,7 @@ def advise(trace: RunTrace, model: WhatIfModel | None = None, *, caps=DEFAULT_CA
         top = min(search.rows, key=lambda r: r["step_ms"])
         _local_search(search, search.layout(top["setting"]), local_budget)
     table = pd.DataFrame(search.rows)
+    table["setting"] = pd.Series([r["setting"] for r in search.rows], dtype=object)  # None (DDP's default) stays None
     kinds = table["kind"].value_counts().to_dict()
     # no change, then a uniform cap, then the shortest list; then the fewest buckets
     table["simplicity"] = [(_KINDS[k], len(s) if is_cap_list(s) else 0, n)

@@ -443,3 +443,5 @@ def test_the_layout_follows_ddps_rebuild_policy_under_find_unused_parameters(tmp
     assert advice.searched["growing list"] == advice.searched["per-bucket list"] == 0 and advice.searched["uniform"]
     assert "find_unused_parameters=True" in advice.note and not isinstance(advice.setting, tuple)
     assert advise(static, local_budget=0).note is None
+    default = advise(runs["default"], local_budget=0)  # DDP's default among floats: kept as None, not NaN
+    assert default.traced is None and (default.change or default.setting is None) and default.note
