@@ -80,7 +80,8 @@ def run_config(cfg, command: str, verbose: bool = False, quiet: bool = False) ->
             ([f"bucket_cap_mb_list {','.join(f'{c:g}' for c in cfg.bucket_cap_mb_list)} MiB"]
              if cfg.bucket_cap_mb_list is not None else []) + \
             [f"{k} {str(v).lower()}" for k, v in cfg.sharding.items() if v is not None]
-        overrides = f", overriding the script's {', '.join(settings)}" if settings else ""
+        # whether the script sets its own value shows only once it builds its model (a rank says so then)
+        overrides = f", with {', '.join(settings)} in place of the script's own" if settings else ""
         ranks = cfg.nproc * (cfg.emulate_nodes or cfg.nnodes)
         node = f" (node {cfg.node_rank} of {cfg.nnodes}: ranks {output.first_rank}..{output.first_rank + cfg.nproc - 1})" \
             if cfg.nnodes > 1 else ""

@@ -137,6 +137,19 @@ def describe(rank: int, p: dict, pos: dict[int, dict], now: float) -> str:
     return text
 
 
+def drop_empty_stacks(out: Path, ranks: range | None = None) -> None:
+    """Once the job has ended: remove the stack files no rank wrote to (each rank opens
+    its own at start, for the watchdog's SIGUSR1; a run that never hung leaves them
+    empty). ``ranks``: this node's (None: every file, for a job whose ranks were all here)."""
+    for path in (Path(out) / "logs").glob("stacks-rank-*.txt"):
+        try:
+            rank = int(path.stem.rsplit("-", 1)[1])
+            if (ranks is None or rank in ranks) and path.stat().st_size == 0:
+                path.unlink()
+        except (OSError, ValueError):
+            continue
+
+
 def request_stacks(out: Path, pos: dict[int, dict], wait_s: float = 3.0) -> dict[int, str]:
     """SIGUSR1 to every rank of this host (faulthandler dumps its stacks); the files that got written."""
     sig = getattr(signal, fmt.STACKS_SIGNAL_NAME)

@@ -29,7 +29,7 @@ from ddpscope.tracer import format as fmt
 from ddpscope.tracer import options as o
 from ddpscope.tracer.capture.autotrace.config import CaptureConfig
 from ddpscope.tracer.launch import nodes
-from ddpscope.tracer.launch.hangs import read_positions
+from ddpscope.tracer.launch.hangs import drop_empty_stacks, read_positions
 from ddpscope.tracer.launch.native import build_native
 from ddpscope.tracer.launch.nodes import check_out_dir
 from ddpscope.tracer.launch.torchrun import LaunchConfig, LaunchResult, OnLine, launch
@@ -273,6 +273,7 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
     node = None if cfg.nnodes == 1 else Node(job=cfg.job, rank=cfg.node_rank, count=cfg.nnodes, nproc=cfg.nproc)
     result = launch_traced(cfg.launch_config(note), cfg.out, {**cfg.facts(), "command": shlex.join(cfg.command())},
                             on_progress, on_output, launcher, node)
+    drop_empty_stacks(cfg.out, None if node is None else range(node.rank * node.nproc, (node.rank + 1) * node.nproc))
     if not cfg.out.is_dir():
         result.untraced = f"the run folder {cfg.out} was removed during the run: its trace is lost (training ran)"
         return result

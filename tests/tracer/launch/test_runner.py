@@ -42,6 +42,9 @@ def test_run_writes_a_complete_trace_per_rank(mlp_run):
     per_step = trace.buckets[trace.buckets.step > 0].groupby(["rank", "step"]).size()
     assert per_step.min() >= 10 and per_step.nunique() == 1
     assert (trace.memory.optimizer_state_bytes == 2 * trace.memory.params_bytes + 4 * 34).all()  # AdamW: 2 moments + a float32 step, 34 tensors
+    # every rank's stdout and stderr kept; no empty stack file (a rank writes one only when the watchdog asks)
+    logs = sorted(p.name for p in (out / "logs").rglob("*") if p.is_file())
+    assert [n for n in logs if n.startswith("stacks-")] == [] and any("stderr" in n for n in logs), logs
 
 
 def test_no_cap_given_records_what_ddp_used(tmp_path):

@@ -46,6 +46,8 @@ def _patch_ddp(session: Session, module) -> None:
         except (TypeError, ValueError):  # not a list of numbers: DDP says so below
             session.script_caps = {}
         if cap is not None:
+            if isinstance(script_cap, (int, float)) and script_cap != cap:  # anything else: DDP's to judge
+                session.note(f"the script's bucket_cap_mb {script_cap:g} is replaced by --bucket-cap-mb {cap:g}")
             bound.arguments["bucket_cap_mb"] = cap
             if bound.arguments.get("bucket_cap_mb_list"):
                 bound.arguments["bucket_cap_mb_list"] = None  # it would win over bucket_cap_mb

@@ -185,6 +185,7 @@ def test_the_override_wins_and_without_it_the_scripts_cap_stands(tmp_path):
     run, c = load_run(out).run, checks(report)[0]
     assert run["bucket_cap_mb"] == 2.0 and run["bucket_cap_mb_script"] == 2.0 and run["bucket_cap_mb_requested"] is None
     assert c["bucket_bytes_cap"] == 2 * 2**20 and not run["bucket_cap_default"]
+    assert "in place of" not in proc.stderr and not any("replaced" in n for n in run["notes"])
     assert run["bucket_layout"] == [[int(i) for i in b.split()] for b in c["rebuilt"].split(",")]
 
     proc, out, report = trace_script(tmp_path, USER, "--steps", "4", "--bucket-cap-mb", "2",
@@ -193,6 +194,10 @@ def test_the_override_wins_and_without_it_the_scripts_cap_stands(tmp_path):
     run, c = load_run(out).run, checks(report)[0]
     assert c["bucket_bytes_cap"] == 2**19 and run["bucket_cap_bytes"] == 2**19  # what DDP really used
     assert run["bucket_cap_mb_script"] == 2.0 and run["bucket_cap_mb_requested"] == 0.5
+    # the script's own value named once it is known (a rank), never before it is (the launcher)
+    said = "the script's bucket_cap_mb 2 is replaced by --bucket-cap-mb 0.5"
+    assert said in run["notes"] and proc.stderr.count(said) == 1
+    assert "bucket_cap_mb 0.5 MiB in place of the script's own" in proc.stderr
     assert run["bucket_layout"] == [[int(i) for i in b.split()] for b in c["rebuilt"].split(",")]
     # what a rerun needs
     assert run["script"]["path"] == USER and len(run["script"]["sha256"]) == 64 and run["script"]["cwd"] == "/"
