@@ -35,12 +35,46 @@ def distinct_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(n for _, n in regions)
 
 
+# Where wrappers keep the optimizer they step: ZeroRedundancyOptimizer's local one (``optim``),
+# Accelerate's and Lightning's wrappers (``optimizer``, ``_optimizer``), and containers of
+# several (torchtitan's OptimizersContainer, itself an Optimizer with an empty ``state``).
+_INNER = ("optim", "optimizer", "_optimizer")
+_CONTAINED = ("optimizers",)
+
+
+def _is_optimizer(obj) -> bool:
+    return isinstance(getattr(obj, "state", None), dict) and isinstance(getattr(obj, "param_groups", None), list)
+
+
+def state_holders(optimizer) -> list:
+    """The optimizers that really hold state under ``optimizer``: wrappers and containers
+    unwrapped (see ``_INNER``, ``_CONTAINED``), each state dict once (a wrapper may show
+    its inner one's), never the empty shell of a container."""
+    out, seen, todo, visited = [], set(), [optimizer], set()
+    while todo:
+        o = todo.pop(0)
+        if o is None or id(o) in visited:
+            continue
+        visited.add(id(o))
+        inner = [getattr(o, a, None) for a in _INNER]
+        for a in _CONTAINED:
+            group = getattr(o, a, None)
+            inner += list(group) if isinstance(group, (list, tuple)) else []
+        inner = [i for i in inner if i is not o and _is_optimizer(i)]
+        if _is_optimizer(o) and id(o.state) not in seen and (o.state or not inner):
+            seen.add(id(o.state))
+            out.append(o)
+        todo += inner
+    return [o for o in out if o.state or len(out) == 1]
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """State tensors the optimizer holds on this rank (``ZeroRedundancyOptimizer``: its shard)."""
+    """State tensors the optimizer holds on this rank (``ZeroRedundancyOptimizer``: its
+    shard; a wrapper or a container: the optimizers inside, ``state_holders``)."""
     if optimizer is None:
         return []
-    inner = getattr(optimizer, "optim", optimizer)
-    return [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return [v for holder in state_holders(optimizer) for state in holder.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
 
 
 class _OptimizerStateBytes:
@@ -57,8 +91,8 @@ class _OptimizerStateBytes:
     def __call__(self, optimizer: torch.optim.Optimizer | None) -> int:
         if optimizer is None:
             return 0
-        state = getattr(optimizer, "optim", optimizer).state
-        key = (id(optimizer), id(state), len(state), sum(map(len, state.values())))
+        key = (id(optimizer), *((id(h.state), len(h.state), sum(map(len, h.state.values())))
+                                for h in state_holders(optimizer)))
         if key != self._key:
             self._bytes = distinct_bytes(optimizer_state_tensors(optimizer))
             self._key = key

@@ -91,3 +91,53 @@ def test_the_first_steps_then_one_a_interval_have_their_memory_measured():
     counters = [e for e in out if e["ph"] == "C"]
     assert [s["args"]["step"] for s in steps if "memory" in s["args"]] == [0, 1, 2, 5]
     assert len(counters) == 4 and counters[-1]["args"]["params_bytes"] == (8 * 4 + 4) * 4
+
+
+class _Container(torch.optim.Optimizer):
+    """The shape of torchtitan's ``OptimizersContainer``: an Optimizer over every
+    parameter, its own ``state`` empty, stepping one AdamW per model part."""
+
+    def __init__(self, parts):
+        self.optimizers = [torch.optim.AdamW(p.parameters(), lr=1e-3) for p in parts]
+        super().__init__([q for p in parts for q in p.parameters()], {"lr": 1e-3})
+
+    def step(self, closure=None):
+        for o in self.optimizers:
+            o.step()
+
+
+class _Wrapper:
+    """The shape of Accelerate's ``AcceleratedOptimizer`` and Lightning's optimizer: the
+    optimizer it steps in ``optimizer``, whose state and groups it shows as its own."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+
+def test_optimizer_state_is_counted_where_it_is_held_once_never_in_an_empty_container():
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)]
+    params = [q for p in parts for q in p.parameters()]
+    n_bytes = sum(p.numel() * 4 for p in params)
+    meter = MemoryMeter(params)
+    container = _Container(parts)
+    assert meter(container)["optimizer_state_bytes"] == 0  # nothing stepped yet
+    parts[1](parts[0](torch.randn(4, 64))).sum().backward()
+    container.step()
+    assert not container.state  # the shell holds nothing: its AdamWs do
+    adamw = 2 * n_bytes + 4 * len(params)  # exp_avg, exp_avg_sq and a float32 step per parameter
+    assert meter(container)["optimizer_state_bytes"] == adamw
+    assert meter(_Wrapper(container))["optimizer_state_bytes"] == adamw  # a wrapper around it: the same, once
+    inner = container.optimizers[0]
+    wrapped = _Wrapper(inner)
+    one = 2 * sum(p.numel() * 4 for p in parts[0].parameters()) + 4 * 2
+    assert meter(wrapped)["optimizer_state_bytes"] == one == meter(inner)["optimizer_state_bytes"]
+    meter.close()
