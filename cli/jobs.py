@@ -87,7 +87,7 @@ def run_config(cfg, command: str, verbose: bool = False, quiet: bool = False) ->
             if cfg.nnodes > 1 else ""
         if cfg.emulate_nodes:
             node = f" ({cfg.emulate_nodes} emulated nodes of {cfg.nproc} ranks, each over a {cfg.link} link)"
-        say(f"tracing {what} on {ranks} ranks{node}{overrides}")
+        say(f"tracing {what} on {ranks} rank{'' if ranks == 1 else 's'}{node}{overrides}")
         shown = ("ddpscope's lines only" if quiet else "every rank's output" if verbose else
                  "rank 0's output" if output.first_rank == 0 else "no rank's output (rank 0 is on node 0)")
         say(f"showing {shown}; every rank's stdout and stderr are kept in {cfg.out / 'logs'}")
@@ -104,6 +104,8 @@ def run_config(cfg, command: str, verbose: bool = False, quiet: bool = False) ->
         print(f"{prog}: run failed: {result.reason}", file=sys.stderr)
         for line in result.details:  # a hang: where every rank was
             print(f"  {line}", file=sys.stderr)
+        for line in result.independent:
+            print(f"  also failed on its own: {line}", file=sys.stderr)
         for line in result.consequences:
             print(f"  consequence: {line}", file=sys.stderr)
         if result.stderr_tail and not result.hung:
@@ -120,8 +122,25 @@ def run_config(cfg, command: str, verbose: bool = False, quiet: bool = False) ->
         print(f"{prog}: warning: {result.incomplete}; what was written is kept in {cfg.out}", file=sys.stderr)
     if getattr(result, "elsewhere", None):  # a multi-node job whose nodes each wrote their own folder
         say(result.elsewhere)
+    if command == "run":
+        _say_spawned(cfg)
     print(cfg.run / "calibration.json" if command == "calibrate" else cfg.out)
     return 0
+
+
+def _say_spawned(cfg) -> None:
+    """A script that starts its own ranks (``torch.multiprocessing.spawn``) makes a job
+    larger than the ranks launched: say its real size, from run.json, once it is known."""
+    from ddpscope.tracer import format as fmt
+    from ddpscope.tracer.writer import read_json
+
+    launched = cfg.nproc * (cfg.emulate_nodes or cfg.nnodes)
+    try:
+        world = int(read_json(cfg.out / fmt.RUN_FILE).get("world_size") or 0)
+    except (OSError, ValueError, TypeError):
+        return
+    if world > launched:
+        say(f"the job had {world} ranks: the script started them itself from the {launched} launched")
 
 
 def _raise_interrupt(signum, frame) -> None:

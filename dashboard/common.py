@@ -272,8 +272,10 @@ def show_outcome(job, where: str) -> None:
     else:
         reason = job.error or (job.result.reason if job.result else "unknown")
         st.error(f"{job.out.name} failed: {reason}")
-        if job.result is not None and (job.result.details or job.result.consequences):
-            st.caption("  \n".join([*job.result.details, *(f"consequence: {c}" for c in job.result.consequences)]))
+        if job.result is not None and (job.result.details or job.result.consequences or job.result.independent):
+            st.caption("  \n".join([*job.result.details,
+                                    *(f"also failed on its own: {c}" for c in job.result.independent),
+                                    *(f"consequence: {c}" for c in job.result.consequences)]))
         if job.result is not None and job.result.stderr_tail:
             st.code(job.result.stderr_tail, language=None)
 

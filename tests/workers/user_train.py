@@ -92,7 +92,7 @@ def main() -> None:
     p.add_argument("--static-graph", action="store_true", help="DDP(static_graph=True)")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--python-reducer", action="store_true", help="compiled autograd's Python reducer for DDP")
-    p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--fail-rank", type=int, default=-1, help="-2: every rank, each with its own error")
     p.add_argument("--fail-step", type=int, default=-1)
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank's forward sleeps --slow-ms each pass")
     p.add_argument("--slow-ms", type=float, default=0.0)
@@ -124,7 +124,7 @@ def main() -> None:
         gen = torch.Generator().manual_seed(100 + rank)
         own, logging = [], []
         for step in range(args.steps):
-            if rank == args.fail_rank and step == args.fail_step:
+            if rank == args.fail_rank and step == args.fail_step or args.fail_rank == -2 and step == args.fail_step:
                 raise RuntimeError(f"user script failed on rank {rank} at step {step}")
             for micro in range(args.accumulate):
                 sync = micro == args.accumulate - 1

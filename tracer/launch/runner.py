@@ -342,6 +342,7 @@ def launch_traced(lc: LaunchConfig, out: Path, facts: dict, on_progress: Callabl
         run.update({"status": fmt.FAILED, "error": result.reason, "failed_rank": result.failed_rank,
                     "failure": {"rank": result.failed_rank, "how": result.how, "where": result.where,
                                 "hung": result.hung, "consequences": result.consequences,
+                                "independent": result.independent,
                                 "ranks": result.details}})
     elif out.is_dir():
         elsewhere, skip = [], set()

@@ -89,6 +89,8 @@ class LaunchResult:
     how: str | None = None  # how the failed rank ended: "SIGKILL", "exit code 3", "RuntimeError: ..."
     where: str | None = None  # what it last recorded: "step 12, backward"
     consequences: list[str] = field(default_factory=list)  # the other ranks' failures, one line each
+    # other ranks that failed on their own (an error of their own, not a lost peer), one line each
+    independent: list[str] = field(default_factory=list)
     details: list[str] = field(default_factory=list)  # a hang: what every rank last recorded
 
     @property
@@ -303,7 +305,8 @@ def kill_group(pid: int) -> None:
 def explain_failure(cfg: LaunchConfig, result: LaunchResult, exits: dict[int, int] | None = None) -> None:
     """The root cause and its consequences. A rank killed by a signal comes first (the
     others fail because it went away); then a rank whose own error is not a peer's
-    failure; ranks that failed only because a peer died are consequences. Errors come
+    failure; ranks that failed only because a peer died are consequences, and other ranks
+    with an error of their own failed independently (named as such). Errors come
     from torchrun's per-rank error files (``@record``, or ddpscope's capture for scripts
     without it), else the ranks' stderr; how a rank ended from torchrun's summary."""
     base = cfg.node_rank * cfg.nproc
@@ -346,10 +349,19 @@ def explain_failure(cfg: LaunchConfig, result: LaunchResult, exits: dict[int, in
     result.failed_rank = root
     result.where = _last_position(cfg, root)
     at = f"; it was at {result.where}" if result.where else ""
-    result.consequences = [f"rank {r}: {text}" for r, (_, _, text) in sorted(errors.items()) if r != root]
+    # Beside a root that failed with an error of its own, a rank with an error of its own failed
+    # independently; beside a rank killed by a signal, every other failure is taken as its consequence.
+    own = root in errors and not errors[root][0]
+    alone = {r for r, (peer, _, _) in errors.items() if own and r != root and not peer}
+    result.independent = [f"rank {r}: {errors[r][2]}" for r in sorted(alone)]
+    result.consequences = [f"rank {r}: {text}" for r, (_, _, text) in sorted(errors.items()) if r != root and r not in alone]
     result.consequences += [f"rank {r} {_how_killed(exits[r])}" for r in killed if r != root]
     if result.reason is None:
         result.reason = f"rank {root} {how}{at}"
+        if alone:
+            others = sorted(alone)
+            result.reason += (f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} also failed on "
+                              f"{'their' if len(others) > 1 else 'its'} own")
         if result.consequences:
             result.reason += f" (then {len(result.consequences)} other rank{'s' if len(result.consequences) > 1 else ''} failed)"
     logs = list(cfg.log_dir.glob(f"*/attempt_*/{root - base}/stderr.log"))

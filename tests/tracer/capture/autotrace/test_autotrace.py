@@ -295,6 +295,8 @@ def test_ranks_a_script_spawns_itself_are_traced(tmp_path):
                    "--jobs", "2")
     assert proc.returncode == 0, proc.stderr
     assert "already holds rank 0's trace of an earlier job" in proc.stderr
+    assert "on 1 rank, " in proc.stderr or "on 1 rank\n" in proc.stderr
+    assert "the job had 2 ranks: the script started them itself from the 1 launched" in proc.stderr
     assert any("earlier job" in n for n in json.loads((out / "run.json").read_text())["notes"])
     trace = load_run(out)
     assert trace.world_size == 2 and trace.steps.groupby("rank").size().to_dict() == {0: 4, 1: 4}
@@ -333,6 +335,22 @@ def test_a_failing_script_names_the_rank_and_keeps_the_finished_steps(tmp_path):
     done = trace.steps[(trace.steps["rank"] == 1) & ~trace.steps.incomplete]
     assert set(done.step) == {0, 1, 2}
     assert processes_mentioning(str(out)) == []
+
+
+def test_ranks_that_each_fail_on_their_own_are_named_as_such(tmp_path):
+    """Every rank raises its own exception in the user's code: the first is the root cause,
+    the other failed on its own (its own error, not a lost peer), never its consequence."""
+    proc, out, _ = trace_script(tmp_path, USER, "--steps", "8", "--fail-rank", "-2", "--fail-step", "3")
+    assert proc.returncode == 1
+    line = next(l for l in proc.stderr.splitlines() if "run failed" in l)
+    root = int(line.split("run failed: rank ")[1].split()[0])
+    other = 1 - root
+    assert f"rank {root} failed: RuntimeError: user script failed on rank {root} at step 3" in line
+    assert f"; rank {other} also failed on its own" in line
+    said = f"also failed on its own: rank {other}: RuntimeError: user script failed on rank {other} at step 3"
+    assert said in proc.stderr and "consequence:" not in proc.stderr
+    failure = json.loads((out / "run.json").read_text())["failure"]
+    assert failure["consequences"] == [] and len(failure["independent"]) == 1 and failure["rank"] == root
 
 
 @pytest.mark.parametrize("script, message", [
