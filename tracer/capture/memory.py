@@ -71,10 +71,11 @@ def state_holders(optimizer) -> list:
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """State tensors the optimizer holds on this rank (``ZeroRedundancyOptimizer``: its
     shard; a wrapper or a container: the optimizers inside, ``state_holders``)."""
-    if optimizer is None:
-        return []
-    return [v for holder in state_holders(optimizer) for state in holder.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor)]
+    return [] if optimizer is None else _state_tensors(state_holders(optimizer))
+
+
+def _state_tensors(holders: list) -> list[torch.Tensor]:
+    return [v for h in holders for state in h.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
 class _OptimizerStateBytes:
@@ -91,10 +92,10 @@ class _OptimizerStateBytes:
     def __call__(self, optimizer: torch.optim.Optimizer | None) -> int:
         if optimizer is None:
             return 0
-        key = (id(optimizer), *((id(h.state), len(h.state), sum(map(len, h.state.values())))
-                                for h in state_holders(optimizer)))
+        holders = state_holders(optimizer)  # once a measured step: unwrapping is a few getattrs
+        key = (id(optimizer), *((id(h.state), len(h.state), sum(map(len, h.state.values()))) for h in holders))
         if key != self._key:
-            self._bytes = distinct_bytes(optimizer_state_tensors(optimizer))
+            self._bytes = distinct_bytes(_state_tensors(holders))
             self._key = key
         return self._bytes
 

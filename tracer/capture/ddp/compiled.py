@@ -154,18 +154,19 @@ class CompiledBuckets:
             else []
         self._last_sync = (step.grads, pass_index)  # read only if the layout changes next
         skew, host = self.skew_ns, self.device is None  # on a device, the times come a take later
-        taken, k = [], 0
+        taken, k = [], 0  # every record in launch order (the device times come in that order); k: this take's bucket
         for launch, done, nbytes, floating in records:
             at = ((launch + skew) / 1e3, (done + skew) / 1e3 if done else None) if host else (None, None)
             if floating:
-                taken.append(BucketRecord(k, nbytes, params[k], *at))
+                rec = BucketRecord(k, nbytes, params[k], *at)
+                step.buckets.append(rec)
                 k += 1
             else:
-                taken.append(OwnCollective(fmt.UNUSED_MAP, nbytes, *at))
+                rec = OwnCollective(fmt.UNUSED_MAP, nbytes, *at)
+                step.own.append(rec)
+            taken.append(rec)
         if not host:
             self.lag.hand_over(step, taken)
-        step.buckets += [r for r in taken if type(r) is BucketRecord]
-        step.own += [r for r in taken if type(r) is OwnCollective]
 
     def _bucket_params(self, sizes: tuple[int, ...] | None) -> list[tuple[int, ...]]:
         """Each bucket's parameter indices (the recorder's), from the reducer's current
