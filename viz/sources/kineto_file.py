@@ -49,6 +49,11 @@ class _Args(msgspec.Struct, gc=False):
     types: msgspec.Raw = msgspec.field(name="Input type", default_factory=msgspec.Raw)
 
 
+#: categories of the GPU-side copies of ``record_function`` ranges (Kineto's spelling
+#: has varied between versions)
+_GPU_ANNOTATIONS = frozenset({"gpu_user_annotation", "gpu_user_Annotation"})
+
+
 class _Event(msgspec.Struct, gc=False, tag_field="ph", tag="X"):
     """A complete event (phase ``X``), the only kind read."""
 
@@ -266,7 +271,11 @@ class _Columns:
     def add(self, events: list[_Event]) -> None:
         # one comprehension per field: transposing a list of row tuples (zip(*rows)) cost
         # twice as much as all of these together
-        x = [e for e in events if type(e) is _Event]
+        # GPU-side copies of record_function ranges (newer Kineto on CUDA: a
+        # ProfilerStep#N on each stream that ran its kernels) are neither CPU ops nor
+        # kernels: read, they would give each step twice or count as compute (HTA's
+        # analyses leave them out too)
+        x = [e for e in events if type(e) is _Event and e.cat not in _GPU_ANNOTATIONS]
         if not x:
             return
         n = len(x)

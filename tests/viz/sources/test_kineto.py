@@ -198,6 +198,24 @@ def test_profile_without_communication_opens_and_says_so(tmp_path):
     assert len(make_timeline_figure(t).data) == 1  # compute only
 
 
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_gpu_side_copies_of_profiler_steps_are_neither_steps_nor_kernels(tmp_path, with_ids):
+    """Kineto on CUDA (seen with torch 2.11 on an H200) copies each record_function range,
+    ProfilerStep#N included, onto the streams that ran its kernels (``gpu_user_annotation``):
+    the profile reads as it would without them."""
+    plain = gpu_profile(0)
+    write(tmp_path / "plain", "rank-0.json", plain)
+    copies = [{**e, "cat": "gpu_user_annotation", "pid": 0, "tid": 7,
+               "args": {"External id": 1, **({"stream": 7, "correlation": 99} if with_ids else {})}}
+              for e in plain["traceEvents"] if e["name"].startswith("ProfilerStep")]
+    write(tmp_path / "copied", "rank-0.json", {**plain, "traceEvents": plain["traceEvents"] + copies})
+    want, got = (load_training_trace(tmp_path / k) for k in ("plain", "copied"))
+    assert len(copies) == 2 and len(got.steps) == 2
+    pd.testing.assert_frame_equal(got.steps, want.steps)
+    pd.testing.assert_frame_equal(got.kernels, want.kernels)
+    pd.testing.assert_frame_equal(compute_kernel_step_breakdown(got), compute_kernel_step_breakdown(want))
+
+
 def test_cpu_only_profile_reads_cpu_ops_as_compute(tmp_path):
     ev = [_step(1, 0, 1000), _step(2, 1000, 1000),
           {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 100, "dur": 300},
