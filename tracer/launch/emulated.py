@@ -93,27 +93,30 @@ def run_emulated(cfg, on_progress: Callable[[dict], None], on_output: OnLine, *,
                 for name, is_err in (("out", False), ("err", True)):
                     threading.Thread(target=_follow, args=(node.index, files[name], is_err, proc, lines),
                                      daemon=True).start()
-            interrupted = _watch(cfg, procs, lines, tails, on_progress, on_output, str(Path(final).resolve()))
+            interrupted, failed = _watch(cfg, procs, lines, tails, on_progress, on_output,
+                                         str(Path(final).resolve()))
     finally:
         shutil.rmtree(spool, ignore_errors=True)
-    return _result(cfg, lab, command, procs, tails, interrupted, record)
+    return _result(cfg, lab, command, procs, tails, interrupted, failed, record)
 
 
 def _watch(cfg, procs: list[subprocess.Popen], lines: queue.Queue, tails: dict, on_progress, on_output,
-           final: str) -> bool:
+           final: str) -> tuple[bool, list[int]]:
     """Until every node's launcher has ended: node 0's lines handed on; all stopped when
-    one fails, on Ctrl-C, or past the watchdog. Whether it was interrupted."""
-    interrupted = False
+    one fails, on Ctrl-C, or past the watchdog. Whether it was interrupted, and the nodes
+    whose launchers failed before any was stopped, in the order seen (the first is the
+    cause: the others it took down fail too once stopped)."""
+    interrupted, failed = False, []
     with signals_held() as stop:  # acted on each turn, never raised mid-call (see torchrun.launch)
         try:
             open_streams = 2 * len(procs)
             deadline = time.monotonic() + cfg.timeout_s + STOP_GRACE_S + 60
             while open_streams and time.monotonic() < deadline and not stop:
+                if not failed and (failed := [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]):
+                    _stop(procs)  # one node failed: the others stop too
                 try:
                     item = lines.get(timeout=0.5)
                 except queue.Empty:
-                    if any(p.poll() not in (None, 0) for p in procs):  # one node failed: the others stop too
-                        _stop(procs)
                     continue
                 if item is None:
                     open_streams -= 1
@@ -127,20 +130,22 @@ def _watch(cfg, procs: list[subprocess.Popen], lines: queue.Queue, tails: dict, 
         finally:
             _stop(procs)
             interrupted = interrupted or bool(stop)
-    return interrupted
+    return interrupted, failed
 
 
 def _result(cfg, lab: Lab, command: list[str], procs: list[subprocess.Popen], tails: dict,
-            interrupted: bool, record: Path | None) -> LaunchResult:
-    """How the emulated run ended (the first node that failed says why); run.json told
-    what was emulated."""
+            interrupted: bool, failed: list[int], record: Path | None) -> LaunchResult:
+    """How the emulated run ended (the node that failed first says why, never one this
+    launcher stopped because of it); run.json told what was emulated."""
     codes = [p.returncode for p in procs]
     result = LaunchResult(returncode=next((c for c in codes if c), 0), interrupted=interrupted)
     if result.returncode or interrupted:
-        bad = next((k for k, c in enumerate(codes) if c), 0)
+        bad = failed[0] if failed else next((k for k, c in enumerate(codes) if c), 0)
         said = [line for line in tails[bad] if "run failed:" in line or "error:" in line]
-        result.reason = ("interrupted" if interrupted else
-                         said[-1].split(": ", 1)[-1] if said else f"node {bad}'s launcher exited with code {codes[bad]}")
+        # its own "ddpscope <command>: run failed: <why>": the why alone (this launcher says the rest)
+        why = said[-1].split(": ", 1)[-1].removeprefix("run failed: ") if said else \
+            f"its launcher exited with code {codes[bad]}"
+        result.reason = "interrupted" if interrupted else why if bad == 0 else f"node {bad}: {why}"
         result.stderr_tail = "\n".join(tails[bad])
     if record is not None and record.is_dir() and (record / fmt.RUN_FILE).exists():
         update_run_json(record, {"emulation": emulation_facts(cfg.emulate_nodes, lab.rate, cfg.nproc),

@@ -30,6 +30,10 @@ from ddpscope.tracer.launch.lab import why_not
 from ddpscope.tracer.writer import read_records, write_json_atomic
 
 FINISH_WAIT_S = 30.0  # node 0 waits this long, at most, for the other nodes to say how they ended
+#: a node that finds the folder already begun (made, its logs folder made) but no node's
+#: record in it waits this long, at most, for one: the nodes of a job start together, and
+#: another may be between making the folder and announcing itself
+JOIN_WAIT_S = 10.0
 
 
 def job_key(what: dict) -> str:
@@ -84,9 +88,11 @@ def _joinable(out: Path, job: str | None, node_rank: int) -> bool:
     """``out`` holds another node of this very job, still running, and not this node."""
     if job is None:
         return False
-    nodes = read_nodes(out)
-    if not nodes:
-        return False
+    end = time.monotonic() + JOIN_WAIT_S
+    while not (nodes := read_nodes(out)):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.1)
     others = {n.get("job") for n in nodes.values()}
     if others != {job}:
         raise ValueError(f"--out {out} holds the trace of another job (its nodes ran another command); "

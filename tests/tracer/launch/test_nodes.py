@@ -154,3 +154,29 @@ def test_nodes_that_wrote_their_own_folders_are_merged_into_one_run(tmp_path):
         assert not (tmp_path / "never").exists() and not list(tmp_path.glob(".never*")), why
     assert run_cli("merge", str(tmp_path / "node0"), str(tmp_path / "node1"), "--out", str(merged),
                    timeout=60).returncode == 2  # never over a run
+
+
+def test_a_node_that_finds_the_folder_begun_by_another_waits_for_its_record(tmp_path, monkeypatch):
+    """Nodes of one job start together: node 1 may look at --out between node 0 making
+    it (its write probe, its logs) and announcing itself. It waits for that record instead
+    of calling the folder someone else's; a folder that never gets one is refused."""
+    import threading
+
+    from ddpscope.tracer.launch import nodes
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".ddpscope-probe-1").write_bytes(b"")  # node 0, between create_out_dir and announce
+    later = threading.Timer(0.5, nodes.announce, args=(out, "job1", 0, 2, 1))
+    later.start()
+    try:
+        nodes.check_out_dir(out, "job1", node_rank=1)  # accepted once node 0's record is there
+    finally:
+        later.join()
+    assert set(nodes.read_nodes(out)) == {0}
+    monkeypatch.setattr(nodes, "JOIN_WAIT_S", 0.3)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not empty"):
+        nodes.check_out_dir(other, "job1", node_rank=1)
