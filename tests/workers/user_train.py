@@ -94,6 +94,8 @@ def main() -> None:
     p.add_argument("--python-reducer", action="store_true", help="compiled autograd's Python reducer for DDP")
     p.add_argument("--fail-rank", type=int, default=-1, help="-2: every rank, each with its own error")
     p.add_argument("--fail-step", type=int, default=-1)
+    p.add_argument("--catch-exit", type=int, default=0,
+                   help="catch this many SystemExits out of optimizer.step() and train on (a framework's wrapper)")
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank's forward sleeps --slow-ms each pass")
     p.add_argument("--slow-ms", type=float, default=0.0)
     args = p.parse_args()
@@ -144,7 +146,13 @@ def main() -> None:
                     t3 = time.perf_counter()
                 own.append({"step": step, "micro": micro, "sync": sync,
                             "forward_ms": (t1 - t0) * 1e3, "backward_ms": (t3 - t2) * 1e3})
-            opt.step()
+            try:
+                opt.step()
+            except SystemExit:
+                if args.catch_exit <= 0:
+                    raise
+                args.catch_exit -= 1
+                print(f"rank {rank}: caught SystemExit after step {step}, training on", file=sys.stderr, flush=True)
             opt.zero_grad()
             if other is not None:
                 other(torch.randn(4, 64)).sum().backward()

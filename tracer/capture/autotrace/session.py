@@ -79,7 +79,7 @@ class Session:
             emit_progress(event="step", step=done, steps=self.config.steps, ms=round((now - self._last) * 1e3, 1))
         self._last = now
         if self.config.steps is not None and done >= self.config.steps:
-            end_job(self.finish, self.config.exit_grace_s)
+            end_job(self.finish, self.config.exit_grace_s, self.config.steps, self.note, tracer.rank)
 
     def on_fsdp1(self) -> None:
         if not any("FullyShardedDataParallel" in n for n in self.notes):

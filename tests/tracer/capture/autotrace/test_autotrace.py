@@ -220,6 +220,22 @@ def test_steps_ends_a_long_script_cleanly(tmp_path):
     assert processes_mentioning(str(out)) == []
 
 
+def test_steps_holds_when_the_script_catches_the_systemexit_and_trains_on(tmp_path):
+    """A script that catches the SystemExit ending the job (a framework's wrapper, a loop's
+    ``except BaseException``) and trains on: the next step says so once and raises it again."""
+    proc, out, report = trace_script(tmp_path, USER, "--steps", "10000", "--catch-exit", "1",
+                                     ddpscope=("--steps", "3"))
+    assert proc.returncode == 0, proc.stderr
+    trace = load_run(out)
+    assert trace.run["status"] == "complete" and trace.steps.groupby("rank").size().to_dict() == {0: 3, 1: 3}
+    said = "the script caught the SystemExit that ends the job after --steps 3 and trained on"
+    assert proc.stderr.count(said) == 1, proc.stderr[-3000:]
+    assert any(said in n for n in trace.run["notes"])
+    assert proc.stderr.count("rank 0: caught SystemExit after step 2, training on") == 1  # rank 0's output is shown
+    assert "caught SystemExit after step 3" not in proc.stderr  # the next opt.step() ended it
+    assert not report.exists() and processes_mentioning(str(out)) == []
+
+
 def test_a_module_run_with_dash_m_from_its_own_folder(tmp_path):
     out = tmp_path / "mod"
     proc = subprocess.run([sys.executable, "-m", "ddpscope.cli", "run", "--nproc", "2", "--out", str(out), "--", "-m",
