@@ -43,11 +43,45 @@ class Model(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.out = nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, idx):
+    def forward(self, idx, skip_head: bool = False):
         x = self.tok(idx)
         for layer in self.layers:
             x = layer(x)
-        return self.out(self.norm(x))
+        x = self.norm(x)
+        return x if skip_head else self.out(x)
+
+
+BACKWARD_CALLS: list[tuple[float, float]] = []  # each chunk's backward() call: µs on perf_counter
+
+
+def chunked_loss(model, idx, chunks: int):
+    """torchtitan 0.3's ChunkedLossWrapper (components/loss.py), reduced: ``norm`` and the
+    head ``out`` are one FSDP unit (``fully_shard([norm, out])``, as torchtitan groups
+    them); the body's normed hidden states are cut in ``chunks`` along the sequence; each
+    chunk runs ``out`` (kept unsharded, gradient sync on the last chunk only) and its own
+    ``backward()`` inside this call; then one backward through the body with the chunks'
+    gradients."""
+    h = model(idx, skip_head=True)
+    parts = [c.detach().requires_grad_() for c in h.split(h.shape[1] // chunks, dim=1)]
+    targets = idx.roll(-1, 1).split(h.shape[1] // chunks, dim=1)
+    head, total = model.out, 0.0
+    head.set_reshard_after_forward(False)
+    head.set_reshard_after_backward(False)
+    head.set_requires_gradient_sync(False, recurse=False)
+    head.unshard()
+    for i, (part, target) in enumerate(zip(parts, targets)):
+        if i == len(parts) - 1:
+            head.set_requires_gradient_sync(True, recurse=False)
+        logits = head(part)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) / chunks
+        t0 = time.perf_counter_ns() / 1e3
+        loss.backward()
+        BACKWARD_CALLS.append((t0, time.perf_counter_ns() / 1e3))
+        total += float(loss.detach())
+    head.set_reshard_after_forward(True)
+    head.set_reshard_after_backward(True)
+    h.backward(torch.cat([p.grad for p in parts], dim=1))
+    return torch.tensor(total)
 
 
 def parse_reshard(text: str):
@@ -73,6 +107,8 @@ def main() -> None:
     p.add_argument("--hang", default=None, help="RANK:STEP:BLOCK: that rank sleeps in that block's forward")
     p.add_argument("--fsdp1", action="store_true", help="FSDP1 (FullyShardedDataParallel) instead")
     p.add_argument("--cuda", action="store_true", help="NCCL and CUDA (tests/tracer/capture/test_cuda.py)")
+    p.add_argument("--chunked-loss", type=int, default=0,
+                   help="N > 0: torchtitan's chunked loss in N chunks, each running its own backward")
     p.add_argument("--hsdp", type=int, default=1, help="R > 1: HSDP, R replicas of world/R shards (a 2-D mesh)")
     args = p.parse_args()
     dist.init_process_group("nccl" if args.cuda else "gloo")
@@ -124,6 +160,8 @@ def main() -> None:
             if args.differ and rank == 1 and k == len(model.layers) - 1:
                 continue
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        if args.chunked_loss:
+            fully_shard([model.norm, model.out], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         if args.meta_init:
             model.to_empty(device="cpu")
@@ -151,6 +189,9 @@ def main() -> None:
             for micro in range(args.accum):
                 model.set_requires_gradient_sync(micro == args.accum - 1)
                 idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
+                if args.chunked_loss:
+                    loss = chunked_loss(model, idx, args.chunked_loss)
+                    continue
                 logits = model(idx)
                 loss = F.cross_entropy(logits.view(-1, args.vocab), idx.roll(-1, 1).view(-1))
                 (loss / args.accum).backward()
@@ -172,7 +213,8 @@ def main() -> None:
                 digest.update(param.to_local().detach().cpu().numpy().tobytes())
             with open(os.path.join(args.report, f"rank{rank}.json"), "w") as f:
                 json.dump({"params_sha256": digest.hexdigest(), "losses": losses, "memtracker": tracker_report,
-                           "step_ms": step_ms}, f)
+                           "step_ms": step_ms,
+                       "chunk_backward_us": BACKWARD_CALLS}, f)
         # a clean gloo teardown (see fsdp_train.py)
         dist.barrier()
         del model, opt

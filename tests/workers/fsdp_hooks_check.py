@@ -37,6 +37,7 @@ def main() -> None:
     groups = [m._get_fsdp_state()._fsdp_param_group for m in (model[0], model[1])]
     during = [sorted(k for k in vars(g) if k in ("pre_forward", "post_backward", "unshard")) for g in groups]
     stand_in = _fsdp_collectives.dist is not dist  # HSDP: its all-reduce timed
+    backward_call = torch.autograd.backward  # each backward call cut while traced
     dist.barrier()
     dist.destroy_process_group()  # the trace closes here
     after = {
@@ -49,6 +50,10 @@ def main() -> None:
         "during": during,
         "stand_in_during": stand_in,
         "collectives_dist_is_torch": _fsdp_collectives.dist is dist,
+        "backward_call_patched_during": hasattr(backward_call, "__wrapped__"),
+        "backward_call_is_torch": [getattr(torch.autograd, n).__module__ for n in ("backward", "grad")] ==
+        ["torch.autograd", "torch.autograd"] and not hasattr(torch.autograd.backward, "__wrapped__")
+        and not hasattr(torch.autograd.grad, "__wrapped__"),
     }
     os.makedirs(args.report, exist_ok=True)
     with open(os.path.join(args.report, f"rank{rank}.json"), "w") as f:

@@ -89,3 +89,15 @@ def attach_optimizer_finder(params: list[torch.nn.Parameter], recorder, handles:
 
     handles.add(register_optimizer_step_pre_hook(guarded(guard, start)))
     handles.add(register_optimizer_step_post_hook(guarded(guard, end)))
+
+
+def autograd_running() -> bool:
+    """Whether autograd's engine is executing a backward on this thread now: a hook's
+    phase from autograd itself, not from which hook ran last (a loss that calls its own
+    ``backward()`` inside forward; a forward recomputed by activation checkpointing).
+    The graph task's id is -1 outside a backward."""
+    return _graph_task_id() != -1
+
+
+# private to torch (torch/csrc/autograd/init.cpp, torch >= 1.13): without it, never in backward
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)

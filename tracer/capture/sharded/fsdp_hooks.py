@@ -35,6 +35,8 @@ from ddpscope.tracer.capture.sharded.units import Unit
 
 GROUP_METHODS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "wait_for_unshard")
 COMM_ATTRS = {"_all_gather_comm": "all_gather", "_reduce_scatter_comm": "reduce_scatter"}
+#: autograd's entry points a script calls (each cut: what runs inside is backward)
+BACKWARD_CALLS = ("backward", "grad")
 
 
 class FSDPHooks:
@@ -78,11 +80,16 @@ class FSDPHooks:
             if _fsdp_collectives.dist is torch.distributed:  # not already stood in for (another model's tracer)
                 _fsdp_collectives.dist = _ReplicaAllReduce(self)
                 self._collectives_module = _fsdp_collectives
+        self._patch_backward_calls()
         self.handles.add(self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self.handles.add(self.root.register_forward_hook(self._root_post_forward, always_call=True))
 
     def detach(self) -> None:
         self.handles.remove()
+        for name in BACKWARD_CALLS:
+            fn = getattr(torch.autograd, name)
+            if getattr(fn, "_ddpscope_hooks", None) is self:  # nobody replaced it since
+                setattr(torch.autograd, name, fn.__wrapped__)
         for group in self._patched_groups:
             for name in GROUP_METHODS:
                 group.__dict__.pop(name, None)
@@ -96,6 +103,24 @@ class FSDPHooks:
         if module is not None and isinstance(module.dist, _ReplicaAllReduce) and module.dist.hooks is self:
             module.dist = torch.distributed
         self._stop_counting()
+
+    def _patch_backward_calls(self) -> None:
+        """Each call of autograd's backward (``torch.autograd.backward``, which
+        ``Tensor.backward`` calls, and ``torch.autograd.grad``) cuts the unit's time: what
+        runs inside is backward. Same signature, arguments, return and exceptions."""
+        for name in BACKWARD_CALLS:
+            original = getattr(torch.autograd, name)
+
+            def call(*args, _original=original, **kwargs):
+                self._safe(self.rec.on_backward_call, True)
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self._safe(self.rec.on_backward_call, False)
+
+            wrapped = functools.wraps(original)(call)
+            wrapped._ddpscope_hooks = self
+            setattr(torch.autograd, name, wrapped)
 
     # -- guarded calls into the recorder ----------------------------------------------
     def _safe(self, fn: Callable, *args) -> Any:

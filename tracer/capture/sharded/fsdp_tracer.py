@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer.capture.clock import make_clock
-from ddpscope.tracer.capture.hook_guard import HookGuard, HookHandles, attach_optimizer_finder
+from ddpscope.tracer.capture.hook_guard import HookGuard, HookHandles, attach_optimizer_finder, autograd_running
 from ddpscope.tracer.capture.live import LiveFile
 from ddpscope.tracer.capture.memory import FIRST_MEASURED_STEPS
 from ddpscope.tracer.capture.offsets import estimate_offsets
@@ -151,7 +151,8 @@ class FSDPTracer:
 
         self.memory = ShardedMemory(self.units, device, lambda: self.recorder.optimizer if self.recorder else None)
         self.recorder = ShardedRecorder(clock=self.clock, emit=lambda s: self._emit(s, names),
-                                        sample=self.memory, measure_step=measure_step, on_close=self.on_step)
+                                        sample=self.memory, measure_step=measure_step, on_close=self.on_step,
+                                        in_backward=autograd_running)
         self._hooks = FSDPHooks(self.model, self.units, self.recorder, self._guard,
                                 on_measured_forward=(self.memory.activations.start, self.memory.activations.stop))
         self._hooks.attach()

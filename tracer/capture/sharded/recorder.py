@@ -7,6 +7,15 @@ training thread's time into segments, each one the innermost unit's compute (a u
 forward holds its children's: the children's time is theirs) or a collective or a wait.
 A step starts at the root's training forward and ends when the optimizer step returns.
 
+The phase comes from autograd, not from which hook ran last: whatever runs while
+autograd's engine executes a backward (``in_backward``) is backward, wherever the script
+calls it: a loss that runs its own ``backward()`` per chunk inside its call (torchtitan's
+chunked loss), a forward recomputed by activation checkpointing. A unit whose pre-forward
+runs several times before its one post-forward (a group of modules, ``fully_shard([norm,
+head])``, its head called per chunk) is on the stack once; the root's backward sits at
+the bottom of the stack even when its pre-backward runs after a child's (its output is a
+child's: a body's hidden states whose backward the script starts itself).
+
 Times are clock stamps (``clock.py``): µs on CPU; on CUDA, events resolved in one batch
 when the step closes. Runs on the training thread; the autograd thread is the same one
 on CPU (on CUDA, autograd's device thread calls the backward hooks: the stack is per
@@ -21,6 +30,7 @@ from typing import Any, Callable
 from ddpscope.tracer.capture.clock import Clock
 
 FORWARD, BACKWARD = "forward", "backward"
+ROOT = 0  # the root unit's index (units.find_units lists it first)
 
 
 @dataclass(slots=True)
@@ -63,8 +73,10 @@ class ShardedRecorder:
 
     def __init__(self, *, clock: Clock, emit: Callable[[ShardedStep], None],
                  sample: Callable[[], dict] | None = None, measure_step: Callable[[int], bool] = lambda s: True,
-                 on_close: Callable[[ShardedStep], None] | None = None) -> None:
+                 on_close: Callable[[ShardedStep], None] | None = None,
+                 in_backward: Callable[[], bool] = lambda: False) -> None:
         self.clock = clock
+        self.in_backward = in_backward  # autograd's engine runs a backward on this thread now
         self.emit = emit
         self.sample = sample  # bytes by category now (the memory meter), on measured steps
         self.measure_step = measure_step
@@ -101,6 +113,20 @@ class ShardedRecorder:
         if cur is not None and cur.passes and cur.passes[-1].backward_start is None:
             cur.passes[-1].backward_start = self.clock.stamp()
 
+    def on_backward_call(self, entering: bool) -> None:
+        """The script's call of autograd's backward begins (``entering``) or returns: a
+        cut. What runs inside it is backward, though autograd's engine starts only after
+        this; a backward the script calls inside its forward (a chunked loss) has no unit
+        hook at its start to cut there."""
+        if self.current is None:
+            return
+        now = self.clock.stamp()
+        self._cut(now)
+        if entering and self._stack and self._stack[-1] is not None:
+            self._open = (self._stack[-1][0], BACKWARD, now)
+        else:
+            self._resume(now)
+
     def on_backward_end(self) -> None:
         cur = self.current
         if cur is not None and cur.passes:
@@ -116,7 +142,10 @@ class ShardedRecorder:
             return
         now = self.clock.stamp()
         self._cut(now)
-        self._stack.append((unit, phase))
+        if unit == ROOT and phase == BACKWARD:
+            self._stack.insert(0, (unit, phase))  # it encloses every other unit's backward
+        elif self._top() != (unit, phase):  # a group's pre-forward runs once per module called
+            self._stack.append((unit, phase))
         self._resume(now)
         self.where = (unit, phase, None)
         if phase == BACKWARD:
@@ -129,9 +158,11 @@ class ShardedRecorder:
         self._sample(unit, phase, "end")
         now = self.clock.stamp()
         self._cut(now)
-        for k in range(len(self._stack) - 1, -1, -1):  # its own entry, wherever it is
-            if self._stack[k] == (unit, phase):
-                del self._stack[k]
+        # its own entry, wherever it is; a unit's post-backward also ends a forward of it
+        # left open (a group's module called again on its own, with no post-forward)
+        for entry in ((unit, phase), (unit, FORWARD)) if phase == BACKWARD else ((unit, phase),):
+            if entry in self._stack:
+                del self._stack[len(self._stack) - 1 - self._stack[::-1].index(entry)]
                 break
         self._resume(now)
         top = self._top()
@@ -145,8 +176,8 @@ class ShardedRecorder:
         self._cut(now)
         self._stack.append(None)
         top = self._top()
-        phase = top[1] if top else (BACKWARD if cur.passes and cur.passes[-1].backward_start is not None
-                                    else FORWARD)
+        phase = BACKWARD if self.in_backward() else top[1] if top else \
+            (BACKWARD if cur.passes and cur.passes[-1].backward_start is not None else FORWARD)
         rec = Coll(kind=kind, unit=unit, phase=phase, nbytes=nbytes, start=now, prefetch=prefetch)
         cur.colls.append(rec)
         self.where = (unit, phase, kind)
@@ -169,7 +200,7 @@ class ShardedRecorder:
         self._cut(now)
         self._stack.append(None)
         top = self._top()
-        return (unit, top[1] if top else FORWARD, now)
+        return (unit, BACKWARD if self.in_backward() else top[1] if top else FORWARD, now)
 
     def wait_end(self, token: Any) -> None:
         if token is None or self.current is None:
@@ -226,7 +257,7 @@ class ShardedRecorder:
         """Compute of the innermost unit runs again, unless a collective or wait is open."""
         if self._stack and self._stack[-1] is not None:
             unit, phase = self._stack[-1]
-            self._open = (unit, phase, now)
+            self._open = (unit, BACKWARD if phase == FORWARD and self.in_backward() else phase, now)
 
     def _pop_marker(self) -> None:
         stack = self._stack

@@ -152,6 +152,36 @@ def test_accumulation_and_mixed_precision_are_traced(tmp_path):
     assert any("Mixed precision" in line for line in comm_honesty_lines(trace))
 
 
+def test_a_loss_that_runs_its_own_backward_inside_forward_is_backward(tmp_path):
+    """torchtitan's chunked loss: ``norm`` and the head are one unit; the head runs per
+    chunk, each chunk's ``backward()`` inside the loss call (no pre-backward hook of FSDP's
+    for chunks 2..N). Its compute and its reduce-scatter are backward, as autograd says;
+    the body's backward stays the body's; training is bit-identical."""
+    args = ("--steps", "3", "--chunked-loss", "4")
+    proc, out, report = trace_script(tmp_path, SCRIPT, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = untraced(tmp_path, SCRIPT, *args)
+    for r in range(N):
+        traced, base = (json.loads((d / f"rank{r}.json").read_text()) for d in (report, plain))
+        assert traced["params_sha256"] == base["params_sha256"] and traced["losses"] == base["losses"]
+    sh = load_run(out).shards
+    head = int(sh.units.loc[sh.units["name"] == "norm, out", "unit"].iloc[0])
+    colls = sh.colls[sh.colls["step"] >= 1]
+    assert set(colls[colls["collective"] == "reduce_scatter"]["phase"]) == {"backward"}
+    for (rank, step), s in sh.segments[sh.segments["step"] >= 1].groupby(["rank", "step"]):
+        assert (s[s["unit"] == head]["phase"] == "backward").sum() >= 4, (rank, step)  # each chunk's, not chunk 1's
+        assert ((s["unit"] == 0) & (s["phase"] == "backward")).any()  # the embedding's backward is the root's
+    # the script's own clock around each chunk's backward() (rank 0: the trace's clock, offset 0):
+    # the head's compute inside it is booked as backward, never as forward
+    head0 = sh.segments[(sh.segments["rank"] == 0) & (sh.segments["unit"] == head)]
+    calls = json.loads((report / "rank0.json").read_text())["chunk_backward_us"]
+    assert len(calls) == 3 * 4
+    for a, b in calls:
+        inside = head0.assign(us=lambda d: (d["end_us"].clip(upper=b) - d["start_us"].clip(lower=a)).clip(lower=0))
+        assert inside.loc[inside["phase"] == "forward", "us"].sum() <= 0.05 * (b - a) + 20, (a, b, inside)
+        assert inside.loc[inside["phase"] == "backward", "us"].sum() > 0, (a, b, inside)
+
+
 def test_meta_device_initialisation_is_traced(tmp_path):
     proc, out, _ = trace_script(tmp_path, SCRIPT, "--steps", "3", "--meta-init")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -168,8 +198,9 @@ def test_hooks_are_gone_when_the_trace_closes(tmp_path, hsdp):
         assert traced["during"][0] == ["post_backward", "pre_forward"]  # it was traced
         assert traced["stand_in_during"] == bool(hsdp)  # HSDP's all-reduce timed through a stand-in
         assert traced["collectives_dist_is_torch"]  # and torch.distributed again after
-        assert {k: v for k, v in traced.items() if k not in ("during", "stand_in_during")} == \
-            {k: v for k, v in base.items() if k not in ("during", "stand_in_during")}
+        assert traced["backward_call_patched_during"] and traced["backward_call_is_torch"]  # torch's own again
+        during = ("during", "stand_in_during", "backward_call_patched_during")
+        assert {k: v for k, v in traced.items() if k not in during} == {k: v for k, v in base.items() if k not in during}
 
 
 @pytest.mark.parametrize("flags, said", [
