@@ -49,6 +49,7 @@
 #include <thread>
 #include <time.h>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -313,7 +314,10 @@ class ReadyTimes {
   std::unique_ptr<std::pair<std::atomic<int64_t>, std::atomic<int64_t>>[]> records_;
   const int64_t capacity_;
   std::atomic<int64_t> next_{0};
-  std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> keys_;
+  // what grad_accumulator hands out: std::shared_ptr<Node> up to torch 2.12 (seen failing to
+  // build against 2.11 on a GPU machine), c10::intrusive_ptr<Node> in 2.13
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<std::pair<NodePtr, uintptr_t>> keys_;
 };
 
 // The distinct bytes that parameters' gradients hold (each (data pointer, size) region

@@ -47,7 +47,7 @@ def find_units(root_state) -> list[Unit]:
     """The units of the model whose root FSDP state is ``root_state`` (lazily initialised)."""
     units: list[Unit] = []
     for state in root_state._state_ctx.all_states:  # the root first, as FSDP's lazy init listed them
-        for group in state._fsdp_param_groups:
+        for group in param_groups(state):
             params = list(group.fsdp_params)
             world = _shard_world(group)
             name = group._module_fqn or ROOT_NAME
@@ -61,6 +61,17 @@ def find_units(root_state) -> list[Unit]:
                               is_root=state is root_state, shard_size=world,
                               replicate_size=int(getattr(group.mesh_info, "replicate_mesh_size", 1) or 1)))
     return units
+
+
+def param_groups(state) -> list:
+    """An FSDP state's parameter groups: ``_fsdp_param_groups`` (torch 2.13), else the one
+    ``_fsdp_param_group`` of earlier torch (None where the module holds no parameter of
+    its own; seen on a GPU machine's torch 2.11)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = getattr(state, "_fsdp_param_group", None)
+        groups = [] if one is None else [one]
+    return list(groups)
 
 
 def _replicate_group(group):
