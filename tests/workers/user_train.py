@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 LOG_KEYS = ("forward_compute_time", "backward_compute_time", "backward_comm_time",
@@ -94,6 +95,10 @@ def main() -> None:
     p.add_argument("--python-reducer", action="store_true", help="compiled autograd's Python reducer for DDP")
     p.add_argument("--fail-rank", type=int, default=-1, help="-2: every rank, each with its own error")
     p.add_argument("--fail-step", type=int, default=-1)
+    p.add_argument("--join", action="store_true",
+                   help="uneven inputs: the last rank has one step fewer; the loop runs under Join([ddp])")
+    p.add_argument("--loss-allreduce", action="store_true",
+                   help="average the loss across ranks for logging (an all_reduce after backward, DDP's group)")
     p.add_argument("--catch-exit", type=int, default=0,
                    help="catch this many SystemExits out of optimizer.step() and train on (a framework's wrapper)")
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank's forward sleeps --slow-ms each pass")
@@ -124,8 +129,11 @@ def main() -> None:
         other = DDP(build(64, 2)) if args.two_models else None
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         gen = torch.Generator().manual_seed(100 + rank)
-        own, logging = [], []
-        for step in range(args.steps):
+        own, logging, losses = [], [], []
+        steps = args.steps - (args.join and rank == dist.get_world_size() - 1)
+        joined = Join([ddp]) if args.join else contextlib.nullcontext()
+        joined.__enter__()
+        for step in range(steps):
             if rank == args.fail_rank and step == args.fail_step or args.fail_rank == -2 and step == args.fail_step:
                 raise RuntimeError(f"user script failed on rank {rank} at step {step}")
             for micro in range(args.accumulate):
@@ -146,6 +154,10 @@ def main() -> None:
                     t3 = time.perf_counter()
                 own.append({"step": step, "micro": micro, "sync": sync,
                             "forward_ms": (t1 - t0) * 1e3, "backward_ms": (t3 - t2) * 1e3})
+            if args.loss_allreduce:
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                losses.append(float(mean) / dist.get_world_size())
             try:
                 opt.step()
             except SystemExit:
@@ -156,9 +168,10 @@ def main() -> None:
             opt.zero_grad()
             if other is not None:
                 other(torch.randn(4, 64)).sum().backward()
+        joined.__exit__(None, None, None)  # a rank out of data shadows the others' collectives until all are
         os.makedirs(args.report, exist_ok=True)
         with open(os.path.join(args.report, f"check-rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "own": own, "logging": logging, "params_sha256": params_sha256(ddp.module),
+            json.dump({"rank": rank, "own": own, "logging": logging, "losses": losses, "steps": steps, "params_sha256": params_sha256(ddp.module),
                        "bucket_bytes_cap": ddp.bucket_bytes_cap,
                        "bucket_bytes_cap_list": list(getattr(ddp, "bucket_bytes_cap_list", [])),
                        "rebuilt": ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices"),

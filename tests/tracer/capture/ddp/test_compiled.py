@@ -286,3 +286,36 @@ def test_two_syncing_backwards_in_a_step_are_attributed_as_the_python_hook_does(
     for step, _, _, _ in seen["compiled"]:
         steps[step] = steps.get(step, 0) + 1
     assert steps == {0: 4, 1: 6, 2: 6, 3: 6}  # step 0: one bucket before DDP's rebuild, then 3; then 3 + 3
+
+
+@pytest.mark.parametrize("capture, pattern", [("compiled", "--join"), ("python", "--join"),
+                                              ("compiled", "--loss-allreduce")])
+def test_joins_flag_and_a_scripts_own_all_reduces_are_never_buckets(tmp_path, built, capture, pattern):
+    """Uneven inputs under ``Join([ddp])`` (DDP all-reduces a gradient-sync flag in every
+    forward; the rank out of data shadows the others' buckets until all are done) and a
+    script that averages its loss for logging (an all_reduce between backward and step):
+    neither is a bucket. Every step's buckets are the layout DDP rebuilt
+    (``rebuilt_per_bucket_param_indices``), byte for byte; the rank with fewer inputs has
+    fewer steps; training is bit-identical to the untraced run. (Both go to DDP's own
+    ``process_group``, which the compiled capture leaves alone: it wraps the reducer's.)"""
+    script = (USER, "--steps", "5", pattern, "--depth", "3", "--bucket-cap-mb", "0.25")
+    proc, out, report = trace_script(tmp_path, *script, ddpscope=("--capture", capture))
+    assert proc.returncode == 0, proc.stderr
+    from ddpscope.viz.trace import load_run
+
+    trace, ddp = load_run(out), checks(report)
+    assert trace.run["capture_path"] == capture and trace.status == "complete"
+    rebuilt = [[int(i) for i in b.split()] for b in ddp[0]["rebuilt"].split(",")]
+    assert trace.run["bucket_layout"] == rebuilt and len(rebuilt) >= 2
+    sizes = sorted(sum(trace.run["param_bytes"][i] for i in b) for b in rebuilt)
+    for r in (0, 1):
+        b = trace.buckets[(trace.buckets["rank"] == r) & (trace.buckets["step"] >= 1)]
+        assert b["step"].nunique() == ddp[r]["steps"] - 1
+        for _, one in b.groupby("step"):
+            assert sorted(one["bytes"]) == sizes
+        assert trace.steps[trace.steps["rank"] == r]["ddp_own_bytes"].isna().all()
+    assert [ddp[r]["steps"] for r in (0, 1)] == ([5, 4] if pattern == "--join" else [5, 5])
+    plain = untraced(tmp_path, *script)
+    for r in (0, 1):
+        assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
+        assert checks(report)[r]["losses"] == checks(plain)[r]["losses"]
