@@ -123,6 +123,7 @@ def _summary(path: str, as_json: bool) -> int:
         slow = compute_slow_ranks(compute_rank_overview(trace))
         line = "\n".join(x for x in (line, slow_rank_line(slow)) if x) or None
     zero1 = _zero1_summary(trace) if trace.source == "ddpscope" else None
+    models = trace.run.get("models") or []  # a job of several DDP models: each its own run folder
     if as_json:
         out = {"path": str(trace.path), "source": trace.source, "status": trace.status,
                "unfinished": trace.unfinished, "world_size": trace.world_size, "bucket_cap_mb": trace.run.get("bucket_cap_mb"),
@@ -133,6 +134,8 @@ def _summary(path: str, as_json: bool) -> int:
             out["slow_ranks"] = [_json_safe(r) for r in slow.astype(object).to_dict("records")]
         if zero1:
             out["zero1"] = zero1
+        if models:
+            out["models"] = models
         if hta is not None:
             out.update(ranks_present=trace.run["ranks_present"], hta=_by_rank(hta), clock=trace.run["clock"],
                        notes=trace.run["notes"])
@@ -157,6 +160,10 @@ def _summary(path: str, as_json: bool) -> int:
         print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
     if line:
         print(line)
+    if len(models) > 1:
+        others = ", ".join(f"{m['model']} ({trace.path / m['folder']})" for m in models[1:])
+        print(f"this job trained {len(models)} DDP models: this folder holds {models[0]['model']}'s; "
+              f"each other has a run folder of its own: {others}")
     if zero1:
         print(f"ZeRO-1 (ZeroRedundancyOptimizer): parameter broadcast {zero1['param_sync_ms']:.2f} ms a step "
               f"(median, {zero1['pct_of_step']:.1f} % of the step; the step waits for all of it), "

@@ -17,6 +17,7 @@ from typing import Callable
 
 import streamlit as st
 
+from ddpscope.tracer.format import MODELS_DIR, RUN_FILE
 from ddpscope.tracer.launch import lab
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.ddp.rank_overview import ranks_to_show
@@ -64,7 +65,19 @@ def list_runs() -> dict[str, tuple[Path, str]]:
                 kind = folder_kind(p)
                 if kind is not None:
                     found[f"{prefix}: {p.name}"] = (p, kind)
+                    for sub in _models(p):  # a job's further DDP models, each a run of its own
+                        found[f"{prefix}: {p.name} · {sub.name}"] = (sub, kind)
     return found
+
+
+def _models(run: Path) -> list[Path]:
+    """The run folders of a job's further DDP models (``models/<k>-<class>``), in order."""
+    folder = run / MODELS_DIR
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and (p / RUN_FILE).is_file()]
+    return sorted(found, key=lambda p: (int(p.name.split("-", 1)[0]) if p.name.split("-", 1)[0].isdigit() else 0,
+                                        p.name))
 
 
 def newest_run(runs: dict[str, Path]) -> str | None:
@@ -88,6 +101,8 @@ def label_of(path: Path) -> str:
     for prefix, folder in (("upload", uploads_dir()), ("run", runs_dir()), ("sample", SAMPLES)):
         if path.parent == folder:
             return f"{prefix}: {path.name}"
+        if path.parent.name == MODELS_DIR and path.parent.parent.parent == folder:
+            return f"{prefix}: {path.parent.parent.name} · {path.name}"
     return str(path)
 
 

@@ -54,6 +54,9 @@ STACKS_SIGNAL_NAME = "SIGUSR1"
 # A multi-node run (``tracer/launch/nodes.py``): each node's launcher keeps its record in
 # RUN/nodes/node-<k>.json and its torchrun logs in RUN/logs/node-<k>/; node 0 owns run.json.
 NODES_DIR = "nodes"
+# a job with several DDP models (a GAN, teacher-student): the first is the run folder's own,
+# each further one a run folder of its own at models/<k>-<ModuleClass> (run.json "models")
+MODELS_DIR = "models"
 LOGS_DIR = "logs"
 
 

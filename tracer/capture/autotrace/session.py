@@ -22,6 +22,7 @@ class Session:
         self.config = config
         self.script_caps: dict = {}  # the script's own bucket_cap_mb(_list), as it built DDP
         self.tracer = None
+        self.extra: list = []  # the tracers of further DDP models, each into models/<k>-<class>
         self.profiler = None  # torch.profiler beside the tracer (--profile)
         self.stacks = None  # where faulthandler writes this rank's stacks on SIGUSR1
         self.notes: list[str] = []
@@ -39,8 +40,7 @@ class Session:
                       "the FSDP2 model is")
             return
         if self.tracer is not None:
-            self.note(f"a second DistributedDataParallel model ({type(ddp.module).__name__}) was built; "
-                      f"only the first ({type(self.tracer.model.module).__name__}) is traced")
+            self._trace_another(ddp, script_cap, overridden)
             return
         reason = untraceable(ddp)
         if reason:
@@ -49,11 +49,7 @@ class Session:
         from ddpscope.tracer.capture.ddp.tracer import DDPTracer, TracerConfig
 
         self.times_us["ddp_built"] = now_us()
-        facts = {"capture_times_us": self.times_us, "capture": "ddpscope run", "bucket_cap_mb_script": script_cap,
-                 "bucket_cap_mb_list_script": self.script_caps.get("bucket_cap_mb_list_script"),
-                 "bucket_cap_mb_requested": self.config.bucket_cap_mb if overridden else None,
-                 "bucket_cap_mb_list_requested": self.config.bucket_cap_mb_list if overridden else None,
-                 "steps_requested": self.config.steps, "notes": self.notes}
+        facts = {"capture_times_us": self.times_us, **self._ddp_facts(script_cap, overridden), "notes": self.notes}
         tracer = DDPTracer(ddp, "auto", TracerConfig(out_dir=self.config.out, run_meta=facts,
                                                            capture=self.config.capture,
                                                            capture_note=self.config.capture_note), on_step=self.on_step)
@@ -65,6 +61,58 @@ class Session:
         if self.config.profile_steps:
             self.profiler = _start_profiler(tracer, self.config)
         self._last = time.perf_counter()
+
+    def _ddp_facts(self, script_cap: Any, overridden: bool) -> dict:
+        """run.json's facts of a traced DDP model: its bucket caps, as the script set them
+        and as overridden, and the step limit."""
+        return {"capture": "ddpscope run", "bucket_cap_mb_script": script_cap,
+                "bucket_cap_mb_list_script": self.script_caps.get("bucket_cap_mb_list_script"),
+                "bucket_cap_mb_requested": self.config.bucket_cap_mb if overridden else None,
+                "bucket_cap_mb_list_requested": self.config.bucket_cap_mb_list if overridden else None,
+                "steps_requested": self.config.steps}
+
+    def _trace_another(self, ddp, script_cap: Any, overridden: bool) -> None:
+        """A further DDP model (a GAN's discriminator, a teacher): traced as the first is,
+        with its own buckets, layout and steps (its own optimizer's), into a run folder of
+        its own, ``models/<k>-<class>``; the main run.json lists them all. Every rank
+        builds the models in the same order, so every rank's tracers pair up."""
+        from pathlib import Path
+
+        from ddpscope.tracer import format as fmt
+        from ddpscope.tracer.capture.ddp.tracer import DDPTracer, TracerConfig
+
+        name = type(ddp.module).__name__
+        reason = untraceable(ddp)
+        k = len(self.extra) + 1
+        folder = f"{fmt.MODELS_DIR}/{k}-{name}"
+        if reason:
+            self.note(f"DDP model {k} ({name}): {reason}; it runs untraced")
+            return
+        out = Path(self.config.out) / folder
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self.note(f"DDP model {k} ({name}) is not traced: {folder} cannot be made ({e.strerror or e})")
+            return
+        facts = {**self._ddp_facts(script_cap, overridden), "model_index": k, "model_of": "../..",
+                 "notes": [f"model {k} of this job ({name}); the job's run folder is ../.."]}
+        tracer = DDPTracer(ddp, "auto", TracerConfig(out_dir=out, run_meta=facts, capture=self.config.capture,
+                                                     capture_note=self.config.capture_note))
+        why = tracer.start()  # never raises (a collective inside: every rank starts it alike)
+        if why is not None:
+            self.note(f"DDP model {k} ({name}): {why}")
+            return
+        self.extra.append(tracer)
+        first = type(self.tracer.model.module).__name__
+        models = [{"index": 0, "model": first, "folder": "."}] + [
+            {"index": i, "model": type(t.model.module).__name__,
+             "folder": f"{fmt.MODELS_DIR}/{i}-{type(t.model.module).__name__}"} for i, t in enumerate(self.extra, 1)]
+        if rank() == 0:
+            try:
+                update_run_json(self.config.out, {"models": models})
+            except OSError:
+                pass
+        self.note(f"DDP model {k} ({name}) is traced too, into {folder} (its own buckets, layout and steps)")
 
     def on_step(self, step_record) -> None:
         """After each closed step (training thread): progress, and the step limit."""
@@ -135,14 +183,15 @@ class Session:
         with self._lock:
             tracer, self.tracer = self.tracer, None
             profiler, self.profiler = self.profiler, None
+            extra, self.extra = self.extra, []
         if profiler is not None:
             profiler.stop()  # saves the steps it recorded (never raises)
-        if tracer is None:
-            return
-        try:
-            tracer.close(error or self.error)
-        except Exception as e:  # noqa: BLE001
-            say(f"could not finish the trace: {type(e).__name__}: {e}")
+        # every rank closes its tracers in the order it made them (each close ends with a collective)
+        for t in ([tracer] if tracer is not None else []) + extra:
+            try:
+                t.close(error or self.error)
+            except Exception as e:  # noqa: BLE001
+                say(f"could not finish the trace: {type(e).__name__}: {e}")
 
     def note(self, text: str) -> None:
         """Say something once on stderr (rank 0) and keep it in run.json's notes."""

@@ -320,13 +320,16 @@ def test_ranks_a_script_spawns_itself_are_traced(tmp_path):
     assert sorted(i for b in trace.run["bucket_layout"] for i in b) == [0, 1, 2, 3]
 
 
-def test_two_ddp_models_the_first_is_traced_and_the_second_is_named(tmp_path):
+def test_a_second_ddp_model_without_an_optimizer_is_traced_in_its_own_folder(tmp_path):
     proc, out, report = trace_script(tmp_path, USER, "--two-models", "--steps", "3")
     assert proc.returncode == 0, proc.stderr
-    assert "a second DistributedDataParallel model (Sequential) was built; only the first" in proc.stderr
+    assert "DDP model 1 (Sequential) is traced too, into models/1-Sequential" in proc.stderr
     trace = load_run(out)
-    assert any("second DistributedDataParallel" in n for n in trace.run["notes"])
+    assert any("DDP model 1 (Sequential) is traced too" in n for n in trace.run["notes"])
     assert trace.run["model_params"] == 8 * (384 * 384 + 384) + 384 * 8 + 8  # the first model's
+    second = load_run(out / "models" / "1-Sequential")
+    assert second.run["model_params"] == 2 * (64 * 64 + 64) + 64 * 8 + 8 and second.status == "complete"
+    assert second.steps.groupby("rank").size().min() >= 2  # a forward after a syncing backward: a step
     assert checks(report)[1]["params_sha256"]
 
 
