@@ -74,6 +74,7 @@ def _tx_bytes(ns: str, dev: str) -> int:
     return int(stats[0]["stats64"]["tx"]["bytes"])
 
 
+@pytest.mark.lab
 def test_two_nodes_over_their_own_link_share_one_folder(tmp_path, two_hosts):
     """Node 0 and node 1, each in its own namespace, run the same command into one
     ``--out`` (node 1's clock pushed 400 ms ahead). The job's trace is whole and

@@ -150,7 +150,7 @@ def test_gradient_accumulation_every_micro_batch_is_its_own_pass(tmp_path):
     assert compared >= 2 * 5 and len(off) <= 2, off
 
 
-@pytest.mark.parametrize("hook", ["fp16", "builtin-fp16", "custom"])
+@pytest.mark.parametrize("hook", [pytest.param("fp16", marks=pytest.mark.breadth), "builtin-fp16", "custom"])
 def test_the_scripts_own_comm_hook_is_wrapped_timed_and_bit_identical(tmp_path, hook):
     """A hook the script registers after building DDP runs inside ddpscope's: every
     bucket is timed, and the parameters equal those of the same run untraced."""
@@ -246,6 +246,7 @@ def test_a_module_run_with_dash_m_from_its_own_folder(tmp_path):
     assert run["script"]["module"] is True and run["script"]["path"] == USER and run["model"] == "user_train"
 
 
+@pytest.mark.frameworks
 def test_lightning_ddp_strategy_is_traced_with_its_layout_and_the_override_wins(tmp_path):
     script = (str(WORKERS / "lightning_train.py"), "--bucket-cap-mb", "0.5", "--steps", "6", "--accumulate", "2")
     proc, out, report = trace_script(tmp_path, *script, name="lightning")
@@ -265,6 +266,7 @@ def test_lightning_ddp_strategy_is_traced_with_its_layout_and_the_override_wins(
     assert trace.run["bucket_layout"] == [[int(i) for i in b.split()] for b in c["rebuilt"].split(",")]
 
 
+@pytest.mark.frameworks
 def test_accelerate_ddp_kwargs_are_traced_and_the_override_wins(tmp_path):
     script = (str(WORKERS / "accelerate_train.py"), "--bucket-cap-mb", "0.5", "--steps", "6", "--accumulate", "2")
     proc, out, report = trace_script(tmp_path, *script, ddpscope=("--bucket-cap-mb", "0.25"), name="accelerate")
@@ -274,6 +276,46 @@ def test_accelerate_ddp_kwargs_are_traced_and_the_override_wins(tmp_path):
     assert trace.run["bucket_cap_mb_script"] == 0.5
     assert trace.run["bucket_layout"] == [[int(i) for i in b.split()] for b in c["rebuilt"].split(",")]
     assert trace.steps.groupby("rank").size().to_dict() == {0: 6, 1: 6} and (trace.steps.micro_batches == 2).all()
+
+
+@pytest.mark.frameworks
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_hugging_face_trainers_own_ddp_is_traced_as_ddp_built_it(tmp_path, accumulate):
+    """Hugging Face Trainer with its defaults (its DDP has ``find_unused_parameters=True``):
+    every step's buckets are DDP's own (``_get_ddp_logging_data``'s ``bucket_sizes``, in
+    order), never a phantom one; the unused-parameter map is its own collective (4 bytes a
+    parameter); DDP never rebuilds, and the what-if lays out at the traced cap, and at
+    another, the buckets DDP built in a real run at that cap; training is bit-identical."""
+    from ddpscope.viz.whatif.simulate import predict_layout
+
+    hf = str(WORKERS / "hf_trainer_train.py")
+    script = (hf, "--steps", "4", "--accumulate", str(accumulate))
+    runs = {}
+    for cap in ("0.1", "0.25"):
+        proc, out, report = trace_script(tmp_path, *script, ddpscope=("--bucket-cap-mb", cap), name=f"hf{cap}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ddp = {r: json.loads((report / f"rank{r}.json").read_text()) for r in (0, 1)}
+        assert ddp[0]["find_unused_parameters"] and ddp[0]["rebuilt"] is None and ddp[0]["global_step"] == 4
+        runs[cap] = (load_run(out), ddp, report)
+    trace, ddp, report = runs["0.1"]
+    assert trace.run["capture_path"] == "compiled" and trace.run["find_unused_parameters"] is True
+    sizes = ddp[0]["bucket_sizes"]
+    assert len(sizes) >= 3
+    for (rank, step), b in trace.buckets.groupby(["rank", "step"]):
+        assert list(b.sort_values("bucket")["bytes"]) == sizes, (rank, step)
+    steps = trace.steps
+    assert (steps["num_buckets"] == len(sizes)).all() and (steps["micro_batches"] == accumulate).all()
+    assert (steps["ddp_own_bytes"] == 4 * len(trace.run["param_bytes"])).all()
+    for cap, (_, built, _) in runs.items():
+        predicted = predict_layout(trace, float(cap))
+        assert [sum(trace.run["param_bytes"][i] for i in b) for b in predicted] == built[0]["bucket_sizes"], cap
+    # bit-identical to the untraced run (the Trainer's own settings, no override)
+    plain = untraced(tmp_path, *script)
+    proc, out, report = trace_script(tmp_path, *script, name="hf-default")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in (0, 1):
+        assert json.loads((report / f"rank{r}.json").read_text())["params_sha256"] == \
+            json.loads((plain / f"rank{r}.json").read_text())["params_sha256"]
 
 
 def test_a_script_without_ddp_runs_and_says_nothing_was_traced(tmp_path):

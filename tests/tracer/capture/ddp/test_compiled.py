@@ -97,7 +97,7 @@ def test_a_compiled_run_of_a_users_script_matches_ddp_and_changes_nothing(tmp_pa
         assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
 
 
-@pytest.mark.parametrize("capture", ["compiled", "python"])
+@pytest.mark.parametrize("capture", ["compiled", pytest.param("python", marks=pytest.mark.breadth)])
 def test_ddps_unused_parameter_map_is_its_own_collective_never_a_bucket(tmp_path, built, capture):
     """``find_unused_parameters=True`` (Hugging Face Trainer's default): after its last
     bucket DDP all-reduces its map of locally used parameters (int32, one per parameter)
@@ -288,7 +288,8 @@ def test_two_syncing_backwards_in_a_step_are_attributed_as_the_python_hook_does(
     assert steps == {0: 4, 1: 6, 2: 6, 3: 6}  # step 0: one bucket before DDP's rebuild, then 3; then 3 + 3
 
 
-@pytest.mark.parametrize("capture, pattern", [("compiled", "--join"), ("python", "--join"),
+@pytest.mark.parametrize("capture, pattern", [("compiled", "--join"),
+                                              pytest.param("python", "--join", marks=pytest.mark.breadth),
                                               ("compiled", "--loss-allreduce")])
 def test_joins_flag_and_a_scripts_own_all_reduces_are_never_buckets(tmp_path, built, capture, pattern):
     """Uneven inputs under ``Join([ddp])`` (DDP all-reduces a gradient-sync flag in every

@@ -188,7 +188,7 @@ def test_meta_device_initialisation_is_traced(tmp_path):
     assert load_run(out).shards.stage == 3
 
 
-@pytest.mark.parametrize("hsdp", [(), ("--hsdp",)], ids=["fsdp", "hsdp"])
+@pytest.mark.parametrize("hsdp", [(), pytest.param(("--hsdp",), marks=pytest.mark.breadth)], ids=["fsdp", "hsdp"])
 def test_hooks_are_gone_when_the_trace_closes(tmp_path, hsdp):
     proc, _, report = trace_script(tmp_path, str(WORKERS / "fsdp_hooks_check.py"), *hsdp)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -231,6 +231,7 @@ def test_a_hang_inside_a_unit_is_named_by_the_watchdog(tmp_path):
     assert run["status"] == "failed" and run["failure"]["hung"]
 
 
+@pytest.mark.frameworks
 def test_lightning_model_parallel_strategy_fsdp2_is_traced_bit_identical(tmp_path):
     """Lightning's ModelParallelStrategy (FSDP2 applied in configure_model) on CPU: traced per
     unit, one step per optimizer step (Lightning steps with a closure), weights unchanged."""
@@ -249,6 +250,7 @@ def test_lightning_model_parallel_strategy_fsdp2_is_traced_bit_identical(tmp_pat
     assert (per_step == 1 + 2 * 4).all()  # the root kept gathered for backward; each block gathered twice
 
 
+@pytest.mark.breadth
 def test_hsdp_all_reduce_across_replicas_is_timed_apart(tmp_path):
     """HSDP on 4 ranks (2 replicas of 2 shards): each unit's gradient shard is all-reduced
     across replicas after its reduce-scatter; timed on its own, counted in D, and the
