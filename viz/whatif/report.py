@@ -90,7 +90,7 @@ def print_advice(advice: Advice) -> None:
     for r in shown.itertuples():
         mark = "  <- best found (the simplest within {:.1f} % of the fastest)".format(100 * SIMPLER) \
             if r.label == chosen else ""
-        print(f"  {r.step_ms:9.2f} ms  {r.buckets:3d} buckets  {r.kind:15s} {r.label}{mark}")
+        print(f"  {r.step_ms:9.2f} ms  {r.buckets:3d} {'bucket ' if r.buckets == 1 else 'buckets'}  {r.kind:15s} {r.label}{mark}")
     lo, hi = advice.interval_ms
     noise = f"95 % interval {lo:.1f}..{hi:.1f} ms from this run's step-to-step noise" if math.isfinite(lo) else \
         "too few steps to measure the noise"
