@@ -57,6 +57,8 @@ def render_advisor(path: Path, stamp: float, trace, model, jobs: JobManager, bus
                    "step-to-step noise.")
     else:
         st.info(f"Advisor: keep {setting_text(setting)}. {rec['why'][0].upper()}{rec['why'][1:]}.")
+    if rec.get("flag_off"):
+        st.info(f"Without find_unused_parameters: {rec['flag_off']['text']}.")
     n = rec["searched"]
     with st.expander(f"What the advisor searched: {n['uniform']} uniform caps, {n['growing list']} growing lists, "
                      f"{n['per-bucket list']} per-bucket layouts"):

@@ -90,6 +90,8 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--two-models", action="store_true")
     p.add_argument("--find-unused", action="store_true", help="a head the loss never uses, find_unused_parameters=True")
+    p.add_argument("--find-unused-flag-only", action="store_true",
+                   help="find_unused_parameters=True on a model whose every parameter is used")
     p.add_argument("--static-graph", action="store_true", help="DDP(static_graph=True)")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--python-reducer", action="store_true", help="compiled autograd's Python reducer for DDP")
@@ -116,6 +118,8 @@ def main() -> None:
         kw = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
         if args.find_unused:
             model, kw["find_unused_parameters"] = WithUnusedHead(model, args.width), True
+        if args.find_unused_flag_only:  # the flag set, every parameter used (Hugging Face Trainer's default case)
+            kw["find_unused_parameters"] = True
         if args.static_graph:
             kw["static_graph"] = True
         if args.python_reducer:

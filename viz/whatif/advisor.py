@@ -26,7 +26,7 @@ its steps. A gain inside the noise, or under ``MIN_GAIN`` of the step, changes n
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -84,6 +84,9 @@ class Advice:
     candidates: pd.DataFrame = field(repr=False)
     prediction: RunTrace = field(repr=False)
     note: str | None = None  # what the run's flags rule out of the search, and why
+    # find_unused_parameters=True where every parameter had its gradient in every step: what
+    # the same search predicts with the flag off (DDP then rebuilds in gradient-ready order)
+    flag_off: "FlagOff | None" = None
 
     @property
     def gain_pct(self) -> float:
@@ -100,7 +103,22 @@ class Advice:
                 "traced": setting_json(self.traced), "traced_step_ms": self.traced_step_ms,
                 "measured_step_ms": self.measured_step_ms, "gain_ms": self.gain_ms, "gain_pct": self.gain_pct,
                 "gain_interval_ms": list(self.interval_ms), "noise_ms": self.noise_ms,
-                "best_found": setting_json(self.best), "searched": self.searched, "note": self.note}
+                "best_found": setting_json(self.best), "searched": self.searched, "note": self.note,
+                "flag_off": None if self.flag_off is None else {
+                    "flag": self.flag_off.flag, **setting_json(self.flag_off.setting),
+                    "step_ms": self.flag_off.step_ms, "gain_ms": self.flag_off.gain_ms,
+                    "buckets": self.flag_off.buckets, "text": flag_off_text(self.flag_off)}}
+
+
+def flag_off_text(off: FlagOff) -> str:
+    """One line: what turning the flag off is predicted to give, and whether it is more
+    than the run's noise."""
+    beyond = "more than" if abs(off.gain_ms) > off.noise_ms else "inside"
+    than = f"{abs(off.gain_ms):.1f} ms {'faster' if off.gain_ms >= 0 else 'slower'} than now"
+    return (f"every parameter had its gradient in every step, so {off.flag} would do: DDP would then rebuild its "
+            f"buckets in gradient-ready order; predicted {off.step_ms:.1f} ms a step at {setting_text(off.setting)} "
+            f"({than}, {beyond} the noise ±{off.noise_ms:.1f} ms; the unused-parameter map's all-reduce would go "
+            "too, not counted)")
 
 
 def setting_json(cap: Cap) -> dict:
@@ -130,6 +148,34 @@ def step_noise_ms(trace: RunTrace, seed: int = 0) -> float:
     meds = [float(np.median(np.concatenate([per_step[i] for i in row]))) for row in picks]
     lo, hi = np.percentile(meds, [2.5, 97.5])
     return float(hi - lo) / 2.0
+
+
+@dataclass(frozen=True)
+class FlagOff:
+    """A prediction for the run with a flag of DDP's turned off (ms, medians over steps
+    and ranks): the best setting found then, its step, and its gain over the traced
+    setting as the run is now."""
+
+    flag: str  # what to change, as the script would write it
+    setting: Cap
+    step_ms: float
+    gain_ms: float
+    buckets: int
+    noise_ms: float
+
+
+def unused_parameters(trace: RunTrace) -> list[str]:
+    """Parameters that had no gradient in some traced step (non-warm-up): those DDP's
+    ``find_unused_parameters=True`` is for. Empty: every one had it in every step."""
+    names = trace.run.get("param_names") or [str(i) for i in range(len(trace.run.get("param_bytes") or []))]
+    steps = trace.steps[~trace.steps["warmup"].astype(bool)] if len(trace.steps) else trace.steps
+    if not len(steps) or not len(trace.grads):
+        return list(names)  # nothing to tell by: the flag may be needed
+    got = trace.grads.groupby(["rank", "step"])["param"].agg(set).to_dict()
+    full, missing = set(range(len(names))), set()
+    for key in zip(steps["rank"], steps["step"]):
+        missing |= full - got.get(key, set())
+    return [names[i] for i in sorted(missing)]
 
 
 class _Search:
@@ -327,9 +373,15 @@ def advise(trace: RunTrace, model: WhatIfModel | None = None, *, caps=DEFAULT_CA
                + (f"inside the noise (±{noise:.1f} ms)" if math.isfinite(noise) and gain <= noise else
                   f"under {100 * MIN_GAIN:.0f} % of the step"))
     chosen, m = (best, mb) if change else (own, mo)
+    flag_off = None
+    if not search.rebuilds and not unused_parameters(trace):  # the flag looks for parameters that are never unused
+        off = advise(replace(trace, run={**trace.run, "find_unused_parameters": False}), model, caps=caps, lists=lists,
+                     local_budget=local_budget)
+        flag_off = FlagOff(flag="find_unused_parameters=False", setting=off.setting, step_ms=off.step_ms,
+                           gain_ms=mo["step_ms"] - off.step_ms, buckets=off.buckets, noise_ms=noise)
     return Advice(setting=chosen, best=best, change=change, why=why, step_ms=m["step_ms"], exposed_ms=m["exposed_ms"],
                   buckets=len((pred_best if change else pred_own).run["bucket_layout"]), traced=own,
                   traced_step_ms=mo["step_ms"], measured_step_ms=_medians(trace)["step_ms"], gain_ms=gain,
                   noise_ms=noise, searched={k: int(kinds.get(k, 0)) for k in _KINDS if k != "traced"},
                   candidates=table.drop(columns="simplicity"), prediction=pred_best if change else pred_own,
-                  note=note)
+                  note=note, flag_off=flag_off)

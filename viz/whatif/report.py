@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from ddpscope.viz.trace import RunTrace, TraceError, load_run
-from ddpscope.viz.whatif.advisor import SIMPLER, Advice, advise, setting_text
+from ddpscope.viz.whatif.advisor import SIMPLER, Advice, advise, flag_off_text, setting_text
 from ddpscope.viz.whatif.layout import cap_label, is_cap_list
 from ddpscope.viz.whatif.model import regime
 
@@ -82,6 +82,8 @@ def print_advice(advice: Advice) -> None:
           f"{setting_text(advice.best)}")
     if advice.note:
         print(f"  note: {advice.note}")
+    if advice.flag_off is not None:
+        print(f"  flag: {flag_off_text(advice.flag_off)}")
     cands = advice.candidates
     chosen = setting_text(advice.best)
     shown = cands.head(5)

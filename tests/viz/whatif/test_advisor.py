@@ -180,3 +180,39 @@ def test_rerun_settings_follow_run_json():
         rerun_settings({**base, "kind": "fsdp2"})
     with pytest.raises(ValueError, match="folder .* is gone"):
         rerun_settings({"kind": "ddp", "script": {"argv": ["t.py"], "cwd": "/nonexistent/x"}})
+
+
+def test_what_turning_find_unused_parameters_off_would_give_is_predicted_only_where_it_would_do(tmp_path):
+    """A script that sets ``find_unused_parameters=True`` though every parameter is used
+    (Hugging Face Trainer's default case): the advisor predicts the run with the flag off,
+    where DDP rebuilds in gradient-ready order; that predicted layout is the one DDP builds
+    in a real run without the flag. Where a parameter really is unused, no such prediction,
+    and the unused ones are named."""
+    from ddpscope.viz.whatif.advisor import unused_parameters
+    from ddpscope.viz.whatif.simulate import predict_layout
+    from tests.tracer.capture.autotrace.test_autotrace import USER, trace_script
+
+    base = (USER, "--steps", "4", "--depth", "4", "--width", "256", "--bucket-cap-mb", "0.5")
+    runs = {}
+    for name, flags in [("flag", ("--find-unused-flag-only",)), ("none", ()), ("unused", ("--find-unused",))]:
+        proc, out, _ = trace_script(tmp_path, *base, *flags, name=name)
+        assert proc.returncode == 0, proc.stderr
+        runs[name] = load_run(out)
+    flagged = runs["flag"]
+    assert flagged.run["find_unused_parameters"] is True and unused_parameters(flagged) == []
+    advice = advise(flagged, local_budget=0)
+    off = advice.flag_off
+    assert off is not None and off.flag == "find_unused_parameters=False"
+    assert "find_unused_parameters=False would do" in advice.as_json()["flag_off"]["text"]
+    # the layout it predicts with the flag off, at the traced cap: DDP's own without the flag
+    unflagged = {**flagged.run, "find_unused_parameters": False}
+    from dataclasses import replace
+
+    assert sorted(map(sorted, predict_layout(replace(flagged, run=unflagged), 0.5))) == \
+        sorted(map(sorted, runs["none"].run["bucket_layout"]))
+    assert sorted(map(sorted, predict_layout(flagged, 0.5))) == sorted(map(sorted, flagged.run["bucket_layout"]))
+    unused = runs["unused"]
+    assert advise(unused, local_budget=0).flag_off is None
+    assert [n.split(".")[-2:] for n in unused_parameters(unused)] == [["unused_head", "weight"], ["unused_head", "bias"]]
+    out = run_cli("whatif", str(flagged.path))
+    assert out.returncode == 0 and "  flag: every parameter had its gradient in every step" in out.stdout
