@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--find-unused-flag-only", action="store_true",
                    help="find_unused_parameters=True on a model whose every parameter is used")
     p.add_argument("--static-graph", action="store_true", help="DDP(static_graph=True)")
+    p.add_argument("--grad-as-bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True)")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--python-reducer", action="store_true", help="compiled autograd's Python reducer for DDP")
     p.add_argument("--fail-rank", type=int, default=-1, help="-2: every rank, each with its own error")
@@ -122,6 +123,8 @@ def main() -> None:
             kw["find_unused_parameters"] = True
         if args.static_graph:
             kw["static_graph"] = True
+        if args.grad_as_bucket_view:
+            kw["gradient_as_bucket_view"] = True
         if args.python_reducer:
             torch._dynamo.config.optimize_ddp = "python_reducer"
         if rank == args.slow_rank:  # a straggler: a slower machine, or more data on this rank

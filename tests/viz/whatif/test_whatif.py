@@ -445,3 +445,25 @@ def test_the_layout_follows_ddps_rebuild_policy_under_find_unused_parameters(tmp
     assert advise(static, local_budget=0).note is None
     default = advise(runs["default"], local_budget=0)  # DDP's default among floats: kept as None, not NaN
     assert default.traced is None and (default.change or default.setting is None) and default.note
+
+
+@pytest.mark.breadth
+@pytest.mark.parametrize("flag", ["--static-graph", "--grad-as-bucket-view", "--find-unused-flag-only"])
+def test_each_ddp_flag_lays_out_as_ddp_builds_at_a_cap_and_a_list(tmp_path, flag):
+    """``static_graph=True``, ``gradient_as_bucket_view=True`` and ``find_unused_parameters``
+    on a model that uses every parameter: from one trace (at 0.25 MiB) the what-if lays out
+    what DDP itself built in real runs with the same flag at 1 MiB and at a
+    ``bucket_cap_mb_list``."""
+    from tests.tracer.capture.autotrace.test_autotrace import USER, trace_script
+
+    script = (USER, "--steps", "3", "--depth", "6", "--width", "256", flag)
+    runs = {}
+    for name, flags, more in [("cap", (), ("--bucket-cap-mb", "0.25")), ("one", (), ("--bucket-cap-mb", "1")),
+                              ("list", ("--bucket-cap-mb-list", "0.75,0.25"), ())]:
+        proc, out, _ = trace_script(tmp_path, *script, *more, ddpscope=flags, name=name)
+        assert proc.returncode == 0, proc.stderr
+        runs[name] = load_run(out)
+    built = {k: sorted(map(sorted, t.run["bucket_layout"])) for k, t in runs.items()}  # DDP's own buckets
+    assert len({str(v) for v in built.values()}) == 3, built
+    for name, cap in [("cap", 0.25), ("one", 1.0), ("list", (0.75, 0.25))]:
+        assert sorted(map(sorted, predict_layout(runs["cap"], cap))) == built[name], name
