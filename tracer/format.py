@@ -97,6 +97,7 @@ CAT_ALLREDUCE = "allreduce"
 CAT_MEMORY = "memory"
 CAT_DDP_OWN = "ddp_collective"  # args: step, bytes (see TID_DDP_OWN)
 UNUSED_MAP = "unused-parameter map"  # the name of that all-reduce
+BUFFER_BROADCAST = "buffer broadcast"  # DDP's broadcast of the module's buffers before a syncing forward
 
 # Status of a rank file or a run.
 RUNNING = "running"

@@ -23,7 +23,7 @@ GL_COLORS = 12
 
 COLORS = {"forward": "#4C78A8", "backward": "#54A24B", "wait": "#BAB0AC",
           "optimizer": "#F58518", "exposed": "rgba(228, 26, 28, 0.55)", "param_sync": "#B279A2",
-          "ddp_own": "#9D755D"}
+          "ddp_own": "#9D755D", "buffer_sync": "#FF9DA6"}
 
 
 def lane_position(fig: go.Figure, label: str) -> float:

@@ -344,6 +344,9 @@ class SummaryLine(msgspec.Struct):
     ddp_own_start_us: Us | None = None
     ddp_own_end_us: Us | None = None
     ddp_own_bytes: Big | None = None
+    buffer_sync_start_us: Us | None = None
+    buffer_sync_end_us: Us | None = None
+    buffer_sync_bytes: Big | None = None
     memory: dict[Name, Annotated[int, msgspec.Meta(ge=-2**62, le=2**62)] | Us] | None = None
     num_buckets: Count = 0
     bucket_bytes: Big = 0

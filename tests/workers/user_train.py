@@ -31,10 +31,10 @@ LOG_KEYS = ("forward_compute_time", "backward_compute_time", "backward_comm_time
             "backward_compute_comm_overlap_time")
 
 
-def build(width: int, depth: int) -> nn.Module:
+def build(width: int, depth: int, batchnorm: bool = False) -> nn.Module:
     layers = []
     for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
+        layers += [nn.Linear(width, width), *([nn.BatchNorm1d(width)] if batchnorm else []), nn.GELU()]
     return nn.Sequential(*layers, nn.Linear(width, 8))
 
 
@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--find-unused-flag-only", action="store_true",
                    help="find_unused_parameters=True on a model whose every parameter is used")
     p.add_argument("--static-graph", action="store_true", help="DDP(static_graph=True)")
+    p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after each layer: buffers DDP broadcasts")
     p.add_argument("--grad-as-bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True)")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--python-reducer", action="store_true", help="compiled autograd's Python reducer for DDP")
@@ -111,7 +112,7 @@ def main() -> None:
     rank = dist.get_rank()
     try:
         torch.manual_seed(0)
-        model = build(args.width, args.depth)
+        model = build(args.width, args.depth, args.batchnorm)
         if args.no_ddp:
             for _ in range(args.steps):
                 model(torch.randn(4, args.width)).sum().backward()
@@ -178,7 +179,8 @@ def main() -> None:
         joined.__exit__(None, None, None)  # a rank out of data shadows the others' collectives until all are
         os.makedirs(args.report, exist_ok=True)
         with open(os.path.join(args.report, f"check-rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "own": own, "logging": logging, "losses": losses, "steps": steps, "params_sha256": params_sha256(ddp.module),
+            json.dump({"rank": rank, "buffer_bytes": sum(b.numel() * b.element_size() for b in ddp.module.buffers()),
+                       "own": own, "logging": logging, "losses": losses, "steps": steps, "params_sha256": params_sha256(ddp.module),
                        "bucket_bytes_cap": ddp.bucket_bytes_cap,
                        "bucket_bytes_cap_list": list(getattr(ddp, "bucket_bytes_cap_list", [])),
                        "rebuilt": ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices"),

@@ -223,6 +223,15 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
             "%{customdata[1]:.2f} ms · %{customdata[2]:.0f} bytes",
             np.column_stack([own["step"], dur(own["ddp_own_start_us"], own["ddp_own_end_us"]), own["ddp_own_bytes"]]),
             gl_width=10))
+    bufs = shown.dropna(subset=["buffer_sync_start_us", "buffer_sync_end_us"]) if "buffer_sync_start_us" in shown \
+        else shown.iloc[:0]
+    if len(bufs):  # DDP's broadcast of the module's buffers (BatchNorm's statistics) before a syncing forward
+        data.extend(lane_bars(
+            gl, "DDP's buffer broadcast", comm(bufs), bufs["buffer_sync_start_us"], bufs["buffer_sync_end_us"], origin,
+            COLORS["buffer_sync"], "DDP's buffer broadcast (from rank 0, before the forward; not a bucket) · step "
+            "%{customdata[0]}<br>%{customdata[1]:.2f} ms · %{customdata[2]:.0f} bytes",
+            np.column_stack([bufs["step"], dur(bufs["buffer_sync_start_us"], bufs["buffer_sync_end_us"]),
+                             bufs["buffer_sync_bytes"]]), gl_width=10))
     if len(ex):
         data.extend(lane_bars(
             gl, "exposed all-reduce (after backward)", comm(ex), ex["start_us"], ex["end_us"], origin,

@@ -18,7 +18,7 @@ import torch
 
 from ddpscope.tracer.capture.clock import Clock
 from ddpscope.tracer.capture.ddp.events import StepEvents
-from ddpscope.tracer.capture.ddp.records import BucketRecord, ParamSync, PassRecord, StepRecord
+from ddpscope.tracer.capture.ddp.records import BucketRecord, OwnCollective, ParamSync, PassRecord, StepRecord
 from ddpscope.tracer.capture.memory import FIRST_MEASURED_STEPS, MemoryMeter, reset_peak
 
 
@@ -184,6 +184,19 @@ class StepRecorder:
         cur.buckets.append(rec)
         cur.buffers[index] = buffer
         return rec
+
+    def on_own_start(self, name: str, nbytes: int) -> OwnCollective | None:
+        """One of DDP's own collectives begins (its buffer broadcast): on the open step's
+        own lane, never a bucket."""
+        cur = self.current
+        if cur is None:
+            return None
+        rec = OwnCollective(name, nbytes, self.clock.stamp())
+        cur.own.append(rec)
+        return rec
+
+    def on_own_end(self, rec: OwnCollective) -> None:
+        rec.done = self.clock.stamp()
 
     def on_optimizer_start(self) -> None:
         if self.current is not None:

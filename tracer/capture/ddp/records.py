@@ -23,8 +23,9 @@ class BucketRecord:
 
 @dataclass(slots=True)
 class OwnCollective:
-    """A collective DDP's reducer issues on its group that is not a bucket's all-reduce:
-    the all-reduce of its map of locally used parameters (``format.UNUSED_MAP``)."""
+    """A collective of DDP's own that is not a bucket's all-reduce: the reducer's
+    all-reduce of its map of locally used parameters (``format.UNUSED_MAP``), DDP's
+    broadcast of the module's buffers before a syncing forward (``format.BUFFER_BROADCAST``)."""
 
     name: str
     nbytes: int

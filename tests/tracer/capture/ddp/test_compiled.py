@@ -320,3 +320,34 @@ def test_joins_flag_and_a_scripts_own_all_reduces_are_never_buckets(tmp_path, bu
     for r in (0, 1):
         assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
         assert checks(report)[r]["losses"] == checks(plain)[r]["losses"]
+
+
+@pytest.mark.parametrize("capture", ["compiled", pytest.param("python", marks=pytest.mark.breadth)])
+def test_ddps_buffer_broadcast_is_its_own_collective_on_its_own_lane(tmp_path, built, capture):
+    """BatchNorm's running statistics: before each syncing forward DDP broadcasts the
+    module's buffers from rank 0 (``broadcast_buffers=True``, its default). Recorded as
+    DDP's own collective, every step, its bytes the module's buffers' (the script's own
+    count), on a lane of its own; the buckets stay DDP's; training is bit-identical."""
+    script = (USER, "--steps", "4", "--batchnorm", "--depth", "3", "--bucket-cap-mb", "0.25")
+    proc, out, report = trace_script(tmp_path, *script, ddpscope=("--capture", capture))
+    assert proc.returncode == 0, proc.stderr
+    from ddpscope.viz.ddp.gantt import make_timeline_figure
+    from ddpscope.viz.trace import load_run
+
+    trace, ddp = load_run(out), checks(report)
+    assert trace.run["capture_path"] == capture
+    layout = trace.run["bucket_layout"]
+    for r in (0, 1):
+        steps = trace.steps[trace.steps["rank"] == r]
+        assert (steps["buffer_sync_bytes"] == ddp[r]["buffer_bytes"]).all() and ddp[r]["buffer_bytes"] > 0
+        assert (steps["buffer_sync_end_us"] >= steps["buffer_sync_start_us"]).all()
+        # inside the forward, before the model's own compute
+        assert (steps["buffer_sync_start_us"] >= steps["forward_start_us"]).all()
+        assert (steps["buffer_sync_end_us"] <= steps["forward_end_us"]).all()
+        assert (steps[steps["step"] >= 1]["num_buckets"] == len(layout)).all()
+    events = read_rank_file(out / "rank-0.json")[1]
+    assert [e["name"] for e in events if e.get("cat") == "ddp_collective"] == ["buffer broadcast"] * 4
+    assert "DDP's buffer broadcast" in {t.name for t in make_timeline_figure(trace).data}
+    plain = untraced(tmp_path, *script)
+    for r in (0, 1):
+        assert ddp[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
