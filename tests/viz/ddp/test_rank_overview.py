@@ -50,7 +50,8 @@ def test_the_slow_rank_is_found_and_ranked_first_with_its_figures(eight_ranks):
     lag = fwd[SLOW] - statistics.median(fwd.values())
     assert lag >= SLOW_MS * 0.9
     assert slow["launch_delay_ms"].iloc[0] == pytest.approx(lag, abs=10.0)
-    assert (slow["launch_delay_ms"].iloc[1:] < 10).all()
+    # the others' delays are scheduling noise (8 ranks share 2 cores here): well under the injected one
+    assert (slow["launch_delay_ms"].iloc[1:] < SLOW_MS / 2).all()
     exposed = overview.groupby("rank")["exposed_ms"].median()
     assert exposed.idxmin() == SLOW  # the others wait for it: it waits least
     assert "slowest rank: 5" in slow_rank_line(slow)
