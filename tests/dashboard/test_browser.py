@@ -23,7 +23,8 @@ from tests.conftest import ROOT
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOT = ROOT / "docs" / "images" / "timeline.png"  # README.md shows it
 playwright = pytest.importorskip("playwright.sync_api")
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed")
+pytestmark = [pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed"),
+              pytest.mark.browser]
 
 
 def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 90) -> None:

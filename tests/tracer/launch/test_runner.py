@@ -125,6 +125,7 @@ def test_watchdog_stops_a_hung_run(tmp_path):
     assert processes_mentioning(str(out)) == []
 
 
+@pytest.mark.failures
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_stopping_the_runner_stops_and_reaps_the_job(tmp_path, sig):
     import signal
@@ -150,6 +151,7 @@ def test_stopping_the_runner_stops_and_reaps_the_job(tmp_path, sig):
 
 
 @pytest.mark.ddp
+@pytest.mark.failures
 def test_a_terminal_that_goes_away_does_not_end_the_job(tmp_path):
     """``ddpscope run ... | head -c 1``: the pipe closes after one byte; the job runs to
     its end all the same (its output is in its logs) and its trace is complete."""

@@ -221,6 +221,7 @@ def test_units_that_differ_between_ranks_are_named(tmp_path):
     assert "Traceback" not in proc.stderr.split("ddpscope run:")[-1]
 
 
+@pytest.mark.failures
 def test_a_hang_inside_a_unit_is_named_by_the_watchdog(tmp_path):
     proc, out, _ = trace_script(tmp_path, SCRIPT, "--steps", "5", "--hang", "1:2:1",
                                 ddpscope=("--hang-timeout", "4", "--timeout", "90"))
