@@ -64,7 +64,12 @@ def untraced(tmp_path: Path, *script: str, name: str = "plain", nproc: int = 2) 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend",
                            "static", "--rdzv-endpoint", f"127.0.0.1:{_port()}", *script, "--report", str(report)],
                           cwd="/", env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # torch 2.13's gloo sometimes aborts a rank as its process exits, untraced too ("terminate called
+    # without an active exception", after the script ended; see tests/workers/user_train.py): the
+    # reference run is whole when every rank wrote its report before that
+    torn_down = "terminate called without an active exception" in proc.stderr and report.is_dir() \
+        and len(list(report.glob("*rank*.json"))) >= nproc
+    assert proc.returncode == 0 or torn_down, proc.stderr[-3000:]
     return report
 
 
