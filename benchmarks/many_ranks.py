@@ -4,8 +4,8 @@ as a viewer opens it, beside parsing every event.
     python -m benchmarks.many_ranks [--ranks 1024] [--steps 100] [--full-ranks 64] [--keep DIR] [--smoke]
 
 1. Traces a real 2-rank run (``ddpscope run --demo mlp``, gloo) of ``--steps`` steps.
-2. Synthesises ``--ranks`` rank files from its two (``synthesise``): each rank a copy of
-   rank r % 2's events, its clock shifted by up to ±5 ms (its metadata's clock offset
+2. Synthesises ``--ranks`` rank files from its rank 0 (``synthesise``): each rank a copy of
+   rank 0's events, its clock shifted by up to ±5 ms (its metadata's clock offset
    says so, as the tracer's would), every span's duration jittered ±3 %, and one rank
    (5/8 of the way down) slow: its forward 30 ms longer every step, everything after
    it later. Each synthetic rank is written by the tracer's own writer
@@ -86,16 +86,19 @@ def trace_real_run(out: Path, steps: int) -> None:
 
 
 def synthesise(source: Path, out: Path, ranks: int, slow: int, slow_ms: float = 30.0, seed: int = 0) -> None:
-    """``ranks`` rank files (and their summaries, by the tracer's writer) from the real
-    2-rank run in ``source``: shifted clocks, ±3 % durations, rank ``slow`` slow."""
+    """``ranks`` rank files (and their summaries, by the tracer's writer) from rank 0 of the
+    real run in ``source``: shifted clocks, ±3 % durations, rank ``slow`` ``slow_ms`` slow.
+
+    Every rank copies the same source rank: copies of two real ranks would carry whatever
+    imbalance the real run had between them (on a loaded machine one rank can trail the
+    other by more than ``slow_ms``), and the injected slow rank would not be the slowest."""
     rng = random.Random(seed)
-    src = {r: read_rank_file(source / fmt.rank_file(r)) for r in (0, 1)}
+    meta, events = read_rank_file(source / fmt.rank_file(0))
     out.mkdir(parents=True, exist_ok=False)
     run = read_json(source / fmt.RUN_FILE)
     write_json_atomic(out / fmt.RUN_FILE, {**run, "world_size": ranks, "nproc_per_node": 8,
                                            "synthesised_from": str(source)})
     for rank in range(ranks):
-        meta, events = src[rank % 2]
         shift = rng.uniform(-5000.0, 5000.0)  # µs: this rank's clock against its source's
         co = meta.get("clock_offset") or {}
         offsets = {k: ({"offset_us": v["offset_us"] - shift, "at_us": v["at_us"] + shift, "rtt_us": 0.0}
