@@ -51,16 +51,14 @@ class Model(nn.Module):
         return x if skip_head else self.out(x)
 
 
-BACKWARD_CALLS: list[tuple[float, float]] = []  # each chunk's backward() call: µs on perf_counter
-
-
-def chunked_loss(model, idx, chunks: int):
+def chunked_loss(model, idx, chunks: int, backward_calls: list[tuple[float, float]]):
     """torchtitan 0.3's ChunkedLossWrapper (components/loss.py), reduced: ``norm`` and the
     head ``out`` are one FSDP unit (``fully_shard([norm, out])``, as torchtitan groups
     them); the body's normed hidden states are cut in ``chunks`` along the sequence; each
     chunk runs ``out`` (kept unsharded, gradient sync on the last chunk only) and its own
     ``backward()`` inside this call; then one backward through the body with the chunks'
-    gradients."""
+    gradients. Each chunk's ``backward()`` call is appended to ``backward_calls`` (µs on
+    perf_counter)."""
     h = model(idx, skip_head=True)
     parts = [c.detach().requires_grad_() for c in h.split(h.shape[1] // chunks, dim=1)]
     targets = idx.roll(-1, 1).split(h.shape[1] // chunks, dim=1)
@@ -76,7 +74,7 @@ def chunked_loss(model, idx, chunks: int):
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) / chunks
         t0 = time.perf_counter_ns() / 1e3
         loss.backward()
-        BACKWARD_CALLS.append((t0, time.perf_counter_ns() / 1e3))
+        backward_calls.append((t0, time.perf_counter_ns() / 1e3))
         total += float(loss.detach())
     head.set_reshard_after_forward(True)
     head.set_reshard_after_backward(True)
@@ -177,6 +175,7 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(1000 + rank)
         losses, tracker_report, step_ms = [], None, []
+        backward_calls: list[tuple[float, float]] = []  # each loss chunk's backward() call (--chunked-loss)
         for step in range(args.steps):
             t0 = time.perf_counter()
             tracker = None
@@ -190,7 +189,7 @@ def main() -> None:
                 model.set_requires_gradient_sync(micro == args.accum - 1)
                 idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
                 if args.chunked_loss:
-                    loss = chunked_loss(model, idx, args.chunked_loss)
+                    loss = chunked_loss(model, idx, args.chunked_loss, backward_calls)
                     continue
                 logits = model(idx)
                 loss = F.cross_entropy(logits.view(-1, args.vocab), idx.roll(-1, 1).view(-1))
@@ -214,7 +213,7 @@ def main() -> None:
             with open(os.path.join(args.report, f"rank{rank}.json"), "w") as f:
                 json.dump({"params_sha256": digest.hexdigest(), "losses": losses, "memtracker": tracker_report,
                            "step_ms": step_ms,
-                       "chunk_backward_us": BACKWARD_CALLS}, f)
+                       "chunk_backward_us": backward_calls}, f)
         # a clean gloo teardown (see fsdp_train.py)
         dist.barrier()
         del model, opt

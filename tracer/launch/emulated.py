@@ -111,9 +111,13 @@ def _watch(cfg, procs: list[subprocess.Popen], lines: queue.Queue, tails: dict, 
         try:
             open_streams = 2 * len(procs)
             deadline = time.monotonic() + cfg.timeout_s + STOP_GRACE_S + 60
-            while open_streams and time.monotonic() < deadline and not stop:
-                if not failed and (failed := [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]):
-                    _stop(procs)  # one node failed: the others stop too
+            next_poll = 0.0
+            while open_streams and (now := time.monotonic()) < deadline and not stop:
+                # the launchers polled twice a second, not at every line node 0 prints
+                if not failed and now >= next_poll:
+                    next_poll = now + 0.5
+                    if failed := [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]:
+                        _stop(procs)  # one node failed: the others stop too
                 try:
                     item = lines.get(timeout=0.5)
                 except queue.Empty:

@@ -107,17 +107,20 @@ class Advice:
                 "flag_off": None if self.flag_off is None else {
                     "flag": self.flag_off.flag, **setting_json(self.flag_off.setting),
                     "step_ms": self.flag_off.step_ms, "gain_ms": self.flag_off.gain_ms,
-                    "buckets": self.flag_off.buckets, "text": flag_off_text(self.flag_off)}}
+                    "buckets": self.flag_off.buckets, "text": flag_off_text(self)}}
 
 
-def flag_off_text(off: FlagOff) -> str:
+def flag_off_text(advice: Advice) -> str:
     """One line: what turning the flag off is predicted to give, and whether it is more
-    than the run's noise."""
-    beyond = "more than" if abs(off.gain_ms) > off.noise_ms else "inside"
+    than the run's noise (the advice's own)."""
+    off = advice.flag_off
+    if off is None:
+        raise ValueError("the advice has no flag-off prediction")
+    beyond = "more than" if abs(off.gain_ms) > advice.noise_ms else "inside"
     than = f"{abs(off.gain_ms):.1f} ms {'faster' if off.gain_ms >= 0 else 'slower'} than now"
     return (f"every parameter had its gradient in every step, so {off.flag} would do: DDP would then rebuild its "
             f"buckets in gradient-ready order; predicted {off.step_ms:.1f} ms a step at {setting_text(off.setting)} "
-            f"({than}, {beyond} the noise ±{off.noise_ms:.1f} ms; the unused-parameter map's all-reduce would go "
+            f"({than}, {beyond} the noise ±{advice.noise_ms:.1f} ms; the unused-parameter map's all-reduce would go "
             "too, not counted)")
 
 
@@ -161,7 +164,6 @@ class FlagOff:
     step_ms: float
     gain_ms: float
     buckets: int
-    noise_ms: float
 
 
 def unused_parameters(trace: RunTrace) -> list[str]:
@@ -198,6 +200,13 @@ class _Search:
                          for k, row in m.iterrows()}
         self.seen: dict[tuple, float] = {}
         self.rows: list[dict] = []
+
+    def rebuilding(self) -> "_Search":
+        """A fresh search of the same steps (inputs, model, measured times) as if DDP
+        rebuilt its buckets in gradient-ready order (``find_unused_parameters=False``)."""
+        other = object.__new__(_Search)
+        other.__dict__.update(self.__dict__, rebuilds=True, seen={}, rows=[])
+        return other
 
     def layout(self, cap: Cap) -> list[list[int]]:
         if not self.rebuilds:
@@ -330,6 +339,22 @@ def advise(trace: RunTrace, model: WhatIfModel | None = None, *, caps=DEFAULT_CA
     model = model or fit_model(trace)
     local_budget = LOCAL_BUDGET if local_budget is None else local_budget
     search = _Search(trace, model)
+    noise = math.sqrt(2.0) * step_noise_ms(trace)
+    advice = _advise(trace, search, noise, caps, lists, local_budget)
+    if not search.rebuilds and not unused_parameters(trace):  # the flag looks for parameters that are never unused
+        # the same steps searched again as DDP would bucket them with the flag off
+        off = _advise(replace(trace, run={**trace.run, "find_unused_parameters": False}), search.rebuilding(), noise,
+                      caps, lists, local_budget)
+        advice = replace(advice, flag_off=FlagOff(flag="find_unused_parameters=False", setting=off.setting,
+                                                  step_ms=off.step_ms, gain_ms=advice.traced_step_ms - off.step_ms,
+                                                  buckets=off.buckets))
+    return advice
+
+
+def _advise(trace: RunTrace, search: _Search, noise: float, caps, lists, local_budget: int) -> Advice:
+    """``advise``'s search and choice on ``search`` (its steps replayed), ``noise`` (ms)
+    the run's own; no flag-off prediction."""
+    model = search.model
     own = traced_cap(trace)
     search.add("traced", own)
     for c in caps:
@@ -361,7 +386,6 @@ def advise(trace: RunTrace, model: WhatIfModel | None = None, *, caps=DEFAULT_CA
     pred_own = predict_run(trace, own, model)
     mb, mo = _medians(pred_best), _medians(pred_own)
     gain = mo["step_ms"] - mb["step_ms"]
-    noise = math.sqrt(2.0) * step_noise_ms(trace)
     floor = MIN_GAIN * mo["step_ms"]
     if (gain > noise or not math.isfinite(noise)) and gain >= floor:
         change, why = True, (f"predicted {gain:.1f} ms faster a step, more than the noise (±{noise:.1f} ms)"
@@ -373,15 +397,9 @@ def advise(trace: RunTrace, model: WhatIfModel | None = None, *, caps=DEFAULT_CA
                + (f"inside the noise (±{noise:.1f} ms)" if math.isfinite(noise) and gain <= noise else
                   f"under {100 * MIN_GAIN:.0f} % of the step"))
     chosen, m = (best, mb) if change else (own, mo)
-    flag_off = None
-    if not search.rebuilds and not unused_parameters(trace):  # the flag looks for parameters that are never unused
-        off = advise(replace(trace, run={**trace.run, "find_unused_parameters": False}), model, caps=caps, lists=lists,
-                     local_budget=local_budget)
-        flag_off = FlagOff(flag="find_unused_parameters=False", setting=off.setting, step_ms=off.step_ms,
-                           gain_ms=mo["step_ms"] - off.step_ms, buckets=off.buckets, noise_ms=noise)
     return Advice(setting=chosen, best=best, change=change, why=why, step_ms=m["step_ms"], exposed_ms=m["exposed_ms"],
                   buckets=len((pred_best if change else pred_own).run["bucket_layout"]), traced=own,
                   traced_step_ms=mo["step_ms"], measured_step_ms=_medians(trace)["step_ms"], gain_ms=gain,
                   noise_ms=noise, searched={k: int(kinds.get(k, 0)) for k in _KINDS if k != "traced"},
                   candidates=table.drop(columns="simplicity"), prediction=pred_best if change else pred_own,
-                  note=note, flag_off=flag_off)
+                  note=note)

@@ -83,7 +83,7 @@ def print_advice(advice: Advice) -> None:
     if advice.note:
         print(f"  note: {advice.note}")
     if advice.flag_off is not None:
-        print(f"  flag: {flag_off_text(advice.flag_off)}")
+        print(f"  flag: {flag_off_text(advice)}")
     cands = advice.candidates
     chosen = setting_text(advice.best)
     shown = cands.head(5)

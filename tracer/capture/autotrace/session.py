@@ -7,12 +7,20 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
+from ddpscope.tracer import format as fmt
 from ddpscope.tracer.capture.autotrace.config import CaptureConfig
 from ddpscope.tracer.capture.autotrace.step_limit import end_job
 from ddpscope.tracer.progress import emit_progress, say
 from ddpscope.tracer.writer import update_run_json
+
+
+def _model_folder(k: int, ddp) -> str:
+    """The run folder of the job's DDP model ``k`` (1 for the second built), relative to
+    the job's own: ``models/<k>-<class>``."""
+    return f"{fmt.MODELS_DIR}/{k}-{type(ddp.module).__name__}"
 
 
 class Session:
@@ -76,15 +84,12 @@ class Session:
         with its own buckets, layout and steps (its own optimizer's), into a run folder of
         its own, ``models/<k>-<class>``; the main run.json lists them all. Every rank
         builds the models in the same order, so every rank's tracers pair up."""
-        from pathlib import Path
-
-        from ddpscope.tracer import format as fmt
         from ddpscope.tracer.capture.ddp.tracer import DDPTracer, TracerConfig
 
         name = type(ddp.module).__name__
         reason = untraceable(ddp)
         k = len(self.extra) + 1
-        folder = f"{fmt.MODELS_DIR}/{k}-{name}"
+        folder = _model_folder(k, ddp)
         if reason:
             self.note(f"DDP model {k} ({name}): {reason}; it runs untraced")
             return
@@ -105,8 +110,8 @@ class Session:
         self.extra.append(tracer)
         first = type(self.tracer.model.module).__name__
         models = [{"index": 0, "model": first, "folder": "."}] + [
-            {"index": i, "model": type(t.model.module).__name__,
-             "folder": f"{fmt.MODELS_DIR}/{i}-{type(t.model.module).__name__}"} for i, t in enumerate(self.extra, 1)]
+            {"index": i, "model": type(t.model.module).__name__, "folder": _model_folder(i, t.model)}
+            for i, t in enumerate(self.extra, 1)]
         if rank() == 0:
             try:
                 update_run_json(self.config.out, {"models": models})
