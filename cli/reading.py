@@ -123,6 +123,11 @@ def _summary(path: str, as_json: bool) -> int:
         slow = compute_slow_ranks(compute_rank_overview(trace))
         line = "\n".join(x for x in (line, slow_rank_line(slow)) if x) or None
     zero1 = _zero1_summary(trace) if trace.source == "ddpscope" else None
+    own = None
+    if trace.source == "ddpscope":  # the step's collectives that are not buckets
+        from ddpscope.viz.ddp.own_collectives import compute_own_collectives
+
+        own = compute_own_collectives(trace)
     models = trace.run.get("models") or []  # a job of several DDP models: each its own run folder
     if as_json:
         out = {"path": str(trace.path), "source": trace.source, "status": trace.status,
@@ -134,6 +139,8 @@ def _summary(path: str, as_json: bool) -> int:
             out["slow_ranks"] = [_json_safe(r) for r in slow.astype(object).to_dict("records")]
         if zero1:
             out["zero1"] = zero1
+        if own is not None and len(own):
+            out["not_buckets"] = [_json_safe(r) for r in own.to_dict("records")]
         if models:
             out["models"] = models
         if hta is not None:
@@ -169,6 +176,12 @@ def _summary(path: str, as_json: bool) -> int:
               f"(median, {zero1['pct_of_step']:.1f} % of the step; the step waits for all of it), "
               f"{zero1['bytes'] / 2**20:.3f} MiB")
         for text in zero1["volume"]:
+            print("  " + text)
+    if own is not None and len(own):
+        from ddpscope.viz.ddp.own_collectives import own_collectives_lines
+
+        print("collectives outside the buckets:")
+        for text in own_collectives_lines(own):
             print("  " + text)
     if hta is not None:
         print("as Holistic Trace Analysis computes them (last ProfilerStep left out; %):")

@@ -25,11 +25,13 @@ from typing import Iterable
 from ddpscope.tracer import format as fmt
 
 _PHASES = {fmt.CAT_FORWARD: "forward", fmt.CAT_BACKWARD: "backward", fmt.CAT_GRAD_SYNC: "sync"}
+#: the collectives outside the buckets that have fields of their own; any other is "other_comm"
+_OWN_KINDS = {fmt.UNUSED_MAP: "ddp_own", fmt.BUFFER_BROADCAST: "buffer_sync"}
 #: the absolute times of a row (µs on the rank's clock): what a reader aligns to rank 0's
 TIME_FIELDS = ("start_us", "end_us", "forward_start_us", "forward_end_us", "backward_start_us", "backward_end_us",
                "sync_start_us", "sync_end_us", "optimizer_start_us", "optimizer_end_us", "param_sync_start_us",
                "param_sync_end_us", "ddp_own_start_us", "ddp_own_end_us", "buffer_sync_start_us", "buffer_sync_end_us",
-               "first_launch_us", "last_done_us")
+               "other_comm_start_us", "other_comm_end_us", "first_launch_us", "last_done_us")
 #: the lengths of time of a row (µs)
 DURATION_FIELDS = ("forward_us", "backward_us", "comm_us", "overlapped_us")
 #: the communication fields of a row (see ``summarize_steps``)
@@ -46,7 +48,9 @@ def summarize_steps(events: Iterable) -> list[dict]:
     start, end, bytes and own_bytes, DDP's own collectives that are not buckets (the
     unused-parameter map's all-reduce: ddp_own_start_us, ddp_own_end_us from the first start
     to the last end, ddp_own_bytes summed; DDP's buffer broadcasts before its forwards apart,
-    as buffer_sync_start_us, buffer_sync_end_us, buffer_sync_bytes), ``memory`` (byte counts by name) when measured, and
+    as buffer_sync_start_us, buffer_sync_end_us, buffer_sync_bytes; the other collectives DDP or the script
+    issued in the step, outside the buckets, as other_comm_start_us, other_comm_end_us, other_comm_bytes and
+    other_comm_count), ``memory`` (byte counts by name) when measured, and
     ``COMM_FIELDS``: num_buckets, bucket_bytes, first_launch_us, last_done_us, comm_us
     (the union of the all-reduce intervals) and overlapped_us (the part of it inside
     backward compute, every pass's). Raises ``KeyError`` / ``TypeError`` /
@@ -85,10 +89,12 @@ def summarize_steps(events: Iterable) -> list[dict]:
             steps.setdefault(step, {"step": step}).update(optimizer_start_us=ts, optimizer_end_us=te)
         elif cat == fmt.CAT_DDP_OWN:  # never a bucket: apart from COMM_FIELDS
             row = steps.setdefault(step, {"step": step})
-            kind = "buffer_sync" if e.get("name") == fmt.BUFFER_BROADCAST else "ddp_own"
+            kind = _OWN_KINDS.get(e.get("name"), "other_comm")
             row[f"{kind}_start_us"] = min(ts, row.get(f"{kind}_start_us", ts))
             row[f"{kind}_end_us"] = max(te, row.get(f"{kind}_end_us", te))
             row[f"{kind}_bytes"] = row.get(f"{kind}_bytes", 0) + int(args["bytes"])
+            if kind == "other_comm":
+                row["other_comm_count"] = row.get("other_comm_count", 0) + 1
         else:  # fmt.CAT_PARAM_SYNC: ZeRO-1's parameters broadcast after the update
             steps.setdefault(step, {"step": step}).update(
                 param_sync_start_us=ts, param_sync_end_us=te, param_sync_bytes=int(args["bytes"]),

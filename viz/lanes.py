@@ -23,7 +23,8 @@ GL_COLORS = 12
 
 COLORS = {"forward": "#4C78A8", "backward": "#54A24B", "wait": "#BAB0AC",
           "optimizer": "#F58518", "exposed": "rgba(228, 26, 28, 0.55)", "param_sync": "#B279A2",
-          "ddp_own": "#9D755D", "buffer_sync": "#FF9DA6"}
+          "ddp_own": "#9D755D", "buffer_sync": "#FF9DA6",
+          "other_comm": "#BAB0AC"}
 
 
 def lane_position(fig: go.Figure, label: str) -> float:

@@ -347,6 +347,10 @@ class SummaryLine(msgspec.Struct):
     buffer_sync_start_us: Us | None = None
     buffer_sync_end_us: Us | None = None
     buffer_sync_bytes: Big | None = None
+    other_comm_start_us: Us | None = None
+    other_comm_end_us: Us | None = None
+    other_comm_bytes: Big | None = None
+    other_comm_count: Count | None = None
     memory: dict[Name, Annotated[int, msgspec.Meta(ge=-2**62, le=2**62)] | Us] | None = None
     num_buckets: Count = 0
     bucket_bytes: Big = 0

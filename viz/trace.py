@@ -58,7 +58,10 @@ class RunTrace:
       buckets (its unused-parameter map's all-reduce): ddp_own_start_us, ddp_own_end_us,
       ddp_own_bytes, NaN where it issued none; DDP's broadcasts of the module's buffers
       before its syncing forwards (BatchNorm's statistics): buffer_sync_start_us,
-      buffer_sync_end_us, buffer_sync_bytes, NaN where none; and what the step's all-reduces
+      buffer_sync_end_us, buffer_sync_bytes, NaN where none; the other collectives DDP
+      or the script issued in the step (a loss averaged for logging, the all-reduce of
+      delay_all_reduce_named_params): other_comm_start_us, other_comm_end_us (the first's
+      start, the last's end), other_comm_bytes, other_comm_count; and what the step's all-reduces
       did (``tracer.step_summary``): num_buckets, bucket_bytes, first_launch_us,
       last_done_us, comm_us (their union) and overlapped_us (its part inside backward
       compute), durations in µs
@@ -307,7 +310,8 @@ _SPAN_COLUMNS = [f"{phase}_{end}_us" for phase in ("forward", "backward", "sync"
 STEP_COLUMNS = ["rank", "step", "warmup", "incomplete", "start_us", "end_us", "micro_batches", "forward_us",
                 "backward_us", *_SPAN_COLUMNS, "optimizer_start_us", "optimizer_end_us", "param_sync_start_us",
                 "param_sync_end_us", "param_sync_bytes", "param_sync_own_bytes", "ddp_own_start_us", "ddp_own_end_us",
-                "ddp_own_bytes", "buffer_sync_start_us", "buffer_sync_end_us", "buffer_sync_bytes", *COMM_FIELDS]
+                "ddp_own_bytes", "buffer_sync_start_us", "buffer_sync_end_us", "buffer_sync_bytes",
+                "other_comm_start_us", "other_comm_end_us", "other_comm_bytes", "other_comm_count", *COMM_FIELDS]
 PASS_COLUMNS = ["rank", "step", "micro", "sync", *_SPAN_COLUMNS]
 BUCKET_COLUMNS = ["rank", "step", "bucket", "bytes", "num_params", "params", "launch_us", "done_us", "incomplete"]
 GRAD_COLUMNS = ["rank", "step", "micro", "param", "name", "ready_us"]

@@ -95,6 +95,9 @@ def main() -> None:
     p.add_argument("--static-graph", action="store_true", help="DDP(static_graph=True)")
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after each layer: buffers DDP broadcasts")
     p.add_argument("--grad-as-bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True)")
+    p.add_argument("--delay-allreduce", type=int, default=0,
+                   help="DDP(delay_all_reduce_named_params=) the first N parameters: DDP all-reduces them itself, "
+                        "outside its reducer, when the first parameter's gradient is ready")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--python-reducer", action="store_true", help="compiled autograd's Python reducer for DDP")
     p.add_argument("--fail-rank", type=int, default=-1, help="-2: every rank, each with its own error")
@@ -126,6 +129,10 @@ def main() -> None:
             kw["static_graph"] = True
         if args.grad_as_bucket_view:
             kw["gradient_as_bucket_view"] = True
+        if args.delay_allreduce:
+            named = list(model.named_parameters())
+            kw["delay_all_reduce_named_params"] = named[:args.delay_allreduce]
+            kw["param_to_hook_all_reduce"] = named[0][1]  # its gradient is among the last ready
         if args.python_reducer:
             torch._dynamo.config.optimize_ddp = "python_reducer"
         if rank == args.slow_rank:  # a straggler: a slower machine, or more data on this rank
@@ -182,6 +189,8 @@ def main() -> None:
             json.dump({"rank": rank, "buffer_bytes": sum(b.numel() * b.element_size() for b in ddp.module.buffers()),
                        "own": own, "logging": logging, "losses": losses, "steps": steps, "params_sha256": params_sha256(ddp.module),
                        "bucket_bytes_cap": ddp.bucket_bytes_cap,
+                       "delayed_bytes": 0 if ddp._delay_grad_buffer is None else
+                       ddp._delay_grad_buffer.numel() * ddp._delay_grad_buffer.element_size(),
                        "bucket_bytes_cap_list": list(getattr(ddp, "bucket_bytes_cap_list", [])),
                        "rebuilt": ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices"),
                        "bucket_sizes": [int(b) for b in str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))

@@ -232,6 +232,18 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
             "%{customdata[0]}<br>%{customdata[1]:.2f} ms · %{customdata[2]:.0f} bytes",
             np.column_stack([bufs["step"], dur(bufs["buffer_sync_start_us"], bufs["buffer_sync_end_us"]),
                              bufs["buffer_sync_bytes"]]), gl_width=10))
+    other = shown.dropna(subset=["other_comm_start_us", "other_comm_end_us"]) if "other_comm_start_us" in shown \
+        else shown.iloc[:0]
+    if len(other):  # the script's own collectives and DDP's outside its reducer: never buckets
+        data.extend(lane_bars(
+            gl, "other collectives (not buckets)", comm(other), other["other_comm_start_us"],
+            other["other_comm_end_us"], origin, COLORS["other_comm"],
+            "other collectives: the script's own, DDP's outside its buckets (not buckets) · step %{customdata[0]}<br>"
+            "%{customdata[1]:.0f} of them, from the first's start to the last's end: %{customdata[2]:.2f} ms · "
+            "%{customdata[3]:.0f} bytes",
+            np.column_stack([other["step"], other["other_comm_count"],
+                             dur(other["other_comm_start_us"], other["other_comm_end_us"]), other["other_comm_bytes"]]),
+            gl_width=10))
     if len(ex):
         data.extend(lane_bars(
             gl, "exposed all-reduce (after backward)", comm(ex), ex["start_us"], ex["end_us"], origin,

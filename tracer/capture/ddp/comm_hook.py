@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpscope.tracer.capture.ddp.collectives import quiet
 from ddpscope.tracer.capture.hook_guard import HookGuard
 
 STATE_ATTR = "_ddpscope_comm_state"  # the traced model's CommHookState, on the DDP instance
@@ -65,14 +66,15 @@ def traced_allreduce_hook(state: CommHookState, bucket: dist.GradBucket) -> torc
             state.guard.fail(e)
             rec = None
     work = None
-    if state.inner is not None:
-        hook, hook_state = state.inner
-        fut = hook(hook_state, bucket)
-    else:
-        buffer = bucket.buffer()
-        buffer.div_(dist.get_world_size(state.group))  # average, as DDP's default does
-        work = dist.all_reduce(buffer, group=state.group, async_op=True)
-        fut = work.get_future()
+    with quiet():  # the bucket's collectives, not the step's own
+        if state.inner is not None:
+            hook, hook_state = state.inner
+            fut = hook(hook_state, bucket)
+        else:
+            buffer = bucket.buffer()
+            buffer.div_(dist.get_world_size(state.group))  # average, as DDP's default does
+            work = dist.all_reduce(buffer, group=state.group, async_op=True)
+            fut = work.get_future()
     if rec is None:
         return fut.then(lambda f: _first_tensor(f.value()))
     if state.keep_work and work is not None:

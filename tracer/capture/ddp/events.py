@@ -117,9 +117,10 @@ class StepEvents:
         for o in s.own:  # DDP's own collectives: their lane, never a bucket's
             if not self.own_seen:
                 self.own_seen = True
-                ev += thread_meta(pid, fmt.TID_DDP_OWN, "DDP's own collectives (not buckets)")
+                ev += thread_meta(pid, fmt.TID_DDP_OWN, "collectives outside the buckets (DDP's own, the script's)")
             ev.append(span(fmt.CAT_DDP_OWN, o.name, o.launch, o.done if o.done is not None else end,
-                           {"step": step, "bytes": o.nbytes, **({} if o.done is not None else {"incomplete": True})},
+                           {"step": step, "bytes": o.nbytes, **({} if o.done is not None else {"incomplete": True}),
+                            **({"launch_only": True} if o.launch_only else {})},
                            tid=fmt.TID_DDP_OWN, inside=False))
         names, n_names = self.param_names, len(self.param_names)
         ev += [GradReady(names[i] if 0 <= i < n_names else f"param[{i}]", pid, t, _GradArgs(step, i, k))

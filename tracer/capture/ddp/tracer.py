@@ -27,8 +27,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpscope.tracer import format as fmt
-from ddpscope.tracer.capture.clock import make_clock
+from ddpscope.tracer.capture.clock import CpuClock, make_clock
 from ddpscope.tracer.capture.ddp.buffer_sync import BufferBroadcastTimer
+from ddpscope.tracer.capture.ddp.collectives import CollectiveTimer
 from ddpscope.tracer.capture.ddp.comm_hook import attach_comm_hook, ddp_register_builtin_comm_hook
 from ddpscope.tracer.capture.ddp.compiled import CompiledBuckets, load_extension, usable
 from ddpscope.tracer.capture.ddp.recorder import StepRecorder
@@ -191,6 +192,8 @@ class DDPTracer:
             comm_state.before_register = self._python_capture  # the script's own hook: timed in Python
             comm_state.builtin_direct = self._builtin_hook  # DDP's built-in C++ hook: timed here
         self._handles.add(BufferBroadcastTimer(self.model, self._recorder, self._guard))
+        self._handles.add(CollectiveTimer(self._recorder, self._guard, own_groups=(self._cpu_group,),
+                                          host_clock=self.clock.kind == CpuClock.kind))
         attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles, self._guard,
                      grad_hooks=self._compiled is None or not self._compiled.host_ready)
         try:  # where this rank is, for the launcher's hang watchdog (optional: never fatal)

@@ -158,7 +158,9 @@ def test_gradient_accumulation_every_micro_batch_is_its_own_pass(tmp_path):
 @pytest.mark.parametrize("hook", [pytest.param("fp16", marks=pytest.mark.breadth), "builtin-fp16", "custom"])
 def test_the_scripts_own_comm_hook_is_wrapped_timed_and_bit_identical(tmp_path, hook):
     """A hook the script registers after building DDP runs inside ddpscope's: every
-    bucket is timed, and the parameters equal those of the same run untraced."""
+    bucket is timed, and the parameters equal those of the same run untraced. The hook's
+    own collectives (``custom`` calls ``dist.all_reduce``) are the buckets', never the
+    step's other collectives."""
     proc, out, report = trace_script(tmp_path, USER, "--hook", hook, "--steps", "5", "--bucket-cap-mb", "1")
     assert proc.returncode == 0, proc.stderr
     plain = untraced(tmp_path, USER, "--hook", hook, "--steps", "5", "--bucket-cap-mb", "1")
@@ -173,6 +175,7 @@ def test_the_scripts_own_comm_hook_is_wrapped_timed_and_bit_identical(tmp_path, 
     per_step = trace.buckets[trace.buckets.step >= 1].groupby(["rank", "step"]).size()
     assert len(layout) >= 3 and (per_step == len(layout)).all()
     assert (trace.buckets.done_us > trace.buckets.launch_us).all()
+    assert trace.steps["other_comm_count"].isna().all()
     # DDP's built-in C++ hook all-reduces on the reducer's group, so the compiled capture
     # times it there (its fp16 copies: half each bucket's bytes); a Python hook's collectives
     # may go elsewhere, so those are timed by the Python hooks

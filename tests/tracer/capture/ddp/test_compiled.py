@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer.capture.ddp.collectives import TORCH_CALLS
 from ddpscope.tracer.capture.native import build as native
 from ddpscope.viz.run_files import read_rank_file
 from tests.conftest import ROOT, processes_mentioning, run_cli
@@ -295,7 +297,7 @@ def test_joins_flag_and_a_scripts_own_all_reduces_are_never_buckets(tmp_path, bu
     """Uneven inputs under ``Join([ddp])`` (DDP all-reduces a gradient-sync flag in every
     forward; the rank out of data shadows the others' buckets until all are done) and a
     script that averages its loss for logging (an all_reduce between backward and step):
-    neither is a bucket. Every step's buckets are the layout DDP rebuilt
+    neither is a bucket: each is a collective of its step's own, named. Every step's buckets are the layout DDP rebuilt
     (``rebuilt_per_bucket_param_indices``), byte for byte; the rank with fewer inputs has
     fewer steps; training is bit-identical to the untraced run. (Both go to DDP's own
     ``process_group``, which the compiled capture leaves alone: it wraps the reducer's.)"""
@@ -314,7 +316,20 @@ def test_joins_flag_and_a_scripts_own_all_reduces_are_never_buckets(tmp_path, bu
         assert b["step"].nunique() == ddp[r]["steps"] - 1
         for _, one in b.groupby("step"):
             assert sorted(one["bytes"]) == sizes
-        assert trace.steps[trace.steps["rank"] == r]["ddp_own_bytes"].isna().all()
+        steps = trace.steps[trace.steps["rank"] == r]
+        assert steps["ddp_own_bytes"].isna().all()
+        # recorded as what they are: under Join each forward notifies the join context and
+        # all-reduces DDP's gradient-sync flag (torch.ones(1): 4 bytes each, two a step);
+        # the script's loss is 4 bytes after backward, one a step
+        _, events = read_rank_file(out / fmt.rank_file(r))
+        names = {e["name"] for e in events if e.get("cat") == fmt.CAT_DDP_OWN}
+        joins = {TORCH_CALLS[("torch.nn.parallel.distributed", "_check_global_requires_backward_grad_sync")],
+                 TORCH_CALLS[("torch.distributed.algorithms.join", "notify_join_context")]}
+        assert names == (joins if pattern == "--join" else
+                         {n for n in names if n.startswith("all_reduce (the script, user_train.py:")}) and names
+        per_step = 2 if pattern == "--join" else 1
+        assert steps["other_comm_count"].tolist() == [per_step] * ddp[r]["steps"]
+        assert steps["other_comm_bytes"].tolist() == [4 * per_step] * ddp[r]["steps"]
     assert [ddp[r]["steps"] for r in (0, 1)] == ([5, 4] if pattern == "--join" else [5, 5])
     plain = untraced(tmp_path, *script)
     for r in (0, 1):

@@ -1,0 +1,56 @@
+"""The step's collectives that are not buckets (viz/ddp/own_collectives.py), on a real
+2-rank gloo job that has all three kinds: DDP's unused-parameter map
+(``find_unused_parameters`` with a head the loss never uses), its buffer broadcast
+(BatchNorm) and the script's own all-reduce of its loss. Checked against the rank
+files' events (not the summary's fold) and printed by ``ddpscope summary``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ddpscope.tracer import format as fmt
+from ddpscope.viz.ddp.own_collectives import compute_own_collectives
+from ddpscope.viz.run_files import read_rank_file
+from ddpscope.viz.trace import load_run
+from tests.conftest import run_cli
+from tests.tracer.capture.autotrace.test_autotrace import USER, trace_script
+
+pytestmark = pytest.mark.ddp
+STEPS = 5
+
+
+def test_each_kind_outside_the_buckets_is_one_row_as_its_events_say(tmp_path):
+    proc, out, _ = trace_script(tmp_path, USER, "--steps", str(STEPS), "--depth", "3", "--find-unused",
+                                "--batchnorm", "--loss-allreduce", ddpscope=("--capture", "compiled"))
+    assert proc.returncode == 0, proc.stderr
+    trace = load_run(out)
+    table = compute_own_collectives(trace).set_index("kind")
+    assert sorted(table.index) == ["buffer_broadcast", "other", "unused_map"]
+    warm = set(trace.steps.loc[trace.steps["warmup"].astype(bool), "step"])
+    spans: dict[str, list[float]] = {k: [] for k in table.index}
+    nbytes: dict[str, set] = {k: set() for k in table.index}
+    for r in (0, 1):
+        _, events = read_rank_file(out / fmt.rank_file(r))
+        by_step: dict[tuple[str, int], list[dict]] = {}
+        for e in events:
+            if e.get("cat") == fmt.CAT_DDP_OWN and e["args"]["step"] not in warm:
+                kind = {fmt.UNUSED_MAP: "unused_map", fmt.BUFFER_BROADCAST: "buffer_broadcast"}.get(e["name"], "other")
+                by_step.setdefault((kind, e["args"]["step"]), []).append(e)
+        for (kind, _), es in by_step.items():
+            spans[kind].append((max(e["ts"] + e["dur"] for e in es) - min(e["ts"] for e in es)) / 1e3)
+            nbytes[kind].add(sum(e["args"]["bytes"] for e in es))
+    for kind in table.index:
+        assert table.at[kind, "ms"] == pytest.approx(float(np.median(spans[kind])), abs=0.01)
+        assert len(nbytes[kind]) == 1 and table.at[kind, "bytes"] == nbytes[kind].pop()
+        assert table.at[kind, "steps"] == len(spans[kind])
+    assert table.at["other", "per_step"] == 1 and table.at["other", "bytes"] == 4  # the loss, float32
+    assert 0 < table.at["buffer_broadcast", "pct_of_step"] < 100
+    summary = run_cli("summary", str(out))
+    assert summary.returncode == 0, summary.stderr
+    assert "collectives outside the buckets:" in summary.stdout
+    assert "other collectives (the script's own, DDP's outside its buckets): 1 a step" in summary.stdout
+    as_json = json.loads(run_cli("summary", str(out), "--json").stdout)
+    assert {row["kind"] for row in as_json["not_buckets"]} == set(table.index)
