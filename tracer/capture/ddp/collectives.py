@@ -49,7 +49,8 @@ _active: "CollectiveTimer | None" = None  # the one attached: a second model's t
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-    """Collectives issued inside are a bucket's (a comm hook's), not the step's own."""
+    """Collectives issued inside are timed as something else already: a bucket's (a comm
+    hook's), ZeRO-1's parameter broadcasts."""
     depth = getattr(_local, "quiet", 0)
     _local.quiet = depth + 1
     try:
@@ -67,17 +68,17 @@ def _nbytes(value: Any) -> int:
 
 
 def caller_name(fn: str, frame) -> str:
-    """Who issued ``fn``: DDP or Join (``TORCH_CALLS``), another torch module, or the
-    script (its file and line)."""
+    """Who issued ``fn``: DDP or Join (``TORCH_CALLS``), the script (its file and line)
+    or another module (a framework's: its module and function)."""
     if frame is None:
         return f"{fn} (the script)"
     module = frame.f_globals.get("__name__", "")
     code = frame.f_code.co_name
     if (module, code) in TORCH_CALLS:
         return TORCH_CALLS[(module, code)]
-    if module.startswith("torch."):
-        return f"{fn} ({module}.{code})"
-    return f"{fn} (the script, {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
+    if module == "__main__":
+        return f"{fn} (the script, {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
+    return f"{fn} ({module}.{code})"
 
 
 class CollectiveTimer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from ddpscope.tracer.capture.ddp.collectives import quiet
 from ddpscope.tracer.capture.hook_guard import HookGuard, HookHandles
 
 
@@ -41,7 +42,8 @@ def attach_param_sync(opt, recorder, handles: HookHandles, guard: HookGuard) -> 
             except Exception as e:  # noqa: BLE001 - the broadcasts run all the same
                 guard.fail(e)
         try:
-            return original(opt, *args, **kwargs)
+            with quiet():  # its broadcasts are this span's, not other collectives
+                return original(opt, *args, **kwargs)
         finally:
             if rec is not None and guard.broken is None:
                 try:

@@ -46,6 +46,7 @@ def test_zero1_broadcasts_are_timed_counted_and_agree_with_the_profiler(tmp_path
     assert trace.run["sharding"]["stage"] == 1 and trace.run["sharding"]["optimizer"] == "Adam"
     steps = trace.steps
     assert steps["param_sync_start_us"].notna().all() and len(steps) == 12
+    assert steps["other_comm_count"].isna().all()  # its broadcasts are the parameter sync's, never other collectives
     # inside the optimizer step, after the local update began
     assert (steps.param_sync_start_us > steps.optimizer_start_us).all()
     assert (steps.param_sync_end_us <= steps.optimizer_end_us).all()
