@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -45,6 +46,10 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
     if kind == KINETO:
         raise TraceError(f"{path} holds profiler traces; what-if needs a ddpscope trace (gradient ready times): "
                          "trace the job with `ddpscope run`")
+    if kind == "sharded":  # its own predictions are the dashboard's (viz.sharded.predict)
+        raise TraceError(f"{path} is a sharded (FSDP2) run; what-if's bucket layouts need a DDP training run: the "
+                         "dashboard's Sharded page predicts this run under other reshard_after_forward and prefetch "
+                         f"settings (`ddpscope dashboard {os.path.dirname(os.path.abspath(path))}`, the folder that holds it)")
     if kind not in (None, "ddp"):
         raise TraceError(f"{path} is a {kind} run; what-if needs a DDP training run")
     trace = load_run(path)

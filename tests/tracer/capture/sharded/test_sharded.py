@@ -112,6 +112,9 @@ def test_communication_volume_says_what_gloo_sent_and_what_nccl_would(zero3):
     assert vol.loc["total", "nccl_D"] == pytest.approx(3 * (N - 1) / N)  # the ZeRO model: 3D x (N-1)/N
     proc = run_cli("summary", str(zero3[1]))
     assert proc.returncode == 0 and "gloo has no reduce-scatter" in proc.stdout and "ZeRO stage 3" in proc.stdout
+    proc = run_cli("whatif", str(zero3[1]))  # bucket layouts are DDP's: the line says where this run's predictions are
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "sharded (FSDP2) run" in proc.stderr and f"ddpscope dashboard {zero3[1].parent}" in proc.stderr
 
 
 def test_rerun_with_reshard_false_is_stage_2_as_predicted(zero3, tmp_path):
