@@ -141,6 +141,7 @@ def check_user_project(project: Path, ddpscope: list[str], python: str) -> None:
 
 
 @pytest.mark.ddp
+@pytest.mark.breadth  # the install suite checks the same project against a pip-installed ddpscope
 def test_a_user_project_with_packages_named_like_ddpscopes_folders(tmp_path):
     check_user_project(make_user_project(tmp_path / "project"), [sys.executable, "-m", "ddpscope.cli"],
                        sys.executable)

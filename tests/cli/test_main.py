@@ -59,7 +59,8 @@ CHATTY = str(ROOT / "tests" / "workers" / "chatty_train.py")
 
 
 @pytest.mark.ddp
-@pytest.mark.parametrize("flag", ["", "-q", "-v"])
+@pytest.mark.parametrize("flag", ["", pytest.param("-q", marks=pytest.mark.breadth),
+                                  pytest.param("-v", marks=pytest.mark.breadth)])
 def test_the_scripts_own_output_is_shown_as_under_torchrun(tmp_path, flag):
     """By default rank 0's output comes as it would under torchrun (stdout to stdout,
     warnings to stderr) beside ddpscope's own lines, each marked ``ddpscope: ``; the other

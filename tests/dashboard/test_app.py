@@ -537,6 +537,7 @@ def test_whatif_page_draws_the_predicted_curve_with_the_measured_runs_on_it(app)
     assert any("predicted at 25 MiB" in t for t in titles) and any("(measured)" in t for t in titles)
 
 
+@pytest.mark.breadth
 def test_whatif_projection_reacts_to_world_size_and_link(app):
     _page(app, "What-if")
     assert "64 ranks" in json.dumps(_predict_chart(app, "Projection:")["layout"]["title"])
@@ -700,6 +701,7 @@ def test_a_run_whose_trace_was_not_finished_says_incomplete_not_complete(tmp_pat
 
 
 @pytest.mark.ddp
+@pytest.mark.breadth
 def test_a_click_from_a_page_drawn_before_a_run_began_is_answered_not_dropped(app, tmp_path):
     """Two tabs: the second was drawn while nothing ran (its Run button enabled). Its
     click while the first tab's run goes on says so, and starts nothing."""

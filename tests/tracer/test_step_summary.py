@@ -163,6 +163,7 @@ def test_a_folder_of_summaries_alone_gives_the_same_summary(real_run, tmp_path):
     assert with_events(trace, [0, 1], missing_ok=True).event_ranks == (1,)
 
 
+@pytest.mark.breadth
 def test_parsing_many_big_files_uses_other_processes(monkeypatch):
     assert parallel.map_on_cores(os.getpid, [()] * 3, [1] * 3) == [os.getpid()] * 3  # small: here
     if parallel.cores() < 2:

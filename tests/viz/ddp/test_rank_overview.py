@@ -22,6 +22,10 @@ from ddpscope.viz.trace import load_run
 from tests.conftest import ROOT, run_cli
 from tests.tracer.capture.autotrace.test_autotrace import USER, trace_script
 
+# a real 8-rank job (~22 s): the default suite names the slow rank on 12 synthesised ranks
+# (tests/tracer/test_step_summary.py) and on a real delayed rank (tests/viz/ddp/test_stragglers.py)
+pytestmark = pytest.mark.breadth
+
 SLOW, SLOW_MS, RANKS, STEPS = 5, 40, 8, 8
 
 

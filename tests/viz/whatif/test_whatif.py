@@ -412,6 +412,7 @@ def test_output_cut_short_by_a_pipe_is_not_an_error():
 
 
 @pytest.mark.ddp
+@pytest.mark.breadth  # the Trainer's runs (frameworks) check these layouts against DDP's too
 def test_the_layout_follows_ddps_rebuild_policy_under_find_unused_parameters(tmp_path):
     """``find_unused_parameters=True`` (Hugging Face Trainer's default): DDP never rebuilds
     its buckets, so they stay in registration order, cut from the first registered

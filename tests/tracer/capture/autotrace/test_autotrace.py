@@ -155,7 +155,9 @@ def test_gradient_accumulation_every_micro_batch_is_its_own_pass(tmp_path):
     assert compared >= 2 * 5 and len(off) <= 2, off
 
 
-@pytest.mark.parametrize("hook", [pytest.param("fp16", marks=pytest.mark.breadth), "builtin-fp16", "custom"])
+# a script's Python hook in the default suite: test_compiled's test_the_scripts_own_hook_is_timed_in_python_and_said
+@pytest.mark.parametrize("hook", [pytest.param("fp16", marks=pytest.mark.breadth), "builtin-fp16",
+                                  pytest.param("custom", marks=pytest.mark.breadth)])
 def test_the_scripts_own_comm_hook_is_wrapped_timed_and_bit_identical(tmp_path, hook):
     """A hook the script registers after building DDP runs inside ddpscope's: every
     bucket is timed, and the parameters equal those of the same run untraced. The hook's
@@ -334,6 +336,7 @@ def test_a_script_without_ddp_runs_and_says_nothing_was_traced(tmp_path):
     assert json.loads((out / "run.json").read_text())["status"] == "untraced"
 
 
+@pytest.mark.breadth  # FSDP2 scripts under `ddpscope run`: tests/tracer/capture/sharded/
 def test_an_fsdp2_script_is_traced_and_still_runs(tmp_path):
     proc, out, _ = trace_script(tmp_path, str(WORKERS / "fsdp_train.py"))
     assert proc.returncode == 0, proc.stderr
@@ -342,6 +345,7 @@ def test_an_fsdp2_script_is_traced_and_still_runs(tmp_path):
     assert (tmp_path / "run-report" / "check-rank1.json").exists()  # it trained to its end
 
 
+@pytest.mark.breadth
 def test_ddp_under_the_python_reducer_is_said_to_be_untraced(tmp_path):
     proc, out, report = trace_script(tmp_path, USER, "--python-reducer", "--steps", "2")
     assert proc.returncode == 0, proc.stderr
@@ -383,6 +387,7 @@ def test_a_second_ddp_model_without_an_optimizer_is_traced_in_its_own_folder(tmp
     assert checks(report)[1]["params_sha256"]
 
 
+@pytest.mark.failures
 def test_tracing_that_cannot_start_leaves_training_running(tmp_path):
     """One rank cannot start its tracer: no rank traces (a half-traced job would wait on
     the silent rank), the reason is said once, and the script trains to its end."""
@@ -406,6 +411,7 @@ def test_a_failing_script_names_the_rank_and_keeps_the_finished_steps(tmp_path):
     assert processes_mentioning(str(out)) == []
 
 
+@pytest.mark.failures
 def test_ranks_that_each_fail_on_their_own_are_named_as_such(tmp_path):
     """Every rank raises its own exception in the user's code: the first is the root cause,
     the other failed on its own (its own error, not a lost peer), never its consequence."""

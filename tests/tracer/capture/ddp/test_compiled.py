@@ -155,6 +155,7 @@ def test_the_scripts_own_hook_is_timed_in_python_and_said(tmp_path, built):
         assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
 
 
+@pytest.mark.breadth  # two models traced: test_session.py's GAN
 def test_two_models_then_detached_run_on_untraced_and_bit_identical(tmp_path, built):
     _job(tmp_path, "--mode", "detach", "--out", str(tmp_path / "traced"))
     _job(tmp_path, "--mode", "detach", "--untraced", "--out", str(tmp_path / "plain"))
@@ -292,7 +293,7 @@ def test_two_syncing_backwards_in_a_step_are_attributed_as_the_python_hook_does(
 
 @pytest.mark.parametrize("capture, pattern", [("compiled", "--join"),
                                               pytest.param("python", "--join", marks=pytest.mark.breadth),
-                                              ("compiled", "--loss-allreduce")])
+                                              pytest.param("compiled", "--loss-allreduce", marks=pytest.mark.breadth)])
 def test_joins_flag_and_a_scripts_own_all_reduces_are_never_buckets(tmp_path, built, capture, pattern):
     """Uneven inputs under ``Join([ddp])`` (DDP all-reduces a gradient-sync flag in every
     forward; the rank out of data shadows the others' buckets until all are done) and a

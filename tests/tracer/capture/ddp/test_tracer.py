@@ -106,7 +106,7 @@ def test_step_boundaries_explicit_or_without_optimizer(tmp_path, mode):
         assert (g.start_us.to_numpy()[1:] >= g.end_us.to_numpy()[:-1] - 1e-3).all()  # 1 ns: float rounding
 
 
-@pytest.mark.parametrize("capture", ["compiled", "python"])
+@pytest.mark.parametrize("capture", ["compiled", pytest.param("python", marks=pytest.mark.breadth)])
 def test_the_tracer_leaves_no_gloo_group_behind_and_the_script_exits_cleanly(tmp_path, capture):
     """The tracer's own gloo group is destroyed when it closes: its worker threads end
     then, not while Python finalizes (where one still releasing the last collective's
