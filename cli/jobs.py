@@ -21,6 +21,7 @@ from ddpscope.cli.output import (
     say,
     zero_progress,
 )
+from ddpscope.tracer import format as fmt
 from ddpscope.tracer.progress import PROGRESS_PASSTHROUGH_ENV, emit_progress
 
 
@@ -113,7 +114,9 @@ def run_config(cfg, command: str, verbose: bool = False, quiet: bool = False) ->
         if command != "calibrate":  # run.json is node 0's (a node of several keeps its own record)
             says = "run.json says failed" if getattr(cfg, "node_rank", 0) == 0 else \
                 f"nodes/node-{cfg.node_rank}.json says failed"
-            print(f"partial trace kept in {cfg.out} ({says})", file=sys.stderr)
+            traced = cfg.out.is_dir() and any(fmt.RANK_FILE_RE.match(p.name) for p in cfg.out.iterdir())
+            print(f"partial trace kept in {cfg.out} ({says})" if traced else
+                  f"nothing was traced; the run's logs are in {cfg.out / 'logs'} ({says})", file=sys.stderr)
         return 130 if result.interrupted else 1
     if getattr(result, "untraced", None):
         print(f"{prog}: {result.untraced}", file=sys.stderr)

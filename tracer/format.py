@@ -128,6 +128,10 @@ KIND_ZERO = "zero"  # ddpscope zero: memory and communication per ZeRO stage
 # trace (kind "ddp") with its parameter broadcasts on TID_PARAM_SYNC and ``sharding``
 # in run.json.
 KIND_SHARDED = "sharded"
+# A DeepSpeed engine (``deepspeed.initialize``): run.json says ``"kind": "deepspeed"`` and
+# holds the engine's settings (``deepspeed``: stage, dtypes, buckets; see
+# tracer/capture/deepspeed/engine_facts.py).
+KIND_DEEPSPEED = "deepspeed"
 TID_UNITS = 3  # compute, cut per FSDP unit (innermost unit running), and the waits
 TID_ALL_GATHER = 4
 TID_REDUCE_SCATTER = 5

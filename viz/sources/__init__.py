@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddpscope.tracer import format as fmt
-from ddpscope.viz.run_files import run_kind
+from ddpscope.viz.run_files import read_json_file, run_kind
 from ddpscope.viz.sources.kineto import KIND as KINETO
 from ddpscope.viz.sources.kineto import kineto_files, load_kineto
 from ddpscope.viz.sources.kineto_file import peek_text
@@ -67,6 +67,9 @@ def readable_kind(path: str | Path) -> str:
     if kind == MIXED:
         raise TraceError(f"{path.name} mixes ddpscope rank files and profiler traces; put them in separate folders")
     if kind is None and path.is_dir():
+        why = _untraced_reason(path)
+        if why:
+            raise TraceError(f"{path} was run but not traced: {why}")
         raise TraceError(f"{path} holds no readable ddpscope run (run.json + rank-<r>.json) and no profiler "
                          "traces (*.json, *.json.gz)")
     return kind or fmt.KIND_DDP
@@ -76,3 +79,15 @@ def load_training_trace(path: str | Path, events_for=None) -> RunTrace:
     """A DDP training trace from a ddpscope run folder (``events_for``: see ``load_run``)
     or a folder of profiler traces."""
     return load_kineto(path) if readable_kind(path) == KINETO else load_run(path, events_for=events_for)
+
+
+def _untraced_reason(path: Path) -> str | None:
+    """Why a run folder holds no trace, as its run.json says (``status`` untraced: the
+    launcher's one line), or None."""
+    try:
+        run = read_json_file(path / fmt.RUN_FILE, "run metadata")
+    except (TraceError, OSError):
+        return None
+    if not isinstance(run, dict) or run.get("status") != fmt.UNTRACED:
+        return None
+    return str(run.get("error") or "nothing was traced")

@@ -27,6 +27,7 @@ from ddpscope.tracer.capture.autotrace.patches import (
     _patch_fsdp2,
 )
 from ddpscope.tracer.capture.autotrace.session import Session
+from ddpscope.tracer.capture.deepspeed.patches import DEEPSPEED_MODULE, patch_deepspeed
 
 
 def is_worker(environ=os.environ) -> bool:
@@ -70,6 +71,7 @@ def install_from_env() -> Session | None:
     after_import(DDP_MODULE, functools.partial(_patch_ddp, _session))
     after_import(FSDP1_MODULE, functools.partial(_patch_fsdp1, _session))
     after_import(FSDP2_STATE_MODULE, functools.partial(_patch_fsdp2, _session))
+    after_import(DEEPSPEED_MODULE, functools.partial(patch_deepspeed, _session))
     _chain_excepthook(_session)
     atexit.register(_session.finish)
     return _session

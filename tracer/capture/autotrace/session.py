@@ -182,6 +182,39 @@ class Session:
             self.profiler = _start_profiler(tracer, cfg)
         self._last = time.perf_counter()
 
+    def on_deepspeed_engine(self, engine) -> None:
+        """``deepspeed.initialize`` built an engine: its settings go to run.json (kind
+        ``deepspeed``), what ddpscope does not trace is said once, ``--steps`` counts its
+        optimizer steps."""
+        from ddpscope.tracer.capture.deepspeed.engine_facts import engine_facts, untraced_features
+        from ddpscope.tracer.capture.deepspeed.patches import count_steps
+
+        facts = engine_facts(engine)
+        if self.tracer is not None:
+            self.note(f"the script builds a DeepSpeed engine beside the traced model: the engine "
+                      f"({facts['engine']}) is not traced")
+            return
+        if rank() == 0:
+            try:
+                update_run_json(self.config.out, {"kind": fmt.KIND_DEEPSPEED, "deepspeed": facts})
+            except OSError:
+                pass
+        features = untraced_features(engine, facts)
+        self.note(f"DeepSpeed ZeRO stage {facts['zero_stage']} ({facts['engine']}, {facts['dtype']}) was built: "
+                  "ddpscope does not trace DeepSpeed's engine yet, so the job runs untraced; its settings are in "
+                  "run.json" + (f" (in use besides: {', '.join(features)})" if features else ""))
+        if self.config.steps is not None:
+            count_steps(engine, self._on_engine_step)
+
+    def _on_engine_step(self, done: int) -> None:
+        """An untraced engine's optimizer step: progress, and the step limit."""
+        now = time.perf_counter()
+        if self.config.progress and rank() == 0:
+            emit_progress(event="step", step=done, steps=self.config.steps, ms=round((now - self._last) * 1e3, 1))
+        self._last = now
+        if done >= self.config.steps:
+            end_job(self.finish, self.config.exit_grace_s, self.config.steps, self.note, rank())
+
     # -- the end --------------------------------------------------------------------
     def finish(self, error: str | None = None) -> None:
         """Close the trace once (never raises: the script's own ending comes first)."""

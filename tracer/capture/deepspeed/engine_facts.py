@@ -1,0 +1,82 @@
+"""What a DeepSpeed engine runs with, read through the engine's own accessors (each
+guarded: a DeepSpeed version without one leaves its fact out), for run.json; and the
+DeepSpeed features ddpscope does not trace, named."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def _call(engine, name: str, default: Any = None) -> Any:
+    fn = getattr(engine, name, None)
+    try:
+        return fn() if callable(fn) else default
+    except Exception:  # noqa: BLE001 - a fact ddpscope cannot read is left out
+        return default
+
+
+def _device(offload) -> str | None:
+    """An offload config's device (``none``, ``cpu``, ``nvme``), None without one."""
+    device = getattr(offload, "device", None)
+    text = str(getattr(device, "value", device)) if device is not None else None
+    return None if text in (None, "none", "None") else text
+
+
+def engine_facts(engine) -> dict:
+    """run.json's facts of a DeepSpeed engine: ``zero_stage``, ``dtype`` (the model's
+    training dtype), ``communication_dtype``, ``overlap_comm``, ``contiguous_gradients``,
+    ``reduce_bucket_size`` (elements, as DeepSpeed counts it) and ``reduce_bucket_bytes``
+    (in the communication dtype), ``gradient_accumulation_steps``, offload devices, the
+    engine's class and DeepSpeed's version."""
+    stage = _call(engine, "zero_optimization_stage")
+    dtype = "bfloat16" if _call(engine, "bfloat16_enabled") else "float16" if _call(engine, "fp16_enabled") \
+        else "float32"
+    try:
+        comm = str(engine.communication_data_type).removeprefix("torch.")
+    except Exception:  # noqa: BLE001
+        comm = dtype
+    elements = _call(engine, "zero_reduce_bucket_size")
+    facts = {
+        "engine": type(engine).__name__,
+        "zero_stage": None if stage is None else int(stage),
+        "dtype": dtype,
+        "communication_dtype": comm,
+        "overlap_comm": _call(engine, "zero_overlap_comm"),
+        "contiguous_gradients": _call(engine, "zero_contiguous_gradients"),
+        "reduce_bucket_size": None if elements is None else int(elements),
+        "reduce_bucket_bytes": None if elements is None else int(elements) * _ITEMSIZE.get(comm, 4),
+        "gradient_accumulation_steps": _call(engine, "gradient_accumulation_steps"),
+        "offload_optimizer": _device(_call(engine, "zero_offload_optimizer")),
+        "offload_param": _device(_call(engine, "zero_offload_param")),
+        "world_size": getattr(engine, "dp_world_size", None),
+    }
+    try:
+        import deepspeed
+
+        facts["deepspeed_version"] = str(deepspeed.__version__)
+    except Exception:  # noqa: BLE001
+        pass
+    return facts
+
+
+def untraced_features(engine, facts: dict) -> list[str]:
+    """The DeepSpeed features in use whose communication ddpscope does not trace, named
+    (each becomes one note; the run goes on)."""
+    out = []
+    name = type(engine).__name__
+    if "Pipeline" in name:
+        out.append(f"DeepSpeed's pipeline engine ({name})")
+    if "Hybrid" in name:
+        out.append(f"DeepSpeed's hybrid engine ({name})")
+    if facts.get("offload_optimizer"):
+        out.append(f"optimizer offload to {facts['offload_optimizer']}")
+    if facts.get("offload_param"):
+        out.append(f"parameter offload to {facts['offload_param']}")
+    hpz = _call(engine, "zero_hpz_partition_size")
+    if isinstance(hpz, int) and hpz > 1:
+        out.append(f"ZeRO++ hierarchical partitioning (zero_hpz_partition_size={hpz})")
+    if _call(engine, "has_moe_layers") or getattr(engine, "has_moe_layers", False) is True:
+        out.append("mixture-of-experts layers")
+    return out
