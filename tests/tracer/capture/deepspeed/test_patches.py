@@ -66,7 +66,8 @@ def test_steps_holds_for_a_deepspeed_engine(tmp_path):
     proc, out, report = trace_script(tmp_path, WORKER, "--stage", "1", "--steps", "6", "--accumulate", "2",
                                      ddpscope=("--steps", "2"), env={"DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stderr
-    log = (out / "logs").glob("*0*")
-    printed = "".join(p.read_text() for p in log if p.is_file())
+    printed = "".join(p.read_text() for p in (out / "logs").rglob("stdout.log") if p.parent.name == "0")
     assert "step 1 loss" in printed and "step 2 loss" not in printed  # the limit ends it inside step 2's engine.step
-    assert not report.exists() or not (report / "check-rank0.json").exists()
+    assert not (report / "check-rank0.json").exists()  # the script never reached its end
+    run = json.loads((out / fmt.RUN_FILE).read_text())
+    assert run["kind"] == fmt.KIND_DEEPSPEED and run["deepspeed"]["gradient_accumulation_steps"] == 2
