@@ -114,7 +114,8 @@ def run_config(cfg, command: str, verbose: bool = False, quiet: bool = False) ->
         if command != "calibrate":  # run.json is node 0's (a node of several keeps its own record)
             says = "run.json says failed" if getattr(cfg, "node_rank", 0) == 0 else \
                 f"nodes/node-{cfg.node_rank}.json says failed"
-            traced = cfg.out.is_dir() and any(fmt.RANK_FILE_RE.match(p.name) for p in cfg.out.iterdir())
+            # a rank file anywhere in the run folder (a node of several may keep its own below it)
+            traced = cfg.out.is_dir() and any(fmt.RANK_FILE_RE.match(p.name) for p in cfg.out.rglob("rank-*"))
             print(f"partial trace kept in {cfg.out} ({says})" if traced else
                   f"nothing was traced; the run's logs are in {cfg.out / 'logs'} ({says})", file=sys.stderr)
         return 130 if result.interrupted else 1

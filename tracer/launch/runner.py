@@ -281,7 +281,7 @@ def run_job(cfg: RunConfig, on_progress: Callable[[dict], None] = lambda p: None
         run_path = cfg.out / fmt.RUN_FILE
         run = read_json(run_path) if run_path.exists() else {}
         notes = [n for n in run.get("notes") or [] if isinstance(n, str)]
-        result.untraced = "; ".join(notes) if notes else "no DistributedDataParallel or FSDP2 model was built; nothing was traced"
+        result.untraced = "; ".join(notes) if notes else "no DistributedDataParallel, FSDP2 or DeepSpeed model was built; nothing was traced"
         if result.ok:
             run.update(status=fmt.UNTRACED, error=result.untraced)
             write_json_atomic(run_path, run)

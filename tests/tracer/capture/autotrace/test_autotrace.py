@@ -331,9 +331,11 @@ def test_hugging_face_trainers_own_ddp_is_traced_as_ddp_built_it(tmp_path, accum
 def test_a_script_without_ddp_runs_and_says_nothing_was_traced(tmp_path):
     proc, out, _ = trace_script(tmp_path, USER, "--no-ddp", "--steps", "2")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == ("ddpscope run: no DistributedDataParallel or FSDP2 model was built; "
-                                                     "nothing was traced")
+    why = "no DistributedDataParallel, FSDP2 or DeepSpeed model was built; nothing was traced"
+    assert proc.stderr.strip().splitlines()[-1] == f"ddpscope run: {why}"
     assert json.loads((out / "run.json").read_text())["status"] == "untraced"
+    summary = run_cli("summary", str(out))  # the folder says why, in one line
+    assert summary.returncode == 2 and summary.stderr.strip() == f"ddpscope summary: error: {out} was run but not traced: {why}"
 
 
 @pytest.mark.breadth  # FSDP2 scripts under `ddpscope run`: tests/tracer/capture/sharded/
