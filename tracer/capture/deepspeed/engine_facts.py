@@ -4,6 +4,7 @@ DeepSpeed features ddpscope does not trace, named."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -52,12 +53,9 @@ def engine_facts(engine) -> dict:
         "offload_param": _device(_call(engine, "zero_offload_param")),
         "world_size": getattr(engine, "dp_world_size", None),
     }
-    try:
-        import deepspeed
-
-        facts["deepspeed_version"] = str(deepspeed.__version__)
-    except Exception:  # noqa: BLE001
-        pass
+    deepspeed = sys.modules.get("deepspeed")  # the script's: ddpscope never imports DeepSpeed itself
+    if deepspeed is not None:
+        facts["deepspeed_version"] = str(getattr(deepspeed, "__version__", "?"))
     return facts
 
 

@@ -8,6 +8,7 @@ session. The engine's ``step`` is wrapped on the instance to count optimizer ste
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 
 from ddpscope.tracer.capture.deepspeed.config_override import Override, apply
@@ -16,11 +17,10 @@ DEEPSPEED_MODULE = "deepspeed"
 
 
 def _loader():
-    """DeepSpeed's own config reader (a dict, an hjson/JSON path or base64); an
-    ImportError where this DeepSpeed keeps it elsewhere (then nothing is overridden, said)."""
-    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
-
-    return load_ds_config
+    """DeepSpeed's own config reader (a dict, an hjson/JSON path or base64), from the
+    DeepSpeed the script imported (ddpscope does not depend on DeepSpeed); an ImportError
+    where this DeepSpeed keeps it elsewhere (then nothing is overridden, said)."""
+    return importlib.import_module("deepspeed.runtime.tensor_parallel.init_utils").load_ds_config
 
 
 def patch_deepspeed(session, module) -> None:
