@@ -222,6 +222,7 @@ def _json_safe(row: dict) -> dict:
 def _sharded_summary(trace, as_json: bool) -> int:
     """A sharded run: per-step medians, the units, the ZeRO stage's model states and what
     was really sent (gloo's reduce-scatter is an all-reduce)."""
+    from ddpscope.viz.sharded.buckets import compute_bucket_table
     from ddpscope.viz.sharded.metrics import (
         comm_honesty_lines,
         compute_comm_volume,
@@ -235,15 +236,18 @@ def _sharded_summary(trace, as_json: bool) -> int:
     med = real.drop(columns=["step", "warmup", "incomplete"]).groupby("rank").median().reset_index()
     units, stages, volume = compute_unit_table(trace), compute_stage_comparison(trace), compute_comm_volume(trace)
     sh = trace.shards
+    buckets = compute_bucket_table(trace)
+    framework = "DeepSpeed" if sh.framework == "deepspeed" else "FSDP2"
     if as_json:
-        out = {"path": str(trace.path), "source": trace.source, "kind": "sharded", "status": trace.status,
+        out = {"path": str(trace.path), "source": trace.source, "kind": "sharded", "framework": sh.framework,
+               "status": trace.status, "deepspeed": trace.run.get("deepspeed"), "buckets": buckets.to_dict("records"),
                "unfinished": trace.unfinished, "world_size": trace.world_size, "stage": sh.stage,
                "stage_reason": sh.stage_reason, "ranks": _by_rank(med), "units": units.to_dict("records"),
                "model_states": stages.to_dict("records"), "comm_volume": volume.to_dict("records"),
                "comm_D_bytes": volume.attrs["D_bytes"], "comm": comm_honesty_lines(trace)}
         print(json.dumps(out, indent=1, default=lambda v: None if v != v else float(v)))
         return 0
-    print(f"{trace.path}  status={trace.status}  ranks={trace.world_size}  FSDP2 units={len(sh.units)}  "
+    print(f"{trace.path}  status={trace.status}  ranks={trace.world_size}  {framework} units={len(sh.units)}  "
           f"ZeRO stage {sh.stage}  (medians over non-warm-up steps, ms; peak bytes)")
     if trace.unfinished:
         print(f"{trace.status}: {trace.unfinished}")
@@ -253,6 +257,9 @@ def _sharded_summary(trace, as_json: bool) -> int:
     print(units[["unit", "params", "all_gathers", "all_gather_bytes", "all_gather_ms", "reduce_scatter_bytes",
                  "reduce_scatter_ms", *hsdp, "wait_ms", "exposed_ms", "forward_ms", "backward_ms"]].round(3)
           .to_string(index=False))
+    if len(buckets):
+        print(f"gradient buckets ({framework}; ms and bytes per step; start_ms after the step's start):")
+        print(buckets.round(3).to_string(index=False))
     print("model states (bytes) beside ZeRO stages 0-3:")
     print(stages[["row", "params_bytes", "grads_bytes", "optimizer_state_bytes", "model_state_bytes",
                   "measured/predicted"]].round(3).to_string(index=False))

@@ -1,4 +1,4 @@
-"""What the pages show of a sharded (FSDP2) run: its timeline and unit table (the
+"""What the pages show of a sharded run (FSDP2, DeepSpeed ZeRO): its timeline and unit table (the
 Timeline page), its memory over a step beside ZeRO's stages (the Memory page), the
 sharding settings and predictions of a rerun (the Run page), and a rerun beside it."""
 
@@ -8,6 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from ddpscope.dashboard.common import first_real_step
+from ddpscope.viz.sharded.buckets import compute_bucket_table
 from ddpscope.viz.sharded.figures import (
     make_memory_over_step_figure,
     make_sharded_timeline_figure,
@@ -35,7 +36,9 @@ def render_sharded_timeline(trace) -> None:
     cols[0].metric("model", str(run.get("model", "?")))
     cols[1].metric("ranks", trace.world_size)
     cols[2].metric("ZeRO stage", sh.stage, help=sh.stage_reason)
-    cols[3].metric("FSDP units", len(sh.units))
+    deepspeed = sh.framework == "deepspeed"
+    cols[3].metric("DeepSpeed units" if deepspeed else "FSDP units", len(sh.units),
+                   help="modules holding parameters of their own" if deepspeed else None)
     cols[4].metric("status", trace.status)
     if trace.unfinished:
         st.warning(f"This run is {trace.status}: {trace.unfinished}. Finished steps are shown.")
@@ -55,6 +58,11 @@ def render_sharded_timeline(trace) -> None:
     for col in ("sharded_bytes", "unsharded_bytes", "all_gather_bytes", "reduce_scatter_bytes"):
         table[col.replace("bytes", "MiB")] = table.pop(col) / MIB
     st.dataframe(table.round(3), hide_index=True, key="sharded_units")
+    buckets = compute_bucket_table(trace)
+    if len(buckets):
+        st.subheader("Gradient buckets (DeepSpeed; per step, medians over ranks and non-warm-up steps)")
+        st.dataframe(buckets.assign(MiB=buckets.pop("bytes") / MIB).round(3), hide_index=True,
+                     key="sharded_buckets")
     with st.expander("Every step"):
         st.dataframe(compute_sharded_steps(trace).round(2), hide_index=True, key="sharded_per_step")
     st.subheader("What was sent")

@@ -29,6 +29,7 @@ PRINTS = {
     "overview": "overview drawn (heatmap + spread)",
     "many_ranks": "summary-first",
     "advisor": "workload  link        MAPE %",
+    "deepspeed": "goal traced <= 1.02 at every stage",
 }
 
 
@@ -43,6 +44,8 @@ def test_every_benchmark_script_has_a_smoke_run_here():
 def test_benchmark_runs_in_its_smoke_mode_and_prints_its_table(name, tmp_path):
     if name == "kineto" and not KINETO.exists():
         pytest.skip("needs ../shared/data/kineto beside the project")
+    if name == "deepspeed":
+        pytest.importorskip("deepspeed")
     if name in ("rerun", "first_chart", "overview") and not os.path.exists("/usr/bin/chromium"):
         pytest.skip("needs Debian's chromium (apt-get install -y chromium)")
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # what a script leaves behind goes with the test

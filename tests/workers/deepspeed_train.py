@@ -72,7 +72,8 @@ def main() -> None:
         json.dump({"rank": rank, "stage": int(engine.zero_optimization_stage()),
                    "reduce_bucket_size": int(engine.zero_reduce_bucket_size()),
                    "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
-                   "bf16": bool(engine.bfloat16_enabled()), "losses": losses, "params_sha256": digest.hexdigest()}, f)
+                   "bf16": bool(engine.bfloat16_enabled()), "losses": losses, "params_sha256": digest.hexdigest(),
+                   "numel": sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())}, f)
     # a clean teardown: ZeRO-3 under gloo can abort a rank at exit otherwise (an async
     # all-gather's last reference dropped after finalisation began)
     engine.destroy()

@@ -92,7 +92,8 @@ def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
         xaxis_title="ms from the first shown step's start (rank 0's clock)",
         yaxis=dict(tickvals=list(pos.values()), ticktext=list(pos), range=[0.4, len(labels) + 0.6]),
         legend=dict(orientation="h", y=-0.18), margin=dict(l=10, r=10, t=40, b=10),
-        title=f"FSDP2, ZeRO stage {sh.stage}: compute per unit against its all-gathers and reduce-scatters")
+        title=f"{'DeepSpeed' if sh.framework == 'deepspeed' else 'FSDP2'}, ZeRO stage {sh.stage}: compute per unit "
+              "against its all-gathers and reductions")
     return fig
 
 

@@ -13,7 +13,9 @@ Tables (times µs on rank 0's clock, bytes):
   all_reduce of the reduced shard across replicas, on the reduce-scatter lane), phase,
   bytes (the collective's message: all-gather output, reduce-scatter input), prefetch,
   sent_as (what the backend ran instead: gloo runs a reduce-scatter as an all-reduce),
-  start_us, end_us
+  start_us, end_us; DeepSpeed's also say what issued each (``issued_by``: grad_bucket,
+  param_fetch, param_allgather, other) and, for a gradient bucket, its number in the
+  step (``bucket``), its parameters' count and its first and last parameter
 - ``memory``: rank, step, ts_us, unit, name, phase, at (start / end of the unit's
   phase), and bytes per category (``tracer.format.MEMORY_CATEGORIES``; "other" on CUDA
   only), total_bytes
@@ -32,7 +34,7 @@ UNIT_COLUMNS = ["unit", "name", "numel", "sharded_bytes", "unsharded_bytes", "re
                 "shard_size", "replicate_size"]
 SEGMENT_COLUMNS = ["rank", "step", "unit", "name", "phase", "start_us", "end_us"]
 COLL_COLUMNS = ["rank", "step", "unit", "name", "collective", "phase", "bytes", "prefetch", "sent_as", "start_us",
-                "end_us"]
+                "end_us", "issued_by", "bucket", "bucket_params", "first_param", "last_param"]
 MEMORY_COLUMNS = ["rank", "step", "ts_us", "unit", "name", "phase", "at", *fmt.MEMORY_CATEGORIES, "total_bytes"]
 
 
@@ -116,16 +118,23 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
             else:
                 kind = "all_gather" if cat == fmt.CAT_ALL_GATHER else \
                     "all_reduce" if a.get("collective") == "all_reduce" else "reduce_scatter"  # HSDP's, across replicas
+                bucket = a.get("bucket")
                 colls.append({**base, "collective": kind,
                               "bytes": _count(a.get("bytes")), "prefetch": bool(a.get("prefetch")),
-                              "sent_as": a.get("sent_as") if isinstance(a.get("sent_as"), str) else None})
+                              "sent_as": a.get("sent_as") if isinstance(a.get("sent_as"), str) else None,
+                              "issued_by": a.get("zero") if isinstance(a.get("zero"), str) else None,
+                              "bucket": bucket if isinstance(bucket, int) and not isinstance(bucket, bool) else None,
+                              "bucket_params": _count(a.get("params", 0)) if "bucket" in a else None,
+                              "first_param": a.get("first_param") if isinstance(a.get("first_param"), str) else None,
+                              "last_param": a.get("last_param") if isinstance(a.get("last_param"), str) else None})
     sharding = run["sharding"]
     stage = sharding.get("stage")
-    if stage not in (2, 3):
-        raise ValueError(f"sharding.stage {stage!r} is not a ZeRO stage FSDP2 runs (2 or 3)")
+    framework = str(sharding.get("framework") or "fsdp2")
+    if stage not in ((1, 2, 3) if framework == "deepspeed" else (2, 3)):
+        raise ValueError(f"sharding.stage {stage!r} is not a ZeRO stage {framework} runs")
     return ShardedTables(
         stage=stage, stage_reason=str(sharding.get("stage_reason") or ""),
-        framework=str(sharding.get("framework") or "fsdp2"), units=units,
+        framework=framework, units=units,
         segments=_frame(segs, SEGMENT_COLUMNS, ["rank", "step", "start_us"]),
         waits=_frame(waits, SEGMENT_COLUMNS, ["rank", "step", "start_us"]),
         colls=_frame(colls, COLL_COLUMNS, ["rank", "step", "start_us"]),
@@ -133,8 +142,10 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
         reduce_scatter_sent_as=sharding.get("reduce_scatter_sent_as"))
 
 
+_TEXT = ("name", "phase", "at", "collective", "sent_as", "issued_by", "first_param", "last_param")
+
+
 def _frame(rows: list[dict], columns: list[str], order: list[str]) -> pd.DataFrame:
     if not rows:
-        return pd.DataFrame({c: pd.Series(dtype="object" if c in ("name", "phase", "at", "collective", "sent_as")
-                                          else "float64") for c in columns})
+        return pd.DataFrame({c: pd.Series(dtype="object" if c in _TEXT else "float64") for c in columns})
     return pd.DataFrame(rows, columns=columns).sort_values(order, kind="stable").reset_index(drop=True)

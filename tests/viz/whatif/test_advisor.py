@@ -182,6 +182,7 @@ def test_rerun_settings_follow_run_json():
         rerun_settings({"kind": "ddp", "script": {"argv": ["t.py"], "cwd": "/nonexistent/x"}})
 
 
+@pytest.mark.breadth  # a real job (~26 s): the default suite keeps the apply/rerun path
 def test_what_turning_find_unused_parameters_off_would_give_is_predicted_only_where_it_would_do(tmp_path):
     """A script that sets ``find_unused_parameters=True`` though every parameter is used
     (Hugging Face Trainer's default case): the advisor predicts the run with the flag off,

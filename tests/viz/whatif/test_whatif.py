@@ -247,6 +247,7 @@ def test_replay_of_the_traced_cap_reproduces_a_real_run(mlp_run):
 
 
 @pytest.mark.ddp
+@pytest.mark.breadth  # a calibration sweep (~13 s); the calibration's reading stays in the default suite
 def test_calibrate_stores_a_sweep_with_the_run_and_whatif_uses_it(mlp_run, tmp_path):
     run = tmp_path / "mlp"
     shutil.copytree(mlp_run[0], run)

@@ -126,13 +126,16 @@ class Session:
             return
         if self.profiler is not None:
             self.profiler.after_step(step_record.step)
+        self._after_step(tracer.steps, tracer.rank)
+
+    def _after_step(self, done: int, rank_: int) -> None:
+        """``done`` steps are done on this rank: progress (rank 0), and the step limit."""
         now = time.perf_counter()
-        done = tracer.steps
-        if self.config.progress and tracer.rank == 0:
+        if self.config.progress and rank_ == 0:
             emit_progress(event="step", step=done, steps=self.config.steps, ms=round((now - self._last) * 1e3, 1))
         self._last = now
         if self.config.steps is not None and done >= self.config.steps:
-            end_job(self.finish, self.config.exit_grace_s, self.config.steps, self.note, tracer.rank)
+            end_job(self.finish, self.config.exit_grace_s, self.config.steps, self.note, rank_)
 
     def on_fsdp1(self) -> None:
         if not any("FullyShardedDataParallel" in n for n in self.notes):
@@ -183,37 +186,44 @@ class Session:
         self._last = time.perf_counter()
 
     def on_deepspeed_engine(self, engine) -> None:
-        """``deepspeed.initialize`` built an engine: its settings go to run.json (kind
-        ``deepspeed``), what ddpscope does not trace is said once, ``--steps`` counts its
-        optimizer steps."""
+        """``deepspeed.initialize`` built an engine: traced (``DeepSpeedTracer``) unless it
+        uses what ddpscope does not trace (named once; then its settings still go to
+        run.json, kind ``deepspeed``, and ``--steps`` counts its optimizer steps)."""
         from ddpscope.tracer.capture.deepspeed.engine_facts import engine_facts, untraced_features
         from ddpscope.tracer.capture.deepspeed.patches import count_steps
+        from ddpscope.tracer.capture.deepspeed.tracer import DeepSpeedTracer
+        from ddpscope.tracer.capture.tracer_config import TracerConfig
 
         facts = engine_facts(engine)
         if self.tracer is not None:
             self.note(f"the script builds a DeepSpeed engine beside the traced model: the engine "
                       f"({facts['engine']}) is not traced")
             return
+        what = f"DeepSpeed ZeRO stage {facts['zero_stage']} ({facts['engine']}, {facts['dtype']})"
+        features = untraced_features(engine, facts)
+        why = f"{', '.join(features)} in use: ddpscope does not trace it" if features else None
+        if why is None:
+            self.times_us["ddp_built"] = now_us()
+            meta = {"capture_times_us": self.times_us, "capture": "ddpscope run", "steps_requested": self.config.steps,
+                    "notes": self.notes}
+            tracer = DeepSpeedTracer(engine, facts, TracerConfig(out_dir=self.config.out, capture="python"),
+                                     on_step=self.on_step, run_meta=meta)
+            why = tracer.start()  # never raises: says why it could not
+            if why is None:
+                self.tracer = tracer
+                if self.config.profile_steps:
+                    self.profiler = _start_profiler(tracer, self.config)
+                self._last = time.perf_counter()
+                return
         if rank() == 0:
             try:
-                update_run_json(self.config.out, {"kind": fmt.KIND_DEEPSPEED, "deepspeed": facts})
+                update_run_json(self.config.out, {"kind": fmt.KIND_DEEPSPEED, "status": fmt.UNTRACED,
+                                                   "deepspeed": facts})
             except OSError:
                 pass
-        features = untraced_features(engine, facts)
-        self.note(f"DeepSpeed ZeRO stage {facts['zero_stage']} ({facts['engine']}, {facts['dtype']}) was built: "
-                  "ddpscope does not trace DeepSpeed's engine yet, so the job runs untraced; its settings are in "
-                  "run.json" + (f" (in use besides: {', '.join(features)})" if features else ""))
+        self.note(f"{what} was built but is not traced ({why}); the job runs untraced, its settings are in run.json")
         if self.config.steps is not None:
-            count_steps(engine, self._on_engine_step)
-
-    def _on_engine_step(self, done: int) -> None:
-        """An untraced engine's optimizer step: progress, and the step limit."""
-        now = time.perf_counter()
-        if self.config.progress and rank() == 0:
-            emit_progress(event="step", step=done, steps=self.config.steps, ms=round((now - self._last) * 1e3, 1))
-        self._last = now
-        if done >= self.config.steps:
-            end_job(self.finish, self.config.exit_grace_s, self.config.steps, self.note, rank())
+            count_steps(engine, lambda done: self._after_step(done, rank()))
 
     # -- the end --------------------------------------------------------------------
     def finish(self, error: str | None = None) -> None:

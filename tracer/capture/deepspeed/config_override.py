@@ -12,8 +12,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ddpscope.tracer.capture.deepspeed.engine_facts import ITEMSIZE
+
 MIB = 2**20
-_ITEMSIZE = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 
 @dataclass(kw_only=True)
@@ -39,7 +40,7 @@ def comm_dtype(config: dict) -> str:
     """The dtype DeepSpeed reduces gradients in, from the config as DeepSpeed resolves it:
     ``communication_data_type``, else bf16's or fp16's when enabled, else float32."""
     explicit = config.get("communication_data_type")
-    if isinstance(explicit, str) and explicit in _ITEMSIZE:
+    if isinstance(explicit, str) and explicit in ITEMSIZE:
         return explicit
     for key, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
         section = config.get(key)
@@ -70,7 +71,7 @@ def edited(config: dict, override: Override, model=None) -> dict:
             zero["stage"] = override.zero_stage
     if override.bucket_cap_mb is not None:
         dtype = comm_dtype(out)
-        elements = max(1, int(override.bucket_cap_mb * MIB) // _ITEMSIZE[dtype])
+        elements = max(1, int(override.bucket_cap_mb * MIB) // ITEMSIZE[dtype])
         before = zero.get("reduce_bucket_size")
         said = f"the script's reduce_bucket_size {before}" if before is not None else "DeepSpeed's reduce_bucket_size"
         override.notes.append(f"{said} is replaced by --bucket-cap-mb {override.bucket_cap_mb:g} "

@@ -7,7 +7,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+# bytes per element, by the names DeepSpeed's configs and run.json use
+ITEMSIZE = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float64": 8}
 
 
 def _call(engine, name: str, default: Any = None) -> Any:
@@ -47,7 +48,7 @@ def engine_facts(engine) -> dict:
         "overlap_comm": _call(engine, "zero_overlap_comm"),
         "contiguous_gradients": _call(engine, "zero_contiguous_gradients"),
         "reduce_bucket_size": None if elements is None else int(elements),
-        "reduce_bucket_bytes": None if elements is None else int(elements) * _ITEMSIZE.get(comm, 4),
+        "reduce_bucket_bytes": None if elements is None else int(elements) * ITEMSIZE.get(comm, 4),
         "gradient_accumulation_steps": _call(engine, "gradient_accumulation_steps"),
         "offload_optimizer": _device(_call(engine, "zero_offload_optimizer")),
         "offload_param": _device(_call(engine, "zero_offload_param")),

@@ -63,6 +63,8 @@ def step_events(s: ShardedStep, rank: int, names: list[str], sent_as: str | None
              "prefetch": c.prefetch}
         if c.kind == "reduce_scatter" and sent_as:
             a["sent_as"] = sent_as
+        if c.extra:
+            a.update(c.extra)
         if c.end is None:
             a["incomplete"] = True
         ev.append(_span(_CAT[c.kind], f"{c.kind.replace('_', '-')} {names[c.unit]}", pid, _TID[c.kind], c.start,

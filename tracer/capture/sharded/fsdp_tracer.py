@@ -54,6 +54,8 @@ def zero_stage(units: list[fsdp_units.Unit]) -> tuple[int, str]:
 class FSDPTracer:
     """Traces the FSDP2 model ``root_module`` (its root state ``root_state``, lazily initialised)."""
 
+    units_word = "FSDP units"  # what a rank's units are called when they differ between ranks
+
     def __init__(self, root_module: torch.nn.Module, root_state, config: TracerConfig, *,
                  on_step: Callable[[ShardedStep], None] | None = None, run_meta: dict | None = None) -> None:
         self.model = root_module
@@ -107,48 +109,12 @@ class FSDPTracer:
         if not self.units:
             raise RuntimeError("the FSDP model has no parameters to shard")
         device = self.units[0].group.device
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.backend = dist.get_backend()
-        self.clock = make_clock(device)
-        self._cpu_group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=cfg.sync_timeout_s))
-        self.offsets_start = estimate_offsets(self.clock.host_us, self._cpu_group, cfg.offset_rounds)
-        mine = {"host": socket.gethostname(), "units": fsdp_units.signature(self.units),
-                "meta": fsdp_units.meta_params(self.model)[:3]}
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self._cpu_group)
-        self.hosts = [e["host"] for e in everyone]
-        for r, e in enumerate(everyone):  # the same on every rank: every rank stops, or none
-            if e["units"] != everyone[0]["units"]:
-                raise RuntimeError(f"the FSDP units differ between ranks (rank 0: {len(everyone[0]['units'])} units, "
-                                   f"rank {r}: {len(e['units'])}; first difference: "
-                                   f"{_first_difference(everyone[0]['units'], e['units'])})")
-            if e["meta"]:
-                raise RuntimeError(f"rank {r}'s parameters are still on the meta device ({', '.join(e['meta'])}): "
-                                   "meta-device initialisation was not materialised (to_empty, init) before forward")
-        self.stage, self.stage_reason = zero_stage(self.units)
-        self.sent_as = "all_reduce" if self.backend == "gloo" else None  # gloo has no reduce-scatter
+        self.stage, self.stage_reason = zero_stage(self.units)  # run.json has them from its first writing
+        self.sent_as = "all_reduce" if dist.get_backend() == "gloo" else None  # gloo has no reduce-scatter
+        self._open_files(device, make_clock(device), fsdp_units.signature(self.units),
+                         fsdp_units.meta_params(self.model)[:3], [u.facts() for u in self.units])
         names = [u.name for u in self.units]
-        self._meta = {
-            "format": fmt.FORMAT, "version": fmt.VERSION, "kind": fmt.KIND_SHARDED, "status": fmt.RUNNING,
-            "rank": self.rank, "world_size": self.world_size, "local_rank": int(os.environ.get("LOCAL_RANK", self.rank)),
-            "host": self.hosts[self.rank], "pid": os.getpid(), "backend": self.backend, "device": str(device),
-            "clock": self.clock.kind, "clock_offset": {"start": self.offsets_start[self.rank].to_json(), "end": None},
-            "units": [u.facts() for u in self.units], "steps": 0, "torch_version": str(torch.__version__),
-        }
-        self._writer = open_rank_trace(
-            cfg.out_dir, self.rank, self.world_size, self._meta,
-            header_events(self.rank, self.hosts[self.rank]) + lane_events(self.rank), cfg.flush_interval_s,
-            self._cpu_group, on_opened=lambda: self._write_run_json(fmt.RUNNING) if self.rank == 0 else None)
-
-        interval_us, last = cfg.memory_interval_s * 1e6, [None]
-
-        def measure_step(step: int) -> bool:  # the first steps, then one per memory_interval_s
-            now = self.clock.host_us()
-            if step < FIRST_MEASURED_STEPS or last[0] is None or now - last[0] >= interval_us:
-                last[0] = now
-                return True
-            return False
-
+        measure_step = self._measure_steps()
         self.memory = ShardedMemory(self.units, device, lambda: self.recorder.optimizer if self.recorder else None)
         self.recorder = ShardedRecorder(clock=self.clock, emit=lambda s: self._emit(s, names),
                                         sample=self.memory, measure_step=measure_step, on_close=self.on_step,
@@ -163,6 +129,53 @@ class FSDPTracer:
             self._live = None
         if torch.is_grad_enabled():  # started inside the root's first forward: that is step 0
             self.recorder.on_forward_start(bool(getattr(self.units[0].group, "reduce_grads", True)))
+
+    def _open_files(self, device, clock, signature, meta_params: list[str], unit_facts: list[dict]) -> None:
+        """What every sharded tracer does first (FSDP2's, DeepSpeed's): the clock, a gloo
+        group of ddpscope's own, clock offsets, every rank's units checked alike (every
+        rank stops, or none), the rank file opened."""
+        cfg = self.config
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.backend = dist.get_backend()
+        self.clock = clock
+        self._cpu_group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=cfg.sync_timeout_s))
+        self.offsets_start = estimate_offsets(self.clock.host_us, self._cpu_group, cfg.offset_rounds)
+        mine = {"host": socket.gethostname(), "units": signature, "meta": meta_params}
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self._cpu_group)
+        self.hosts = [e["host"] for e in everyone]
+        for r, e in enumerate(everyone):
+            if e["units"] != everyone[0]["units"]:
+                raise RuntimeError(f"the {self.units_word} differ between ranks (rank 0: {len(everyone[0]['units'])} units, "
+                                   f"rank {r}: {len(e['units'])}; first difference: "
+                                   f"{_first_difference(everyone[0]['units'], e['units'])})")
+            if e["meta"]:
+                raise RuntimeError(f"rank {r}'s parameters are still on the meta device ({', '.join(e['meta'])}): "
+                                   "meta-device initialisation was not materialised (to_empty, init) before forward")
+        self._meta = {
+            "format": fmt.FORMAT, "version": fmt.VERSION, "kind": fmt.KIND_SHARDED, "status": fmt.RUNNING,
+            "rank": self.rank, "world_size": self.world_size, "local_rank": int(os.environ.get("LOCAL_RANK", self.rank)),
+            "host": self.hosts[self.rank], "pid": os.getpid(), "backend": self.backend, "device": str(device),
+            "clock": self.clock.kind, "clock_offset": {"start": self.offsets_start[self.rank].to_json(), "end": None},
+            "units": unit_facts, "steps": 0, "torch_version": str(torch.__version__),
+        }
+        self._writer = open_rank_trace(
+            cfg.out_dir, self.rank, self.world_size, self._meta,
+            header_events(self.rank, self.hosts[self.rank]) + lane_events(self.rank), cfg.flush_interval_s,
+            self._cpu_group, on_opened=lambda: self._write_run_json(fmt.RUNNING) if self.rank == 0 else None)
+
+    def _measure_steps(self) -> Callable[[int], bool]:
+        """Which steps memory is measured in: the first steps, then one per memory_interval_s."""
+        interval_us, last = self.config.memory_interval_s * 1e6, [None]
+
+        def measure_step(step: int) -> bool:
+            now = self.clock.host_us()
+            if step < FIRST_MEASURED_STEPS or last[0] is None or now - last[0] >= interval_us:
+                last[0] = now
+                return True
+            return False
+
+        return measure_step
 
     def _emit(self, s: ShardedStep, names: list[str]) -> None:
         if self._writer is None or self._writer.error is not None:
@@ -222,6 +235,15 @@ class FSDPTracer:
         group, self._cpu_group = self._cpu_group, None
         release_group(group)
 
+    def _run_facts(self) -> dict:
+        """run.json's facts of the model and how it is sharded (``sharding``)."""
+        return {"model_class": type(self.model).__name__.removeprefix("FSDP"),
+                "model_params": sum(u.numel for u in self.units),
+                "sharding": {"framework": "fsdp2", "stage": self.stage, "stage_reason": self.stage_reason,
+                             "units": [u.facts() for u in self.units], "reduce_scatter_sent_as": self.sent_as,
+                             "param_dtype": _dtype_name(self.units, "param_dtype"),
+                             "reduce_dtype": _dtype_name(self.units, "reduce_dtype")}}
+
     def _write_run_json(self, status: str, error: str | None = None, offsets_end=None, steps: int = 0) -> None:
         path = self.config.out_dir / fmt.RUN_FILE
         run = read_json(path) if path.exists() else {}
@@ -229,12 +251,7 @@ class FSDPTracer:
             "format": fmt.FORMAT, "version": fmt.VERSION, "kind": fmt.KIND_SHARDED, "status": status,
             "world_size": self.world_size, "backend": self.backend, "device": self._meta["device"],
             "clock": self.clock.kind, "hosts": self.hosts, "torch_version": str(torch.__version__),
-            "model_class": type(self.model).__name__.removeprefix("FSDP"),
-            "model_params": sum(u.numel for u in self.units),
-            "sharding": {"framework": "fsdp2", "stage": self.stage, "stage_reason": self.stage_reason,
-                         "units": [u.facts() for u in self.units], "reduce_scatter_sent_as": self.sent_as,
-                         "param_dtype": _dtype_name(self.units, "param_dtype"),
-                         "reduce_dtype": _dtype_name(self.units, "reduce_dtype")},
+            **self._run_facts(),
             "clock_offsets": {"start": [o.to_json() for o in self.offsets_start],
                               "end": None if offsets_end is None else [o.to_json() for o in offsets_end]},
             "steps": steps, "ranks": [fmt.rank_file(r) for r in range(self.world_size)],

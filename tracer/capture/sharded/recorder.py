@@ -43,6 +43,7 @@ class Coll:
     end: Any = None
     prefetch: bool = False  # issued by another unit ahead of its use
     device: tuple[Any, Any] | None = None  # CUDA events on the collective's stream
+    extra: dict | None = None  # more args for its event (DeepSpeed: what issued it, the bucket)
 
 
 @dataclass(slots=True)
@@ -168,20 +169,34 @@ class ShardedRecorder:
         top = self._top()
         self.where = (top[0], top[1], None) if top else (-1, "", None)
 
-    def comm_start(self, kind: str, unit: int, nbytes: int, prefetch: bool) -> Coll | None:
+    def comm_start(self, kind: str, unit: int, nbytes: int, prefetch: bool, phase: str | None = None) -> Coll | None:
+        """A collective the training thread runs now (compute pauses until ``comm_end``)."""
         cur = self.current
         if cur is None:
             return None
         now = self.clock.stamp()
         self._cut(now)
         self._stack.append(None)
-        top = self._top()
-        phase = BACKWARD if self.in_backward() else top[1] if top else \
-            (BACKWARD if cur.passes and cur.passes[-1].backward_start is not None else FORWARD)
-        rec = Coll(kind=kind, unit=unit, phase=phase, nbytes=nbytes, start=now, prefetch=prefetch)
+        rec = Coll(kind=kind, unit=unit, phase=phase or self._phase(cur), nbytes=nbytes, start=now, prefetch=prefetch)
         cur.colls.append(rec)
-        self.where = (unit, phase, kind)
+        self.where = (unit, rec.phase, kind)
         return rec
+
+    def comm_async(self, kind: str, unit: int, nbytes: int, prefetch: bool, phase: str | None = None) -> Coll | None:
+        """A collective launched now that runs beside compute (gloo's own threads): its
+        ``end`` is stamped by whoever sees it done (its future); compute goes on."""
+        cur = self.current
+        if cur is None:
+            return None
+        rec = Coll(kind=kind, unit=unit, phase=phase or self._phase(cur), nbytes=nbytes, start=self.clock.stamp(),
+                   prefetch=prefetch)
+        cur.colls.append(rec)
+        return rec
+
+    def _phase(self, cur: ShardedStep) -> str:
+        top = self._top()
+        return BACKWARD if self.in_backward() else top[1] if top else \
+            (BACKWARD if cur.passes and cur.passes[-1].backward_start is not None else FORWARD)
 
     def comm_end(self, rec: Coll | None) -> None:
         if rec is None or self.current is None:

@@ -338,7 +338,8 @@ def test_joins_flag_and_a_scripts_own_all_reduces_are_never_buckets(tmp_path, bu
         assert checks(report)[r]["losses"] == checks(plain)[r]["losses"]
 
 
-@pytest.mark.parametrize("capture", ["compiled", pytest.param("python", marks=pytest.mark.breadth)])
+@pytest.mark.breadth  # both captures (~15 s each): a real job of DDP's buffer broadcast
+@pytest.mark.parametrize("capture", ["compiled", "python"])
 def test_ddps_buffer_broadcast_is_its_own_collective_on_its_own_lane(tmp_path, built, capture):
     """BatchNorm's running statistics: before each syncing forward DDP broadcasts the
     module's buffers from rank 0 (``broadcast_buffers=True``, its default). Recorded as

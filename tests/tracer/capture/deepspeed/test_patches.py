@@ -1,9 +1,8 @@
-"""DeepSpeed's engine recognised under ``ddpscope run`` (tracer/capture/deepspeed/):
-stages 1-3 named once, their settings in run.json as the engine itself reports them,
+"""DeepSpeed's ``initialize`` patched under ``ddpscope run`` (tracer/capture/deepspeed/patches.py):
 ``--bucket-cap-mb`` applied as ``reduce_bucket_size`` in elements of the communication
-dtype, ``--steps`` holding, training bit-identical, and ``summary`` saying in one line why
-nothing was traced. Real 2-rank DeepSpeed jobs (CPU accelerator, gloo); DeepSpeed builds
-a small C++ op on its first run (~100 s), so they are their own marked suite."""
+dtype, whatever form the config comes in, and ``--steps`` holding. Real 2-rank DeepSpeed
+jobs (CPU accelerator, gloo); DeepSpeed builds a small C++ op on its first run (~100 s),
+so they are their own marked suite."""
 
 from __future__ import annotations
 
@@ -12,35 +11,12 @@ import json
 import pytest
 
 from ddpscope.tracer import format as fmt
-from tests.conftest import ROOT, run_cli
-from tests.tracer.capture.autotrace.test_autotrace import checks, trace_script, untraced
+from tests.conftest import ROOT
+from tests.tracer.capture.autotrace.test_autotrace import checks, trace_script
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.deepspeed]
 WORKER = str(ROOT / "tests" / "workers" / "deepspeed_train.py")
-
-
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_each_stage_is_named_kept_in_run_json_and_trains_bit_identically(tmp_path, stage):
-    script = (WORKER, "--stage", str(stage), "--steps", "3")
-    proc, out, report = trace_script(tmp_path, *script, env={"DS_ACCELERATOR": "cpu"})
-    assert proc.returncode == 0, proc.stderr
-    run = json.loads((out / fmt.RUN_FILE).read_text())
-    own = checks(report)
-    assert run["kind"] == fmt.KIND_DEEPSPEED and run["status"] == fmt.UNTRACED
-    ds = run["deepspeed"]
-    assert ds["zero_stage"] == own[0]["stage"] == stage and ds["reduce_bucket_size"] == own[0]["reduce_bucket_size"]
-    assert ds["dtype"] == "float32" and ds["reduce_bucket_bytes"] == 4 * ds["reduce_bucket_size"]
-    said = [line for line in proc.stderr.splitlines() if f"DeepSpeed ZeRO stage {stage}" in line]
-    assert len(said) == 2 and "nothing was traced" not in proc.stderr  # once as it happened, once at the end
-    summary = run_cli("summary", str(out))
-    assert summary.returncode == 2 and len(summary.stderr.strip().splitlines()) == 1
-    assert "was run but not traced" in summary.stderr and f"DeepSpeed ZeRO stage {stage}" in summary.stderr
-    if stage == 3:
-        plain = untraced(tmp_path, *script)
-        for r in (0, 1):
-            assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
-            assert own[r]["losses"] == checks(plain)[r]["losses"]
 
 
 @pytest.mark.parametrize("form", ["dict", "file"])
@@ -70,4 +46,8 @@ def test_steps_holds_for_a_deepspeed_engine(tmp_path):
     assert "step 1 loss" in printed and "step 2 loss" not in printed  # the limit ends it inside step 2's engine.step
     assert not (report / "check-rank0.json").exists()  # the script never reached its end
     run = json.loads((out / fmt.RUN_FILE).read_text())
-    assert run["kind"] == fmt.KIND_DEEPSPEED and run["deepspeed"]["gradient_accumulation_steps"] == 2
+    assert run["sharding"]["framework"] == "deepspeed" and run["deepspeed"]["gradient_accumulation_steps"] == 2
+    from ddpscope.viz.trace import load_run
+
+    steps = load_run(out).steps  # both traced steps, each of its two micro-batches
+    assert sorted(set(steps["step"])) == [0, 1] and steps["micro_batches"].eq(2).all()

@@ -1,0 +1,167 @@
+"""DeepSpeed tracing: its overhead on ZeRO stages 1, 2 and 3.
+
+    python -m benchmarks.deepspeed [--rounds 60] [--layers 4] [--dim 256] [--smoke]
+
+Workload: an MLP of ``--layers`` hidden layers (``--dim`` wide), a client AdamW,
+DeepSpeed's engine at each ZeRO stage (fp32, ``reduce_bucket_size`` 50,000 elements),
+2 ranks, DeepSpeed's CPU accelerator (gloo). Needs DeepSpeed (``pip install
+deepspeed==0.19.8``); its first run builds a small C++ op (~100 s).
+
+As ``benchmarks/sharded.py`` measures FSDP2's: one real 2-rank job (torchrun); per stage
+every rank builds three engines of the same model: ``untraced``, ``control`` (another
+untraced one: the noise floor) and ``traced`` (``DeepSpeedTracer`` as ``ddpscope run``
+starts it: every wrapper, the backend's collectives timed, memory measured once a
+second, the rank file and live file written). They run interleaved step by step (one
+step of every mode per round, the order rotating), so the machine's noise hits every
+mode alike. Each mode's ratio is the median over rounds of its step over the same
+round's untraced step (rank 0), with a bootstrap 95 % interval. Goal: ``traced`` <= 1.02
+at every stage.
+
+Benchmarks are not tests: nothing is asserted; ``--smoke`` runs tiny sizes once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT_PREFIX = "deepspeed-overhead-result "
+MODES = ("untraced", "control", "traced")
+STAGES = (1, 2, 3)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import copy
+    import gc
+    import time
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ddpscope.tracer.capture.deepspeed.engine_facts import engine_facts
+    from ddpscope.tracer.capture.deepspeed.tracer import DeepSpeedTracer
+    from ddpscope.tracer.capture.tracer_config import TracerConfig
+
+    deepspeed.init_distributed("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, args.dim), nn.ReLU()]
+    for _ in range(args.layers):
+        layers += [nn.Linear(args.dim, args.dim), nn.ReLU()]
+    base = nn.Sequential(*layers, nn.Linear(args.dim, 8))
+    gen = torch.Generator().manual_seed(rank)
+    results: dict[str, dict[str, list[float]]] = {}
+    for stage in STAGES:
+        config = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 10**9,
+                  "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000,
+                                        "stage3_prefetch_bucket_size": 50_000,
+                                        "stage3_param_persistence_threshold": 0}}
+        engines = []
+        for _ in MODES:
+            model = copy.deepcopy(base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            engines.append(deepspeed.initialize(model=model, optimizer=opt, config=config)[0])
+        engine_of = dict(zip(MODES, engines))
+        cfg = TracerConfig(out_dir=Path(args.out) / f"stage{stage}", capture="python")
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        tracer = DeepSpeedTracer(engine_of["traced"], engine_facts(engine_of["traced"]), cfg)
+        why = tracer.start()
+        if why is not None:
+            raise SystemExit(f"deepspeed overhead benchmark: {why}")
+
+        def step(engine) -> float:
+            x = torch.randn(16, 64, generator=gen)
+            y = torch.randn(16, 8, generator=gen)
+            t0 = time.perf_counter()
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            return time.perf_counter() - t0
+
+        times: dict[str, list[float]] = {m: [] for m in MODES}
+        for mode in MODES:  # warm-up
+            for _ in range(3):
+                step(engine_of[mode])
+        for r in range(args.rounds):
+            order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]  # rotate who goes first
+            for mode in order:
+                times[mode].append(step(engine_of[mode]))
+        tracer.close()
+        if tracer.failure:
+            raise SystemExit(f"deepspeed overhead benchmark: {tracer.failure}")
+        results[str(stage)] = times
+        for engine in engines:
+            engine.destroy()
+        engines.clear()
+        engine_of.clear()
+        gc.collect()
+    if rank == 0:
+        print(RESULT_PREFIX + json.dumps(results), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def overhead(args, tmp: Path) -> None:
+    from benchmarks.overhead import ratios  # the same paired ratios and bootstrap as DDP's
+    from ddpscope.tracer.launch.torchrun import LaunchConfig, launch
+
+    results: list[dict] = []
+
+    def on_line(rank, line, err):
+        if line.startswith(RESULT_PREFIX):
+            results.append(json.loads(line[len(RESULT_PREFIX):]))
+
+    cfg = LaunchConfig(target="benchmarks.deepspeed", nproc=2, log_dir=tmp / "logs", timeout_s=1800,
+                       env={"PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"},
+                       args=["--worker", "--rounds", str(args.rounds), "--layers", str(args.layers),
+                             "--dim", str(args.dim), "--out", str(tmp / "traces")])
+    res = launch(cfg, on_line)
+    if not res.ok or not results:
+        raise SystemExit(f"benchmark job failed: {res.reason}\n{res.stderr_tail}")
+    print(f"overhead: DeepSpeed {args.layers} hidden layers of {args.dim}, ranks=2, rounds={args.rounds} "
+          "(rank 0; one step of every mode per round, interleaved)")
+    print(f"  {'stage':>5} {'mode':<9} {'median ms':>9}  {'ratio':>6}  {'95% CI':>13}")
+    met = True
+    for stage, times in results[0].items():
+        r = ratios(times)
+        for m in MODES:
+            print(f"  {stage:>5} {m:<9} {statistics.median(times[m]) * 1e3:9.2f}  {r[m][0]:6.3f}  "
+                  f"{r[m][1]:.3f}-{r[m][2]:.3f}")
+        met = met and r["traced"][0] <= 1.02
+    print(f"  goal traced <= 1.02 at every stage: {'met' if met else 'NOT met'}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=60, help="rounds of one step per mode, per stage")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, few rounds: the script runs, nothing more")
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        print("benchmarks.deepspeed: DeepSpeed is not installed (pip install deepspeed==0.19.8)", file=sys.stderr)
+        raise SystemExit(2)
+    if args.smoke:
+        args.rounds, args.layers, args.dim = 6, 1, 32
+    with tempfile.TemporaryDirectory(prefix="ddpscope-deepspeed-bench-") as tmp:
+        overhead(args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()

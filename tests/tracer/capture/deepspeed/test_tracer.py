@@ -1,0 +1,111 @@
+"""DeepSpeed's ZeRO engine traced under ``ddpscope run`` (tracer/capture/deepspeed/): real
+2-rank DeepSpeed jobs (CPU accelerator, gloo), stages 1-3, checked against what the
+script's engine itself reports and against the model's own sizes (the independent
+instruments): every step's bucket reductions carry every gradient once, stages 1-2 gather
+every parameter back after the step, ZeRO-3 gathers every parameter in the step, the
+optimizer state per rank is Adam's two moments of its partition (8P/N bytes in fp32),
+the bucket count follows ``--bucket-cap-mb``, and training is bit-identical traced and
+untraced. DeepSpeed builds a small C++ op on its first run (~100 s): a marked suite."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddpscope.tracer import format as fmt
+from tests.conftest import ROOT, run_cli
+from tests.tracer.capture.autotrace.test_autotrace import checks, trace_script, untraced
+
+pytest.importorskip("deepspeed")
+pytestmark = [pytest.mark.deepspeed]
+WORKER = str(ROOT / "tests" / "workers" / "deepspeed_train.py")
+ENV = {"DS_ACCELERATOR": "cpu"}
+PAD = 4 * 64  # bytes DeepSpeed may pad a flat group with (its alignment), per rank
+
+
+def _load(out):
+    from ddpscope.viz.trace import load_run
+
+    return load_run(out)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(tmp_path, stage):
+    script = (WORKER, "--stage", str(stage), "--steps", "3", "--reduce-bucket-size", "20000")
+    proc, out, report = trace_script(tmp_path, *script, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    own = checks(report)
+    run = json.loads((out / fmt.RUN_FILE).read_text())
+    assert run["kind"] == fmt.KIND_SHARDED and run["status"] == fmt.COMPLETE
+    assert run["sharding"]["framework"] == "deepspeed" and run["sharding"]["stage"] == own[0]["stage"] == stage
+    assert run["deepspeed"]["reduce_bucket_size"] == own[0]["reduce_bucket_size"] == 20000
+    trace = _load(out)
+    numel = own[0]["numel"]
+    grad_bytes = 4 * numel  # fp32
+    colls = trace.shards.colls
+    assert set(trace.steps["step"]) == {0, 1, 2}
+    for (rank, step), c in colls.groupby(["rank", "step"]):
+        buckets = c[c["issued_by"] == "grad_bucket"]
+        # every gradient reduced once a step: the buckets' messages are the gradients' bytes
+        assert buckets["bytes"].sum() == grad_bytes, (rank, step)
+        assert buckets["collective"].eq("reduce_scatter" if stage == 3 else "all_reduce").all()
+        assert (buckets["phase"] == "backward").all()
+        assert sorted(buckets["bucket"].unique()) == list(range(buckets["bucket"].nunique()))
+        gathers = c[c["collective"] == "all_gather"]
+        if stage < 3:  # the updated partitions gathered back: the whole (padded) flat model, after the step
+            assert set(gathers["issued_by"]) == {"param_allgather"} and (gathers["phase"] == "optimizer").all()
+            assert grad_bytes <= gathers["bytes"].sum() <= grad_bytes + 2 * PAD
+        else:  # every parameter gathered at least once in the step, by its module's fetch
+            assert set(gathers["issued_by"]) == {"param_fetch"}
+            assert gathers["bytes"].sum() >= grad_bytes
+            assert (gathers["end_us"] >= gathers["start_us"]).all()
+    # Adam's two fp32 moments of this rank's partition (and its step counter)
+    mem = trace.shards.memory
+    after = mem[(mem["phase"] == "optimizer") & (mem["step"] >= 1)]
+    assert len(after)
+    for state in after["optimizer_state_bytes"]:
+        assert abs(state - 8 * numel / 2) <= 2 * PAD, state
+    summary = run_cli("summary", str(out))
+    assert summary.returncode == 0 and "DeepSpeed units=" in summary.stdout and f"ZeRO stage {stage}" in summary.stdout
+    assert "gradient buckets (DeepSpeed" in summary.stdout
+    if stage >= 2:
+        plain = untraced(tmp_path, *script)
+        for r in (0, 1):
+            assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
+            assert own[r]["losses"] == checks(plain)[r]["losses"]
+
+
+def test_a_stage_ddpscope_does_not_trace_is_named_and_the_job_runs_untraced(tmp_path):
+    """ZeRO stage 0 (DeepSpeed's own data parallelism) is not traced: said once as it
+    happened and once at the end, run.json keeps the engine's settings, ``summary`` says
+    why in one line, exit code 2."""
+    proc, out, report = trace_script(tmp_path, WORKER, "--stage", "0", "--steps", "2", env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads((out / fmt.RUN_FILE).read_text())
+    assert run["kind"] == fmt.KIND_DEEPSPEED and run["status"] == fmt.UNTRACED
+    assert run["deepspeed"]["zero_stage"] == checks(report)[0]["stage"] == 0
+    said = [line for line in proc.stderr.splitlines() if "DeepSpeed ZeRO stage 0" in line]
+    assert len(said) == 2 and "ddpscope traces DeepSpeed's ZeRO stages 1, 2 and 3" in said[0]
+    assert not list(out.glob("rank-*.json"))
+    summary = run_cli("summary", str(out))
+    assert summary.returncode == 2 and len(summary.stderr.strip().splitlines()) == 1
+    assert "was run but not traced" in summary.stderr and "DeepSpeed ZeRO stage 0" in summary.stderr
+
+
+def test_bucket_cap_mb_sets_the_buckets_a_step_reduces(tmp_path):
+    """The script reduces in buckets of 50,000 elements: 3 a step on this MLP (its
+    65,536-element weight alone); ``--bucket-cap-mb 1`` (262,144 fp32 elements) holds
+    every gradient in one."""
+    proc, out, report = trace_script(tmp_path, WORKER, "--stage", "2", "--steps", "2",
+                                     ddpscope=("--bucket-cap-mb", "1"), env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    assert checks(report)[0]["reduce_bucket_size"] == 2**18
+    colls = _load(out).shards.colls
+    buckets = colls[colls["issued_by"] == "grad_bucket"]
+    assert buckets.groupby(["rank", "step"])["bucket"].nunique().eq(1).all()
+    proc, out, _ = trace_script(tmp_path, WORKER, "--stage", "2", "--steps", "2", name="script", env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    colls = _load(out).shards.colls
+    buckets = colls[colls["issued_by"] == "grad_bucket"]
+    assert buckets.groupby(["rank", "step"])["bucket"].nunique().eq(3).all()

@@ -1,0 +1,224 @@
+"""Every collective DeepSpeed's ZeRO runs, timed where all of them pass: the methods of
+its communication backend (``deepspeed.comm.torch.TorchBackend``, or the class of the
+backend the engine made: CCL's subclasses it). ZeRO never calls ``torch.distributed``'s
+collectives directly, and the backend caches ``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` when it is made, so patching ``torch.distributed`` would miss
+ZeRO-3's gathers and reductions (docs/deepspeed-design.md, §5).
+
+Each call is told apart by who issued it, read from the call stack (a few frames, only
+for a collective inside a traced step):
+
+- a gradient bucket's reduction: stages 1-2 ``reduce_ipg_grads``, stage 3
+  ``__reduce_and_partition_ipg_grads`` (their per-instance wrappers in ``tracer.py``
+  number the buckets of a step and name their parameters);
+- a ZeRO-3 parameter fetch, ``__all_gather_params_``: the unit of its first parameter,
+  a prefetch when the module being fetched does not own it;
+- stages 1-2's gather of the updated partitions after the step
+  (``all_gather_into_tensor_dp_groups``);
+- anything else (the gradient norm's all-reduce, an overflow check): ``other``.
+
+A synchronous call pauses compute on the recorder's lane for its length; an async one
+(ZeRO-3's gathers) runs beside it until its Work's future completes (stamped there, on
+gloo's thread: the stamp is all that callback does). Bytes are the message: an
+all-reduce's tensor, an all-gather's output, a reduce-scatter's input.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import threading
+from typing import Any
+
+# method -> (the recorder's kind, the argument whose bytes are the message)
+OPS: dict[str, tuple[str, str]] = {
+    "all_reduce": ("all_reduce", "tensor"),
+    "all_reduce_coalesced": ("all_reduce", "tensors"),
+    "reduce": ("all_reduce", "tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "all_gather_base": ("all_gather", "output_tensor"),
+    "all_gather": ("all_gather", "tensor_list"),
+    "all_gather_coalesced": ("all_gather", "output_tensors"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input_tensor"),
+    "reduce_scatter": ("reduce_scatter", "input_list"),
+}
+GRAD_BUCKET, PARAM_FETCH, PARAM_ALLGATHER, OTHER = "grad_bucket", "param_fetch", "param_allgather", "other"
+_FETCH = "__all_gather_params_"
+_AFTER_STEP = ("all_gather_into_tensor_dp_groups", "all_gather_dp_groups")
+_DEPTH = 24  # frames walked up from a collective: ZeRO's issuers sit 3-10 frames above the backend
+
+_TAP: CommTap | None = None  # the active tap (one traced engine per process)
+
+
+def nbytes(value: Any) -> int:
+    """Bytes of a tensor or of a list of tensors."""
+    if isinstance(value, (list, tuple)):
+        return sum(nbytes(v) for v in value)
+    try:
+        return int(value.numel()) * int(value.element_size())
+    except AttributeError:
+        return 0
+
+
+class CommTap:
+    """Feeds the backend's collectives to ``recorder`` while attached.
+
+    ``unit_of``: ``id(param) -> unit``; ``owner_of``: ``id(module) -> unit``;
+    ``guard``: the tracer's ``HookGuard``. ``bucket`` is set by the bucket wrappers
+    for the length of a bucket's reduction: ``(index, unit, params)``."""
+
+    def __init__(self, recorder, unit_of: dict[int, int], owner_of: dict[int, int], guard) -> None:
+        self.recorder = recorder
+        self.unit_of = unit_of
+        self.owner_of = owner_of
+        self.guard = guard
+        self.thread = threading.get_ident()  # the training thread: ZeRO's collectives are issued there
+        self.bucket: tuple[int, int, int] | None = None
+        self.bucket_names: tuple[str, str] = ("", "")  # the bucket's first and last parameter
+        self.in_step = False  # inside the engine's optimizer step (set by the tracer's step wrapper)
+        self.counts: dict[str, int] = {}  # collectives seen by issuer, for the tests and run.json
+
+    def attach(self, backend_cls: type) -> None:
+        global _TAP
+        patch_backend(backend_cls)
+        _TAP = self
+
+    def detach(self) -> None:
+        global _TAP
+        if _TAP is self:
+            _TAP = None
+
+    # -- one collective ---------------------------------------------------------------
+    def before(self, kind: str, method: str, arguments: dict, frame) -> Any:
+        rec = self.recorder
+        if rec.current is None or threading.get_ident() != self.thread:
+            return None
+        unit, prefetch, extra = self._issuer(frame)
+        extra["op"] = method
+        self.counts[extra["zero"]] = self.counts.get(extra["zero"], 0) + 1
+        size = nbytes(arguments.get(OPS[method][1]))
+        phase = "optimizer" if self.in_step else None
+        if arguments.get("async_op"):
+            coll = rec.comm_async(kind, unit, size, prefetch, phase)
+            if coll is not None:
+                coll.extra = extra
+            return (coll, True)
+        coll = rec.comm_start(kind, unit, size, prefetch, phase)
+        if coll is not None:
+            coll.extra = extra
+        return (coll, False)
+
+    def after(self, token: Any, result: Any) -> None:
+        coll, is_async = token
+        if coll is None:
+            return
+        if not is_async:
+            self.recorder.comm_end(coll)
+            return
+        clock = self.recorder.clock
+        future = None
+        try:
+            future = result.get_future() if result is not None else None
+        except Exception:  # noqa: BLE001 - a Work without a future: its end is its wait's
+            future = None
+        if future is None:
+            coll.end = clock.stamp()
+            return
+
+        def done(_f) -> None:  # gloo's thread: a stamp, nothing else
+            coll.end = clock.stamp()
+
+        future.add_done_callback(done)
+
+    def _issuer(self, frame) -> tuple[int, bool, dict]:
+        """(unit, prefetch, event args) of the collective whose caller is ``frame``."""
+        if self.bucket is not None:
+            index, unit, params = self.bucket
+            first, last = self.bucket_names
+            return unit, False, {"zero": GRAD_BUCKET, "bucket": index, "params": params, "first_param": first,
+                                 "last_param": last}
+        f = frame
+        for _ in range(_DEPTH):
+            if f is None:
+                break
+            name = f.f_code.co_name
+            if name == _FETCH:
+                return self._fetch(f)
+            if name in _AFTER_STEP:
+                return -1, False, {"zero": PARAM_ALLGATHER}
+            f = f.f_back
+        return -1, False, {"zero": OTHER}
+
+    def _fetch(self, frame) -> tuple[int, bool, dict]:
+        """A ZeRO-3 fetch: the unit of its first parameter (by DeepSpeed's id); a prefetch
+        when the module being fetched (``_fetch_sub_module_impl``'s) does not own it."""
+        params = sorted(frame.f_locals.get("params") or (), key=lambda p: getattr(p, "ds_id", 0))
+        unit = self.unit_of.get(id(params[0]), -1) if params else -1
+        current, f = None, frame.f_back
+        for _ in range(6):
+            if f is None:
+                break
+            if "current_submodule" in f.f_code.co_varnames:
+                current = f.f_locals.get("current_submodule")
+                break
+            f = f.f_back
+        prefetch = current is not None and self.owner_of.get(id(current), -2) != unit
+        return unit, prefetch, {"zero": PARAM_FETCH, "params": len(params)}
+
+
+def patch_backend(cls: type) -> None:
+    """Wrap ``cls``'s collective methods once per process (signature and return values
+    unchanged); a wrapper with no tap attached hands straight on."""
+    for method in OPS:
+        original = cls.__dict__.get(method)
+        if original is None or getattr(original, "_ddpscope", False):
+            continue
+        setattr(cls, method, _wrapped(original, method))
+
+
+def _signature(fn, method: str) -> inspect.Signature:
+    """The collective's own signature: DeepSpeed's decorators (``stage_on_cpu``) wrap it
+    in ``wrapper(self, *args, **kwargs)`` without ``functools.wraps``; the function they
+    wrap is in the wrapper's closure."""
+    seen = 0
+    while seen < 4:
+        inner = next((c.cell_contents for c in (getattr(fn, "__closure__", None) or ())
+                      if callable(getattr(c, "cell_contents", None))
+                      and getattr(c.cell_contents, "__name__", None) == method), None)
+        if inner is None:
+            break
+        fn, seen = inner, seen + 1
+    return inspect.signature(inspect.unwrap(fn))
+
+
+def _wrapped(original, method: str):
+    signature = _signature(original, method)
+    kind = OPS[method][0]
+
+    @functools.wraps(original)
+    def collective(*args, **kwargs):
+        tap = _TAP
+        token = None
+        if tap is not None and tap.guard.broken is None:
+            try:
+                arguments = signature.bind(*args, **kwargs).arguments
+                token = tap.before(kind, method, arguments, sys._getframe(1))
+            except Exception as e:  # noqa: BLE001 - a tracer error stops tracing, never the collective
+                tap.guard.fail(e)
+                token = None
+        if token is None:
+            return original(*args, **kwargs)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            tap.after((token[0], False), None)  # the span ends with the error; the error is the script's
+            raise
+        try:
+            tap.after(token, result)
+        except Exception as e:  # noqa: BLE001
+            tap.guard.fail(e)
+        return result
+
+    collective._ddpscope = True
+    return collective

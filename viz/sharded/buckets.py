@@ -1,0 +1,37 @@
+"""DeepSpeed's gradient buckets, one row each, from a sharded trace's collectives: ZeRO
+reduces gradients in buckets of ``reduce_bucket_size`` elements (an all-reduce at stages
+1-2, a reduce-scatter at stage 3), numbered in the order a step reduces them. FSDP2's
+traces have no buckets (its reductions are per unit): the table is empty for them."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from ddpscope.viz.sharded.metrics import _real_steps, with_exposed
+
+BUCKET_COLUMNS = ["bucket", "collective", "unit", "first_param", "last_param", "params", "calls", "bytes", "ms",
+                  "exposed_ms", "start_ms"]
+
+
+def compute_bucket_table(trace) -> pd.DataFrame:
+    """One row per bucket number: the unit and parameters it held (its first and last,
+    how many), the collective, per step its calls (a bucket larger than DeepSpeed's
+    chunk is sent in several), bytes (the message: the whole bucket), ms and exposed ms,
+    and when it started after its step did (``start_ms``); medians over ranks and
+    non-warm-up steps."""
+    colls = with_exposed(trace)
+    colls = colls[colls["bucket"].notna() & colls["step"].isin(_real_steps(trace))]
+    if colls.empty:
+        return pd.DataFrame(columns=BUCKET_COLUMNS)
+    starts = trace.steps.set_index(["rank", "step"])["start_us"]
+    colls = colls.assign(start_ms=[(s - starts.get((r, k), s)) / 1e3 for r, k, s in
+                                   zip(colls["rank"], colls["step"], colls["start_us"])])
+    per_step = colls.groupby(["bucket", "rank", "step"]).agg(
+        collective=("collective", "first"), unit=("name", "first"), first_param=("first_param", "first"),
+        last_param=("last_param", "first"), params=("bucket_params", "first"), calls=("bytes", "size"),
+        bytes=("bytes", "sum"), ms=("ms", "sum"), exposed_ms=("exposed_ms", "sum"), start_ms=("start_ms", "min"))
+    text = per_step.groupby("bucket")[["collective", "unit", "first_param", "last_param"]].first()
+    numbers = per_step.groupby("bucket")[["params", "calls", "bytes", "ms", "exposed_ms", "start_ms"]].median()
+    out = text.join(numbers).reset_index()
+    out["bucket"] = out["bucket"].astype(int)
+    return out[BUCKET_COLUMNS]
