@@ -1,8 +1,10 @@
 """``after_import(name, callback)``: run ``callback(module)`` once the module ``name`` is
 imported, without importing it first (the capture never imports torch before the
-script does). A one-shot finder on ``sys.meta_path`` wraps that module's own loader: the
-module is loaded as it would be, then patched; a patch that fails is said in one line and
-the import goes on. Torch-free."""
+script does). A finder on ``sys.meta_path`` wraps that module's own loader: the module is
+loaded as it would be, then patched; a patch that fails is said in one line and the
+import goes on. The finder leaves when the module is loaded, not when it is first looked
+for: a probe (``importlib.util.find_spec``, as Transformers' ``is_deepspeed_available``
+does) finds the module without loading it, and the real import comes later. Torch-free."""
 
 from __future__ import annotations
 
@@ -17,13 +19,15 @@ from ddpscope.tracer.progress import say
 class _PatchAfterExec(importlib.abc.Loader):
     """Runs the real loader, then ``callback(module)``."""
 
-    def __init__(self, loader, callback: Callable) -> None:
-        self._loader, self._callback = loader, callback
+    def __init__(self, loader, callback: Callable, finder: _AfterImport) -> None:
+        self._loader, self._callback, self._finder = loader, callback, finder
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module) -> None:
+        if self._finder in sys.meta_path:  # loaded now: the finder's work is done
+            sys.meta_path.remove(self._finder)
         self._loader.exec_module(module)
         try:
             self._callback(module)
@@ -32,18 +36,21 @@ class _PatchAfterExec(importlib.abc.Loader):
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """A one-shot finder that wraps one module's loader."""
+    """A finder that wraps one module's loader, until that module is loaded."""
 
     def __init__(self, name: str, callback: Callable) -> None:
         self.name, self.callback = name, callback
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
+        if fullname != self.name or self not in sys.meta_path:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        sys.meta_path.remove(self)  # the module's own finders, without this one (no recursion)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
         if spec is not None and spec.loader is not None:
-            spec.loader = _PatchAfterExec(spec.loader, self.callback)
+            spec.loader = _PatchAfterExec(spec.loader, self.callback, self)
         return spec
 
 
