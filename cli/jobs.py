@@ -101,6 +101,11 @@ def run_config(cfg, command: str, verbose: bool = False, quiet: bool = False) ->
         return 2
     if unsaid[0]:
         say(unsaid[0])
+    if getattr(result, "after_training", None):  # the trace is whole: said, kept, the failure's exit code
+        print(f"{prog}: {result.after_training}: {cfg.out}", file=sys.stderr)
+        if result.stderr_tail:
+            print(f"--- rank {result.failed_rank} stderr (last lines) ---\n{result.stderr_tail}", file=sys.stderr)
+        return 1
     if not result.ok:
         print(f"{prog}: run failed: {result.reason}", file=sys.stderr)
         for line in result.details:  # a hang: where every rank was

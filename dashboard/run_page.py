@@ -21,7 +21,7 @@ from ddpscope.dashboard.common import (
     uploads_dir,
     widget_now,
 )
-from ddpscope.dashboard.sharded_view import sharded_rerun_settings, show_sharded_comparison
+from ddpscope.dashboard.sharded_view import deepspeed_rerun_settings, sharded_rerun_settings, show_sharded_comparison
 from ddpscope.dashboard.timeline_page import show_comparison
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.tracer.launch.rerun import rerun_settings
@@ -101,6 +101,16 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
                                 run_steps=int(min(max(run.get("steps") or 10, 3), 50)),
                                 run_nproc=int(min(max(source["nproc"], 1), 4)))
     what = {"demo": source["demo"]} if "demo" in source else {"script": source["script"], "cwd": source["cwd"]}
+    if trace.shards is not None and trace.shards.framework == "deepspeed":  # the stage and the bucket size
+        ds = deepspeed_rerun_settings(trace)
+        steps = st.columns(2)[0].slider("steps", 3, 50, key="run_steps")
+        if blocked:
+            st.info(f"Rerun is off: {blocked}.")
+        stage = ds["zero_stage"] or trace.shards.stage
+        job_button(f"Rerun at ZeRO stage {stage}", "run_button", jobs.start,
+                   lambda: dict(nproc=source["nproc"], source=path, steps=widget_now("run_steps", steps), **ds, **what),
+                   disabled=busy or bool(blocked), type="primary")
+        return
     if trace.shards is not None:  # FSDP2: sharding settings, with their predictions
         sharding = sharded_rerun_settings(trace)
         c = st.columns(2)

@@ -9,6 +9,7 @@ import streamlit as st
 
 from ddpscope.dashboard.common import first_real_step
 from ddpscope.viz.sharded.buckets import compute_bucket_table
+from ddpscope.viz.sharded.deepspeed_states import measured_states, precision, predict_states
 from ddpscope.viz.sharded.figures import (
     make_memory_over_step_figure,
     make_sharded_timeline_figure,
@@ -88,8 +89,9 @@ def render_sharded_memory(trace) -> None:
     comparison = compute_stage_comparison(trace)
     with c[1]:
         st.plotly_chart(make_stage_comparison_figure(comparison), key="sharded_stages")
+    how = precision(trace).name if sh.framework == "deepspeed" else "fp32 AdamW"
     st.caption(f"Measured: ZeRO stage {sh.stage} ({sh.stage_reason}). The stages: the ZeRO model for this model's "
-               f"{int(sh.units['numel'].sum()):,} parameters on {trace.world_size} ranks, fp32 AdamW.")
+               f"{int(sh.units['numel'].sum()):,} parameters on {trace.world_size} ranks, {how}.")
     view = comparison.drop(columns=["rank"]).copy()
     for col in [c for c in view.columns if c.endswith("_bytes")]:
         view[col.replace("bytes", "MiB")] = view.pop(col) / MIB
@@ -128,6 +130,31 @@ def sharded_rerun_settings(trace) -> dict:
             "backward_prefetch": bwd if bwd != 1 else None}
 
 
+def deepspeed_rerun_settings(trace) -> dict:
+    """A DeepSpeed run's controls on the Run page: the ZeRO stage and the bucket size,
+    with the chosen stage's model states predicted from this trace beside this run's
+    (checked when the rerun comes back: Compare); returns the settings to rerun with."""
+    ds = trace.run.get("deepspeed") or {}
+    c = st.columns(2)
+    stage = c[0].selectbox("ZeRO stage", [1, 2, 3], index=[1, 2, 3].index(trace.shards.stage), key="run_zero_stage")
+    now = (ds.get("reduce_bucket_bytes") or 0) / MIB
+    caps = sorted({0.25, 1.0, 4.0, 16.0, 64.0, round(now, 3)} - {0.0})
+    cap = c[1].select_slider("reduce_bucket_size (MiB of the communication dtype)", options=caps,
+                             value=round(now, 3) if now else 4.0, key="run_ds_cap")
+    predicted, measured = predict_states(trace, stage), measured_states(trace)
+    rows = [{"": f"this run (stage {trace.shards.stage}, rank 0)",
+             **{k: measured[k].iloc[0] / MIB for k in STATE_COLUMNS}}] if len(measured) else []
+    rows.append({"": f"stage {stage}, predicted", **{k: predicted[k] / MIB for k in STATE_COLUMNS}})
+    st.dataframe(pd.DataFrame(rows).round(3), hide_index=True, key="run_ds_states")
+    st.caption("MiB per rank. Persistent: parameters, the fp32 master and Adam's moments (what the rerun is checked "
+               "on); gradients live in buffers sized by the bucket layout.")
+    return {"zero_stage": stage if stage != trace.shards.stage else None,
+            "bucket_cap_mb": None if abs(cap - now) < 1e-9 else cap}
+
+
+STATE_COLUMNS = ["params_bytes", "grads_bytes", "optimizer_state_bytes", "persistent_bytes"]
+
+
 def show_sharded_comparison(loaded: dict) -> None:
     """Runs side by side: step time, exposed communication and peak memory (medians over
     ranks and non-warm-up steps), then every run's timeline on one time scale."""
@@ -137,10 +164,14 @@ def show_sharded_comparison(loaded: dict) -> None:
             continue
         steps = compute_sharded_steps(t)
         real = steps[~steps["warmup"] & ~steps["incomplete"]]
-        rows.append({"run": label, "stage": t.shards.stage,
+        deepspeed = t.shards.framework == "deepspeed"
+        states = measured_states(t) if deepspeed else None
+        rows.append({"run": label, "framework": t.shards.framework, "stage": t.shards.stage,
                      "reshard_after_forward": (t.run.get("sharding_requested") or {}).get("reshard_after_forward"),
                      "step_ms": real["step_ms"].median(), "exposed_ms": real["exposed_ms"].median(),
-                     "peak_MiB": steps["peak_bytes"].max() / MIB})
+                     "peak_MiB": steps["peak_bytes"].max() / MIB,
+                     "model_states_MiB": states["persistent_bytes"].max() / MIB if states is not None and len(states)
+                     else None})
     if not rows:
         return
     st.dataframe(pd.DataFrame(rows).round(3), hide_index=True, key="sharded_compare")

@@ -121,6 +121,9 @@ FORWARD_PREFETCH = Option("--forward-prefetch", "FSDP2 scripts: each unit all-ga
 BACKWARD_PREFETCH = Option("--backward-prefetch", "FSDP2 scripts: each unit all-gathers this many next units "
                            "(backward order) ahead of its backward (FSDP's default: 1)", None, int, in_range(1, 64),
                            metavar="N")
+ZERO_STAGE = Option("--zero-stage", "DeepSpeed scripts: the ZeRO stage (1, 2 or 3), overriding the stage in the config "
+                    "the script hands deepspeed.initialize (a model built partitioned for stage 3 keeps 3)",
+                    None, int, in_range(1, 3), metavar="S")
 STEPS = Option("--steps", "end the job cleanly after this many traced optimizer steps (default: run to the end)",
                None, int, in_range(1, MAX_STEPS))
 TIMEOUT = Option("--timeout", "watchdog: stop the job after this many seconds", 900.0, float,

@@ -790,6 +790,42 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     assert at.button(key="run_button").label == "Rerun with reshard_after_forward = false"
 
 
+@pytest.mark.deepspeed
+def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, monkeypatch):
+    """A user's DeepSpeed ZeRO-2 run (traced here): the Timeline names DeepSpeed and draws
+    its bucket all-reduces and the gather after the step, with the bucket table; the
+    Memory page sets it beside the stages and DeepSpeed's estimators; the Run page offers
+    another stage with its predicted model states."""
+    pytest.importorskip("deepspeed")
+    from tests.tracer.capture.autotrace.test_autotrace import WORKERS, trace_script
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    proc, out, _ = trace_script(runs, str(WORKERS / "deepspeed_train.py"), "--stage", "2", "--steps", "3",
+                                "--reduce-bucket-size", "20000", name="ds2", env={"DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert at.sidebar.selectbox(key="trace").value == "run: ds2"
+    assert _metric(at, "ZeRO stage") == "2" and _metric(at, "DeepSpeed units") == "4"
+    spec = _spec(at)
+    assert spec["layout"]["title"]["text"].startswith("DeepSpeed, ZeRO stage 2")
+    buckets = next(d.value for d in at.dataframe if "first_param" in d.value.columns)
+    assert list(buckets["bucket"]) == [0, 1, 2] and set(buckets["collective"]) == {"all_reduce"}
+    assert any("3D x (N-1)/N in all" in m.value for m in at.markdown)
+    _page(at, "Memory (ZeRO)")
+    table = next(d.value for d in at.dataframe if "persistent measured/predicted" in d.value.columns)
+    assert {"measured (rank 0)", "stage 3", "DeepSpeed estimate (stage 2)"} <= set(table["row"])
+    assert any("DeepSpeed's estimator says" in m.value for m in at.markdown)
+    _page(at, "Run")
+    at.selectbox(key="run_zero_stage").set_value(3).run()
+    assert not at.exception
+    assert at.button(key="run_button").label == "Rerun at ZeRO stage 3"
+    states = next(d.value for d in at.dataframe if "persistent_bytes" in d.value.columns)
+    assert list(states[""]) == ["this run (stage 2, rank 0)", "stage 3, predicted"]
+
+
 @pytest.mark.ddp
 def test_a_zero1_run_shows_its_broadcasts_and_its_stage_on_the_memory_page(tmp_path, monkeypatch):
     """DDP with ZeroRedundancyOptimizer (traced here): the Timeline draws its parameter

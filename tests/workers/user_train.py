@@ -108,6 +108,8 @@ def main() -> None:
                    help="average the loss across ranks for logging (an all_reduce after backward, DDP's group)")
     p.add_argument("--catch-exit", type=int, default=0,
                    help="catch this many SystemExits out of optimizer.step() and train on (a framework's wrapper)")
+    p.add_argument("--abort-at-exit", type=int, default=-1,
+                   help="this rank aborts (SIGABRT) after destroy_process_group: a failure at exit, after training")
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank's forward sleeps --slow-ms each pass")
     p.add_argument("--slow-ms", type=float, default=0.0)
     args = p.parse_args()
@@ -202,7 +204,10 @@ def main() -> None:
         dist.barrier()
         del ddp, other, opt
     finally:
+        rank = dist.get_rank() if dist.is_initialized() else -1
         dist.destroy_process_group()
+    if rank == args.abort_at_exit:  # as torch's gloo sometimes does at interpreter exit (ZeRO-3, DeepSpeed)
+        os.abort()
 
 
 if __name__ == "__main__":

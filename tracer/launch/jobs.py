@@ -70,6 +70,7 @@ def run_name(cfg: Config, now: _dt.datetime | None = None) -> str:
         return f"{now:%Y%m%d-%H%M%S}-zero-{cfg.model}-{cfg.nproc}r"
     cap = "script" if cfg.bucket_cap_mb is None else f"{cfg.bucket_cap_mb:g}mb"
     shard = "" if cfg.reshard_after_forward is None else f"-reshard{cfg.reshard_after_forward}"
+    shard += "" if getattr(cfg, "zero_stage", None) is None else f"-zero{cfg.zero_stage}"
     return f"{now:%Y%m%d-%H%M%S}-{safe_label(cfg.label())}-{cfg.nproc}r-cap{cap}{shard}"
 
 
@@ -96,12 +97,14 @@ class JobManager:
               script: list[str] | None = None, cwd: str | Path | None = None, timeout_s: float = 600.0,
               source: Path | None = None, reshard_after_forward: str | None = None,
               forward_prefetch: int | None = None, backward_prefetch: int | None = None,
+              zero_stage: int | None = None,
               emulate_nodes: int | None = None, link: str | None = None, facts: dict | None = None) -> Job | None:
         """Start a traced training run (``demo``, or ``script`` run in ``cwd``); None if a
         job is already going. ``ValueError`` (naming the setting) on bad settings, before
         anything starts. ``bucket_cap_mb_list``: per-bucket limits (MiB) instead of
         ``bucket_cap_mb``. ``source``: the run this one reruns. ``reshard_after_forward``,
-        ``forward_prefetch``, ``backward_prefetch``: FSDP2 settings overriding the script's.
+        ``forward_prefetch``, ``backward_prefetch``: FSDP2 settings overriding the script's;
+        ``zero_stage``: DeepSpeed's ZeRO stage overriding the script's config.
         ``emulate_nodes``, ``link``: that many nodes of ``nproc`` ranks, over links of that
         rate (``tracer/launch/lab.py``). ``facts``: added to the run's ``run.json`` when it
         ends (what the What-if page predicted for it)."""
@@ -110,7 +113,8 @@ class JobManager:
                              bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=bucket_cap_mb_list, steps=steps,
                              timeout_s=timeout_s,
                              reshard_after_forward=reshard_after_forward, forward_prefetch=forward_prefetch,
-                             backward_prefetch=backward_prefetch, emulate_nodes=emulate_nodes, link=link)
+                             backward_prefetch=backward_prefetch, zero_stage=zero_stage,
+                             emulate_nodes=emulate_nodes, link=link)
 
         return self._start(make, "ddp", steps, source, facts)
 

@@ -70,6 +70,7 @@ class RunConfig:
     reshard_after_forward: str | None = o.RESHARD_AFTER_FORWARD.field()
     forward_prefetch: int | None = o.FORWARD_PREFETCH.field()
     backward_prefetch: int | None = o.BACKWARD_PREFETCH.field()
+    zero_stage: int | None = o.ZERO_STAGE.field()
     cwd: Path | str = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
@@ -103,9 +104,9 @@ class RunConfig:
 
     @property
     def sharding(self) -> dict:
-        """The FSDP2 settings this run overrides (None: the script's own)."""
+        """The sharding settings this run overrides, FSDP2's and DeepSpeed's (None: the script's own)."""
         return {"reshard_after_forward": self.reshard_after_forward, "forward_prefetch": self.forward_prefetch,
-                "backward_prefetch": self.backward_prefetch}
+                "backward_prefetch": self.backward_prefetch, "zero_stage": self.zero_stage}
 
     @property
     def argv(self) -> list[str]:
@@ -198,7 +199,8 @@ class RunConfig:
             cmd += ["--capture", self.capture]
         for flag, value in ((o.RESHARD_AFTER_FORWARD.flag, self.reshard_after_forward),
                             (o.FORWARD_PREFETCH.flag, self.forward_prefetch),
-                            (o.BACKWARD_PREFETCH.flag, self.backward_prefetch)):
+                            (o.BACKWARD_PREFETCH.flag, self.backward_prefetch),
+                            (o.ZERO_STAGE.flag, self.zero_stage)):
             if value is not None:
                 cmd += [flag, str(value)]
         if self.nnodes > 1:
@@ -338,7 +340,15 @@ def launch_traced(lc: LaunchConfig, out: Path, facts: dict, on_progress: Callabl
     except (OSError, ValueError):
         run = {}
     run["launcher_us"] = {"launched": launched_us, "ended": ended_us}
-    if not result.ok or result.interrupted:
+    if _failed_after_training(result, out, run):
+        # training and its trace were done; the process failed on its way out (ZeRO-3 under
+        # gloo can abort at interpreter exit): the trace is complete and is kept as such
+        how = result.how or "an error"
+        what = f"was killed by {how} at exit" if how.startswith(("SIG", "signal")) else f"failed ({how})"
+        result.after_training = (f"rank {result.failed_rank} {what}, after training finished: every rank had closed "
+                                 "its trace, which is complete")
+        run.update({"exit_failure": result.reason, "notes": [*run.get("notes", []), result.after_training]})
+    elif not result.ok or result.interrupted:
         run.update({"status": fmt.FAILED, "error": result.reason, "failed_rank": result.failed_rank,
                     "failure": {"rank": result.failed_rank, "how": result.how, "where": result.where,
                                 "hung": result.hung, "consequences": result.consequences,
@@ -370,6 +380,16 @@ def launch_traced(lc: LaunchConfig, out: Path, facts: dict, on_progress: Callabl
     except OSError:
         pass  # the folder went away or cannot be written: the CLI says so (run_job)
     return result
+
+
+def _failed_after_training(result, out: Path, run: dict) -> bool:
+    """The job failed, but only after every rank had closed its trace cleanly (run.json
+    and every live file say complete): not a hang, not an interrupt, not a lost trace."""
+    if result.ok or result.interrupted or result.hung or result.timed_out or not out.is_dir():
+        return False
+    if run.get("status") != fmt.COMPLETE or not any(fmt.RANK_FILE_RE.match(p.name) for p in out.iterdir()):
+        return False
+    return unfinished_ranks(out, run) is None
 
 
 def _span(ranks: list[int]) -> str:

@@ -84,6 +84,7 @@ class LaunchResult:
     stderr_tail: str = ""
     untraced: str | None = None  # the job ran, but nothing could be traced: why
     incomplete: str | None = None  # the job ran to its end, its trace did not: which ranks stopped where
+    after_training: str | None = None  # a rank failed after every rank had closed its trace (at exit): what
     elsewhere: str | None = None  # a multi-node job whose other nodes wrote their own folders: how to join them
     hung: bool = False  # the hang watchdog stopped it
     how: str | None = None  # how the failed rank ended: "SIGKILL", "exit code 3", "RuntimeError: ..."

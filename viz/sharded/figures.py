@@ -19,6 +19,7 @@ from ddpscope.viz.sharded.metrics import MEMORY_LABELS, with_exposed
 
 MIB = 2**20
 LANES = ("compute", "all-gather", "reduce-scatter")
+OTHER_COLOR = "#7f7f7f"  # what no unit issued (DeepSpeed's gather after the step, the gradient norm)
 WAIT_COLOR = "rgba(228, 26, 28, 0.75)"
 MEMORY_COLORS = {"sharded_params_bytes": "#1f77b4", "unsharded_params_bytes": "#aec7e8",
                  "sharded_grads_bytes": "#ff7f0e", "unsharded_grads_bytes": "#ffbb78",
@@ -48,7 +49,9 @@ def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
     origin = float(shown["start_us"].min())
     keep = set(zip(shown["rank"], shown["step"]))
     ranks_shown = sorted(shown["rank"].unique())
-    labels = [lane(r, w) for r in ranks_shown for w in LANES]
+    deepspeed = sh.framework == "deepspeed"
+    reduced = "gradient reduction" if deepspeed else "reduce-scatter"  # DeepSpeed 1-2 all-reduce, 3 reduce-scatter
+    labels = [lane(r, w) for r in ranks_shown for w in LANES[:2] + (reduced,)]
     pos = {lab: len(labels) - k for k, lab in enumerate(labels)}
     colors = unit_colors(sh.units["name"].tolist())
 
@@ -61,7 +64,8 @@ def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
         fig.add_trace(go.Bar(
             name=str(name), orientation="h", y=[pos[lane(r, "compute")] for r in g["rank"]],
             base=(g["start_us"] - origin) / 1e3, x=(g["end_us"] - g["start_us"]) / 1e3, width=0.8,
-            marker_color=colors[name], legendgroup=str(name), customdata=np.stack([g["phase"], g["step"]], axis=-1),
+            marker_color=colors.get(name, OTHER_COLOR), legendgroup=str(name),
+            customdata=np.stack([g["phase"], g["step"]], axis=-1),
             hovertemplate=f"{name} %{{customdata[0]}} (step %{{customdata[1]}})<br>%{{x:.3f}} ms<extra></extra>"))
     waits = pick(sh.waits)
     if len(waits):
@@ -73,16 +77,16 @@ def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
                           "<extra></extra>"))
     colls = pick(with_exposed(trace))
     for (kind, name), g in colls.groupby(["collective", "name"], sort=False):
-        what = "all-gather" if kind == "all_gather" else "reduce-scatter"  # HSDP's all-reduce: after its reduce-scatter
+        what = "all-gather" if kind == "all_gather" else reduced  # HSDP's all-reduce: after its reduce-scatter
         sent = g["sent_as"].dropna()
         ran = f" (ran as {sent.iloc[0].replace('_', '-')})" if len(sent) else ""
-        if kind == "all_reduce":
-            what, ran = "reduce-scatter", " (HSDP's all-reduce across replicas)"
+        if kind == "all_reduce" and not deepspeed:
+            ran = " (HSDP's all-reduce across replicas)"
         exposed = g["exposed_ms"] > 0.5 * g["ms"]
         fig.add_trace(go.Bar(
             name=f"{kind.replace('_', '-')} {name}", orientation="h", y=[pos[lane(r, what)] for r in g["rank"]],
             base=(g["start_us"] - origin) / 1e3, x=g["ms"], width=0.6, legendgroup=str(name), showlegend=False,
-            marker=dict(color=colors[name], pattern_shape=["/" if p else "" for p in g["prefetch"]],
+            marker=dict(color=colors.get(name, OTHER_COLOR), pattern_shape=["/" if p else "" for p in g["prefetch"]],
                         line=dict(color=["#e41a1c" if e else "rgba(0,0,0,0)" for e in exposed], width=1.5)),
             customdata=np.stack([g["phase"], g["bytes"] / MIB, g["exposed_ms"], g["prefetch"]], axis=-1),
             hovertemplate=f"{kind.replace('_', '-')} {name}{ran}, %{{customdata[0]}}<br>%{{customdata[1]:.3f}} MiB, %{{x:.3f}} ms, "
@@ -124,13 +128,19 @@ def make_memory_over_step_figure(samples: pd.DataFrame, title: str = "Memory ove
 
 def make_stage_comparison_figure(comparison: pd.DataFrame) -> go.Figure:
     """The measured model states (per rank) beside ZeRO stages 0-3 for this model and N,
-    stacked: parameters, gradients, optimizer state (MiB)."""
+    stacked: parameters, gradients, optimizer state (MiB); rows with a total only
+    (DeepSpeed's estimators) as one grey bar."""
     fig = go.Figure()
     rows = comparison["row"].tolist()
     for key, label, color in (("params_bytes", "parameters", "#1f77b4"), ("grads_bytes", "gradients", "#ff7f0e"),
                               ("optimizer_state_bytes", "optimizer state", "#2ca02c")):
         fig.add_trace(go.Bar(x=rows, y=comparison[key] / MIB, name=label, marker_color=color,
                              hovertemplate="%{x}<br>" + label + ": %{y:.3f} MiB<extra></extra>"))
+    totals = comparison[comparison["params_bytes"].isna()]  # a total only: DeepSpeed's estimators
+    if len(totals):
+        fig.add_trace(go.Bar(x=totals["row"], y=totals["model_state_bytes"] / MIB, name="estimate (total)",
+                             marker_color="#7f7f7f",
+                             hovertemplate="%{x}<br>model states: %{y:.3f} MiB<extra></extra>"))
     fig.update_layout(barmode="stack", height=380, yaxis_title="MiB per rank", legend=dict(orientation="h", y=-0.2),
                       title="Model states: this run beside ZeRO stages 0-3 (this model, this N)",
                       margin=dict(l=10, r=10, t=40, b=10))

@@ -152,8 +152,13 @@ def compute_stage_comparison(trace) -> pd.DataFrame:
     gradients and the optimizer state; stage 2 the gathered parameters (every unit
     gathered at the end of forward), the sharded gradients, and the optimizer state plus
     the fp32 shard. Rows: ``measured (rank r)`` then ``stage k``; ``working_set_bytes``:
-    what the peak held beyond the model (gathered units, unsharded gradients, buffers)."""
+    what the peak held beyond the model (gathered units, unsharded gradients, buffers).
+    A DeepSpeed run: its own accounting (``deepspeed_states.compute_deepspeed_stages``)."""
     sh = trace.shards
+    if sh.framework == "deepspeed":
+        from ddpscope.viz.sharded.deepspeed_states import compute_deepspeed_stages
+
+        return compute_deepspeed_stages(trace)
     n = shard_group_size(trace)  # HSDP: the ZeRO model holds within one replica's shard group
     params = int(sh.units["numel"].sum())
     rows = []
@@ -198,6 +203,10 @@ def replicas(trace) -> int:
 def stage_differences(trace) -> list[str]:
     """Why the measured model states differ from the ZeRO model, each in one line."""
     sh = trace.shards
+    if sh.framework == "deepspeed":
+        from ddpscope.viz.sharded.deepspeed_states import deepspeed_differences
+
+        return deepspeed_differences(trace)
     n = shard_group_size(trace)
     u = sh.units
     unpadded = float(u["numel"].sum()) * 4 / n
@@ -256,9 +265,12 @@ def compute_comm_volume(trace) -> pd.DataFrame:
     d_gathered, d_reduced = model_sizes(trace)
     real = _real_steps(trace)
     colls = sh.colls[sh.colls["step"].isin(real)]
+    deepspeed = sh.framework == "deepspeed"
+    if deepspeed:  # ZeRO's own: the buckets and the gathers (not the gradient norm's few bytes)
+        colls = colls[colls["issued_by"].isin(["grad_bucket", "param_fetch", "param_allgather"])]
     rows = []
     kinds = [("all_gather", d_gathered), ("reduce_scatter", d_reduced)]
-    if (colls["collective"] == "all_reduce").any():  # HSDP: the reduced shard, across replicas
+    if (colls["collective"] == "all_reduce").any():  # HSDP: the reduced shard, across replicas; DeepSpeed 1-2
         kinds.append(("all_reduce", d_reduced))
     copies, shards = replicas(trace), shard_group_size(trace)
     for kind, d in kinds:
@@ -266,7 +278,7 @@ def compute_comm_volume(trace) -> pd.DataFrame:
         per = c.groupby(["rank", "step"])["bytes"].sum()
         message = float(per.median()) if len(per) else 0.0
         sent_as = c["sent_as"].dropna().iloc[0] if c["sent_as"].notna().any() else kind
-        group = copies if kind == "all_reduce" else shards  # the ranks each collective runs among
+        group = copies if kind == "all_reduce" and not deepspeed else shards  # the ranks each runs among
         part = (group - 1) / group if group > 0 else frac
         sent = message * (2 * part if sent_as == "all_reduce" else part)
         nccl = message * (2 * part if kind == "all_reduce" else part)
@@ -296,6 +308,15 @@ def comm_honesty_lines(trace) -> list[str]:
         lines.append(f"Mixed precision: parameters are gathered in {sharding.get('param_dtype')} and gradients reduced "
                      f"in {sharding.get('reduce_dtype')}, so a reduce-scatter's D is {d_reduce / 2**20:.3f} MiB: "
                      "each collective is counted in D of its own dtype, as the ZeRO model counts it.")
+    if sh.framework == "deepspeed" and sh.stage < 3:
+        lines.append("DeepSpeed reduces each gradient bucket at stages 1-2 with an all-reduce (each rank then keeps its "
+                     "partition), 2(N-1)/N D where the ZeRO model counts a reduce-scatter's (N-1)/N D, and gathers the "
+                     "updated partitions after the step, (N-1)/N D: 3D x (N-1)/N in all, against the model's 2D.")
+    gathered = vol[vol["collective"] == "all_gather"]
+    if sh.framework == "deepspeed" and sh.stage == 3 and len(gathered) and gathered["message_D"].iloc[0] < 1.95:
+        lines.append(f"DeepSpeed gathered {gathered['message_D'].iloc[0]:.2f} D of parameters a step where the ZeRO "
+                     "model counts 2D (forward, then again for backward): a parameter used again within "
+                     "stage3_max_reuse_distance stays gathered.")
     if sh.reduce_scatter_sent_as == "all_reduce":
         lines.append("gloo has no reduce-scatter: PyTorch ran each one as an all-reduce of the whole gradient, "
                      "then kept this rank's shard, so each rank sent 2(N-1)/N of it, not (N-1)/N.")

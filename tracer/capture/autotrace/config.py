@@ -16,6 +16,7 @@ from ddpscope.tracer.options import (
     OUT,
     RESHARD_AFTER_FORWARD,
     STEPS,
+    ZERO_STAGE,
     check_fields,
     mib_list,
 )
@@ -36,6 +37,7 @@ class CaptureConfig:
     capture, capture_note: how all-reduces are timed, and why not compiled (``TracerConfig``).
     reshard_after_forward, forward_prefetch, backward_prefetch: FSDP2 settings overriding
     the script's (``sharded/settings.py``; None keeps the script's).
+    zero_stage: DeepSpeed's ZeRO stage overriding the script's config (``deepspeed/config_override.py``).
     """
 
     out: str = OUT.field()
@@ -50,6 +52,7 @@ class CaptureConfig:
     reshard_after_forward: str | None = RESHARD_AFTER_FORWARD.field()
     forward_prefetch: int | None = FORWARD_PREFETCH.field()
     backward_prefetch: int | None = BACKWARD_PREFETCH.field()
+    zero_stage: int | None = ZERO_STAGE.field()
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -9,7 +9,7 @@ objects are never changed (``args`` gets its own config back after the call)."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ddpscope.tracer.capture.deepspeed.engine_facts import ITEMSIZE
@@ -23,7 +23,6 @@ class Override:
 
     bucket_cap_mb: float | None = None
     zero_stage: int | None = None
-    notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
@@ -49,24 +48,25 @@ def comm_dtype(config: dict) -> str:
     return "float32"
 
 
-def edited(config: dict, override: Override, model=None) -> dict:
-    """A copy of ``config`` with the override applied; what changed is said in
-    ``override.notes`` (from the script's value to the new one)."""
+def edited(config: dict, override: Override, model=None) -> tuple[dict, list[str]]:
+    """A copy of ``config`` with the override applied, and what changed, in words (from
+    the script's value to the new one; what could not be applied, and why)."""
+    notes: list[str] = []
     out = copy.deepcopy(config)
     zero = out.get("zero_optimization")
     if zero is None or zero is False:
         zero = out["zero_optimization"] = {}
     if not isinstance(zero, dict):
-        override.notes.append("the config's zero_optimization is not a section: --bucket-cap-mb/--zero-stage not "
+        notes.append("the config's zero_optimization is not a section: --bucket-cap-mb/--zero-stage not "
                               "applied")
-        return out
+        return out, notes
     if override.zero_stage is not None and zero.get("stage", 0) != override.zero_stage:
         gathered = model is not None and any(hasattr(p, "ds_id") for p in model.parameters())
         if gathered and override.zero_stage < 3:  # built under zero.Init: already partitioned for stage 3
-            override.notes.append(f"--zero-stage {override.zero_stage} not applied: the model was built partitioned "
+            notes.append(f"--zero-stage {override.zero_stage} not applied: the model was built partitioned "
                                   "for ZeRO-3 (deepspeed.zero.Init, or Transformers under a stage-3 config)")
         else:
-            override.notes.append(f"ZeRO stage {zero.get('stage', 0)} in the script's config is replaced by "
+            notes.append(f"ZeRO stage {zero.get('stage', 0)} in the script's config is replaced by "
                                   f"--zero-stage {override.zero_stage}")
             zero["stage"] = override.zero_stage
     if override.bucket_cap_mb is not None:
@@ -74,18 +74,19 @@ def edited(config: dict, override: Override, model=None) -> dict:
         elements = max(1, int(override.bucket_cap_mb * MIB) // ITEMSIZE[dtype])
         before = zero.get("reduce_bucket_size")
         said = f"the script's reduce_bucket_size {before}" if before is not None else "DeepSpeed's reduce_bucket_size"
-        override.notes.append(f"{said} is replaced by --bucket-cap-mb {override.bucket_cap_mb:g} "
+        notes.append(f"{said} is replaced by --bucket-cap-mb {override.bucket_cap_mb:g} "
                               f"({elements} elements of {dtype})")
         zero["reduce_bucket_size"] = elements
-    return out
+    return out, notes
 
 
-def apply(arguments: dict, override: Override, load: Callable[[Any], dict]) -> Callable[[], None]:
+def apply(arguments: dict, override: Override, load: Callable[[Any], dict]) -> tuple[Callable[[], None], list[str]]:
     """Apply ``override`` to ``deepspeed.initialize``'s bound ``arguments`` in place
     (``load`` is DeepSpeed's config reader); returns what puts the script's own objects
-    back after the call (``args.deepspeed_config``). Nothing found to edit: unchanged."""
+    back after the call (``args.deepspeed_config``) and what changed, in words. Nothing
+    found to edit: unchanged."""
     if override.empty:
-        return lambda: None
+        return (lambda: None), []
     args = arguments.get("args")
     if arguments.get("config") is not None:
         key = "config"
@@ -93,13 +94,13 @@ def apply(arguments: dict, override: Override, load: Callable[[Any], dict]) -> C
         key = "config_params"
     elif getattr(args, "deepspeed_config", None) is not None:
         original = args.deepspeed_config
-        args.deepspeed_config = edited(load(original), override, arguments.get("model"))
+        args.deepspeed_config, notes = edited(load(original), override, arguments.get("model"))
 
         def restore() -> None:
             args.deepspeed_config = original
 
-        return restore
+        return restore, notes
     else:
-        return lambda: None  # DeepSpeed says what is missing
-    arguments[key] = edited(load(arguments[key]), override, arguments.get("model"))
-    return lambda: None
+        return (lambda: None), []  # DeepSpeed says what is missing
+    arguments[key], notes = edited(load(arguments[key]), override, arguments.get("model"))
+    return (lambda: None), notes

@@ -35,20 +35,18 @@ def patch_deepspeed(session, module) -> None:
             bound = signature.bind(*args, **kwargs)
         except TypeError:  # DeepSpeed's own error, as the script would have had it
             return original(*args, **kwargs)
-        override = Override(bucket_cap_mb=session.config.bucket_cap_mb,
-                            zero_stage=getattr(session.config, "zero_stage", None))
-        restore = lambda: None  # noqa: E731
+        override = Override(bucket_cap_mb=session.config.bucket_cap_mb, zero_stage=session.config.zero_stage)
+        restore, notes = (lambda: None), []
         try:
-            restore = apply(bound.arguments, override, _loader())
+            restore, notes = apply(bound.arguments, override, _loader())
         except Exception as e:  # noqa: BLE001 - the script's own config, untouched
-            session.note(f"--bucket-cap-mb not applied to DeepSpeed's config ({type(e).__name__}: {e})")
+            session.note(f"--bucket-cap-mb / --zero-stage not applied to DeepSpeed's config ({type(e).__name__}: {e})")
             bound = signature.bind(*args, **kwargs)
-            override.notes.clear()
         try:
             result = original(*bound.args, **bound.kwargs)  # DeepSpeed's errors reach the script as they are
         finally:
             restore()
-        for text in override.notes:
+        for text in notes:
             session.note(text)
         try:
             session.on_deepspeed_engine(result[0] if isinstance(result, tuple) else result)

@@ -414,6 +414,23 @@ def test_a_failing_script_names_the_rank_and_keeps_the_finished_steps(tmp_path):
 
 
 @pytest.mark.failures
+def test_a_rank_that_aborts_at_exit_after_training_keeps_a_complete_trace(tmp_path):
+    """Rank 1 aborts after its training and ``destroy_process_group`` (as torch's gloo does
+    now and then at interpreter exit, ZeRO-3 under DeepSpeed among them): ddpscope says the
+    failure came at exit after training finished, keeps the trace as complete, and exits 1
+    as the job did; never "partial trace kept"."""
+    proc, out, report = trace_script(tmp_path, USER, "--steps", "3", "--abort-at-exit", "1")
+    assert proc.returncode == 1
+    said = [line for line in proc.stderr.splitlines() if "after training finished" in line]
+    assert len(said) == 1 and "rank 1" in said[0] and "SIGABRT at exit" in said[0] and str(out) in said[0]
+    assert "partial trace kept" not in proc.stderr and "run failed" not in proc.stderr
+    trace = load_run(out)
+    assert trace.status == "complete" and trace.run["exit_failure"].startswith("rank 1")
+    assert set(trace.steps.groupby("rank").size()) == {3}
+    assert checks(report)[1]["params_sha256"]  # the script reached its own end before the abort
+
+
+@pytest.mark.failures
 def test_ranks_that_each_fail_on_their_own_are_named_as_such(tmp_path):
     """Every rank raises its own exception in the user's code: the first is the root cause,
     the other failed on its own (its own error, not a lost peer), never its consequence."""

@@ -1,0 +1,160 @@
+"""A DeepSpeed run's model states beside the ZeRO model and beside DeepSpeed's own
+estimators, and the model states of another stage predicted from this trace.
+
+DeepSpeed keeps, per rank, the model's parameters in its training dtype (``b`` bytes:
+whole at stages 1-2, this rank's partition at 3), an fp32 *master* partition the
+optimizer updates (also in fp32 training: a copy), Adam's two fp32 moments of that
+partition, and gradients. As the ZeRO paper counts them (its K = 12: master, momentum,
+variance), the model is (``model_state_bytes`` with ``p = g = b``, ``K = 12``):
+
+- stage 1: b P + b P + 12 P/N;  stage 2: b P + (b + 12) P/N;  stage 3: (2 b + 12) P/N.
+
+Measured from the trace's memory samples (per rank, the largest over the measured steps):
+parameters are the whole model-dtype parameters (stages 1-2) or the model-dtype
+partitions (stage 3: ``sharded_params_bytes`` holds them and the master, b : 4); the
+optimizer state is the moments plus the master partition (the master counted as ZeRO
+counts it); gradients are what holds them (at stage 1 the whole gradients and the
+averaged partition, at 2-3 the partition's buffer: a storage DeepSpeed's averaged
+gradients are views of, which may be larger than P/N; said where it is).
+
+The *persistent* states (parameters, master and moments: everything but gradients,
+which live from backward to the step in buffers whose size follows the bucket layout)
+are what a prediction for another stage is checked on.
+
+DeepSpeed's estimators (``estimate_zero2_model_states_mem_needs``,
+``estimate_zero3_model_states_mem_needs``, without offload; their arithmetic, read from
+DeepSpeed 0.19.8, repeated here so that ddpscope's figures need no DeepSpeed): stage 2
+``2 P + 18 P/N``, stage 3 ``4 L + 18 P/N`` (L: the largest layer's parameters): mixed
+precision (2-byte parameters and gradients) whatever the run trains in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from ddpscope.viz.zero.model import Precision, model_state_bytes
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+PERSISTENT = ("params_bytes", "optimizer_state_bytes")
+
+
+def precision(trace) -> Precision:
+    """The run's bytes per parameter as DeepSpeed keeps them: its training dtype's for the
+    parameters and gradients, K = 12 (fp32 master, momentum, variance)."""
+    dtype = str((trace.run.get("deepspeed") or {}).get("dtype") or "float32")
+    b = _BYTES.get(dtype, 4)
+    return Precision(name=f"DeepSpeed {dtype} (p = g = {b} B, K = 12: fp32 master, momentum, variance)",
+                     param=b, grad=b, k=12)
+
+
+def measured_states(trace) -> pd.DataFrame:
+    """Per rank: params_bytes, grads_bytes, optimizer_state_bytes (moments + master),
+    master_bytes, model_state_bytes and persistent_bytes (see the module's docstring).
+    Steps from 1 on (the optimizer's state appears at the first step)."""
+    sh = trace.shards
+    b = precision(trace).param
+    mem = sh.memory[sh.memory["step"] >= 1] if (sh.memory["step"] >= 1).any() else sh.memory
+    rows = []
+    for rank, mine in mem.groupby("rank"):
+        sharded = float(mine["sharded_params_bytes"].max())
+        if sh.stage == 3:
+            params, master = sharded * b / (b + 4), sharded * 4 / (b + 4)
+            grads = float(mine["sharded_grads_bytes"].max())
+        else:
+            params, master = float(mine["unsharded_params_bytes"].max()), sharded
+            grads = float((mine["sharded_grads_bytes"] + mine["unsharded_grads_bytes"]).max()) if sh.stage == 1 \
+                else float(mine["sharded_grads_bytes"].max())
+        opt = float(mine["optimizer_state_bytes"].max()) + master
+        rows.append({"row": f"measured (rank {int(rank)})", "rank": int(rank), "stage": sh.stage,
+                     "params_bytes": params, "grads_bytes": grads, "optimizer_state_bytes": opt,
+                     "master_bytes": master})
+    out = pd.DataFrame(rows)
+    if len(out):
+        out["model_state_bytes"] = out[["params_bytes", "grads_bytes", "optimizer_state_bytes"]].sum(axis=1)
+        out["persistent_bytes"] = out[list(PERSISTENT)].sum(axis=1)
+    return out
+
+
+def predict_states(trace, stage: int) -> dict:
+    """The model states a rerun of this trace at ``stage`` would keep (bytes per rank):
+    the ZeRO model with DeepSpeed's precision, P from the trace's units and P/N as this
+    trace's padded partition (its master partition, when measured)."""
+    sh = trace.shards
+    n = trace.world_size
+    params = float(sh.units["numel"].sum())
+    pred = model_state_bytes(params, n, stage, precision(trace))
+    measured = measured_states(trace)
+    if len(measured) and measured["master_bytes"].iloc[0] > 0:
+        part = float(measured["master_bytes"].iloc[0]) / 4  # elements in this rank's padded partition
+        prec = precision(trace)
+        pred = {"params_bytes": prec.param * (params if stage < 3 else part),
+                "grads_bytes": prec.grad * (params if stage < 2 else part),
+                "optimizer_state_bytes": prec.k * part}
+    pred["model_state_bytes"] = sum(pred.values())
+    pred["persistent_bytes"] = pred["params_bytes"] + pred["optimizer_state_bytes"]
+    return pred
+
+
+def deepspeed_estimate(params: float, largest_layer: float, n: int, stage: int) -> float | None:
+    """DeepSpeed's own estimate of the model states per GPU without offload (bytes), or
+    None for a stage it has no estimator for (0, 1)."""
+    if stage == 2:
+        return 2 * params + int(18 * params / n)
+    if stage == 3:
+        return 4 * largest_layer + int(18 * params / n)
+    return None
+
+
+def compute_deepspeed_stages(trace) -> pd.DataFrame:
+    """Rows ``measured (rank r)``, ``stage 0..3`` (the ZeRO model with this run's P, N and
+    DeepSpeed's precision) and ``DeepSpeed estimate (stage k)`` for stages 2 and 3;
+    ``measured/predicted`` against the run's own stage, on all model states and on the
+    persistent ones."""
+    sh = trace.shards
+    n = trace.world_size
+    params = float(sh.units["numel"].sum())
+    largest = float(sh.units["numel"].max()) if len(sh.units) else 0.0
+    rows = measured_states(trace).to_dict("records")
+    for stage in range(4):
+        rows.append({"row": f"stage {stage}", "rank": None, "stage": stage, **predict_states(trace, stage)})
+    for stage in (2, 3):
+        rows.append({"row": f"DeepSpeed estimate (stage {stage})", "rank": None, "stage": stage,
+                     "model_state_bytes": float(deepspeed_estimate(params, largest, n, stage))})
+    out = pd.DataFrame(rows)
+    own = out[out["row"] == f"stage {sh.stage}"].iloc[0]
+    measured = out["rank"].notna()
+    out["measured/predicted"] = np.where(measured, out["model_state_bytes"] / own["model_state_bytes"], np.nan)
+    out["persistent measured/predicted"] = np.where(measured, out["persistent_bytes"] / own["persistent_bytes"], np.nan)
+    return out
+
+
+def deepspeed_differences(trace) -> list[str]:
+    """Why the measured model states differ from the ZeRO model and from DeepSpeed's
+    estimators, each in one line, with by how much."""
+    sh = trace.shards
+    table = compute_deepspeed_stages(trace)
+    own = table[table["row"] == f"stage {sh.stage}"].iloc[0]
+    prec = precision(trace)
+    lines = [f"DeepSpeed keeps an fp32 master partition beside the {prec.param:g}-byte parameters, so its optimizer "
+             f"state is K = 12 bytes per parameter of the partition (master, momentum, variance), as the ZeRO paper "
+             f"counts mixed-precision Adam, also when it trains in float32."]
+    for r in table[table["rank"].notna()].itertuples():
+        grads = own["grads_bytes"]
+        if grads and abs(r.grads_bytes / grads - 1) > 0.05:
+            lines.append(f"rank {int(r.rank)}: gradients held {r.grads_bytes / 2**20:.3f} MiB where the model counts "
+                         f"{grads / 2**20:.3f} MiB ({(r.grads_bytes / grads - 1) * 100:+.0f} %): the averaged gradients "
+                         "are views of a buffer DeepSpeed sizes by its bucket layout, alive from backward to the step.")
+    estimate = table[table["row"] == f"DeepSpeed estimate (stage {sh.stage})"]
+    measured = table[table["rank"].notna()]
+    if len(estimate) and len(measured):
+        est, got = float(estimate["model_state_bytes"].iloc[0]), float(measured["model_state_bytes"].max())
+        lines.append(f"DeepSpeed's estimator says {est / 2**20:.3f} MiB for stage {sh.stage} "
+                     f"({(est / got - 1) * 100:+.0f} % against the measured {got / 2**20:.3f} MiB): it assumes 2-byte "
+                     "parameters and gradients and a 4-byte gradient partition (18 bytes per parameter over N)"
+                     + (", and 4 bytes per parameter of the largest layer gathered" if sh.stage == 3 else "")
+                     + (f"; this run trains in {(trace.run.get('deepspeed') or {}).get('dtype')}"
+                        if prec.param != 2 else "") + ".")
+    lines.append("outside the model states: activations, the gradient buckets (communication buffers) and, at stage "
+                 "3, the parameters gathered for compute; on CPU temporaries are not counted.")
+    return lines
