@@ -46,7 +46,7 @@ def patch_deepspeed(session, module) -> None:
             result = original(*bound.args, **bound.kwargs)  # DeepSpeed's errors reach the script as they are
         finally:
             restore()
-        for text in notes:
+        for text in notes + not_for_deepspeed(session.config):
             session.note(text)
         try:
             session.on_deepspeed_engine(result[0] if isinstance(result, tuple) else result)
@@ -57,6 +57,20 @@ def patch_deepspeed(session, module) -> None:
 
     initialize._ddpscope = True
     module.initialize = initialize
+
+
+def not_for_deepspeed(config) -> list[str]:
+    """What a rerun asked for that DeepSpeed has no use for, each said once."""
+    out = []
+    if config.bucket_cap_mb_list is not None:
+        out.append("--bucket-cap-mb-list applies to DDP: DeepSpeed has one reduce_bucket_size (--bucket-cap-mb); "
+                   "the script's stays")
+    fsdp = [flag for flag, v in (("--reshard-after-forward", config.reshard_after_forward),
+                                 ("--forward-prefetch", config.forward_prefetch),
+                                 ("--backward-prefetch", config.backward_prefetch)) if v is not None]
+    if fsdp:
+        out.append(f"{', '.join(fsdp)} apply to FSDP2: this script runs DeepSpeed (--zero-stage sets its stage)")
+    return out
 
 
 def count_steps(engine, on_step) -> None:

@@ -69,11 +69,31 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
     summary = run_cli("summary", str(out))
     assert summary.returncode == 0 and "DeepSpeed units=" in summary.stdout and f"ZeRO stage {stage}" in summary.stdout
     assert "gradient buckets (DeepSpeed" in summary.stdout
-    if stage >= 2:
-        plain = untraced(tmp_path, *script)
-        for r in (0, 1):
-            assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
-            assert own[r]["losses"] == checks(plain)[r]["losses"]
+    plain = untraced(tmp_path, *script)
+    for r in (0, 1):
+        assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
+        assert own[r]["losses"] == checks(plain)[r]["losses"]
+
+
+def test_bf16_with_overlap_comm_and_accumulation_reduces_every_micro_batch(tmp_path):
+    """Stage 2 in bf16 with ``overlap_comm`` and two micro-batches a step: DeepSpeed
+    reduces the gradients of every micro-batch (stage 2 partitions them as they come), so
+    a step's buckets carry twice the model's bf16 gradient bytes, both micro-batches sit
+    inside the step, and training is bit-identical traced and untraced."""
+    script = (WORKER, "--stage", "2", "--steps", "3", "--bf16", "--overlap-comm", "--accumulate", "2")
+    proc, out, report = trace_script(tmp_path, *script, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads((out / fmt.RUN_FILE).read_text())
+    assert run["deepspeed"]["dtype"] == "bfloat16" and run["deepspeed"]["overlap_comm"] is True
+    trace = _load(out)
+    assert trace.steps["micro_batches"].eq(2).all()
+    colls = trace.shards.colls
+    buckets = colls[colls["issued_by"] == "grad_bucket"]
+    numel = checks(report)[0]["numel"]
+    assert buckets.groupby(["rank", "step"])["bytes"].sum().eq(2 * 2 * numel).all()
+    plain = untraced(tmp_path, *script)
+    for r in (0, 1):
+        assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
 
 
 def test_a_stage_ddpscope_does_not_trace_is_named_and_the_job_runs_untraced(tmp_path):
