@@ -24,6 +24,7 @@ from ddpscope.dashboard.common import (
     of_kind,
     page_guard,
     runs_dir,
+    runs_note,
     stamp_of,
 )
 from ddpscope.dashboard.memory_page import render_memory
@@ -49,8 +50,12 @@ traces = of_kind(all_runs, *TRAINING_KINDS)
 if not traces:
     st.error(f"No traces found. Make one with: ddpscope run --out {runs_dir() / 'first'} -- train.py")
     st.stop()
-if st.session_state.get("trace") not in traces:  # the user's newest run, else the first sample
-    st.session_state["trace"] = newest_run(traces) or next(iter(traces))
+if st.session_state.get("trace") not in traces:  # the run asked for, the user's newest, else the first sample
+    asked = os.environ.get("DDPSCOPE_OPEN_RUN")
+    st.session_state["trace"] = (f"run: {asked}" if asked and f"run: {asked}" in traces else None) \
+        or newest_run(traces) or next(iter(traces))
+if (note := runs_note()) is not None:
+    st.sidebar.info(note)
 choice = st.sidebar.selectbox("Trace", list(traces), key="trace")
 jobs = job_manager(str(runs_dir()), warm=os.environ.get("DDPSCOPE_WARM_LAUNCHER", "1") != "0")
 busy = jobs.current is not None and jobs.current.running

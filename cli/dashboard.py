@@ -20,18 +20,43 @@ def dashboard_command(args: argparse.Namespace) -> int:
     if runs.exists() and not runs.is_dir():
         print(f"{PROG} dashboard: error: {runs} is not a folder", file=sys.stderr)
         return 2
+    env = {**os.environ}
+    if is_run_folder(runs):  # one run: the page opens it, among its neighbours
+        env["DDPSCOPE_OPEN_RUN"] = runs.name
+        print(f"{PROG} dashboard: {runs} is a run folder: the page opens it (runs in {runs.parent})", file=sys.stderr)
+        runs = runs.parent
+    elif not runs.is_dir():
+        print(f"{PROG} dashboard: {runs} does not exist: the page shows ddpscope's samples (a run started there "
+              "creates it)", file=sys.stderr)
     if not 1 <= args.port <= 65535:
         print(f"{PROG} dashboard: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
         return 2
-    env = {**os.environ, "DDPSCOPE_RUNS_DIR": str(runs)}
+    env["DDPSCOPE_RUNS_DIR"] = str(runs)
     if args.allow_commands:
         env["DDPSCOPE_ALLOW_COMMANDS"] = "1"
-    cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", args.host,
-           "--server.port", str(args.port), "--browser.gatherUsageStats", "false",
-           "--server.maxUploadSize", "200", "--server.showEmailPrompt", "false"]
+    cmd = streamlit_command(app, args.host, args.port)
     print(f"ddpscope dashboard on http://{args.host}:{args.port} (runs in {runs})", file=sys.stderr)
     os.execve(sys.executable, cmd, env)
     return 0  # not reached
+
+
+def streamlit_command(app: Path, host: str, port: int) -> list[str]:
+    """``streamlit run app.py`` as a user gets it: no deploy button or developer menu
+    (``toolbarMode minimal``), no watcher on the installed source tree (its inotify
+    queue overflows on a large venv and says so in the terminal), no usage statistics."""
+    return [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", host,
+            "--server.port", str(port), "--browser.gatherUsageStats", "false",
+            "--server.maxUploadSize", "200", "--server.showEmailPrompt", "false",
+            "--client.toolbarMode", "minimal", "--server.fileWatcherType", "none", "--server.runOnSave", "false"]
+
+
+def is_run_folder(path: Path) -> bool:
+    """A folder that is one run (its run.json, or rank files), not a folder of runs."""
+    from ddpscope.tracer import format as fmt
+
+    if not path.is_dir():
+        return False
+    return (path / fmt.RUN_FILE).is_file() or any(fmt.RANK_FILE_RE.match(p.name) for p in path.iterdir())
 
 
 def app_path() -> Path | None:

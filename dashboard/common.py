@@ -8,6 +8,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -17,7 +18,7 @@ from typing import Callable
 
 import streamlit as st
 
-from ddpscope.tracer.format import MODELS_DIR, RUN_FILE
+from ddpscope.tracer.format import LIVE_DIR, LOGS_DIR, MODELS_DIR, NODES_DIR, RUN_FILE
 from ddpscope.tracer.launch import lab
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.ddp.rank_overview import ranks_to_show
@@ -60,7 +61,7 @@ def list_runs() -> dict[str, tuple[Path, str]]:
     for prefix, folder in (("sample", SAMPLES), ("run", runs_dir()), ("upload", uploads_dir())):
         if folder.is_dir():
             for p in sorted(folder.iterdir(), reverse=prefix != "sample"):
-                if p.name.startswith("."):  # an upload being unpacked
+                if p.name.startswith(".") or p.name in INTERNAL:  # an upload being unpacked; a run's own parts
                     continue
                 kind = folder_kind(p)
                 if kind is not None:
@@ -68,6 +69,22 @@ def list_runs() -> dict[str, tuple[Path, str]]:
                     for sub in _models(p):  # a job's further DDP models, each a run of its own
                         found[f"{prefix}: {p.name} · {sub.name}"] = (sub, kind)
     return found
+
+
+#: folders inside a run folder (its live files, logs, nodes, further models) and the
+#: uploads folder (listed on its own): never runs of their own in a listing
+INTERNAL = frozenset({LIVE_DIR, LOGS_DIR, NODES_DIR, MODELS_DIR, "uploads"})
+
+
+def runs_note() -> str | None:
+    """One line when the runs folder holds no run of the user's: it is missing or empty
+    (the page then shows the samples, and says so)."""
+    folder = runs_dir()
+    if not folder.is_dir():
+        return f"{folder} does not exist: showing ddpscope's samples. Runs started from the Run page go there."
+    if not any(label.startswith("run: ") for label in list_runs()):
+        return f"{folder} holds no run yet: showing ddpscope's samples. Runs started from the Run page go there."
+    return None
 
 
 def _models(run: Path) -> list[Path]:
@@ -192,13 +209,18 @@ def handle_upload(upload) -> None:
     if upload is None or st.session_state.get("upload_done") == upload.file_id:
         return
     st.session_state["upload_done"] = upload.file_id
-    dest = uploads_dir() / f"{safe_name(Path(upload.name).stem)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # a name of its own: two uploads of one file in one second (two tabs, two users) never meet
+    dest = uploads_dir() / (f"{safe_name(Path(upload.name).stem)}-{time.strftime('%Y%m%d-%H%M%S')}-"
+                            f"{secrets.token_hex(3)}")
+    made = False
     try:
-        extract_run_archive(upload.getvalue(), upload.name, dest)
+        extract_run_archive(upload.getvalue(), upload.name, dest)  # makes dest, or raises if it exists
+        made = True
         kind = folder_kind(dest) or "ddp"
         {"ring": load_ring, "zero": load_zero}.get(kind, load_training_trace)(dest)
     except Exception as e:  # noqa: BLE001 - nothing that does not load stays in uploads/ (every page lists it)
-        shutil.rmtree(dest, ignore_errors=True)
+        if made or not isinstance(e, FileExistsError):  # never what another upload made
+            shutil.rmtree(dest, ignore_errors=True)
         st.session_state["upload_error"] = f"{upload.name}: {_one_line(e)}"
         return
     st.session_state.pop("upload_error", None)

@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SETUP = ["python3 -m venv .venv && .venv/bin/pip install -r requirements.txt && .venv/bin/ddpscope dashboard",
-         "python3 -m venv .venv && .venv/bin/pip install -r requirements.txt && .venv/bin/python -m pytest"]
+         "python3 -m venv .venv && .venv/bin/pip install -r requirements-test.txt && .venv/bin/python -m pytest"]
 
 
 def _code(page: Path) -> list[str]:
@@ -66,6 +66,17 @@ def test_the_readme_opens_with_the_two_set_up_commands():
     assert text.index(SETUP[0]) < text.index("## ")  # before any section
     assert (ROOT / "docs" / "images" / "timeline.png").is_file()
     assert len(text.splitlines()) < 150
+
+
+def test_the_first_command_installs_only_what_the_dashboard_and_tracer_need():
+    """The sample opens without the test tools or the frameworks the tests trace; the test
+    command (and CI, which runs it) installs them on top."""
+    first = (ROOT / "requirements.txt").read_text().lower()
+    for name in ("pytest", "playwright", "lightning", "accelerate", "transformers", "deepspeed"):
+        assert not re.search(rf"^{name}\b", first, re.M), name
+    tests = (ROOT / "requirements-test.txt").read_text()
+    assert "-r requirements.txt" in tests and "pytest==" in tests
+    assert "pip install -q -r requirements-test.txt" in (ROOT / ".ci" / "run").read_text()
 
 
 def test_every_ddpscope_command_shown_exists_with_its_flags():

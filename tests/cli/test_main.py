@@ -91,3 +91,21 @@ def test_verbose_and_quiet_together_are_refused():
     proc = _run("run", "-v", "-q", "--out", "/tmp/never-made", "--demo", "mlp")
     assert proc.returncode == 2 and "either --verbose or --quiet" in proc.stderr
     assert not Path("/tmp/never-made").exists()
+
+
+def test_the_dashboard_hides_streamlits_developer_menu_and_watches_no_files():
+    """A user's page: no deploy button or developer menu, no file watcher on the installed
+    source tree (whose inotify queue overflowed into the terminal); flags Streamlit knows."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ddpscope.cli.dashboard import streamlit_command
+
+    cmd = streamlit_command(Path("app.py"), "127.0.0.1", 8501)
+    pairs = dict(zip(cmd[5::2], cmd[6::2]))
+    assert pairs["--client.toolbarMode"] == "minimal" and pairs["--server.fileWatcherType"] == "none"
+    known = subprocess.run([sys.executable, "-m", "streamlit", "run", "--help"], capture_output=True, text=True,
+                           timeout=60).stdout
+    for flag in pairs:
+        assert flag in known, flag

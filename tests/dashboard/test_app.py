@@ -96,6 +96,22 @@ def test_upload_of_a_run_archive_opens_it(app):
     assert _metric(app, "buckets") == "1"
 
 
+def test_uploads_of_one_file_never_remove_each_other(tmp_path, monkeypatch):
+    """The same archive uploaded twice (two tabs, the same second), then a bad one of the
+    same name: both good uploads stay, each in a folder of its own; the bad one leaves
+    nothing and removes nothing it did not make."""
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(tmp_path / "runs"))
+    good = _zip({f"gpt/{p.name}": p.read_bytes() for p in (SAMPLES / "gpt-2rank-cap25mb").iterdir()})
+    for data in (good, good, b"not an archive"):
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+        at.sidebar.file_uploader(key="upload").upload("my-run.zip", data, "application/zip")
+        at.run()
+        assert not at.exception
+    assert at.sidebar.error  # the bad one: said in one line
+    kept = sorted(p.name for p in (tmp_path / "runs" / "uploads").iterdir())
+    assert len(kept) == 2 and all(k.startswith("my-run-") for k in kept)
+
+
 def _sample_with(sample: str, name: str, old: bytes, new: bytes) -> dict[str, bytes]:
     """A sample's files, ``old`` replaced by ``new`` once in the file ``name``."""
     files = {p.name: p.read_bytes() for p in (SAMPLES / sample).iterdir()}
@@ -755,6 +771,44 @@ def test_the_page_opens_on_the_users_newest_run(tmp_path, monkeypatch):
     st_config.set_option("server.address", "127.0.0.1")
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
     assert not at.exception and at.sidebar.selectbox(key="trace").value == "run: newer"
+
+
+def test_a_run_folder_opens_that_run_and_its_own_folders_are_never_runs(tmp_path, monkeypatch):
+    """``ddpscope dashboard runs/mine`` (a run folder): the page lists the runs beside it,
+    opens that one, and never lists a run's ``live/``, ``logs/`` or ``models/`` as runs of
+    their own (a runs folder that is itself a run lists its parts otherwise)."""
+    import shutil
+
+    from ddpscope.cli.dashboard import is_run_folder
+
+    runs = tmp_path / "runs"
+    for name in ("older", "mine", "newer"):
+        shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", runs / name)
+    (runs / "mine" / "live").mkdir(exist_ok=True)
+    shutil.copy(runs / "mine" / "rank-0.json", runs / "mine" / "live" / "rank-0.json")
+    assert is_run_folder(runs / "mine") and not is_run_folder(runs) and not is_run_folder(tmp_path / "nothing")
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    monkeypatch.setenv("DDPSCOPE_OPEN_RUN", "mine")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and at.sidebar.selectbox(key="trace").value == "run: mine"
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs / "mine"))  # a run folder given as the runs folder
+    monkeypatch.delenv("DDPSCOPE_OPEN_RUN")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception
+    assert not [o for o in at.sidebar.selectbox(key="trace").options if o.startswith("run: ")]  # no "run: live"
+
+
+@pytest.mark.parametrize("state", ["missing", "empty"])
+def test_a_missing_or_empty_runs_folder_says_so_and_shows_the_samples(tmp_path, monkeypatch, state):
+    runs = tmp_path / "runs"
+    if state == "empty":
+        runs.mkdir()
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and at.sidebar.selectbox(key="trace").value.startswith("sample: ")
+    said = [i.value for i in at.sidebar.info if str(runs) in i.value]
+    assert len(said) == 1 and ("does not exist" if state == "missing" else "holds no run yet") in said[0]
+    assert "showing ddpscope's samples" in said[0]
 
 
 @pytest.mark.ddp
