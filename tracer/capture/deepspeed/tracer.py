@@ -19,7 +19,7 @@ DeepSpeed's classes but the communication backend's (``comm.py``):
   ``__reduce_and_partition_ipg_grads``): the bucket's number in the step and its
   parameters;
 - ZeRO-3's gather handles' ``wait`` (``AllGatherCoalescedHandle``, ``AllGatherHandle``):
-  compute waiting for a unit's parameters.
+  compute waiting for a unit's parameters (and when the gathers were seen done: ``comm.py``).
 
 Times are the host's monotonic clock (µs), also on CUDA: DeepSpeed's collectives run on
 its own streams there, and these are the times the host launched and waited for them
@@ -181,6 +181,7 @@ class DeepSpeedTracer(FSDPTracer):
             def start() -> None:
                 boundary[0] = bool(engine.is_gradient_accumulation_boundary()) and rec.current is not None
                 if boundary[0]:
+                    self.tap.step_ends()
                     rec.on_optimizer_start()
                     self.tap.in_step = True
 
@@ -201,16 +202,18 @@ class DeepSpeedTracer(FSDPTracer):
         collectives it issues (``CommTap.bucket`` while it runs)."""
         original, rec, tap, names = getattr(opt, method), self.recorder, self.tap, self.param_names
 
-        def bucket_params(dtype) -> list:
+        def bucket_params(dtype) -> tuple[int, Any, Any]:
+            """(count, first, last) of the parameters in the bucket about to be reduced."""
             buckets = opt.ipg_buckets
             for dt in ([dtype] if dtype is not None else list(buckets)):
                 b = buckets.get(dt)
                 if b is None or not b.params:
                     continue
                 if self.stage == 3:
-                    return list(b.params)  # the parameters themselves
-                return [opt.bit16_groups[g][j] for g, j, _ in b.params]  # (group, index in group, id)
-            return []
+                    return len(b.params), b.params[0], b.params[-1]  # the parameters themselves
+                (g0, j0, _), (g1, j1, _) = b.params[0], b.params[-1]  # (group, index in group, id)
+                return len(b.params), opt.bit16_groups[g0][j0], opt.bit16_groups[g1][j1]
+            return 0, None, None
 
         @functools.wraps(original)
         def traced_bucket(*args, **kwargs):
@@ -219,15 +222,15 @@ class DeepSpeedTracer(FSDPTracer):
                 if cur is None:
                     return
                 dtype = args[0] if args else next(iter(kwargs.values()), None)
-                params = bucket_params(dtype)
-                if not params:
+                count, first, last = bucket_params(dtype)
+                if not count:
                     return
                 if self._bucket[0] != cur.step:
                     self._bucket[:] = [cur.step, 0]
                 index = self._bucket[1]
                 self._bucket[1] += 1
-                tap.bucket = (index, unit_of.get(id(params[0]), -1), len(params))
-                tap.bucket_names = (names.get(id(params[0]), "?"), names.get(id(params[-1]), "?"))
+                tap.bucket = (index, unit_of.get(id(first), -1), count)
+                tap.bucket_names = (names.get(id(first), "?"), names.get(id(last), "?"))
 
             self._guarded(start)
             try:
@@ -241,7 +244,7 @@ class DeepSpeedTracer(FSDPTracer):
         """Compute waiting for a ZeRO-3 gather: the wait of DeepSpeed's gather handles
         (class-level: each handle is made per gather; taken off again at the end)."""
         module = sys.modules.get(_PARTITION_MODULE)
-        rec = self.recorder
+        rec, tap = self.recorder, self.tap
         for cls in (getattr(module, n, None) for n in _WAIT_HANDLES):
             own = None if cls is None else cls.__dict__.get("wait")
             if own is None or getattr(own, "_ddpscope", False):
@@ -253,17 +256,20 @@ class DeepSpeedTracer(FSDPTracer):
                     token = [None]
 
                     def start() -> None:
+                        tap.poll()  # what finished before this wait ended no later than now
                         params = getattr(handle, "params", None) or [getattr(handle, "param", None)]
-                        first = min((p for p in params if p is not None), key=lambda p: getattr(p, "ds_id", 0),
-                                    default=None)
-                        token[0] = rec.wait_start(unit_of.get(id(first), -1))
+                        token[0] = rec.wait_start(unit_of.get(id(params[0]), -1))
+
+                    def end() -> None:
+                        tap.poll()  # the awaited gather is done now (at the latest)
+                        rec.wait_end(token[0])
 
                     self._guarded(start)
                     try:
                         return own_wait(handle, *args, **kwargs)
                     finally:
                         if token[0] is not None:
-                            self._guarded(lambda: rec.wait_end(token[0]))
+                            self._guarded(end)
 
                 wait._ddpscope = True
                 return wait
