@@ -184,7 +184,15 @@ def merged_trace_bytes(path: str) -> bytes:
 
 
 def stamp_of(path: Path) -> float:
-    return max((p.stat().st_mtime for p in path.iterdir()), default=0.0)
+    """The newest file time in a run folder (what renews its cached load); a dangling
+    link counts by its own time, not its missing target's."""
+    def mtime(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:
+            return p.lstat().st_mtime
+
+    return max((mtime(p) for p in path.iterdir()), default=0.0)
 
 
 @st.cache_resource
@@ -199,7 +207,12 @@ def job_manager(runs_dir: str, warm: bool) -> JobManager:
 
 
 def first_real_step(trace) -> int:
+    """The first step past warm-up (else the first step); ``TraceError`` if the run
+    recorded none (every page that draws a step says so in one line)."""
     s = trace.steps
+    if not len(s):
+        raise TraceError(f"{Path(str(trace.path)).name} holds no finished step: nothing to draw (the run ended "
+                         "before its first step closed)")
     ok = s[~s["warmup"] & ~s["incomplete"]]
     return int(ok["step"].min()) if len(ok) else int(s["step"].min())
 

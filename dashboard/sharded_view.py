@@ -114,14 +114,26 @@ def sharded_rerun_settings(trace) -> dict:
     bwd = c[2].slider("backward prefetch (units ahead)", 1, 3, 1, key="run_bwd_prefetch")
     value = choices[label]
     setting = True if value == "true" else False if value == "false" else int(value)
-    peak = predict_peak(trace, reshard_after_forward=setting, forward_prefetch=fwd, backward_prefetch=bwd)
-    step = predict_step_ms(trace, setting)
     m = st.columns(2)
-    m[0].metric("predicted peak (rank 0)", f"{peak['predicted_peak_bytes'].iloc[0] / MIB:.2f} MiB",
-                f"{(peak['predicted_peak_bytes'].iloc[0] - peak['measured_peak_bytes'].iloc[0]) / MIB:+.2f} MiB",
-                delta_color="inverse")
-    m[1].metric("predicted step (rank 0)", f"{step['predicted_step_ms'].iloc[0]:.1f} ms",
-                f"{step['predicted_step_ms'].iloc[0] - step['measured_step_ms'].iloc[0]:+.1f} ms", delta_color="inverse")
+    measured = len(trace.shards.memory) > 0
+    peak = predict_peak(trace, reshard_after_forward=setting, forward_prefetch=fwd, backward_prefetch=bwd) \
+        if measured else None
+    if peak is not None and len(peak) and "predicted_peak_bytes" in peak:
+        m[0].metric("predicted peak (rank 0)", f"{peak['predicted_peak_bytes'].iloc[0] / MIB:.2f} MiB",
+                    f"{(peak['predicted_peak_bytes'].iloc[0] - peak['measured_peak_bytes'].iloc[0]) / MIB:+.2f} MiB",
+                    delta_color="inverse")
+    else:
+        m[0].info("This run measured no step's memory: no peak is predicted.")
+    step = predict_step_ms(trace, setting) if len(trace.steps) else None
+    if step is not None and len(step) and "predicted_step_ms" in step:
+        m[1].metric("predicted step (rank 0)", f"{step['predicted_step_ms'].iloc[0]:.1f} ms",
+                    f"{step['predicted_step_ms'].iloc[0] - step['measured_step_ms'].iloc[0]:+.1f} ms",
+                    delta_color="inverse")
+    else:
+        m[1].info("This run finished no step: no step time is predicted.")
+    if not measured:
+        return {"reshard_after_forward": value, "forward_prefetch": fwd or None,
+                "backward_prefetch": bwd if bwd != 1 else None}
     with st.expander("Predicted memory over a step"):
         st.plotly_chart(make_memory_over_step_figure(
             predict_memory(trace, 0, reshard_after_forward=setting, forward_prefetch=fwd, backward_prefetch=bwd),

@@ -798,6 +798,39 @@ def test_a_run_folder_opens_that_run_and_its_own_folders_are_never_runs(tmp_path
     assert not [o for o in at.sidebar.selectbox(key="trace").options if o.startswith("run: ")]  # no "run: live"
 
 
+def test_a_dangling_link_in_a_run_folder_does_not_stop_the_page(tmp_path, monkeypatch):
+    """A run folder holding a link to nothing (a log moved away): every page opens the
+    run, as ``summary`` does."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", runs / "mine")
+    (runs / "mine" / "notes.txt").symlink_to(tmp_path / "gone.txt")
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and not at.error and at.sidebar.selectbox(key="trace").value == "run: mine"
+    assert _spec(at)["data"]
+
+
+def test_a_run_with_no_finished_step_says_so_in_one_line(tmp_path, monkeypatch):
+    """A run whose ranks recorded no step (it died before its first step closed): the
+    Timeline says so in the project's words, not "cannot convert float NaN to integer"."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", runs / "early")
+    for r in (0, 1):
+        path = runs / "early" / f"rank-{r}.json"
+        doc = json.loads(path.read_text())
+        doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("ph") == "M"]
+        path.write_text(json.dumps(doc))
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception
+    said = [e.value for e in at.error]
+    assert said and all("NaN" not in m for m in said) and any("holds no finished step" in m for m in said)
+
+
 @pytest.mark.parametrize("state", ["missing", "empty"])
 def test_a_missing_or_empty_runs_folder_says_so_and_shows_the_samples(tmp_path, monkeypatch, state):
     runs = tmp_path / "runs"
@@ -842,6 +875,17 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     at.selectbox(key="run_reshard").set_value("false (ZeRO-2)").run()
     assert not at.exception
     assert at.button(key="run_button").label == "Rerun with reshard_after_forward = false"
+    for r in (0, 1):  # the same run without its memory samples: the Run page says what it cannot predict
+        path = out / f"rank-{r}.json"
+        text = path.read_text()
+        doc = json.loads(text if text.rstrip().endswith("]") else text + "]")
+        events = doc["traceEvents"] if isinstance(doc, dict) else doc
+        kept = [e for e in events if e.get("cat") != "memory_sample"]
+        path.write_text(json.dumps({"traceEvents": kept} if isinstance(doc, dict) else kept))
+        (out / f"rank-{r}.summary.jsonl").unlink(missing_ok=True)
+    at = _page(AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run(), "Run")
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert any("measured no step's memory" in i.value for i in at.info)
 
 
 @pytest.mark.deepspeed
