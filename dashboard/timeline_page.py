@@ -105,8 +105,12 @@ def render_profile(path: Path, trace) -> None:
                    if len(trace.buckets) else 0)
     for note in run["notes"]:
         st.info(note)
-    render_rank_overview(trace)
     steps = sorted(int(s) for s in trace.steps["step"].unique())
+    if not steps:  # a profile taken without a schedule: nothing cut into steps to draw
+        st.warning(f"{path.name} holds no ProfilerStep: profile with a schedule and call prof.step() each "
+                   "training step (torch.profiler.schedule), then the steps can be drawn.")
+        return
+    render_rank_overview(trace)
     lo, hi = (st.select_slider("Steps", options=steps, value=(steps[0], steps[0]), key="steps")
               if len(steps) > 1 else (steps[0], steps[0]))
     ranks = st.multiselect("Ranks", present, default=[r for r in default_ranks(trace) if r in present] or present,

@@ -831,6 +831,21 @@ def test_a_run_with_no_finished_step_says_so_in_one_line(tmp_path, monkeypatch):
     assert said and all("NaN" not in m for m in said) and any("holds no finished step" in m for m in said)
 
 
+def test_a_profile_with_no_profiler_step_says_how_to_take_one(tmp_path, monkeypatch):
+    """A profiler trace recorded without a schedule (no ProfilerStep): the Timeline says
+    what is missing and how to record it, instead of an IndexError."""
+    from tests.viz.sources.test_kineto import gpu_profile, write
+
+    doc = gpu_profile(0, world=1, comm=False)
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if not e["name"].startswith("ProfilerStep")]
+    write(tmp_path / "runs" / "prof", "rank-0.json", doc)
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(tmp_path / "runs"))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception
+    said = [w.value for w in at.warning] + [e.value for e in at.error]
+    assert any("ProfilerStep" in m for m in said) and not any("IndexError" in m for m in said), said
+
+
 @pytest.mark.parametrize("state", ["missing", "empty"])
 def test_a_missing_or_empty_runs_folder_says_so_and_shows_the_samples(tmp_path, monkeypatch, state):
     runs = tmp_path / "runs"
