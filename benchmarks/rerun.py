@@ -68,16 +68,20 @@ USER_SCRIPT = textwrap.dedent('''
 
 
 def serve(script: Path | str, runs: Path, env: dict[str, str] | None = None,
-          stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, int]:
+          stderr=subprocess.DEVNULL, watch: bool = False) -> tuple[subprocess.Popen, int]:
     """``streamlit run script`` (headless, a free local port, its own process group) on the
-    runs folder ``runs``, once it answers; also used by ``benchmarks.first_chart``."""
+    runs folder ``runs``, once it answers; also used by ``benchmarks.first_chart`` and
+    ``benchmarks.idle_page``. ``watch``: Streamlit's file watcher on (off, as ``ddpscope
+    dashboard`` runs it: watching this tree, which holds a venv, costs about a core)."""
     sys.path.insert(0, str(ROOT))
     from ddpscope.tracer.launch.torchrun import free_port
 
     port = free_port()
+    # no file watcher, as `ddpscope dashboard` runs it: watching this tree (its .venv) costs a core
     proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(script), "--server.headless", "true",
                              "--server.port", str(port), "--server.address", "127.0.0.1",
-                             "--browser.gatherUsageStats", "false"],
+                             "--browser.gatherUsageStats", "false",
+                             "--server.fileWatcherType", "auto" if watch else "none"],
                             cwd=ROOT, env={**os.environ, "DDPSCOPE_RUNS_DIR": str(runs), **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     deadline = time.monotonic() + 90

@@ -288,9 +288,26 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-@st.fragment(run_every=0.5)
+#: how often a running job's progress refreshes (s): twice a writer flush (0.25 s), never idle
+LIVE_REFRESH_S = 0.5
+
+
 def job_status(jobs: JobManager, runs_dir: Path) -> None:
-    """The current job's progress, then its outcome (refreshes itself twice a second)."""
+    """The current job's progress, then its outcome. Only while a job runs does it
+    refresh itself (an idle page costs nothing: no timer, no rerun); the click that
+    starts a job reruns the page, which then draws the refreshing one."""
+    if jobs.current is not None and jobs.current.running:
+        _job_status_live(jobs, runs_dir)
+    else:
+        _job_status(jobs, runs_dir)
+
+
+@st.fragment(run_every=LIVE_REFRESH_S)
+def _job_status_live(jobs: JobManager, runs_dir: Path) -> None:
+    _job_status(jobs, runs_dir)
+
+
+def _job_status(jobs: JobManager, runs_dir: Path) -> None:
     job = jobs.current
     if job is None:
         st.caption(f"Runs started here are kept in {runs_dir}.")

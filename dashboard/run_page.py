@@ -10,6 +10,7 @@ from pathlib import Path
 import streamlit as st
 
 from ddpscope.dashboard.common import (
+    LIVE_REFRESH_S,
     CommandPolicy,
     job_button,
     lab_controls,
@@ -167,9 +168,21 @@ def _new_command(jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:
     job_button("Start", "new_button", jobs.start, settings, disabled=busy or not policy.allowed)
 
 
-@st.fragment(run_every=0.5)
 def _live(jobs: JobManager) -> None:
-    """Where the user clicked: the job's progress, then the rerun beside its source."""
+    """Where the user clicked: the job's progress (refreshing only while it runs), then
+    the rerun beside its source."""
+    if jobs.current is not None and jobs.current.running:
+        _live_refreshing(jobs)
+    else:
+        _live_body(jobs)
+
+
+@st.fragment(run_every=LIVE_REFRESH_S)
+def _live_refreshing(jobs: JobManager) -> None:
+    _live_body(jobs)
+
+
+def _live_body(jobs: JobManager) -> None:
     job = jobs.current
     if job is None or job.kind != "ddp":
         return

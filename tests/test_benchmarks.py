@@ -30,6 +30,7 @@ PRINTS = {
     "many_ranks": "summary-first",
     "advisor": "workload  link        MAPE %",
     "deepspeed": "goal traced <= 1.02 at every stage",
+    "idle_page": "goal <= 1 % each (ddpscope dashboard)",
 }
 
 
@@ -46,7 +47,7 @@ def test_benchmark_runs_in_its_smoke_mode_and_prints_its_table(name, tmp_path):
         pytest.skip("needs ../shared/data/kineto beside the project")
     if name == "deepspeed":
         pytest.importorskip("deepspeed")
-    if name in ("rerun", "first_chart", "overview") and not os.path.exists("/usr/bin/chromium"):
+    if name in ("rerun", "first_chart", "overview", "idle_page") and not os.path.exists("/usr/bin/chromium"):
         pytest.skip("needs Debian's chromium (apt-get install -y chromium)")
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # what a script leaves behind goes with the test
     proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--smoke"], cwd=ROOT, env=env,

@@ -49,7 +49,8 @@ def dashboard_page(runs: Path):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
-         "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
+         "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
+         "--server.fileWatcherType", "none"],  # as `ddpscope dashboard` runs it: no watcher on this tree
         cwd=ROOT, env={**os.environ, "DDPSCOPE_RUNS_DIR": str(runs)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
