@@ -20,6 +20,9 @@ def dashboard_command(args: argparse.Namespace) -> int:
     if runs.exists() and not runs.is_dir():
         print(f"{PROG} dashboard: error: {runs} is not a folder", file=sys.stderr)
         return 2
+    if not 1 <= args.port <= 65535:  # every refusal before anything else is said
+        print(f"{PROG} dashboard: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
+        return 2
     env = {**os.environ}
     if is_run_folder(runs):  # one run: the page opens it, among its neighbours
         env["DDPSCOPE_OPEN_RUN"] = runs.name
@@ -28,9 +31,6 @@ def dashboard_command(args: argparse.Namespace) -> int:
     elif not runs.is_dir():
         print(f"{PROG} dashboard: {runs} does not exist: the page shows ddpscope's samples (a run started there "
               "creates it)", file=sys.stderr)
-    if not 1 <= args.port <= 65535:
-        print(f"{PROG} dashboard: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
-        return 2
     env["DDPSCOPE_RUNS_DIR"] = str(runs)
     if args.allow_commands:
         env["DDPSCOPE_ALLOW_COMMANDS"] = "1"
