@@ -92,6 +92,7 @@ def test_local_search_beats_every_uniform_cap_and_growing_list_where_one_exists(
         assert len(predict_run(t, row.setting, m).run["bucket_layout"]) == row.buckets
 
 
+@pytest.mark.breadth  # a real job (~19 s); the recommendation's apply path stays in the default suite
 def test_whatif_json_carries_the_recommendation():
     proc = run_cli("whatif", str(SAMPLES / "gpt-2rank-cap25mb"), "--json")
     assert proc.returncode == 0, proc.stderr

@@ -14,7 +14,9 @@ from tests.tracer.capture.autotrace.test_autotrace import WORKERS, trace_script,
 GAN = str(WORKERS / "gan_train.py")
 
 
-@pytest.mark.parametrize("capture", ["compiled", pytest.param("python", marks=pytest.mark.breadth)])
+# a second DDP model in the default suite: test_autotrace's GAN-like two-model run
+@pytest.mark.breadth
+@pytest.mark.parametrize("capture", ["compiled", "python"])
 def test_every_ddp_model_of_a_gan_is_traced_with_its_own_buckets_and_folder(tmp_path, capture):
     proc, out, report = trace_script(tmp_path, GAN, "--steps", "5", ddpscope=("--capture", capture))
     assert proc.returncode == 0, proc.stderr[-3000:]

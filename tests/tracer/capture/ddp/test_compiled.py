@@ -99,7 +99,8 @@ def test_a_compiled_run_of_a_users_script_matches_ddp_and_changes_nothing(tmp_pa
         assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
 
 
-@pytest.mark.parametrize("capture", ["compiled", pytest.param("python", marks=pytest.mark.breadth)])
+@pytest.mark.breadth  # ~18 s each; the unused map as its own row stays in the default suite (test_own_collectives)
+@pytest.mark.parametrize("capture", ["compiled", "python"])
 def test_ddps_unused_parameter_map_is_its_own_collective_never_a_bucket(tmp_path, built, capture):
     """``find_unused_parameters=True`` (Hugging Face Trainer's default): after its last
     bucket DDP all-reduces its map of locally used parameters (int32, one per parameter)

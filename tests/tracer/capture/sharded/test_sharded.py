@@ -191,7 +191,8 @@ def test_meta_device_initialisation_is_traced(tmp_path):
     assert load_run(out).shards.stage == 3
 
 
-@pytest.mark.parametrize("hsdp", [(), pytest.param(("--hsdp",), marks=pytest.mark.breadth)], ids=["fsdp", "hsdp"])
+@pytest.mark.breadth  # ~20 s each; the FSDP2 tracer's other real jobs stay in the default suite
+@pytest.mark.parametrize("hsdp", [(), ("--hsdp",)], ids=["fsdp", "hsdp"])
 def test_hooks_are_gone_when_the_trace_closes(tmp_path, hsdp):
     proc, _, report = trace_script(tmp_path, str(WORKERS / "fsdp_hooks_check.py"), *hsdp)
     assert proc.returncode == 0, proc.stderr[-3000:]
