@@ -113,27 +113,18 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def overhead(args, tmp: Path) -> None:
-    from benchmarks.overhead import ratios  # the same paired ratios and bootstrap as DDP's
-    from ddpscope.tracer.launch.torchrun import LaunchConfig, launch
+    from benchmarks.overhead import ratios, worker_result  # the same job and paired ratios as DDP's
 
-    results: list[dict] = []
-
-    def on_line(rank, line, err):
-        if line.startswith(RESULT_PREFIX):
-            results.append(json.loads(line[len(RESULT_PREFIX):]))
-
-    cfg = LaunchConfig(target="benchmarks.deepspeed", nproc=2, log_dir=tmp / "logs", timeout_s=1800,
-                       env={"PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"},
-                       args=["--worker", "--rounds", str(args.rounds), "--layers", str(args.layers),
-                             "--dim", str(args.dim), "--out", str(tmp / "traces")])
-    res = launch(cfg, on_line)
-    if not res.ok or not results:
+    result, res = worker_result("benchmarks.deepspeed", RESULT_PREFIX,
+                                ["--rounds", str(args.rounds), "--layers", str(args.layers), "--dim", str(args.dim),
+                                 "--out", str(tmp / "traces")], tmp / "logs", env={"DS_ACCELERATOR": "cpu"})
+    if result is None:
         raise SystemExit(f"benchmark job failed: {res.reason}\n{res.stderr_tail}")
     print(f"overhead: DeepSpeed {args.layers} hidden layers of {args.dim}, ranks=2, rounds={args.rounds} "
           "(rank 0; one step of every mode per round, interleaved)")
     print(f"  {'stage':>5} {'mode':<9} {'median ms':>9}  {'ratio':>6}  {'95% CI':>13}")
     met = True
-    for stage, times in results[0].items():
+    for stage, times in result.items():
         r = ratios(times)
         for m in MODES:
             print(f"  {stage:>5} {m:<9} {statistics.median(times[m]) * 1e3:9.2f}  {r[m][0]:6.3f}  "

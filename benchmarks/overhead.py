@@ -222,6 +222,26 @@ def ratios(times: dict[str, list[float]], boot: int = 2000, seed: int = 0) -> di
     return out
 
 
+def worker_result(target: str, prefix: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None,
+                  timeout_s: float = 1800) -> tuple[dict | None, object]:
+    """Run ``python -m target --worker ARGS`` on 2 ranks (torchrun, this repository on the
+    path) and hand back what rank 0 printed after ``prefix`` (JSON), or None, with the
+    launch's result (its reason and stderr when it failed). The benchmarks' jobs share it."""
+    from ddpscope.tracer.launch.torchrun import LaunchConfig, launch
+
+    results: list[dict] = []
+
+    def on_line(rank, line, err):
+        if line.startswith(prefix):
+            results.append(json.loads(line[len(prefix):]))
+
+    cfg = LaunchConfig(target=target, nproc=2, log_dir=log_dir, timeout_s=timeout_s,
+                       env={"PYTHONPATH": str(ROOT), **(env or {})},  # the benchmark module runs on every rank
+                       args=["--worker", *args])
+    res = launch(cfg, on_line)
+    return (results[0] if res.ok and results else None), res
+
+
 def run_one(model: str, cap: float, args: argparse.Namespace) -> dict | None:
     from ddpscope.tracer.launch.torchrun import LaunchConfig, launch
 

@@ -134,23 +134,13 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def overhead(args, tmp: Path) -> None:
-    from benchmarks.overhead import ratios  # the same paired ratios and bootstrap as DDP's
-    from ddpscope.tracer.launch.torchrun import LaunchConfig, launch
+    from benchmarks.overhead import ratios, worker_result  # the same job and paired ratios as DDP's
 
-    results: list[dict] = []
-
-    def on_line(rank, line, err):
-        if line.startswith(RESULT_PREFIX):
-            results.append(json.loads(line[len(RESULT_PREFIX):]))
-
-    cfg = LaunchConfig(target="benchmarks.sharded", nproc=2, log_dir=tmp / "overhead-logs", timeout_s=1800,
-                       env={"PYTHONPATH": str(ROOT)},  # benchmarks.sharded runs on every rank
-                       args=["--worker", "--rounds", str(args.rounds), "--layers", str(args.layers),
-                             "--dim", str(args.dim), "--seq", str(args.seq), "--out", str(tmp / "overhead")])
-    res = launch(cfg, on_line)
-    if not res.ok or not results:
+    times, res = worker_result("benchmarks.sharded", RESULT_PREFIX,
+                               ["--rounds", str(args.rounds), "--layers", str(args.layers), "--dim", str(args.dim),
+                                "--seq", str(args.seq), "--out", str(tmp / "overhead")], tmp / "overhead-logs")
+    if times is None:
         raise SystemExit(f"benchmark job failed: {res.reason}\n{res.stderr_tail}")
-    times = results[0]
     r = ratios(times)
     print(f"overhead: layers={args.layers} dim={args.dim} seq={args.seq} ranks=2 rounds={args.rounds} "
           "(rank 0; one step of every mode per round, interleaved; copies rotating)")

@@ -116,30 +116,33 @@ def sharded_rerun_settings(trace) -> dict:
     setting = True if value == "true" else False if value == "false" else int(value)
     m = st.columns(2)
     measured = len(trace.shards.memory) > 0
-    peak = predict_peak(trace, reshard_after_forward=setting, forward_prefetch=fwd, backward_prefetch=bwd) \
-        if measured else None
-    if peak is not None and len(peak) and "predicted_peak_bytes" in peak:
-        m[0].metric("predicted peak (rank 0)", f"{peak['predicted_peak_bytes'].iloc[0] / MIB:.2f} MiB",
-                    f"{(peak['predicted_peak_bytes'].iloc[0] - peak['measured_peak_bytes'].iloc[0]) / MIB:+.2f} MiB",
-                    delta_color="inverse")
-    else:
-        m[0].info("This run measured no step's memory: no peak is predicted.")
-    step = predict_step_ms(trace, setting) if len(trace.steps) else None
-    if step is not None and len(step) and "predicted_step_ms" in step:
-        m[1].metric("predicted step (rank 0)", f"{step['predicted_step_ms'].iloc[0]:.1f} ms",
-                    f"{step['predicted_step_ms'].iloc[0] - step['measured_step_ms'].iloc[0]:+.1f} ms",
-                    delta_color="inverse")
-    else:
-        m[1].info("This run finished no step: no step time is predicted.")
-    if not measured:
-        return {"reshard_after_forward": value, "forward_prefetch": fwd or None,
+    settings = {"reshard_after_forward": value, "forward_prefetch": fwd or None,
                 "backward_prefetch": bwd if bwd != 1 else None}
+    _prediction_metric(m[0], "predicted peak (rank 0)", "peak_bytes", 1 / MIB, "MiB",
+                       predict_peak(trace, reshard_after_forward=setting, forward_prefetch=fwd,
+                                    backward_prefetch=bwd) if measured else None,
+                       "This run measured no step's memory: no peak is predicted.")
+    _prediction_metric(m[1], "predicted step (rank 0)", "step_ms", 1.0, "ms",
+                       predict_step_ms(trace, setting) if len(trace.steps) else None,
+                       "This run finished no step: no step time is predicted.")
+    if not measured:
+        return settings
     with st.expander("Predicted memory over a step"):
         st.plotly_chart(make_memory_over_step_figure(
             predict_memory(trace, 0, reshard_after_forward=setting, forward_prefetch=fwd, backward_prefetch=bwd),
             "Rank 0: predicted memory over one step"), key="sharded_predicted_memory")
-    return {"reshard_after_forward": value, "forward_prefetch": fwd or None,
-            "backward_prefetch": bwd if bwd != 1 else None}
+    return settings
+
+
+def _prediction_metric(where, label: str, what: str, scale: float, unit: str, table, missing: str) -> None:
+    """``predicted_<what>`` beside ``measured_<what>`` (rank 0's row of ``table``), or what
+    is missing, said, when the run cannot give it (no table, or an empty one)."""
+    if table is None or not len(table) or f"predicted_{what}" not in table:
+        where.info(missing)
+        return
+    predicted, measured = table[f"predicted_{what}"].iloc[0], table[f"measured_{what}"].iloc[0]
+    where.metric(label, f"{predicted * scale:.{2 if unit == 'MiB' else 1}f} {unit}",
+                 f"{(predicted - measured) * scale:+.{2 if unit == 'MiB' else 1}f} {unit}", delta_color="inverse")
 
 
 def deepspeed_rerun_settings(trace) -> dict:
@@ -153,7 +156,8 @@ def deepspeed_rerun_settings(trace) -> dict:
     caps = sorted({0.25, 1.0, 4.0, 16.0, 64.0, round(now, 3)} - {0.0})
     cap = c[1].select_slider("reduce_bucket_size (MiB of the communication dtype)", options=caps,
                              value=round(now, 3) if now else 4.0, key="run_ds_cap")
-    predicted, measured = predict_states(trace, stage), measured_states(trace)
+    measured = measured_states(trace)
+    predicted = predict_states(trace, stage, measured)
     rows = [{"": f"this run (stage {trace.shards.stage}, rank 0)",
              **{k: measured[k].iloc[0] / MIB for k in STATE_COLUMNS}}] if len(measured) else []
     rows.append({"": f"stage {stage}, predicted", **{k: predicted[k] / MIB for k in STATE_COLUMNS}})

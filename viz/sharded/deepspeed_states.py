@@ -76,15 +76,16 @@ def measured_states(trace) -> pd.DataFrame:
     return out
 
 
-def predict_states(trace, stage: int) -> dict:
+def predict_states(trace, stage: int, measured: pd.DataFrame | None = None) -> dict:
     """The model states a rerun of this trace at ``stage`` would keep (bytes per rank):
     the ZeRO model with DeepSpeed's precision, P from the trace's units and P/N as this
-    trace's padded partition (its master partition, when measured)."""
+    trace's padded partition (its master partition, when measured). ``measured``: this
+    trace's ``measured_states``, when the caller has it."""
     sh = trace.shards
     n = trace.world_size
     params = float(sh.units["numel"].sum())
     pred = model_state_bytes(params, n, stage, precision(trace))
-    measured = measured_states(trace)
+    measured = measured_states(trace) if measured is None else measured
     if len(measured) and measured["master_bytes"].iloc[0] > 0:
         part = float(measured["master_bytes"].iloc[0]) / 4  # elements in this rank's padded partition
         prec = precision(trace)
@@ -115,9 +116,10 @@ def compute_deepspeed_stages(trace) -> pd.DataFrame:
     n = trace.world_size
     params = float(sh.units["numel"].sum())
     largest = float(sh.units["numel"].max()) if len(sh.units) else 0.0
-    rows = measured_states(trace).to_dict("records")
+    measured = measured_states(trace)
+    rows = measured.to_dict("records")
     for stage in range(4):
-        rows.append({"row": f"stage {stage}", "rank": None, "stage": stage, **predict_states(trace, stage)})
+        rows.append({"row": f"stage {stage}", "rank": None, "stage": stage, **predict_states(trace, stage, measured)})
     for stage in (2, 3):
         rows.append({"row": f"DeepSpeed estimate (stage {stage})", "rank": None, "stage": stage,
                      "model_state_bytes": float(deepspeed_estimate(params, largest, n, stage))})

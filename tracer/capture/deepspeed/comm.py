@@ -69,7 +69,7 @@ class CommTap:
 
     ``unit_of``: ``id(param) -> unit``; ``owner_of``: ``id(module) -> unit``;
     ``guard``: the tracer's ``HookGuard``. ``bucket`` is set by the bucket wrappers
-    for the length of a bucket's reduction: ``(index, unit, params)``."""
+    for the length of a bucket's reduction: ``(index, unit, params, first name, last name)``."""
 
     def __init__(self, recorder, unit_of: dict[int, int], owner_of: dict[int, int], guard) -> None:
         self.recorder = recorder
@@ -77,8 +77,7 @@ class CommTap:
         self.owner_of = owner_of
         self.guard = guard
         self.thread = threading.get_ident()  # the training thread: ZeRO's collectives are issued there
-        self.bucket: tuple[int, int, int] | None = None
-        self.bucket_names: tuple[str, str] = ("", "")  # the bucket's first and last parameter
+        self.bucket: tuple[int, int, int, str, str] | None = None
         self.in_step = False  # inside the engine's optimizer step (set by the tracer's step wrapper)
         self.pending: list[tuple[Any, Any]] = []  # (Coll, Work) launched async, not yet seen done
 
@@ -149,8 +148,7 @@ class CommTap:
     def _issuer(self, frame) -> tuple[int, bool, dict]:
         """(unit, prefetch, event args) of the collective whose caller is ``frame``."""
         if self.bucket is not None:
-            index, unit, params = self.bucket
-            first, last = self.bucket_names
+            index, unit, params, first, last = self.bucket
             return unit, False, {"zero": GRAD_BUCKET, "bucket": index, "params": params, "first_param": first,
                                  "last_param": last}
         f = frame

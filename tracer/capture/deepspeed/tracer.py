@@ -229,8 +229,8 @@ class DeepSpeedTracer(FSDPTracer):
                     self._bucket[:] = [cur.step, 0]
                 index = self._bucket[1]
                 self._bucket[1] += 1
-                tap.bucket = (index, unit_of.get(id(first), -1), count)
-                tap.bucket_names = (names.get(id(first), "?"), names.get(id(last), "?"))
+                tap.bucket = (index, unit_of.get(id(first), -1), count, names.get(id(first), "?"),
+                              names.get(id(last), "?"))
 
             self._guarded(start)
             try:

@@ -29,6 +29,7 @@ class DSUnit:
     unsharded_bytes: int
     reshard_after_forward: bool  # ZeRO-3 frees gathered parameters after use; 1-2 keep them whole
     is_root: bool
+    shard_size: int  # ranks its parameters are partitioned over
 
     def facts(self) -> dict:
         """JSON-able, in the sharded format's shape (``viz.sharded.trace`` reads it)."""
@@ -36,8 +37,6 @@ class DSUnit:
                 "sharded_bytes": self.sharded_bytes, "unsharded_bytes": self.unsharded_bytes,
                 "reshard_after_forward": self.reshard_after_forward, "root": self.is_root,
                 "shard_size": self.shard_size, "replicate_size": 1}
-
-    shard_size: int = 1
 
 
 def numel(p: torch.Tensor) -> int:
