@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ddpscope.tracer.format import RUN_FILE
 from ddpscope.viz.trace import RunTrace, TraceError, load_run
 from ddpscope.viz.whatif.advisor import SIMPLER, Advice, advise, flag_off_text, setting_text
 from ddpscope.viz.whatif.layout import cap_label, is_cap_list
@@ -46,6 +47,11 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
     if kind == KINETO:
         raise TraceError(f"{path} holds profiler traces; what-if needs a ddpscope trace (gradient ready times): "
                          "trace the job with `ddpscope run`")
+    if kind == "sharded" and _framework(path) == "deepspeed":  # its predictions: viz.sharded.deepspeed_states
+        raise TraceError(f"{path} is a DeepSpeed ZeRO run; what-if's bucket layouts need a DDP training run: the "
+                         "dashboard's Run page predicts this run's memory at another ZeRO stage, and `ddpscope run "
+                         "--zero-stage S --bucket-cap-mb X` reruns it (`ddpscope dashboard "
+                         f"{os.path.dirname(os.path.abspath(path))}`, the folder that holds it)")
     if kind == "sharded":  # its own predictions are the dashboard's (viz.sharded.predict)
         raise TraceError(f"{path} is a sharded (FSDP2) run; what-if's bucket layouts need a DDP training run: the "
                          "dashboard's Sharded page predicts this run under other reshard_after_forward and prefetch "
@@ -140,3 +146,13 @@ def cap_argument(cap) -> dict:
     if is_cap_list(cap):
         return {"bucket_cap_mb_list": cap_label(cap)}
     return {"bucket_cap_mb": float(cap)}
+
+
+def _framework(path) -> str | None:
+    """A sharded run's framework (``fsdp2``, ``deepspeed``) from its run.json, or None."""
+    try:
+        with open(os.path.join(path, RUN_FILE)) as f:
+            sharding = json.load(f).get("sharding")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return sharding.get("framework") if isinstance(sharding, dict) else None

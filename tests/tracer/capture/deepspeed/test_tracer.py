@@ -69,6 +69,8 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
     summary = run_cli("summary", str(out))
     assert summary.returncode == 0 and "DeepSpeed units=" in summary.stdout and f"ZeRO stage {stage}" in summary.stdout
     assert "gradient buckets (DeepSpeed" in summary.stdout
+    whatif = run_cli("whatif", str(out))  # bucket_cap_mb's what-if is DDP's: one line, pointing at DeepSpeed's own
+    assert whatif.returncode == 2 and "is a DeepSpeed ZeRO run" in whatif.stderr and "--zero-stage" in whatif.stderr
     plain = untraced(tmp_path, *script)
     for r in (0, 1):
         assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
