@@ -230,7 +230,8 @@ def handle_upload(upload) -> None:
         extract_run_archive(upload.getvalue(), upload.name, dest)  # makes dest, or raises if it exists
         made = True
         kind = folder_kind(dest) or "ddp"
-        {"ring": load_ring, "zero": load_zero}.get(kind, load_training_trace)(dest)
+        # checked as the page opens it: summaries first (a many-rank run may hold only those)
+        {"ring": load_ring, "zero": load_zero}.get(kind, lambda p: load_training_trace(p, events_for=()))(dest)
     except Exception as e:  # noqa: BLE001 - nothing that does not load stays in uploads/ (every page lists it)
         if made or not isinstance(e, FileExistsError):  # never what another upload made
             shutil.rmtree(dest, ignore_errors=True)

@@ -64,9 +64,14 @@ def render_ring(all_runs: dict, jobs: JobManager, busy: bool) -> None:
         if st.session_state.get("ring_round") not in rounds:
             st.session_state["ring_round"] = default_round(ring)
         rnd = st.select_slider("Round (the median one first)", options=rounds, key="ring_round")
-        st.plotly_chart(make_ring_animation_figure(ring, rnd), key="ring_animation")
-        st.caption("Play steps through the ring: each frame lasts in proportion to the step's measured time "
-                   "(median over ranks). Slots: a rank's N chunks, with how many ranks' data each holds.")
+        try:
+            animation = make_ring_animation_figure(ring, rnd)
+        except ValueError as e:  # the recorded sends and receives do not add up (an edited trace)
+            st.error(f"{ring_path.name}: round {rnd} cannot be replayed: {e}")
+        else:
+            st.plotly_chart(animation, key="ring_animation")
+            st.caption("Play steps through the ring: each frame lasts in proportion to the step's measured time "
+                       "(median over ranks). Slots: a rank's N chunks, with how many ranks' data each holds.")
         st.plotly_chart(make_ring_step_figure(compute_ring_step_times(ring, rnd)), key="ring_steps")
         st.subheader("Ring vs dist.all_reduce (medians over timed rounds; GB/s = 10^9 bytes/s)")
         st.dataframe(summary.reset_index().round(4), hide_index=True, key="ring_summary")

@@ -227,8 +227,9 @@ def _everything(path: Path) -> None:
         ring = load_ring(path)
         compute_ring_summary(ring)
         rnd = default_round(ring)
-        make_ring_animation_figure(ring, rnd).to_json()
         make_ring_step_figure(compute_ring_step_times(ring, rnd)).to_json()
+        for offered in ring.main_rounds() or ring.complete_rounds():  # the page's round slider
+            make_ring_animation_figure(ring, offered).to_json()
     elif kind == "zero":
         cmp = compute_zero_comparison(load_zero(path))
         make_zero_run_figure(cmp, "MiB", 0).to_json()
@@ -242,6 +243,8 @@ def _everything(path: Path) -> None:
             compute_hta_breakdown(t)
             compute_kernel_step_breakdown(t)
             make_kernel_timeline_figure(t).to_json()
+            if len(t.buckets):  # the Timeline's all-reduces by order in the step
+                compute_bucket_table(t)
         else:
             compute_bucket_table(t)
             compute_ddp_logging_view(t)
@@ -327,6 +330,22 @@ def _profile_kernel(o, collective: bool) -> dict:
     return next(e for e in o["traceEvents"] if e.get("cat") == "kernel" and ("nccl" in e["name"]) == collective)
 
 
+def _ring_step_twice(o) -> None:
+    """In every round, rank 2's step 1 is recorded twice and its step 2 not at all: as many
+    steps as a whole round has, not the ones it has."""
+    for e in o["traceEvents"]:
+        if e.get("cat") == "ring_step" and e["args"]["step"] == 2:
+            e["args"].update(step=1)
+
+
+def _summary_step_twice(folder: Path) -> None:
+    """Rank 1 read from its summary (no events), one of whose step lines is repeated."""
+    (folder / "rank-1.json").unlink()
+    path = folder / "rank-1.summary.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines + [next(line for line in lines if line.startswith('{"step":2,'))]) + "\n")
+
+
 HOSTILE = {  # name: (source, edit of the copied folder)
     "ddp: no step spans": ("mlp-2rank-cap1mb", lambda d: _all_ranks(d, _drop("step"))),
     "ddp: no backward spans": ("mlp-2rank-cap1mb", lambda d: _all_ranks(d, _drop("backward"))),
@@ -368,6 +387,10 @@ HOSTILE = {  # name: (source, edit of the copied folder)
     "ring: no ring steps": ("ring-4rank-4mb", lambda d: _all_ranks(d, _drop("ring_step"))),
     "ring: one rank's steps renumbered": ("ring-4rank-4mb", lambda d: _edit(d, "rank-2.json", lambda o: [
         e["args"].update(step=e["args"]["step"] + 1) for e in o["traceEvents"] if e.get("cat") == "ring_step"])),
+    "ring: a step recorded twice on a rank, another not at all": ("ring-4rank-4mb", lambda d: _edit(
+        d, "rank-2.json", _ring_step_twice)),
+    "ring run.json: bytes 'nan'": ("ring-4rank-4mb", lambda d: _edit(d, "run.json", lambda o: o.update(bytes="nan"))),
+    "summary: a step twice": ("run", _summary_step_twice),
     "profiler: correlation 2**63": ("profile", lambda d: _edit(
         d, "rank-0.json", lambda o: _profile_kernel(o, True)["args"].__setitem__("correlation", 2**63))),
     "profiler: bytes ff fe inside a string": ("profile", lambda d: (d / "rank-1.json").write_bytes(

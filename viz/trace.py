@@ -203,6 +203,12 @@ def load_run(path: str | Path, *, allow_missing_ranks: bool = False, events_for:
     rows = [row for t in parsed for row in t.steps]
     rows += [{"rank": r, **msgspec.structs.asdict(line)} for r, (_, lines) in summaries.items() for line in lines]
     steps, memory = _step_tables(rows, ranks)
+    twice = steps[steps.duplicated(["rank", "step"])]
+    if len(twice):  # every per-step table is keyed by (rank, step): a repeat would be summed or fail later
+        r, s = int(twice["rank"].iloc[0]), int(twice["step"].iloc[0])
+        source = "summary" if r in summaries else "events"
+        raise TraceError(f"{path.name}: rank {r} records step {s} more than once (in its {source}): "
+                         "the folder was edited or two runs were written into it")
     shards = None
     if sharded:
         from ddpscope.viz.sharded.trace import parse_sharded

@@ -96,6 +96,18 @@ def test_upload_of_a_run_archive_opens_it(app):
     assert _metric(app, "buckets") == "1"
 
 
+def test_an_upload_of_summaries_only_opens_as_the_runs_folder_would(app, mlp_run):
+    """The many-rank format (run.json and each rank's summary, no events) opens from the
+    runs folder; uploaded, it opens too, rather than "has neither events nor a summary"."""
+    files = {f"many/{p.name}": p.read_bytes() for p in mlp_run[0].iterdir()
+             if p.name == "run.json" or p.name.endswith(".summary.jsonl")}
+    app.sidebar.file_uploader(key="upload").upload("many.zip", _zip(files), "application/zip")
+    app.run()
+    assert not app.exception and not app.sidebar.error
+    assert app.sidebar.selectbox(key="trace").value.startswith("upload: many-")
+    assert app.dataframe[MEDIANS].value is not None and len(app.dataframe[MEDIANS].value) == 2  # both ranks
+
+
 def test_uploads_of_one_file_never_remove_each_other(tmp_path, monkeypatch):
     """The same archive uploaded twice (two tabs, the same second), then a bad one of the
     same name: both good uploads stay, each in a folder of its own; the bad one leaves
@@ -520,6 +532,25 @@ def test_a_ring_run_with_no_complete_round_says_so(app, tmp_path):
     app.selectbox(key="ring_trace").set_value("run: no-rounds").run()
     assert not app.exception
     assert any("no ring round finished on every rank" in e.value for e in app.error)
+
+
+def test_a_ring_round_whose_sends_do_not_add_up_says_so_and_the_page_goes_on(app, tmp_path):
+    """Rank 1 receives its own chunk at every round's first step (an edited trace): the
+    replay would count its data twice; the page says so and draws the rest."""
+    bad = tmp_path / "runs" / "twice"
+    bad.mkdir(parents=True)
+    for p in (SAMPLES / "ring-4rank-4mb").iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    doc = json.loads((bad / "rank-1.json").read_text())
+    for e in doc["traceEvents"]:
+        if e.get("cat") == "ring_step" and e["args"]["step"] == 0:
+            e["args"].update(recv_from=1, recv_chunk=e["args"]["send_chunk"])
+    (bad / "rank-1.json").write_text(json.dumps(doc))
+    _page(app, "Ring all-reduce")
+    app.selectbox(key="ring_trace").set_value("run: twice").run()
+    assert not app.exception
+    assert any("cannot be replayed" in e.value and "twice" in e.value for e in app.error)
+    assert any(d.value is not None and len(d.value) for d in app.dataframe)  # the summary table is still drawn
 
 
 def _predict_chart(app, title_part="Predicted step time against bucket_cap_mb") -> dict:

@@ -147,3 +147,18 @@ def test_fifos_and_links_among_rank_files_are_refused_not_opened(tmp_path, make,
     make(folder / "rank-1.json", SAMPLES / "mlp-2rank-cap1mb" / "rank-1.json")
     with pytest.raises(TraceError, match=message):
         load_run(folder)
+
+
+def test_a_step_line_repeated_in_a_summary_is_one_line(tmp_path, mlp_run):
+    """Every per-step table is keyed by (rank, step): a repeated step line in a summary (an
+    edited folder, two runs in one) failed later on the page ("cannot handle a non-unique
+    multi-index"); the loader says what is wrong."""
+    run = tmp_path / "run"
+    shutil.copytree(mlp_run[0], run, ignore=shutil.ignore_patterns("live", "logs"))
+    (run / "rank-1.json").unlink()  # rank 1 is read from its summary
+    path = run / "rank-1.summary.jsonl"
+    lines = path.read_text().splitlines()
+    lines.append(next(line for line in lines if line.startswith('{"step":2,')))
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceError, match=r"rank 1 records step 2 more than once \(in its summary\)"):
+        load_run(run, events_for=[0])

@@ -52,5 +52,7 @@ def compute_bucket_table(trace: RunTrace, include_warmup: bool = False) -> pd.Da
     out = med.join(last[["bytes", "num_params", "params"]])
     out.insert(0, "mib", out.pop("bytes") / 2**20)
     out.insert(1, "num_params", out.pop("num_params"))
-    out["params"] = [", ".join(p) for p in out["params"]]
+    # a profiler trace names no parameter; a bucket seen only in an earlier step (a repeated
+    # kernel) has none in the last step's rows
+    out["params"] = [", ".join(p) if isinstance(p, (list, tuple)) else "" for p in out["params"]]
     return out.reset_index()[cols]

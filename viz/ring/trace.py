@@ -50,10 +50,18 @@ class RingTrace:
 
     def complete_rounds(self) -> list[int]:
         """Rounds that every rank finished and traced (a failed run may end mid-round)."""
+        n = self.world_size
         per_round = self.rounds.groupby("round")["rank"].nunique()
-        steps = self.steps.groupby("round").size() if len(self.steps) else pd.Series(dtype=int)
-        full = 2 * (self.world_size - 1) * self.world_size
-        return sorted(int(r) for r, n in per_round.items() if n == self.world_size and steps.get(r, 0) == full)
+        full = 2 * (n - 1) * n  # each of the 2(N-1) steps once on each rank, no more
+        s = self.steps
+        if len(s):
+            valid = s["rank"].between(0, n - 1) & s["step"].between(0, 2 * (n - 1) - 1)
+            rows = s.groupby("round").size()
+            distinct = s[valid].drop_duplicates(["round", "rank", "step"]).groupby("round").size()
+        else:
+            rows = distinct = pd.Series(dtype=int)
+        return sorted(int(r) for r, k in per_round.items()
+                      if k == n and rows.get(r, 0) == full and distinct.get(r, 0) == full)
 
     def main_rounds(self) -> list[int]:
         """Timed rounds of the requested size (no warm-up, no calibration) that every rank
@@ -69,6 +77,11 @@ def load_ring(path: str | Path) -> RingTrace:
     run, files, world = read_run_folder(path, fmt.KIND_RING)
     if "bytes" not in run:
         raise TraceError(f"{path.name}/run.json has no tensor size (the ring job never started?)")
+    size = run["bytes"]
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size) or size <= 0 \
+            or size != int(size):
+        raise TraceError(f"{path.name}/run.json: the tensor size (bytes) {str(size)[:40]!r} is not a positive "
+                         "whole number")
     rows: dict[str, list] = {"rounds": [], "steps": [], "refs": []}
     for rank, (meta, events) in files.items():
         align = clock_alignment(meta)

@@ -167,6 +167,8 @@ def step_inputs(trace: RunTrace, model: WhatIfModel) -> list[StepInputs]:
             if g is None or b is None:
                 break
             g = g[g["micro"] == sync_micro.get((rank, step), g["micro"].max())]
+            if not len(g) or not len(b):  # nothing of this rank's reduction left to replay: not a usable step
+                break
             flights = _flights(b, last_launch.get(step))
             b0, b1 = float(s["backward_start_us"]), float(s["backward_end_us"])
             sync_end = float(s["sync_end_us"]) if pd.notna(s.get("sync_end_us")) else max(b1, b["done_us"].max())

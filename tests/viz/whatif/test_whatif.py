@@ -469,3 +469,19 @@ def test_each_ddp_flag_lays_out_as_ddp_builds_at_a_cap_and_a_list(tmp_path, flag
     assert len({str(v) for v in built.values()}) == 3, built
     for name, cap in [("cap", 0.25), ("one", 1.0), ("list", (0.75, 0.25))]:
         assert sorted(map(sorted, predict_layout(runs["cap"], cap))) == built[name], name
+
+
+def test_a_step_with_no_gradient_of_its_reduction_on_one_rank_is_left_out_of_the_replay():
+    """A rank whose gradients of a step are not those of the micro-batch that reduced (an
+    edited or torn trace) had ``step_inputs`` take ``max()`` of nothing: the step is left out."""
+    from dataclasses import replace
+
+    from ddpscope.viz.whatif.model import step_inputs
+
+    trace = load_run(SAMPLES / "mlp-2rank-cap1mb")
+    model = fit_model(trace)
+    steps = [i.step for i in step_inputs(trace, model)]
+    k = steps[1]
+    grads = trace.grads.copy()
+    grads.loc[(grads["rank"] == 1) & (grads["step"] == k), "micro"] = 7
+    assert [i.step for i in step_inputs(replace(trace, grads=grads), model)] == [s for s in steps if s != k]
