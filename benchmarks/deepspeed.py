@@ -16,8 +16,10 @@ step of every mode per round, the order rotating), so the machine's noise hits e
 mode alike; the rounds come in three blocks, and from one block to the next every mode
 moves to another engine (the tracer closed and started on the next), so a copy's place in
 memory (~1-3 % here) cancels out. Each mode's ratio is the median over rounds of its step
-over the same round's untraced step (rank 0), with a bootstrap 95 % interval. Goal: ``traced`` <= 1.02
-at every stage.
+over the same round's untraced step (rank 0), and the median over windows of 16 rounds of
+their totals' ratio (``16-rd``: the tracer writes its steps in batches, every ~0.25 s, a cost
+a median over single rounds would not see), each with a bootstrap 95 % interval. Goal:
+``traced`` <= 1.02 at every stage, both ways.
 
 Benchmarks are not tests: nothing is asserted; ``--smoke`` runs tiny sizes once.
 """
@@ -113,7 +115,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def overhead(args, tmp: Path) -> None:
-    from benchmarks.overhead import ratios, worker_result  # the same job and paired ratios as DDP's
+    from benchmarks.overhead import ratios, window_ratios, worker_result  # the same job and paired ratios as DDP's
 
     result, res = worker_result("benchmarks.deepspeed", RESULT_PREFIX,
                                 ["--rounds", str(args.rounds), "--layers", str(args.layers), "--dim", str(args.dim),
@@ -122,15 +124,15 @@ def overhead(args, tmp: Path) -> None:
         raise SystemExit(f"benchmark job failed: {res.reason}\n{res.stderr_tail}")
     print(f"overhead: DeepSpeed {args.layers} hidden layers of {args.dim}, ranks=2, rounds={args.rounds} "
           "(rank 0; one step of every mode per round, interleaved)")
-    print(f"  {'stage':>5} {'mode':<9} {'median ms':>9}  {'ratio':>6}  {'95% CI':>13}")
+    print(f"  {'stage':>5} {'mode':<9} {'median ms':>9}  {'median':>6}  {'95% CI':>11}  {'16-rd':>6}  {'95% CI':>11}")
     met = True
     for stage, times in result.items():
-        r = ratios(times)
+        r, mr = ratios(times), window_ratios(times)
         for m in MODES:
             print(f"  {stage:>5} {m:<9} {statistics.median(times[m]) * 1e3:9.2f}  {r[m][0]:6.3f}  "
-                  f"{r[m][1]:.3f}-{r[m][2]:.3f}")
-        met = met and r["traced"][0] <= 1.02
-    print(f"  goal traced <= 1.02 at every stage: {'met' if met else 'NOT met'}")
+                  f"{r[m][1]:.3f}-{r[m][2]:.3f}  {mr[m][0]:6.3f}  {mr[m][1]:.3f}-{mr[m][2]:.3f}")
+        met = met and max(r["traced"][0], mr["traced"][0]) <= 1.02
+    print(f"  goal traced <= 1.02 at every stage, per round and per 16 rounds: {'met' if met else 'NOT met'}")
 
 
 def main(argv=None) -> None:

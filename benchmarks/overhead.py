@@ -222,6 +222,27 @@ def ratios(times: dict[str, list[float]], boot: int = 2000, seed: int = 0) -> di
     return out
 
 
+def window_ratios(times: dict[str, list[float]], window: int = 16, boot: int = 2000, seed: int = 0
+                  ) -> dict[str, tuple[float, float, float]]:
+    """As ``ratios``, over windows of ``window`` consecutive rounds: each window's total
+    step time over the same rounds' untraced total, the median over windows, its interval
+    by resampling windows. A cost paid once every few steps (a tracer that writes its steps
+    in batches) is in every window's total, where a median over single rounds would miss
+    it; the median over windows still keeps a spike of the machine out."""
+    rng = random.Random(seed)
+    base = times["untraced"]
+    out = {}
+    for m, ts in times.items():
+        per = [sum(ts[k:k + window]) / sum(base[k:k + window]) for k in range(0, len(ts) - window + 1, window)]
+        if not per:
+            out[m] = (float("nan"),) * 3
+            continue
+        n = len(per)
+        samples = sorted(statistics.median(per[rng.randrange(n)] for _ in range(n)) for _ in range(boot))
+        out[m] = (statistics.median(per), samples[int(0.025 * boot)], samples[int(0.975 * boot) - 1])
+    return out
+
+
 def worker_result(target: str, prefix: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None,
                   timeout_s: float = 1800) -> tuple[dict | None, object]:
     """Run ``python -m target --worker ARGS`` on 2 ranks (torchrun, this repository on the

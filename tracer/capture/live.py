@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -63,12 +64,14 @@ class LiveFile:
     """Writes this rank's position until ``close(status)``; never raises into training."""
 
     def __init__(self, out_dir: Path | str, rank: int, recorder, interval_s: float = INTERVAL_S,
-                 position: Callable[[], dict] | None = None) -> None:
-        """``position``: where the rank is, as JSON-able fields (default: a DDP recorder's)."""
+                 position: Callable[[], dict] | None = None, tick: Callable[[], None] | None = None) -> None:
+        """``position``: where the rank is, as JSON-able fields (default: a DDP recorder's).
+        ``tick``: called on this thread before each write (a recorder's ``flush_held``)."""
         self.path = Path(out_dir) / fmt.live_file(rank)
         self.rank = rank
         self.recorder = recorder
         self._position = position or (lambda: ddp_position(recorder))
+        self._tick = tick
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._status = "running"
@@ -91,6 +94,13 @@ class LiveFile:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
+            if self._tick is not None:
+                try:
+                    self._tick()
+                except Exception as e:  # noqa: BLE001 - said once; the heartbeat goes on
+                    print(f"ddpscope: rank {self.rank}: could not write the steps held ({type(e).__name__}: {e})",
+                          file=sys.stderr, flush=True)
+                    self._tick = None
             self._write()
 
     def _write(self) -> None:

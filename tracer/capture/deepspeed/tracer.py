@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ddpscope.tracer.capture.clock import make_clock
-from ddpscope.tracer.capture.deepspeed.comm import CommTap
+from ddpscope.tracer.capture.deepspeed.comm import CommTap, bucket_args
 from ddpscope.tracer.capture.deepspeed.engine_facts import ITEMSIZE
 from ddpscope.tracer.capture.deepspeed.memory import DeepSpeedMemory
 from ddpscope.tracer.capture.deepspeed.units import find_units
@@ -108,7 +108,8 @@ class DeepSpeedTracer(FSDPTracer):
             self._wrap_waits(unit_of)
         try:
             self._live = LiveFile(self.config.out_dir, self.rank, self.recorder,
-                                  position=lambda: position(self.recorder, names))
+                                  position=lambda: position(self.recorder, names),
+                                  tick=self.recorder.flush_held)
         except OSError:
             self._live = None
 
@@ -229,8 +230,8 @@ class DeepSpeedTracer(FSDPTracer):
                     self._bucket[:] = [cur.step, 0]
                 index = self._bucket[1]
                 self._bucket[1] += 1
-                tap.bucket = (index, unit_of.get(id(first), -1), count, names.get(id(first), "?"),
-                              names.get(id(last), "?"))
+                tap.bucket = (unit_of.get(id(first), -1),
+                              bucket_args(index, count, names.get(id(first), "?"), names.get(id(last), "?")))
 
             self._guarded(start)
             try:

@@ -124,7 +124,8 @@ class FSDPTracer:
         self._hooks.attach()
         attach_optimizer_finder(list(self.model.parameters()), self.recorder, self._handles, self._guard)
         try:
-            self._live = LiveFile(cfg.out_dir, self.rank, self.recorder, position=lambda: position(self.recorder, names))
+            self._live = LiveFile(cfg.out_dir, self.rank, self.recorder,
+                                  position=lambda: position(self.recorder, names), tick=self.recorder.flush_held)
         except OSError:
             self._live = None
         if torch.is_grad_enabled():  # started inside the root's first forward: that is step 0

@@ -234,6 +234,10 @@ def test_a_hang_inside_a_unit_is_named_by_the_watchdog(tmp_path):
     assert "all-gather of unit layers.2 (forward)" in proc.stderr  # where rank 0 waits for it
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "failed" and run["failure"]["hung"]
+    # the steps that finished before the hang are kept, though the ranks were killed: the
+    # live file's thread wrote the steps the recorder held for its next batch
+    steps = load_run(out).steps
+    assert {r: sorted(set(steps[steps["rank"] == r]["step"]) & {0, 1}) for r in range(N)} == {0: [0, 1], 1: [0, 1]}
 
 
 @pytest.mark.frameworks
