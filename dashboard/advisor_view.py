@@ -62,7 +62,8 @@ def render_advisor(path: Path, stamp: float, trace, model, jobs: JobManager, bus
     n = rec["searched"]
     with st.expander(f"What the advisor searched: {n['uniform']} uniform caps, {n['growing list']} growing lists, "
                      f"{n['per-bucket list']} per-bucket layouts"):
-        st.caption("Every candidate replayed on this trace's steps (the search uses up to 8 of them). Layouts are "
+        st.caption("Every candidate's step_ms is its replay on all of this trace's steps: the table's number for the "
+                   "same setting (search_ms: the up to 8 steps the search compared layouts on). Layouts are "
                    "built by DDP's own bucketing from the gradients' ready order; a per-bucket layout is written as "
                    f"the bucket_cap_mb_list that builds it. The simplest setting within {100 * SIMPLER:.1f} % of the "
                    "fastest is the one recommended. A gain is worth a change when it exceeds √2 x the half-width "

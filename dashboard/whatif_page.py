@@ -26,6 +26,7 @@ from ddpscope.viz.ddp.gantt import make_timeline_figure
 from ddpscope.viz.ddp.overlap import compute_run_comparison
 from ddpscope.viz.lanes import timeline_extent_ms
 from ddpscope.viz.trace import TraceError
+from ddpscope.viz.whatif.advisor import gain_noise_ms, mark_within_noise
 from ddpscope.viz.whatif.figures import make_cap_sweep_figure
 from ddpscope.viz.whatif.layout import cap_label, is_cap_list
 from ddpscope.viz.whatif.model import fit_model, regime
@@ -51,9 +52,13 @@ def cap_sweep(path: str, stamp: float, caps: tuple[float, ...], world_size: int 
     if world_size is not None:
         model = project_model(fitted, world_size, Link(bandwidth_gbps=bandwidth_gbps, latency_us=latency_us))
     sweep = compute_cap_sweep(trace, caps, model, fitted)
+    best = recommend_cap(sweep)
+    if world_size is None:  # this run's step-to-step noise; a projection's is not this run's
+        best["noise_ms"] = gain_noise_ms(trace)
+        sweep = mark_within_noise(sweep, best["noise_ms"])
     table = pd.DataFrame(sweep)
     table.attrs = {}  # the predicted traces stay out of the cache
-    return table, recommend_cap(sweep), list(model.notes)
+    return table, best, list(model.notes)
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
@@ -92,9 +97,14 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
     render_ab(path, stamp, trace, traces)
     measured = _measured_runs(trace, traces)
     points = compute_measured_points(measured)
-    st.plotly_chart(make_cap_sweep_figure(sweep, points, best["bucket_cap_mb"]), key="predict_curve")
+    noise = best.get("noise_ms", float("nan"))
+    st.plotly_chart(make_cap_sweep_figure(sweep, points, best["bucket_cap_mb"], noise_ms=noise), key="predict_curve")
+    alike = sweep[sweep["within_noise"]]["bucket_cap_mb"] if "within_noise" in sweep else []
     st.caption(f"Of the uniform caps on the curve, {best['bucket_cap_mb']:g} MiB is predicted fastest "
-               f"({best['step_ms']:.1f} ms a step). The advisor below also searches per-bucket layouts.")
+               f"({best['step_ms']:.1f} ms a step)"
+               + (f"; {', '.join(f'{c:g}' for c in sorted(set(alike)))} MiB cannot be told apart from it: their "
+                  f"steps are within this run's noise ({noise:.1f} ms, the shaded band)" if len(alike) > 1 else "")
+               + ". The advisor below also searches per-bucket layouts; its numbers are this table's.")
     render_advisor(path, stamp, trace, whatif_model(str(path), stamp), jobs, busy, policy)
     with st.expander("Predicted table and how the model was fitted"):
         st.dataframe(sweep.round(2), hide_index=True, key="predict_table")

@@ -635,6 +635,26 @@ def test_run_at_the_predicted_cap_puts_the_real_run_on_the_curve(app, tmp_path):
     assert list(vs["run"]) == ["predicted at 4 MiB", f"run: {runs[0].name} (measured)"]
 
 
+def test_whatif_page_gives_one_number_per_setting_and_shades_the_noise(app):
+    """The curve's table and the advisor's candidates come from one replay: each uniform
+    cap's step is the same in both; the caps whose steps cannot be told apart from the
+    fastest one are shaded on the curve and named under it."""
+    _page(app, "What-if")
+    table = next(d.value for d in app.dataframe if {"bucket_cap_mb", "within_noise"} <= set(d.value.columns))
+    cands = next(d.value for d in app.dataframe if {"kind", "label", "step_ms"} <= set(d.value.columns))
+    by_cap = {float(r.bucket_cap_mb): float(r.step_ms) for r in table.itertuples() if not r.traced}
+    uniform = cands[cands["kind"] == "uniform"]
+    assert len(uniform) >= 10
+    for r in uniform.itertuples():
+        assert r.step_ms == pytest.approx(by_cap[float(r.label.split("=")[1])], abs=0.006)  # both rounded to 0.01
+    spec = _predict_chart(app)
+    bands = [s for s in spec["layout"].get("shapes", []) if s.get("y1", 0) > s.get("y0", 0)]
+    assert len(bands) == 1 and bands[0]["y0"] == pytest.approx(table["step_ms"].min(), abs=0.01)
+    alike = table[table["within_noise"]]
+    assert 1 < len(alike) < len(table)  # some caps are alike, not all
+    assert any("cannot be told apart from it" in c.value for c in app.caption)
+
+
 def test_whatif_advisor_says_keep_or_change(app):
     """The open sample (GPT, 1 MiB): no change worth it; the 25 MiB sample (one bucket
     after backward): a change, with its interval, and its Apply button."""

@@ -66,7 +66,8 @@ class Advice:
     None (DDP's default); the traced setting when ``change`` is False. ``best``: the
     best setting found, even when not worth a change. ``noise_ms``: half-width of the
     gain's 95 % interval. ``candidates``: every layout searched (kind, setting, buckets,
-    step_ms on the search's steps), best first."""
+    ``step_ms`` replayed on every step: the sweep's number for that setting; ``search_ms``
+    on the search's few steps, what the local search compared), best first."""
 
     setting: Cap
     best: Cap
@@ -153,6 +154,19 @@ def step_noise_ms(trace: RunTrace, seed: int = 0) -> float:
     return float(hi - lo) / 2.0
 
 
+def gain_noise_ms(trace: RunTrace) -> float:
+    """The noise (ms) a predicted difference between two settings must exceed to be told
+    apart: √2 x ``step_noise_ms`` (two medians, each with this run's noise). NaN: too few steps."""
+    return math.sqrt(2.0) * step_noise_ms(trace)
+
+
+def mark_within_noise(table: pd.DataFrame, noise_ms: float) -> pd.DataFrame:
+    """``table`` (rows with ``step_ms``) with ``within_noise``: whether a row's step cannot be
+    told apart from the fastest row's (their difference under ``noise_ms``)."""
+    fastest = table["step_ms"].min() if len(table) else np.nan
+    return table.assign(within_noise=(table["step_ms"] - fastest <= noise_ms) if math.isfinite(noise_ms) else False)
+
+
 @dataclass(frozen=True)
 class FlagOff:
     """A prediction for the run with a flag of DDP's turned off (ms, medians over steps
@@ -194,18 +208,20 @@ class _Search:
         if not inputs:
             raise TraceError(f"{trace.path.name}: no step to replay")
         pick = np.unique(np.linspace(0, len(inputs) - 1, min(SEARCH_STEPS, len(inputs))).round().astype(int))
-        self.inputs = [inputs[i] for i in pick]
+        self.inputs = [inputs[i] for i in pick]  # what the search compares layouts on
+        self.all_inputs = inputs  # what a candidate's step is: every step, as the sweep's table
         m = trace.steps.set_index(["rank", "step"])
         self.measured = {k: (float(row["end_us"] - row["start_us"]), float(row.get("sync_end_us", np.nan)))
                          for k, row in m.iterrows()}
         self.seen: dict[tuple, float] = {}
+        self.full: dict[tuple, float] = {}
         self.rows: list[dict] = []
 
     def rebuilding(self) -> "_Search":
         """A fresh search of the same steps (inputs, model, measured times) as if DDP
         rebuilt its buckets in gradient-ready order (``find_unused_parameters=False``)."""
         other = object.__new__(_Search)
-        other.__dict__.update(self.__dict__, rebuilds=True, seen={}, rows=[])
+        other.__dict__.update(self.__dict__, rebuilds=True, seen={}, full={}, rows=[])
         return other
 
     def layout(self, cap: Cap) -> list[list[int]]:
@@ -214,24 +230,36 @@ class _Search:
         return assign_buckets(self.sizes, self.dtypes, self.order, bucket_limits(cap))
 
     def step_ms(self, layout: list[list[int]]) -> float:
+        """The median step (ms) of ``layout`` replayed on the search's steps."""
         key = tuple(map(tuple, layout))
         if key not in self.seen:
-            nbytes = [float(sum(self.sizes[p] for p in b)) for b in layout]
-            vals = []
-            for inp in self.inputs:
-                sim = simulate_step(inp, layout, nbytes, self.model)
-                for r, res in sim["ranks"].items():
-                    step_us, sync_end = self.measured[(r, inp.step)]
-                    # as predict_run: the step moves by what its sync end moves
-                    vals.append(step_us + (res["sync_end"] - sync_end if math.isfinite(sync_end) else 0.0))
-            self.seen[key] = float(np.median(vals)) / 1e3
+            self.seen[key] = self._replay(layout, self.inputs)
         return self.seen[key]
+
+    def full_ms(self, layout: list[list[int]]) -> float:
+        """The median step (ms) of ``layout`` replayed on every step: the number the sweep's
+        table (``predict_run``, then ``compute_step_breakdown``) gives the same layout."""
+        key = tuple(map(tuple, layout))
+        if key not in self.full:
+            self.full[key] = self._replay(layout, self.all_inputs)
+        return self.full[key]
+
+    def _replay(self, layout: list[list[int]], inputs: list) -> float:
+        nbytes = [float(sum(self.sizes[p] for p in b)) for b in layout]
+        vals = []
+        for inp in inputs:
+            sim = simulate_step(inp, layout, nbytes, self.model)
+            for r, res in sim["ranks"].items():
+                step_us, sync_end = self.measured[(r, inp.step)]
+                # as predict_run: the step moves by what its sync end moves
+                vals.append(step_us + (res["sync_end"] - sync_end if math.isfinite(sync_end) else 0.0))
+        return float(np.median(vals)) / 1e3
 
     def add(self, kind: str, cap: Cap, layout: list[list[int]] | None = None) -> float:
         layout = layout if layout is not None else self.layout(cap)
         ms = self.step_ms(layout)
         self.rows.append({"kind": kind, "setting": cap, "label": setting_text(cap), "buckets": len(layout),
-                          "step_ms": ms})
+                          "step_ms": ms, "layout": layout})
         return ms
 
 
@@ -339,7 +367,7 @@ def advise(trace: RunTrace, model: WhatIfModel | None = None, *, caps=DEFAULT_CA
     model = model or fit_model(trace)
     local_budget = LOCAL_BUDGET if local_budget is None else local_budget
     search = _Search(trace, model)
-    noise = math.sqrt(2.0) * step_noise_ms(trace)
+    noise = gain_noise_ms(trace)
     advice = _advise(trace, search, noise, caps, lists, local_budget)
     if not search.rebuilds and not unused_parameters(trace):  # the flag looks for parameters that are never unused
         # the same steps searched again as DDP would bucket them with the flag off
@@ -373,11 +401,16 @@ def _advise(trace: RunTrace, search: _Search, noise: float, caps, lists, local_b
         _local_search(search, search.layout(top["setting"]), local_budget)
     table = pd.DataFrame(search.rows)
     table["setting"] = pd.Series([r["setting"] for r in search.rows], dtype=object)  # None (DDP's default) stays None
+    # the search compared layouts on a few steps; every candidate's step is its replay on all
+    # of them, the sweep's number for the same setting (one replay, one number)
+    table["search_ms"] = table["step_ms"]
+    table["step_ms"] = [search.full_ms(layout) for layout in table.pop("layout")]
     kinds = table["kind"].value_counts().to_dict()
     # no change, then a uniform cap, then the shortest list; then the fewest buckets
     table["simplicity"] = [(_KINDS[k], len(s) if is_cap_list(s) else 0, n)
                            for k, s, n in zip(table["kind"], table["setting"], table["buckets"])]
     table = table.drop_duplicates("label").sort_values(["step_ms", "simplicity"], kind="stable").reset_index(drop=True)
+    table = mark_within_noise(table, noise)
     fastest = float(table["step_ms"].iloc[0])
     near = table[table["step_ms"] <= fastest * (1 + SIMPLER)]
     best = near.sort_values(["simplicity", "step_ms"], kind="stable").iloc[0]["setting"]

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import plotly.graph_objects as go
 
 
 def make_cap_sweep_figure(sweep: pd.DataFrame, measured: pd.DataFrame | None = None,
-                          best_cap: float | None = None, title: str = "Predicted step time against bucket_cap_mb"
-                          ) -> go.Figure:
+                          best_cap: float | None = None, title: str = "Predicted step time against bucket_cap_mb",
+                          noise_ms: float | None = None) -> go.Figure:
     """Predicted step time and exposed communication (ms) per cap (MiB, log axis) as
-    curves, measured runs as points on them, the traced cap and ``best_cap`` marked."""
+    curves, measured runs as points on them, the traced cap and ``best_cap`` marked;
+    with ``noise_ms`` (the run's step-to-step noise), the band of steps that cannot be told
+    apart from the fastest one shaded."""
     fig = go.Figure()
     if "first_bucket_mb" in sweep:  # the curve is explicit caps; DDP's default (1 MiB first bucket) is a marker
         curve = sweep[sweep["first_bucket_mb"] == sweep["bucket_cap_mb"]]
@@ -43,6 +47,11 @@ def make_cap_sweep_figure(sweep: pd.DataFrame, measured: pd.DataFrame | None = N
                                  name="best cap (predicted)", text=[f"best: {row['bucket_cap_mb']:g} MiB"],
                                  textposition="top center",
                                  marker=dict(symbol="star", size=18, color="#2ca02c")))
+    if noise_ms is not None and math.isfinite(noise_ms) and len(curve):
+        fastest = float(curve["step_ms"].min())
+        fig.add_hrect(y0=fastest, y1=fastest + noise_ms, fillcolor="#2ca02c", opacity=0.12, line_width=0,
+                      annotation_text=f"within the noise of the fastest (+{noise_ms:.1f} ms)",
+                      annotation_position="top left", annotation_font_size=11)
     fig.update_xaxes(type="log", title_text="bucket_cap_mb (MiB, log scale)")
     fig.update_yaxes(title_text="ms", rangemode="tozero")
     fig.update_layout(title=title, height=430, margin=dict(t=50, b=90, l=50, r=20),

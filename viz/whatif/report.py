@@ -13,12 +13,12 @@ import pandas as pd
 
 from ddpscope.tracer.format import RUN_FILE
 from ddpscope.viz.trace import RunTrace, TraceError, load_run
-from ddpscope.viz.whatif.advisor import SIMPLER, Advice, advise, flag_off_text, setting_text
+from ddpscope.viz.whatif.advisor import SIMPLER, Advice, advise, flag_off_text, mark_within_noise, setting_text
 from ddpscope.viz.whatif.layout import cap_label, is_cap_list
 from ddpscope.viz.whatif.model import regime
 
 _SWEEP_COLS = ["bucket_cap_mb", "bucket_cap_mb_list", "first_bucket_mb", "buckets", "step_ms", "exposed_ms",
-               "comm_ms", "backward_ms", "overlap_pct", "traced"]
+               "comm_ms", "backward_ms", "overlap_pct", "traced", "within_noise"]
 
 
 def _safe(v):
@@ -62,6 +62,7 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
     sweep = compute_cap_sweep(trace, wanted, lists=lists)
     model = sweep.attrs["model"]
     advice = advise(trace, model, caps=wanted, lists=lists)
+    sweep = mark_within_noise(sweep, advice.noise_ms)
     if as_json:
         top = advice.candidates.head(10)
         print(json.dumps(_safe({"path": str(trace.path), "world_size": trace.world_size,
@@ -69,13 +70,17 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
                                 "caps": sweep[_SWEEP_COLS].astype(object).to_dict("records"),
                                 "recommended": advice.as_json(),
                                 "candidates": [{"kind": r.kind, "setting": r.label, "buckets": int(r.buckets),
-                                                "step_ms": float(r.step_ms)} for r in top.itertuples()],
+                                                "step_ms": float(r.step_ms), "within_noise": bool(r.within_noise)}
+                                               for r in top.itertuples()],
                                 "model_notes": list(model.notes)}), indent=1, default=float))
         return 0, (trace, advice)
     print(f"{trace.path}  ranks={trace.world_size}  traced at {setting_text(advice.traced)}  "
           "(predicted medians over steps and ranks, ms)")
     print(regime(trace))
     print(sweep[_SWEEP_COLS].round(2).fillna({"bucket_cap_mb_list": "-"}).to_string(index=False))
+    if math.isfinite(advice.noise_ms):
+        print(f"  within_noise: the step cannot be told from the fastest's, {advice.noise_ms:.1f} ms (this run's "
+              "step-to-step noise, two medians)")
     for note in model.notes:
         print(f"  model: {note}")
     if read_calibration(trace.path) is None:
@@ -103,6 +108,7 @@ def print_advice(advice: Advice) -> None:
     for r in shown.itertuples():
         mark = "  <- best found (the simplest within {:.1f} % of the fastest)".format(100 * SIMPLER) \
             if r.label == chosen else ""
+        mark += "  (within the noise of the fastest)" if r.within_noise and advice.change else ""
         print(f"  {r.step_ms:9.2f} ms  {r.buckets:3d} {'bucket ' if r.buckets == 1 else 'buckets'}  {r.kind:15s} {r.label}{mark}")
     lo, hi = advice.interval_ms
     noise = f"95 % interval {lo:.1f}..{hi:.1f} ms from this run's step-to-step noise" if math.isfinite(lo) else \

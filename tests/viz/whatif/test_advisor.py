@@ -13,7 +13,7 @@ import pytest
 from ddpscope.tracer.launch.rerun import rerun_settings
 from ddpscope.viz.trace import load_run
 from ddpscope.viz.whatif.ab import compute_ab_steps, compute_bucket_ab, compute_bucket_timing, make_ab_timeline_figure
-from ddpscope.viz.whatif.advisor import _Search, advise, list_for_layout, step_noise_ms
+from ddpscope.viz.whatif.advisor import _Search, advise, list_for_layout, setting_text, step_noise_ms
 from ddpscope.viz.whatif.simulate import predict_run
 from tests.conftest import SAMPLES, run_cli
 from tests.viz.whatif.test_whatif import MIB, model, synthetic
@@ -218,3 +218,41 @@ def test_what_turning_find_unused_parameters_off_would_give_is_predicted_only_wh
     assert [n.split(".")[-2:] for n in unused_parameters(unused)] == [["unused_head", "weight"], ["unused_head", "bias"]]
     out = run_cli("whatif", str(flagged.path))
     assert out.returncode == 0 and "  flag: every parameter had its gradient in every step" in out.stdout
+
+
+@pytest.mark.parametrize("sample", ["mlp-2rank-cap1mb", "gpt-2rank-cap1mb", "gpt-2rank-cap25mb"])
+def test_every_candidate_step_is_the_tables_for_that_setting(sample):
+    """One replay, one number: the advisor's step for a setting is the sweep table's (both
+    replay every usable step), and so is its recommendation's and the traced setting's; a
+    row within the noise of the fastest is marked the same way in both."""
+    from ddpscope.viz.whatif.advisor import mark_within_noise
+    from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, _medians, compute_cap_sweep
+
+    trace = load_run(SAMPLES / sample)
+    sweep = compute_cap_sweep(trace, DEFAULT_CAPS)
+    advice = advise(trace, sweep.attrs["model"], local_budget=20)
+    sweep = mark_within_noise(sweep, advice.noise_ms)
+    table = {(float(r.bucket_cap_mb), bool(r.traced)): float(r.step_ms) for r in sweep.itertuples()}
+    cands = advice.candidates
+    uniform = cands[cands["kind"] == "uniform"]
+    assert len(uniform) >= len(DEFAULT_CAPS) - 1  # one may be the traced row (deduplicated by label)
+    for r in uniform.itertuples():
+        assert r.step_ms == pytest.approx(table[(float(r.setting), float(r.setting) == advice.traced)], rel=1e-9)
+    traced = float(sweep[sweep["traced"]]["step_ms"].iloc[0])
+    assert float(cands[cands["kind"] == "traced"]["step_ms"].iloc[0]) == pytest.approx(traced, rel=1e-9)
+    assert advice.traced_step_ms == pytest.approx(traced, rel=1e-9)
+    best = cands[cands["label"] == setting_text(advice.best)]
+    replayed = _medians(predict_run(trace, advice.best, sweep.attrs["model"]))["step_ms"]
+    assert float(best["step_ms"].iloc[0]) == pytest.approx(replayed, rel=1e-9)
+    for frame in (cands, sweep):
+        assert (frame["within_noise"] == (frame["step_ms"] - frame["step_ms"].min() <= advice.noise_ms)).all()
+    assert sweep["within_noise"].any() and not sweep["within_noise"].all()
+
+
+def test_whatif_json_caps_and_candidates_agree():
+    out = json.loads(run_cli("whatif", str(SAMPLES / "gpt-2rank-cap1mb"), "--json").stdout)
+    caps = {c["bucket_cap_mb"]: c["step_ms"] for c in out["caps"] if c["bucket_cap_mb_list"] is None}
+    shown = [c for c in out["candidates"] if c["kind"] == "uniform"]
+    assert shown and all(c["step_ms"] == pytest.approx(caps[float(c["setting"].split("=")[1])], rel=1e-9)
+                         for c in shown)
+    assert all("within_noise" in c for c in out["caps"] + out["candidates"])
