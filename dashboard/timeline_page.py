@@ -11,10 +11,11 @@ from ddpscope.dashboard.common import first_real_step, load_events, load_trace, 
 from ddpscope.dashboard.rank_overview_view import default_ranks, render_rank_overview
 from ddpscope.dashboard.sharded_view import render_sharded_timeline
 from ddpscope.viz.ddp.buckets import compute_bucket_table
+from ddpscope.viz.ddp.compare import compute_run_comparison, differences_text, median_step
 from ddpscope.viz.ddp.gantt import make_timeline_figure
 from ddpscope.viz.ddp.kernel_gantt import make_kernel_timeline_figure
 from ddpscope.viz.ddp.kernel_overlap import compute_hta_breakdown
-from ddpscope.viz.ddp.overlap import compute_rank_medians, compute_run_comparison, compute_step_breakdown
+from ddpscope.viz.ddp.overlap import compute_rank_medians, compute_step_breakdown
 from ddpscope.viz.ddp.profile_check import compute_profile_agreement, profile_folder
 from ddpscope.viz.ddp.stages import compute_param_sync
 from ddpscope.viz.ddp.stragglers import compute_straggler_summary, straggler_line
@@ -173,13 +174,21 @@ def render_compare(traces: dict[str, Path]) -> None:
 
 
 def show_comparison(loaded: dict, key: str, layouts: bool = False) -> None:
-    """Runs side by side: the differences table, one timeline each on one time scale
-    (their first non-warm-up step) and, with ``layouts``, their bucket tables."""
+    """Runs side by side: the differences table over all their steps (with intervals, and
+    what differs besides the setting said first), one timeline each of its median step on
+    one time scale and, with ``layouts``, their bucket tables."""
     table = compute_run_comparison(loaded)
+    for line in differences_text(table):
+        (st.warning if "not the same job" in line else st.info)(line)
     st.dataframe(table.round(2), hide_index=True, key=f"{key}_table")
-    width = max(timeline_extent_ms(t, [first_real_step(t)]) for t in loaded.values())
+    st.caption("Medians over every non-warm-up step and rank. step_ms_lo..hi: the median's 95 % interval; "
+               "vs_first_lo..hi: the interval of the difference to the first run (each run's steps resampled, "
+               "2,000 times); within_noise: that interval holds 0.")
+    shown = {label: median_step(t) for label, t in loaded.items()}
+    shown = {label: first_real_step(loaded[label]) if s is None else s for label, s in shown.items()}
+    width = max(timeline_extent_ms(t, [shown[label]]) for label, t in loaded.items())
     for n, (label, t) in enumerate(loaded.items()):
-        fig = make_timeline_figure(t, steps=[first_real_step(t)], title=f"{label} (step {first_real_step(t)})",
+        fig = make_timeline_figure(t, steps=[shown[label]], title=f"{label}: step {shown[label]}, its median step",
                                    ranks=None if t.all_events else list(t.event_ranks))
         fig.update_xaxes(range=[0, width * 1.02])  # one time scale for all runs
         st.plotly_chart(fig, key=f"{key}_{n}")

@@ -22,8 +22,8 @@ from ddpscope.dashboard.common import (
 )
 from ddpscope.dashboard.run_page import page_rerun
 from ddpscope.tracer.launch.jobs import JobManager
+from ddpscope.viz.ddp.compare import compute_run_comparison, same_job
 from ddpscope.viz.ddp.gantt import make_timeline_figure
-from ddpscope.viz.ddp.overlap import compute_run_comparison
 from ddpscope.viz.lanes import timeline_extent_ms
 from ddpscope.viz.trace import TraceError
 from ddpscope.viz.whatif.advisor import gain_noise_ms, mark_within_noise
@@ -32,7 +32,7 @@ from ddpscope.viz.whatif.layout import cap_label, is_cap_list
 from ddpscope.viz.whatif.model import fit_model, regime
 from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model
 from ddpscope.viz.whatif.simulate import predict_run, traced_cap
-from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, compute_measured_points, recommend_cap, same_job
+from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, compute_measured_points, recommend_cap
 
 
 @st.cache_data(show_spinner="Fitting the model to the trace...", max_entries=8)

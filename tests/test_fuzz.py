@@ -28,13 +28,13 @@ import pytest
 
 from ddpscope.cli.reading import run_viz_command
 from ddpscope.viz.ddp.buckets import compute_bucket_table
+from ddpscope.viz.ddp.compare import compute_run_comparison
 from ddpscope.viz.ddp.gantt import make_timeline_figure
 from ddpscope.viz.ddp.kernel_gantt import make_kernel_timeline_figure
 from ddpscope.viz.ddp.kernel_overlap import compute_hta_breakdown, compute_kernel_step_breakdown
 from ddpscope.viz.ddp.overlap import (
     compute_ddp_logging_view,
     compute_rank_medians,
-    compute_run_comparison,
     compute_step_breakdown,
 )
 from ddpscope.viz.ddp.stragglers import compute_straggler_summary

@@ -79,12 +79,24 @@ def test_switching_traces_ranks_and_steps(app):
 
 
 def test_compare_view_puts_runs_on_one_time_scale(app):
+    """Two samples of one job at two caps: medians over every step with intervals, the
+    layout change said before the numbers, each run's median step drawn on one scale."""
     _page(app, "Compare runs")
     table = app.dataframe[0].value
     assert len(table) == 2 and table["step_ms_vs_first"].iloc[0] == 0
-    assert sorted(table["buckets"]) == [1, 20]
+    assert sorted(table["buckets"]) == [1, 20] and table["same_job"].all()
+    assert (table["step_ms_lo"] <= table["step_ms"]).all() and (table["step_ms"] <= table["step_ms_hi"]).all()
+    other = table.iloc[1]
+    assert other["vs_first_lo"] <= other["step_ms_vs_first"] <= other["vs_first_hi"]
+    assert other["within_noise"] == (other["vs_first_lo"] <= 0 <= other["vs_first_hi"])
+    assert any("buckets differ" in i.value for i in app.info)
+    titles = [json.dumps(_spec(app, n)["layout"]["title"]) for n in (0, 1)]
+    assert all("its median step" in t for t in titles)
     ranges = [_spec(app, n)["layout"]["xaxis"]["range"] for n in (0, 1)]
     assert ranges[0] == ranges[1] and ranges[0][1] > 50
+    app.multiselect(key="compare_runs").set_value(["sample: gpt-2rank-cap1mb", "sample: mlp-2rank-cap1mb"]).run()
+    assert not app.exception
+    assert any("is not the same job" in w.value for w in app.warning)
 
 
 def test_upload_of_a_run_archive_opens_it(app):
@@ -208,8 +220,8 @@ def test_rerun_of_the_open_trace_shows_it_beside_its_source(app, tmp_path):
     table = [d.value for d in app.dataframe if "step_ms_vs_first" in d.value.columns][-1]
     assert list(table["run"]) == ["sample: gpt-2rank-cap1mb", f"run: {runs[0].name}"]
     assert list(table["bucket_cap_mb"]) == [1.0, 25.0] and table["buckets"].iloc[0] > table["buckets"].iloc[1]
-    pair = [c for c in _charts(app) if "gpt-2rank-cap1mb (step" in json.dumps(c["layout"].get("title"))
-            or f"{runs[0].name} (step" in json.dumps(c["layout"].get("title"))]
+    pair = [c for c in _charts(app) if "gpt-2rank-cap1mb: step" in json.dumps(c["layout"].get("title"))
+            or f"{runs[0].name}: step" in json.dumps(c["layout"].get("title"))]
     assert len(pair) >= 2 and pair[-1]["layout"]["xaxis"]["range"] == pair[-2]["layout"]["xaxis"]["range"]
     layouts = [d.value for d in app.dataframe if list(d.value.columns)[:3] == ["bucket", "mib", "num_params"]
                and "launch_offset_ms" not in d.value.columns]

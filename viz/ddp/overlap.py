@@ -102,22 +102,3 @@ def compute_rank_medians(trace: RunTrace) -> pd.DataFrame:
     med = b.groupby("rank")[cols].median()
     med.insert(0, "steps", b.groupby("rank").size())
     return med.reset_index()
-
-
-def compute_run_comparison(traces: dict[str, RunTrace]) -> pd.DataFrame:
-    """One row per run: bucket cap, buckets, and the medians over ranks and non-warm-up
-    steps of step time, communication, exposed communication (ms) and overlap %, plus
-    the step-time and exposed-communication differences to the first run (ms)."""
-    rows = []
-    for name, t in traces.items():
-        b = compute_step_breakdown(t)
-        rows.append({
-            "run": name, "bucket_cap_mb": t.run.get("bucket_cap_mb"), "buckets": len(t.run.get("bucket_layout") or []),
-            "step_ms": b["step_ms"].median(), "comm_ms": b["comm_ms"].median(),
-            "exposed_ms": b["exposed_ms"].median(), "overlap_pct": b["overlap_pct"].median(),
-        })
-    df = pd.DataFrame(rows)
-    if len(df):
-        df["step_ms_vs_first"] = df["step_ms"] - df["step_ms"].iloc[0]
-        df["exposed_ms_vs_first"] = df["exposed_ms"] - df["exposed_ms"].iloc[0]
-    return df

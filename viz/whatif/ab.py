@@ -15,6 +15,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from ddpscope.viz.ddp.compare import difference_interval, within_noise
+from ddpscope.viz.ddp.overlap import compute_step_breakdown
 from ddpscope.viz.trace import RunTrace
 from ddpscope.viz.whatif.model import usable_steps
 from ddpscope.viz.whatif.sweep import _medians
@@ -58,15 +60,20 @@ def compute_bucket_ab(a: RunTrace, b: RunTrace, names: tuple[str, str] = ("A", "
 
 
 def compute_ab_steps(a: RunTrace, predicted: RunTrace, b: RunTrace) -> pd.DataFrame:
-    """Rows step, exposed communication, communication and backward (medians, ms);
-    columns ``A measured``, ``B predicted``, ``B measured``, ``error %`` (predicted
-    against measured) and ``B - A measured``."""
+    """Rows step, exposed communication, communication and backward (medians over every
+    measured step and rank, ms); columns ``A measured``, ``B predicted``, ``B measured``,
+    ``error %`` (predicted against measured), ``B - A measured`` with its 95 % interval
+    (``B - A lo``, ``B - A hi``: each run's steps resampled, ``viz.ddp.compare``) and
+    ``within noise`` (the interval holds 0: not a difference these runs can show)."""
     ma, mp, mb = _medians(a), _medians(predicted), _medians(b)
+    ba, bb = compute_step_breakdown(a), compute_step_breakdown(b)
     rows = []
     for k in STEP_ROWS:
         err = 100.0 * (mp[k] - mb[k]) / mb[k] if mb[k] else np.nan
+        _, lo, hi = difference_interval(ba, bb, k)
         rows.append({"median": k, "A measured": ma[k], "B predicted": mp[k], "B measured": mb[k], "error %": err,
-                     "B - A measured": mb[k] - ma[k]})
+                     "B - A measured": mb[k] - ma[k], "B - A lo": lo, "B - A hi": hi,
+                     "within noise": within_noise(lo, hi)})
     return pd.DataFrame(rows)
 
 

@@ -123,6 +123,7 @@ def print_advice(advice: Advice) -> None:
 
 def print_ab(a: RunTrace, advice: Advice, b_path: str | Path) -> None:
     """After ``--apply``: predicted against measured, and bucket by bucket, A beside B."""
+    from ddpscope.viz.ddp.compare import layout_text
     from ddpscope.viz.whatif.ab import compute_ab_steps, compute_bucket_ab
     from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 
@@ -141,9 +142,15 @@ def print_ab(a: RunTrace, advice: Advice, b_path: str | Path) -> None:
     gained = row["A measured"] - row["B measured"]
     lo, hi = advice.interval_ms
     inside = "inside" if lo <= gained <= hi else "outside"
+    mlo, mhi = -row["B - A hi"], -row["B - A lo"]  # of A - B: the gain
+    measured = (f"95 % interval {mlo:.1f}..{mhi:.1f} ms over every step" + (", inside the noise: not a difference "
+                "these runs can show" if row["within noise"] else "")) if math.isfinite(mlo) else "too few steps " \
+        "for an interval"
     print(f"measured: B {gained:.1f} ms a step {'faster' if gained >= 0 else 'slower'} than A "
-          f"({100 * gained / row['A measured']:.1f} %); predicted {advice.gain_ms:.1f} ms, {inside} the interval "
-          f"{lo:.1f}..{hi:.1f} ms")
+          f"({100 * gained / row['A measured']:.1f} %; {measured}); predicted {advice.gain_ms:.1f} ms, {inside} the "
+          f"interval {lo:.1f}..{hi:.1f} ms")
+    if layout_text(a) != layout_text(b):
+        print(f"layouts: A {layout_text(a)}, B {layout_text(b)}")
     print(f"the diff timeline: `ddpscope dashboard {Path(b.path).parent}`, open B, What-if tab")
 
 

@@ -74,15 +74,3 @@ def compute_measured_points(traces: dict[str, RunTrace]) -> pd.DataFrame:
     rows = [{"run": name, "bucket_cap_mb": t.run.get("bucket_cap_mb"), **_medians(t)} for name, t in traces.items()]
     return pd.DataFrame(rows, columns=["run", "bucket_cap_mb", "step_ms", "backward_ms", "comm_ms", "exposed_ms",
                                        "overlap_pct"])
-
-
-def same_job(a: RunTrace, b: RunTrace) -> bool:
-    """Whether two runs are the same training at (perhaps) another cap: same world size,
-    same parameters, same script or demo."""
-    def key(r: dict) -> tuple:
-        script = r.get("script") if isinstance(r.get("script"), dict) else {}
-        demo = r.get("demo") or (r.get("model") if not script else None)  # older demo runs name only the model
-        what = ("demo", demo) if demo else ("script", script.get("path"))
-        return (r.get("world_size"), tuple(r.get("param_bytes") or ()), what)
-
-    return key(a.run) == key(b.run)

@@ -154,7 +154,17 @@ def test_apply_reruns_with_the_recommendation_and_prints_a_b(tmp_path):
     assert b.run["advice"]["predicted_step_ms"] == pytest.approx(rec["step_ms"])
     text = proc.stdout
     assert "B predicted" in text and "exposed_ms A" in text and "measured: B" in text
+    assert "over every step" in text and "B - A lo" in text  # the measured gain with its interval
     assert len(b.run["bucket_layout"]) >= 2  # the recommendation split the traced single bucket
+    assert "layouts: A 1 bucket, B " in text
+
+
+def test_a_b_steps_carry_the_measured_differences_interval():
+    a, b = load_run(SAMPLES / "gpt-2rank-cap1mb"), load_run(SAMPLES / "gpt-2rank-cap25mb")
+    steps = compute_ab_steps(a, b, b).set_index("median")
+    for k, row in steps.iterrows():
+        assert row["B - A lo"] <= row["B - A measured"] <= row["B - A hi"], k
+        assert row["within noise"] == (row["B - A lo"] <= 0 <= row["B - A hi"])
 
 
 def test_a_b_tables_and_the_diff_timeline():

@@ -371,7 +371,7 @@ def test_fit_on_a_sample_names_its_sources():
 
 
 def test_runs_of_the_same_job_are_recognised():
-    from ddpscope.viz.whatif.sweep import same_job
+    from ddpscope.viz.ddp.compare import same_job
 
     t = load_run(SAMPLES / "gpt-2rank-cap1mb")
     other = load_run(SAMPLES / "gpt-2rank-cap25mb")

@@ -1,0 +1,79 @@
+"""Runs side by side over all their steps: medians with bootstrap intervals (viz/ddp/compare.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ddpscope.viz.ddp.compare import (
+    compute_run_comparison,
+    difference_interval,
+    differences_text,
+    median_interval,
+    median_step,
+    within_noise,
+)
+from ddpscope.viz.ddp.overlap import compute_step_breakdown
+from ddpscope.viz.trace import load_run
+from tests.conftest import SAMPLES
+
+
+def _breakdown(per_step: list[list[float]], column: str = "step_ms") -> pd.DataFrame:
+    """A breakdown table: rows (rank, step) with ``column``, one list of rank values a step."""
+    return pd.DataFrame([{"rank": r, "step": s, column: v} for s, vals in enumerate(per_step)
+                         for r, v in enumerate(vals)])
+
+
+def test_the_median_is_over_every_step_and_rank_and_its_interval_holds_it():
+    rng = np.random.default_rng(1)
+    b = _breakdown([[100 + rng.normal(0, 5), 100 + rng.normal(0, 5)] for _ in range(30)])
+    med, lo, hi = median_interval(b)
+    assert med == pytest.approx(float(np.median(b["step_ms"])))  # the plain median of all values
+    assert lo < med < hi and hi - lo < 10
+    one = median_interval(_breakdown([[100.0, 101.0]]))
+    assert one[0] == 100.5 and np.isnan(one[1]) and np.isnan(one[2])  # one step: no interval
+
+
+def test_a_shift_larger_than_the_noise_is_a_difference_and_none_is_noise():
+    rng = np.random.default_rng(2)
+    a = _breakdown([[100 + rng.normal(0, 3)] * 2 for _ in range(25)])
+    slower = _breakdown([[110 + rng.normal(0, 3)] * 2 for _ in range(25)])
+    same = _breakdown([[100 + rng.normal(0, 3)] * 2 for _ in range(25)])
+    d, lo, hi = difference_interval(a, slower)
+    assert 6 < lo <= d <= hi < 14 and within_noise(lo, hi) is False
+    d, lo, hi = difference_interval(a, same)
+    assert within_noise(lo, hi) is True and abs(d) < 3
+    assert within_noise(np.nan, 1.0) is None
+
+
+def test_a_rank_missing_a_step_leaves_its_other_values_in():
+    b = _breakdown([[10.0, 12.0], [11.0, 13.0], [12.0, 14.0]])
+    b = b[~((b["rank"] == 1) & (b["step"] == 2))]
+    med, lo, hi = median_interval(b)
+    assert med == float(np.median([10, 12, 11, 13, 12])) and lo <= med <= hi
+
+
+def test_samples_of_one_job_compared_with_intervals_layouts_and_noise_said():
+    a, b, other = (load_run(SAMPLES / n) for n in ("gpt-2rank-cap1mb", "gpt-2rank-cap25mb", "mlp-2rank-cap1mb"))
+    table = compute_run_comparison({"A": a, "B": b, "C": other})
+    ba, bb = compute_step_breakdown(a), compute_step_breakdown(b)
+    assert table["step_ms"].tolist()[:2] == pytest.approx([ba["step_ms"].median(), bb["step_ms"].median()])
+    assert table["steps"].tolist()[:2] == [ba["step"].nunique(), bb["step"].nunique()]
+    assert table["same_job"].tolist() == [True, True, False]
+    assert table["layout"].iloc[0] != table["layout"].iloc[1]
+    said = differences_text(table)
+    assert any(s.startswith("C is not the same job as A") for s in said)
+    assert any(s.startswith("B's buckets differ from A's: 20 buckets") for s in said)
+    row = table.iloc[1]
+    assert row["step_ms_vs_first"] == pytest.approx(row["step_ms"] - table["step_ms"].iloc[0])
+    assert row["vs_first_lo"] <= row["step_ms_vs_first"] <= row["vs_first_hi"]
+
+
+def test_the_median_step_is_the_one_whose_slowest_rank_is_the_median():
+    t = load_run(SAMPLES / "gpt-2rank-cap1mb")
+    b = compute_step_breakdown(t)
+    per_step = b.groupby("step")["step_ms"].max()
+    k = median_step(t)
+    assert k in per_step.index and not t.steps.set_index(["rank", "step"]).loc[(0, k), "warmup"]
+    assert (per_step < per_step[k]).sum() == (len(per_step) - 1) // 2
