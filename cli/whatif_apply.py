@@ -15,9 +15,11 @@ def whatif_apply(args: argparse.Namespace) -> int:
     """``ddpscope whatif RUN --apply``: the advisor's report, then, when it recommends a
     change, the run again with it (same script, ranks, steps, emulated nodes), then A
     (the traced run) against B (the rerun): predicted against measured, bucket by bucket."""
+    from ddpscope.tracer.format import RUN_FILE
     from ddpscope.tracer.launch.rerun import rerun_settings, script_changed
     from ddpscope.tracer.launch.runner import RunConfig
     from ddpscope.tracer.writer import update_run_json
+    from ddpscope.viz.run_files import read_json_file
     from ddpscope.viz.trace import TraceError
     from ddpscope.viz.whatif.advisor import setting_text
     from ddpscope.viz.whatif.report import cap_argument, print_ab, whatif_report
@@ -26,6 +28,16 @@ def whatif_apply(args: argparse.Namespace) -> int:
     if args.json:
         print(f"{prog}: error: --apply prints tables: leave out --json", file=sys.stderr)
         return 2
+    try:  # what cannot be rerun is said before the search (seconds), from run.json alone
+        early = read_json_file(Path(args.path) / RUN_FILE, "run metadata")
+    except (TraceError, OSError):
+        early = None  # the report says what is wrong with the folder
+    if isinstance(early, dict) and early.get("kind") in (None, "ddp"):
+        try:
+            rerun_settings(early)
+        except ValueError as e:
+            print(f"{prog}: error: --apply: {e}", file=sys.stderr)
+            return 2
     try:
         _, (trace, advice) = whatif_report(args.path, args.caps, False, args.cap_list)
     except (TraceError, ValueError) as e:
