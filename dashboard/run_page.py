@@ -123,24 +123,34 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
                                             steps=widget_now("run_steps", steps), **sharding, **what),
                    disabled=busy or bool(blocked), type="primary")
         return
+    if st.session_state.get("run_cap_default_for") != str(path):  # as traced: DDP's default stays the default
+        st.session_state.update(run_cap_default_for=str(path),
+                                run_cap_default=bool(run.get("bucket_cap_default")) and not run.get("bucket_cap_bytes_list"))
+    # DDP's default is not "25 MiB": its first bucket is capped at 1 MiB; an explicit 25 caps every bucket at 25
+    default = st.toggle("DDP's default buckets (25 MiB, the first bucket 1 MiB): no bucket_cap_mb passed",
+                        key="run_cap_default")
     c = st.columns(3)
-    cap = c[0].select_slider("bucket_cap_mb (MiB, log scale)", options=CAP_OPTIONS, key="run_cap")
+    cap = c[0].select_slider("bucket_cap_mb (MiB, log scale; every bucket, the first too)", options=CAP_OPTIONS,
+                             key="run_cap", disabled=default)
     steps = c[1].slider("steps", 3, 50, key="run_steps")
     nproc = c[2].slider("world size", 1, 4, key="run_nproc")
     caps = st.text_input("or a size per bucket: bucket_cap_mb_list (MiB, in bucket order, the last repeats)",
-                         key="run_cap_list", placeholder="e.g. 1,8,25 (empty: the cap above)").strip()
+                         key="run_cap_list", placeholder="e.g. 1,8,25 (empty: the cap above)",
+                         disabled=default).strip()
     emulation = lab_controls("run")
     if blocked:
         st.info(f"Rerun is off: {blocked}.")
 
     def settings() -> dict:
-        chosen = widget_now("run_cap_list", caps).strip()
+        as_default = widget_now("run_cap_default", default)
+        chosen = "" if as_default else widget_now("run_cap_list", caps).strip()
         return dict(nproc=widget_now("run_nproc", nproc), steps=widget_now("run_steps", steps), source=path,
-                    bucket_cap_mb=None if chosen else widget_now("run_cap", cap),
+                    bucket_cap_mb=None if chosen or as_default else widget_now("run_cap", cap),
                     bucket_cap_mb_list=chosen or None, **emulation(), **what)
 
-    job_button(f"Rerun with bucket_cap_mb_list = {caps}" if caps else f"Rerun with bucket_cap_mb = {cap:g}",
-               "run_button", jobs.start, settings, disabled=busy or bool(blocked), type="primary")
+    label = ("Rerun with DDP's default buckets" if default else
+             f"Rerun with bucket_cap_mb_list = {caps}" if caps else f"Rerun with bucket_cap_mb = {cap:g}")
+    job_button(label, "run_button", jobs.start, settings, disabled=busy or bool(blocked), type="primary")
 
 
 def _new_command(jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:

@@ -78,6 +78,28 @@ def test_switching_traces_ranks_and_steps(app):
     assert not app.exception and app.select_slider(key="steps").value == (2, 5)
 
 
+def test_ddps_default_and_25_mib_everywhere_are_two_choices_on_the_run_page(tmp_path, monkeypatch):
+    """A run traced at DDP's default (25 MiB, the first bucket 1 MiB) reruns as it was by
+    default, not as "bucket_cap_mb = 25" (which caps the first bucket at 25 too); turning
+    the default off offers the explicit cap; a run traced at an explicit cap starts off."""
+    runs = tmp_path / "runs"
+    shutil.copytree(SAMPLES / "gpt-2rank-cap25mb", runs / "dflt")
+    r = json.loads((runs / "dflt" / "run.json").read_text())
+    r.update(bucket_cap_default=True, first_bucket_cap_bytes=2**20)
+    (runs / "dflt" / "run.json").write_text(json.dumps(r))
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert at.sidebar.selectbox(key="trace").value == "run: dflt"
+    _page(at, "Run")
+    assert at.toggle(key="run_cap_default").value and at.select_slider(key="run_cap").disabled
+    assert at.button(key="run_button").label == "Rerun with DDP's default buckets"
+    at.toggle(key="run_cap_default").set_value(False).run()
+    assert at.button(key="run_button").label == "Rerun with bucket_cap_mb = 25"
+    at.sidebar.selectbox(key="trace").set_value("sample: gpt-2rank-cap1mb").run()
+    assert not at.exception and not at.toggle(key="run_cap_default").value
+    assert at.button(key="run_button").label == "Rerun with bucket_cap_mb = 1"
+
+
 def test_compare_view_puts_runs_on_one_time_scale(app):
     """Two samples of one job at two caps: medians over every step with intervals, the
     layout change said before the numbers, each run's median step drawn on one scale."""
