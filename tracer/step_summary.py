@@ -31,7 +31,7 @@ _OWN_KINDS = {fmt.UNUSED_MAP: "ddp_own", fmt.BUFFER_BROADCAST: "buffer_sync"}
 TIME_FIELDS = ("start_us", "end_us", "forward_start_us", "forward_end_us", "backward_start_us", "backward_end_us",
                "sync_start_us", "sync_end_us", "optimizer_start_us", "optimizer_end_us", "param_sync_start_us",
                "param_sync_end_us", "ddp_own_start_us", "ddp_own_end_us", "buffer_sync_start_us", "buffer_sync_end_us",
-               "other_comm_start_us", "other_comm_end_us", "first_launch_us", "last_done_us")
+               "other_comm_start_us", "other_comm_end_us", "first_launch_us", "last_done_us", "compute_end_us")
 #: the lengths of time of a row (µs)
 DURATION_FIELDS = ("forward_us", "backward_us", "comm_us", "overlapped_us")
 #: the communication fields of a row (see ``summarize_steps``)
@@ -53,7 +53,12 @@ def summarize_steps(events: Iterable) -> list[dict]:
     other_comm_count), ``memory`` (byte counts by name) when measured, and
     ``COMM_FIELDS``: num_buckets, bucket_bytes, first_launch_us, last_done_us, comm_us
     (the union of the all-reduce intervals) and overlapped_us (the part of it inside
-    backward compute, every pass's). Raises ``KeyError`` / ``TypeError`` /
+    backward compute, every pass's), compute_end_us (the syncing pass's backward compute
+    end: its last gradient ready, when the trace says it, ``compute_us`` on the backward
+    span; else the span's end). Backward compute ends at the pass's last gradient: what
+    follows within the span is autograd finishing, where DDP's finalize can wait for a
+    late rank's all-reduce; counting that as compute made one rank's all-reduce
+    "overlapped" and the other's exposed in the same step. Raises ``KeyError`` / ``TypeError`` /
     ``ValueError`` on an event that is not one of ours."""
     steps: dict[int, dict] = {}
     passes: dict[int, dict[int, dict]] = {}
@@ -85,6 +90,8 @@ def summarize_steps(events: Iterable) -> list[dict]:
             if "sync" in args:
                 p["synced"] = bool(args["sync"])
             p[key] = (ts, te)
+            if key == "backward" and "compute_us" in args:  # its compute ends at its last gradient
+                p["compute"] = (ts, min(te, ts + float(args["compute_us"])))
         elif cat == fmt.CAT_OPTIMIZER:
             steps.setdefault(step, {"step": step}).update(optimizer_start_us=ts, optimizer_end_us=te)
         elif cat == fmt.CAT_DDP_OWN:  # never a bucket: apart from COMM_FIELDS
@@ -111,7 +118,9 @@ def summarize_steps(events: Iterable) -> list[dict]:
             for key in ("forward", "backward", "sync"):
                 if key in syncing[-1]:
                     row[f"{key}_start_us"], row[f"{key}_end_us"] = syncing[-1][key]
-        row.update(comm_fields(comm.get(step, []), [p["backward"] for p in mine if "backward" in p]))
+        if syncing and "backward" in syncing[-1]:
+            row["compute_end_us"] = syncing[-1].get("compute", syncing[-1]["backward"])[1]
+        row.update(comm_fields(comm.get(step, []), [p.get("compute", p["backward"]) for p in mine if "backward" in p]))
     return [steps[s] for s in sorted(steps)]
 
 

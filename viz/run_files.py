@@ -333,6 +333,7 @@ class SummaryLine(msgspec.Struct):
     forward_end_us: Us | None = None
     backward_start_us: Us | None = None
     backward_end_us: Us | None = None
+    compute_end_us: Us | None = None
     sync_start_us: Us | None = None
     sync_end_us: Us | None = None
     optimizer_start_us: Us | None = None

@@ -44,7 +44,8 @@ class RunTrace:
     - ``passes``: one row per forward and its backward in a step (a micro-batch under
       gradient accumulation): rank, step, micro, sync (DDP reduced this pass's
       gradients: it ran outside ``no_sync()``), forward_start_us, forward_end_us,
-      backward_start_us, backward_end_us, sync_start_us, sync_end_us
+      backward_start_us, backward_end_us, sync_start_us, sync_end_us, compute_end_us
+      (backward compute's end: its last gradient; the span may run on, waiting)
     - ``steps``: rank, step, warmup, incomplete, start_us, end_us, micro_batches,
       forward_us and backward_us (compute summed over the step's passes), and the
       *syncing* pass's (the one whose backward launched the all-reduces; the last pass
@@ -301,7 +302,8 @@ def fill_comm_columns(steps: pd.DataFrame, buckets: pd.DataFrame, passes: pd.Dat
         calls = [] if b is None else list(zip(b["launch_us"], b["done_us"], b["bytes"]))
         if p is not None:
             p = p.dropna(subset=["backward_start_us", "backward_end_us"])
-            backwards = list(zip(p["backward_start_us"], p["backward_end_us"]))
+            ends = p["compute_end_us"].fillna(p["backward_end_us"]) if "compute_end_us" in p else p["backward_end_us"]
+            backwards = list(zip(p["backward_start_us"], ends))
         else:
             lo, hi = steps.at[i, "backward_start_us"], steps.at[i, "backward_end_us"]
             backwards = [(lo, hi)] if pd.notna(lo) and pd.notna(hi) else []
@@ -314,11 +316,11 @@ def fill_comm_columns(steps: pd.DataFrame, buckets: pd.DataFrame, passes: pd.Dat
 # has NaN backward times, not a table without the column); see ``RunTrace``.
 _SPAN_COLUMNS = [f"{phase}_{end}_us" for phase in ("forward", "backward", "sync") for end in ("start", "end")]
 STEP_COLUMNS = ["rank", "step", "warmup", "incomplete", "start_us", "end_us", "micro_batches", "forward_us",
-                "backward_us", *_SPAN_COLUMNS, "optimizer_start_us", "optimizer_end_us", "param_sync_start_us",
-                "param_sync_end_us", "param_sync_bytes", "param_sync_own_bytes", "ddp_own_start_us", "ddp_own_end_us",
+                "backward_us", *_SPAN_COLUMNS, "compute_end_us", "optimizer_start_us", "optimizer_end_us",
+                "param_sync_start_us", "param_sync_end_us", "param_sync_bytes", "param_sync_own_bytes", "ddp_own_start_us", "ddp_own_end_us",
                 "ddp_own_bytes", "buffer_sync_start_us", "buffer_sync_end_us", "buffer_sync_bytes",
                 "other_comm_start_us", "other_comm_end_us", "other_comm_bytes", "other_comm_count", *COMM_FIELDS]
-PASS_COLUMNS = ["rank", "step", "micro", "sync", *_SPAN_COLUMNS]
+PASS_COLUMNS = ["rank", "step", "micro", "sync", *_SPAN_COLUMNS, "compute_end_us"]
 BUCKET_COLUMNS = ["rank", "step", "bucket", "bytes", "num_params", "params", "launch_us", "done_us", "incomplete"]
 GRAD_COLUMNS = ["rank", "step", "micro", "param", "name", "ready_us"]
 _INT_COLUMNS = {"rank", "step", "micro", "bucket", "bytes", "num_params", "param", "micro_batches"}
@@ -392,6 +394,9 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
                 if "sync" in args:
                     p["sync"] = bool(args["sync"])
                 p[f"{key}_start_us"], p[f"{key}_end_us"] = ts, te
+                if key == "backward":  # compute to its last gradient (step_summary's definition)
+                    p["compute_end_us"] = min(te, max(ts, align(raw + float(args["compute_us"])))) \
+                        if "compute_us" in args else te
             elif cat == fmt.CAT_GRAD:
                 p = int(args["param"])
                 if not 0 <= p < (len(names) if names else MAX_INDEX):

@@ -88,7 +88,7 @@ def shown_passes(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
     p = trace.passes
     if len(p) == 0:
         cols = [c for c in ("rank", "step", "forward_start_us", "forward_end_us", "backward_start_us",
-                            "backward_end_us", "sync_start_us", "sync_end_us") if c in shown]
+                            "backward_end_us", "compute_end_us", "sync_start_us", "sync_end_us") if c in shown]
         return shown[cols].assign(micro=0, sync=True)
     return _only(p, shown)
 
@@ -111,12 +111,20 @@ def _backward_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
     })
 
 
+def _compute_end(df: pd.DataFrame) -> pd.Series:
+    """Backward compute's end per row: its last gradient (``compute_end_us``), else, in a
+    trace that does not say it, the backward span's end."""
+    if "compute_end_us" not in df:
+        return df["backward_end_us"]
+    return df["compute_end_us"].fillna(df["backward_end_us"])
+
+
 def _exposed_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
-    b, first = _sorted_per_step(trace.buckets, shown, "backward_end_us", "launch_us")
+    b, first = _sorted_per_step(trace.buckets, shown.assign(cut_us=_compute_end(shown)), "cut_us", "launch_us")
     if b is None:
         return pd.DataFrame(columns=["rank", "step", "start_us", "end_us"])
     rank, step = b["rank"].to_numpy(), b["step"].to_numpy()
-    launch, done, cut = (b[c].to_numpy(float) for c in ("launch_us", "done_us", "backward_end_us"))
+    launch, done, cut = (b[c].to_numpy(float) for c in ("launch_us", "done_us", "cut_us"))
     idx, m_end = merge_sorted_runs(first, launch, done)  # the all-reduces' union within each (rank, step)
     m_start = launch[idx]
     m_cut = cut[idx]
@@ -172,9 +180,9 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
             "backward · %{hovertext}<br>step %{customdata[0]} · %{customdata[1]:.2f} ms",
             np.column_stack([seg["step"], dur(seg["start_us"], seg["end_us"])]),
             text=seg["label"].tolist() if len(seg) <= TEXT_LIMIT else None, line=0.5))
-    if "sync_end_us" in passes:
-        phase("waiting for all-reduce", passes[passes["sync"].astype(bool)], "backward_end_us", "sync_end_us",
-              COLORS["wait"], "waiting for the averaged gradients")
+    if "sync_end_us" in passes:  # from backward compute's end: a span past the last gradient is waiting too
+        phase("waiting for all-reduce", passes[passes["sync"].astype(bool)].assign(wait_us=_compute_end(passes)),
+              "wait_us", "sync_end_us", COLORS["wait"], "waiting for the averaged gradients")
     if "optimizer_start_us" in shown:
         phase("optimizer.step", shown, "optimizer_start_us", "optimizer_end_us", COLORS["optimizer"], "optimizer.step")
 

@@ -100,8 +100,13 @@ class StepEvents:
             ev.append(span(fmt.CAT_FORWARD, "forward" + suffix, fs, fe, {"step": step, "micro": k, "sync": rec.sync}))
             bwd_end = be if be is not None else last_grad.get(k)
             if bwd_end is not None:
-                ev.append(span(fmt.CAT_BACKWARD, "backward" + suffix, bs if bs is not None else (fe or start),
-                               bwd_end, {"step": step, "micro": k, "sync": rec.sync}))
+                b_start = bs if bs is not None else (fe or start)
+                b_args = {"step": step, "micro": k, "sync": rec.sync}
+                if k in last_grad and b_start is not None:
+                    # backward compute: from its start to its last gradient; what follows within the
+                    # span is autograd finishing (DDP's finalize can wait there): waiting, not compute
+                    b_args["compute_us"] = round(max(0.0, min(last_grad[k], bwd_end) - max(b_start, start)), 3)
+                ev.append(span(fmt.CAT_BACKWARD, "backward" + suffix, b_start, bwd_end, b_args))
                 if rec.sync and sync_e is not None:
                     ev.append(span(fmt.CAT_GRAD_SYNC, "wait for all-reduce", bwd_end, sync_e,
                                    {"step": step, "micro": k, "sync": rec.sync}))
