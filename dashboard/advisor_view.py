@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from ddpscope.dashboard.common import CommandPolicy, events_trace, job_button, label_of, stamp_of
+from ddpscope.dashboard.common import CommandPolicy, events_trace, job_button, label_of, show_table, stamp_of
 from ddpscope.dashboard.run_page import page_rerun
 from ddpscope.tracer.format import RUN_FILE
 from ddpscope.tracer.launch.jobs import JobManager
@@ -70,7 +70,7 @@ def render_advisor(path: Path, stamp: float, trace, model, jobs: JobManager, bus
                    "of the 95 % interval of this run's median step (bootstrapped over its steps).")
         if rec.get("note"):
             st.caption(f"Note: {rec['note']}.")
-        st.dataframe(candidates.round(2), hide_index=True, key="advice_candidates")
+        show_table(candidates.round(2), key="advice_candidates")
     if rec["change"]:
         _apply_button(path, trace, rec, setting, jobs, busy, policy)
 
@@ -109,11 +109,11 @@ def render_ab(path: Path, stamp: float, trace, traces: dict[str, Path]) -> None:
         return
     st.caption(f"A = {label_of(a_path)} ({a_setting}); B = {label_of(b_path)} ({b_setting}). "
                "B predicted from A, and B measured.")
-    st.dataframe(steps.round(2), hide_index=True, key="ab_steps")
+    show_table(steps.round(2), key="ab_steps")
     st.plotly_chart(fig, key="ab_timeline")
     st.caption("Per bucket (medians over steps and ranks, ms from the rank's backward start): launch, time in "
                "flight, and exposed time, the part of the wait after backward that ends with this bucket.")
-    st.dataframe(buckets.round(2), hide_index=True, key="ab_buckets")
+    show_table(buckets.round(2), key="ab_buckets")
 
 
 def _pair(path: Path, trace, traces: dict[str, Path]) -> tuple[Path, Path] | None:

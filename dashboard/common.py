@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import math
 import os
 import secrets
 import shutil
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import pandas as pd
 import streamlit as st
 
 from ddpscope.tracer.format import LIVE_DIR, LOGS_DIR, MODELS_DIR, NODES_DIR, RUN_FILE
@@ -395,3 +397,44 @@ def lab_controls(prefix: str, disabled: bool = False):
     return lambda: {"emulate_nodes": widget_now(f"{prefix}_lab_nodes", nodes) if widget_now(f"{prefix}_lab", on)
                     else None, "link": widget_now(f"{prefix}_lab_link", link) if widget_now(f"{prefix}_lab", on)
                     else None}
+
+
+#: column names kept as they are: the names of the settings users pass
+_KEPT_NAMES = frozenset({"bucket_cap_mb", "bucket_cap_mb_list", "reshard_after_forward", "find_unused_parameters",
+                         "reduce_bucket_size"})
+_NAMED = {"mib": "MiB", "num_params": "parameters", "within_noise": "within noise"}
+_WORDS = {"lo": "low", "hi": "high", "vs": "vs", "num": "number of"}
+_UNIT_SUFFIXES = (("_ms", "ms"), ("_us", "µs"), ("_pct", "%"), ("_mib", "MiB"), ("_mb", "MiB"), ("_gbps", "GB/s"),
+                  ("_bytes", "bytes"), ("_gib", "GiB"), ("_gb", "GB"))
+
+
+def column_label(name: str) -> str:
+    """A table header for people: ``step_ms_vs_first`` -> "step vs first (ms)" (the unit
+    from the name's unit suffix, wherever it stands), a setting's name as users write it."""
+    if name in _KEPT_NAMES:
+        return name
+    if name in _NAMED:
+        return _NAMED[name]
+    if "_" not in name:
+        return name
+    words, unit = name.split("_"), None
+    for suffix, text in _UNIT_SUFFIXES:
+        if f"_{suffix[1:]}" in f"_{name}" and suffix[1:] in words:
+            words.remove(suffix[1:])
+            unit = text
+            break
+    words = [_WORDS.get(w, w) for w in words]
+    return " ".join(words) + (f" ({unit})" if unit else "")
+
+
+def show_table(df: pd.DataFrame, *, key: str, where=None) -> None:
+    """``st.dataframe`` as every page shows a table: no index, readable headers (the
+    frame's own column names stay, for whoever reads it), an empty cell shown as "–",
+    not "None"."""
+    shown = df.copy()
+    for c in shown.columns[shown.dtypes == object]:
+        present = shown[c].dropna()
+        if all(isinstance(v, str) for v in present):  # text (or nothing): a dash; bools and numbers: blank
+            shown[c] = shown[c].map(lambda v: "–" if v is None or (isinstance(v, float) and math.isnan(v)) else v)
+    config = {c: st.column_config.Column(column_label(c)) for c in shown.columns if isinstance(c, str)}
+    (where or st).dataframe(shown, hide_index=True, key=key, column_config=config)

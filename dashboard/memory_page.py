@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from ddpscope.dashboard.common import job_button, load_zero_trace, of_kind, pick_run, runs_dir, widget_now
+from ddpscope.dashboard.common import job_button, load_zero_trace, of_kind, pick_run, runs_dir, show_table, widget_now
 from ddpscope.dashboard.sharded_view import render_sharded_memory
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.ddp.stages import compute_ddp_stage_comparison, ddp_comm_lines, ddp_stage, ddp_stage_differences
@@ -47,7 +47,7 @@ def render_ddp_memory(trace) -> None:
         view = comparison.drop(columns=["rank"]).copy()
         for col in [c for c in view.columns if c.endswith("_bytes")]:
             view[col.replace("bytes", "MiB")] = view.pop(col) / 2**20
-        st.dataframe(view.round(4), hide_index=True, key="ddp_stage_table")
+        show_table(view.round(4), key="ddp_stage_table")
     st.caption(f"Measured: ZeRO stage {facts.get('stage', 0)} ({facts.get('stage_reason', 'DDP')}), at the end of "
                f"each measured step. The stages: the ZeRO model for this model's {int(trace.run['model_params']):,} "
                f"parameters on {trace.world_size} ranks.")
@@ -98,12 +98,12 @@ def render_memory(all_runs: dict, jobs: JobManager, busy: bool, trace=None) -> N
         table = cmp[cmp["rank"] == zrank].copy()
         for col in ("model_state_bytes", "predicted_model_state_bytes", "peak_bytes", "comm_volume_bytes"):
             table[col.replace("bytes", unit)] = table.pop(col) / scale
-        st.dataframe(table[["stage", "name"] + [c for c in table.columns if c.endswith(unit)]
-                           + ["measured/predicted"]].round(4), hide_index=True, key="zero_table")
+        show_table(table[["stage", "name"] + [c for c in table.columns if c.endswith(unit)]
+                           + ["measured/predicted"]].round(4), key="zero_table")
         comm = zt.comm[zt.comm["rank"] == zrank].copy()
         comm[f"message ({unit})"] = comm.pop("message_bytes") / scale
         comm[f"sent per rank, ring ({unit})"] = comm.pop("volume_bytes") / scale
-        st.dataframe(comm.drop(columns="rank").round(4), hide_index=True, key="zero_comm")
+        show_table(comm.drop(columns="rank").round(4), key="zero_comm")
         st.caption(f"Collectives of the measured step as the backend ran them. The model: 2P for stages 0-2, "
                    f"3P for stage 3 (x (N-1)/N with rings; P = {zt.params * 4 / scale:.4g} {unit} of fp32 "
                    "gradients). PyTorch's ZeRO-1 all-reduces gradients and then broadcasts parameters (3P, not "
@@ -146,4 +146,4 @@ def render_memory(all_runs: dict, jobs: JobManager, busy: bool, trace=None) -> N
     view_mem[f"per device ({unit})"] = mem["total_bytes"] / scale
     view_mem[f"comm per rank and step ({unit})"] = mem["comm_bytes"] / scale
     view_mem["largest model that fits (B params)"] = fits["max_params"] / 1e9
-    st.dataframe(view_mem.round(3), hide_index=True, key="zero_projection_table")
+    show_table(view_mem.round(3), key="zero_projection_table")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from ddpscope.dashboard.common import GANTT_RANKS
+from ddpscope.dashboard.common import GANTT_RANKS, show_table
 from ddpscope.viz.ddp.rank_overview import (
     METRICS,
     cached_rank_overview,
@@ -48,4 +48,4 @@ def render_rank_overview(trace, ranks_key: str = "ranks") -> None:
         else:
             st.caption("Click a cell to put its rank in the timeline below.")
         st.plotly_chart(make_step_spread_figure(overview, metric), key="overview_spread")
-        st.dataframe(slow.head(20).round(2), hide_index=True, key="overview_slow")
+        show_table(slow.head(20).round(2), key="overview_slow")

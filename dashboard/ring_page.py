@@ -12,6 +12,7 @@ from ddpscope.dashboard.common import (
     of_kind,
     pick_run,
     runs_dir,
+    show_table,
     widget_now,
 )
 from ddpscope.tracer.launch.jobs import JobManager
@@ -74,7 +75,7 @@ def render_ring(all_runs: dict, jobs: JobManager, busy: bool) -> None:
                        "(median over ranks). Slots: a rank's N chunks, with how many ranks' data each holds.")
         st.plotly_chart(make_ring_step_figure(compute_ring_step_times(ring, rnd)), key="ring_steps")
         st.subheader("Ring vs dist.all_reduce (medians over timed rounds; GB/s = 10^9 bytes/s)")
-        st.dataframe(summary.reset_index().round(4), hide_index=True, key="ring_summary")
+        show_table(summary.reset_index().round(4), key="ring_summary")
 
         st.subheader(f"What if: N = 2 .. {MAX_WHATIF_N} ranks")
         try:
@@ -97,4 +98,4 @@ def render_ring(all_runs: dict, jobs: JobManager, busy: bool) -> None:
         st.caption(f"T(N) = 2(N-1)·a + 2(N-1)/N·M/B. The {describe_fit(ring, fitted)}. The model leaves out the "
                    "time to add chunks; on CPU that is folded into the fit.")
         if fitted.sizes:
-            st.dataframe(compute_ring_fit(ring, fitted).round(3), hide_index=True, key="ring_fit")
+            show_table(compute_ring_fit(ring, fitted).round(3), key="ring_fit")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from ddpscope.dashboard.common import first_real_step
+from ddpscope.dashboard.common import first_real_step, show_table
 from ddpscope.viz.sharded.buckets import compute_bucket_table
 from ddpscope.viz.sharded.deepspeed_states import measured_states, precision, predict_states
 from ddpscope.viz.sharded.figures import (
@@ -58,19 +58,18 @@ def render_sharded_timeline(trace) -> None:
     table = compute_unit_table(trace)
     for col in ("sharded_bytes", "unsharded_bytes", "all_gather_bytes", "reduce_scatter_bytes"):
         table[col.replace("bytes", "MiB")] = table.pop(col) / MIB
-    st.dataframe(table.round(3), hide_index=True, key="sharded_units")
+    show_table(table.round(3), key="sharded_units")
     buckets = compute_bucket_table(trace)
     if len(buckets):
         st.subheader("Gradient buckets (DeepSpeed; per step, medians over ranks and non-warm-up steps)")
-        st.dataframe(buckets.assign(MiB=buckets.pop("bytes") / MIB).round(3), hide_index=True,
-                     key="sharded_buckets")
+        show_table(buckets.assign(MiB=buckets.pop("bytes") / MIB).round(3), key="sharded_buckets")
     with st.expander("Every step"):
-        st.dataframe(compute_sharded_steps(trace).round(2), hide_index=True, key="sharded_per_step")
+        show_table(compute_sharded_steps(trace).round(2), key="sharded_per_step")
     st.subheader("What was sent")
     for line in comm_honesty_lines(trace):
         st.write(line)
     vol = compute_comm_volume(trace)
-    st.dataframe(vol.round(3), hide_index=True, key="sharded_volume")
+    show_table(vol.round(3), key="sharded_volume")
 
 
 def render_sharded_memory(trace) -> None:
@@ -95,7 +94,7 @@ def render_sharded_memory(trace) -> None:
     view = comparison.drop(columns=["rank"]).copy()
     for col in [c for c in view.columns if c.endswith("_bytes")]:
         view[col.replace("bytes", "MiB")] = view.pop(col) / MIB
-    st.dataframe(view.round(4), hide_index=True, key="sharded_stage_table")
+    show_table(view.round(4), key="sharded_stage_table")
     for line in stage_differences(trace):
         st.write("• " + line)
 
@@ -161,7 +160,7 @@ def deepspeed_rerun_settings(trace) -> dict:
     rows = [{"": f"this run (stage {trace.shards.stage}, rank 0)",
              **{k: measured[k].iloc[0] / MIB for k in STATE_COLUMNS}}] if len(measured) else []
     rows.append({"": f"stage {stage}, predicted", **{k: predicted[k] / MIB for k in STATE_COLUMNS}})
-    st.dataframe(pd.DataFrame(rows).round(3), hide_index=True, key="run_ds_states")
+    show_table(pd.DataFrame(rows).round(3), key="run_ds_states")
     st.caption("MiB per rank. Persistent: parameters, the fp32 master and Adam's moments (what the rerun is checked "
                "on); gradients live in buffers sized by the bucket layout.")
     return {"zero_stage": stage if stage != trace.shards.stage else None,
@@ -190,7 +189,7 @@ def show_sharded_comparison(loaded: dict) -> None:
                      else None})
     if not rows:
         return
-    st.dataframe(pd.DataFrame(rows).round(3), hide_index=True, key="sharded_compare")
+    show_table(pd.DataFrame(rows).round(3), key="sharded_compare")
     extent = 0.0
     figs = []
     for label, t in loaded.items():

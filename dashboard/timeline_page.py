@@ -7,7 +7,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from ddpscope.dashboard.common import first_real_step, load_events, load_trace, merged_trace_bytes, stamp_of
+from ddpscope.dashboard.common import first_real_step, load_events, load_trace, merged_trace_bytes, show_table, stamp_of
 from ddpscope.dashboard.rank_overview_view import default_ranks, render_rank_overview
 from ddpscope.dashboard.sharded_view import render_sharded_timeline
 from ddpscope.viz.ddp.buckets import compute_bucket_table
@@ -62,7 +62,7 @@ def render_timeline(path: Path, trace) -> None:
         with st.expander("torch.profiler on the same run (ddpscope run --profile), side by side"):
             show_profile_beside(shown, range(lo, hi + 1), ranks)
     st.subheader("Per rank, medians over non-warm-up steps (ms)")
-    st.dataframe(compute_rank_medians(trace).round(2), hide_index=True, key="medians")
+    show_table(compute_rank_medians(trace).round(2), key="medians")
     if trace.all_events:
         stragglers = compute_straggler_summary(trace)
         if (line := straggler_line(stragglers)) is not None:
@@ -73,7 +73,7 @@ def render_timeline(path: Path, trace) -> None:
                    "buckets of the ranks shown. Who each bucket waited for needs every rank's events: "
                    "`ddpscope summary` and the overview name the ranks that arrive late.")
     with st.expander("Every step"):
-        st.dataframe(compute_step_breakdown(trace, include_warmup=True).round(2), hide_index=True, key="per_step")
+        show_table(compute_step_breakdown(trace, include_warmup=True).round(2), key="per_step")
     sync = compute_param_sync(trace)
     if len(sync):  # ZeRO-1: the optimizer's broadcasts, on each rank's communication lane
         st.info(f"ZeRO-1 (ZeroRedundancyOptimizer): after each update every rank broadcasts the parameters it "
@@ -81,13 +81,13 @@ def render_timeline(path: Path, trace) -> None:
                 f"{sync['pct_of_step'].median():.1f} % of the step), {sync['bytes'].median() / 2**20:.3f} MiB. "
                 "The Memory page sets its model states beside ZeRO's stages.")
         with st.expander("Parameter broadcasts per step (ZeRO-1)"):
-            st.dataframe(sync.round(3), hide_index=True, key="param_sync")
+            show_table(sync.round(3), key="param_sync")
     if stragglers is not None:
         with st.expander("Stragglers: who the all-reduces waited for (ms)"):
-            st.dataframe(stragglers.round(2), hide_index=True, key="stragglers")
+            show_table(stragglers.round(2), key="stragglers")
     st.subheader("Buckets (medians over non-warm-up steps and ranks"
                  + ("" if trace.all_events else ", of the ranks shown") + ")")
-    st.dataframe(compute_bucket_table(shown).round(3), hide_index=True, key="buckets")
+    show_table(compute_bucket_table(shown).round(3), key="buckets")
     st.download_button("Download all ranks as one Perfetto trace (rank 0's clock)",
                        data=lambda p=str(path): merged_trace_bytes(p),  # built on click only
                        file_name=f"{path.name}-merged.json", mime="application/json", key="perfetto_download",
@@ -120,15 +120,14 @@ def render_profile(path: Path, trace) -> None:
     st.plotly_chart(make_kernel_timeline_figure(trace, steps=range(lo, hi + 1), ranks=ranks or None,
                                                 per_stream=per_stream), key="timeline")
     st.subheader("Per rank, medians over ProfilerSteps (ms)")
-    st.dataframe(compute_rank_medians(trace).round(2), hide_index=True, key="medians")
+    show_table(compute_rank_medians(trace).round(2), key="medians")
     st.subheader("As Holistic Trace Analysis computes them (its last ProfilerStep left out; %)")
-    st.dataframe(compute_hta_breakdown(trace).round(2), hide_index=True, key="hta")
+    show_table(compute_hta_breakdown(trace).round(2), key="hta")
     with st.expander("Every step"):
-        st.dataframe(compute_step_breakdown(trace).round(2), hide_index=True, key="per_step")
+        show_table(compute_step_breakdown(trace).round(2), key="per_step")
     if len(trace.buckets):
         st.subheader("All-reduces by order in the step (DDP's buckets), medians over steps and ranks")
-        st.dataframe(compute_bucket_table(trace).drop(columns=["num_params", "params"]).round(3), hide_index=True,
-                     key="buckets")
+        show_table(compute_bucket_table(trace).drop(columns=["num_params", "params"]).round(3), key="buckets")
     st.download_button("Download all ranks as one Perfetto trace (lowest rank's clock)",
                        data=lambda p=str(path): merged_trace_bytes(p), file_name=f"{path.name}-merged.json",
                        mime="application/json", key="perfetto_download")
@@ -154,13 +153,22 @@ def show_profile_beside(trace, steps, ranks) -> None:
     st.caption("Each bucket as the tracer and the profiler saw it (the profiler's times put on the tracer's clock "
                "with each rank's sampled offset): the profiler's span starts when the all-reduce ran (after it "
                "waited its turn) and ends about when the tracer saw it complete.")
-    st.dataframe(table.drop(columns=["launch_us", "done_us", "profile_start_us", "profile_end_us"]).round(3),
-                 hide_index=True, key="profile_agreement")
+    show_table(table.drop(columns=["launch_us", "done_us", "profile_start_us", "profile_end_us"]).round(3),
+               key="profile_agreement")
+
+
+def compare_defaults(traces: dict[str, Path]) -> list[str]:
+    """The two runs Compare opens on: the user's two newest (runs made here, then uploads),
+    else what there is, samples last."""
+    own = [label for label in traces if not label.startswith("sample: ")]
+    own.sort(key=lambda label: stamp_of(traces[label]), reverse=True)
+    newest = own[:2][::-1]  # the older of the two first: the reference
+    return (newest + [label for label in traces if label.startswith("sample: ")])[:2]
 
 
 def render_compare(traces: dict[str, Path]) -> None:
     picked = st.multiselect("Runs to compare (the first is the reference)", list(traces),
-                            default=list(traces)[:2], key="compare_runs")
+                            default=compare_defaults(traces), key="compare_runs")
     loaded = {}
     for label in picked:
         try:
@@ -180,10 +188,10 @@ def show_comparison(loaded: dict, key: str, layouts: bool = False) -> None:
     table = compute_run_comparison(loaded)
     for line in differences_text(table):
         (st.warning if "not the same job" in line else st.info)(line)
-    st.dataframe(table.round(2), hide_index=True, key=f"{key}_table")
-    st.caption("Medians over every non-warm-up step and rank. step_ms_lo..hi: the median's 95 % interval; "
-               "vs_first_lo..hi: the interval of the difference to the first run (each run's steps resampled, "
-               "2,000 times); within_noise: that interval holds 0.")
+    show_table(table.round(2), key=f"{key}_table")
+    st.caption("Medians over every non-warm-up step and rank. step low..high: the median's 95 % interval; "
+               "step vs first low..high: the interval of the difference to the first run (each run's steps "
+               "resampled, 2,000 times); within noise: that interval holds 0.")
     shown = {label: median_step(t) for label, t in loaded.items()}
     shown = {label: first_real_step(loaded[label]) if s is None else s for label, s in shown.items()}
     width = max(timeline_extent_ms(t, [shown[label]]) for label, t in loaded.items())
@@ -198,5 +206,5 @@ def show_comparison(loaded: dict, key: str, layouts: bool = False) -> None:
         for n, (col, (label, t)) in enumerate(zip(cols, loaded.items())):
             col.caption(f"{label}: {len(t.run.get('bucket_layout') or [])} buckets, "
                         f"bucket_cap_mb {t.run.get('bucket_cap_mb', float('nan')):g}")
-            col.dataframe(compute_bucket_table(t)[["bucket", "mib", "num_params", "duration_ms", "params"]].round(3),
-                          hide_index=True, key=f"{key}_layout_{n}")
+            show_table(compute_bucket_table(t)[["bucket", "mib", "num_params", "duration_ms", "params"]].round(3),
+                       key=f"{key}_layout_{n}", where=col)

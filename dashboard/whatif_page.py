@@ -17,6 +17,7 @@ from ddpscope.dashboard.common import (
     job_button,
     label_of,
     load_trace,
+    show_table,
     stamp_of,
     widget_now,
 )
@@ -107,7 +108,7 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
                + ". The advisor below also searches per-bucket layouts; its numbers are this table's.")
     render_advisor(path, stamp, trace, whatif_model(str(path), stamp), jobs, busy, policy)
     with st.expander("Predicted table and how the model was fitted"):
-        st.dataframe(sweep.round(2), hide_index=True, key="predict_table")
+        show_table(sweep.round(2), key="predict_table")
         for note in notes:
             st.caption(note)
         st.caption("`ddpscope calibrate RUN` measures all-reduce times and contention on these ranks; the "
@@ -150,7 +151,7 @@ def _predicted_beside_measured(path: Path, stamp: float, trace, cap: float | str
         if not isinstance(cap, str):
             st.caption(f"No real run at {text} yet: the predicted timeline is shown beside the traced run.")
     shown = {f"predicted at {text}": pred, f"{label} (measured)": real_t}
-    st.dataframe(compute_run_comparison(shown).round(2), hide_index=True, key="predict_vs")
+    show_table(compute_run_comparison(shown).round(2), key="predict_vs")
     width = max(timeline_extent_ms(t, [first_real_step(t)]) for t in shown.values())
     cols = st.columns(2)
     for n, (col, (name, t)) in enumerate(zip(cols, shown.items())):
@@ -203,4 +204,4 @@ def _projection(path: Path, stamp: float, trace) -> None:
     here = sweep[sweep["traced"]]
     st.write(f"Projected best: **{best['bucket_cap_mb']:g} MiB** (step {best['step_ms']:.1f} ms"
              + (f"; the traced cap: {float(here['step_ms'].iloc[0]):.1f} ms" if len(here) else "") + ").")
-    st.dataframe(pd.DataFrame(sweep).round(2), hide_index=True, key="predict_proj_table")
+    show_table(pd.DataFrame(sweep).round(2), key="predict_proj_table")

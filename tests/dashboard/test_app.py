@@ -100,6 +100,22 @@ def test_ddps_default_and_25_mib_everywhere_are_two_choices_on_the_run_page(tmp_
     assert at.button(key="run_button").label == "Rerun with bucket_cap_mb = 1"
 
 
+def test_compare_opens_on_the_users_two_newest_runs(tmp_path, monkeypatch):
+    import os
+
+    runs = tmp_path / "runs"
+    for n, (name, sample) in enumerate((("old", "gpt-2rank-cap1mb"), ("mid", "gpt-2rank-cap25mb"),
+                                        ("new", "gpt-2rank-cap1mb"))):
+        shutil.copytree(SAMPLES / sample, runs / name)
+        for f in (runs / name).iterdir():
+            os.utime(f, (1_700_000_000 + 100 * n,) * 2)
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    _page(at, "Compare runs")
+    assert at.multiselect(key="compare_runs").value == ["run: mid", "run: new"]  # the older one the reference
+    assert not at.exception and len(at.dataframe[0].value) == 2
+
+
 def test_compare_view_puts_runs_on_one_time_scale(app):
     """Two samples of one job at two caps: medians over every step with intervals, the
     layout change said before the numbers, each run's median step drawn on one scale."""
@@ -109,8 +125,8 @@ def test_compare_view_puts_runs_on_one_time_scale(app):
     assert sorted(table["buckets"]) == [1, 20] and table["same_job"].all()
     assert (table["step_ms_lo"] <= table["step_ms"]).all() and (table["step_ms"] <= table["step_ms_hi"]).all()
     other = table.iloc[1]
-    assert other["vs_first_lo"] <= other["step_ms_vs_first"] <= other["vs_first_hi"]
-    assert other["within_noise"] == (other["vs_first_lo"] <= 0 <= other["vs_first_hi"])
+    assert other["step_ms_vs_first_lo"] <= other["step_ms_vs_first"] <= other["step_ms_vs_first_hi"]
+    assert other["within_noise"] == (other["step_ms_vs_first_lo"] <= 0 <= other["step_ms_vs_first_hi"])
     assert any("buckets differ" in i.value for i in app.info)
     titles = [json.dumps(_spec(app, n)["layout"]["title"]) for n in (0, 1)]
     assert all("its median step" in t for t in titles)
@@ -612,6 +628,7 @@ def test_whatif_page_draws_the_predicted_curve_with_the_measured_runs_on_it(app)
     assert {"step (predicted)", "exposed communication (predicted)", "step (measured runs)",
             "best cap (predicted)", "traced cap (replayed)"} <= set(traces)
     assert spec["layout"]["xaxis"]["type"] == "log"
+    assert spec["layout"]["xaxis"]["ticktext"][:4] == ["0.25", "0.5", "1", "2"]  # the caps, not 2 5 1 2 5
     assert sorted(traces["step (measured runs)"]["x"]) == [1.0, 25.0]
     assert traces["traced cap (replayed)"]["x"] == [1.0]
     app.select_slider(key="predict_cap").set_value(25.0).run()
@@ -686,6 +703,9 @@ def test_whatif_page_gives_one_number_per_setting_and_shades_the_noise(app):
     assert len(bands) == 1 and bands[0]["y0"] == pytest.approx(table["step_ms"].min(), abs=0.01)
     alike = table[table["within_noise"]]
     assert 1 < len(alike) < len(table)  # some caps are alike, not all
+    assert set(table["bucket_cap_mb_list"]) == {"–"}  # an empty cell, not "None"
+    config = json.loads(next(d for d in app.dataframe if "within_noise" in d.value.columns).proto.columns)
+    assert config["step_ms"]["label"] == "step (ms)" and config.get("bucket_cap_mb", {}).get("label") in (None, "bucket_cap_mb")
     assert any("cannot be told apart from it" in c.value for c in app.caption)
 
 

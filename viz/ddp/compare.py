@@ -108,7 +108,7 @@ def compute_run_comparison(traces: dict[str, RunTrace]) -> pd.DataFrame:
                "step_ms": med, "step_ms_lo": lo, "step_ms_hi": hi,
                **{c: float(b[c].median()) if len(b) else np.nan for c in COLUMNS if c != "step_ms"}}
         d, dlo, dhi = difference_interval(first, b) if k else (0.0, np.nan, np.nan)
-        row.update(step_ms_vs_first=d, vs_first_lo=dlo, vs_first_hi=dhi,
+        row.update(step_ms_vs_first=d, step_ms_vs_first_lo=dlo, step_ms_vs_first_hi=dhi,
                    within_noise=within_noise(dlo, dhi) if k else None,
                    exposed_ms_vs_first=row["exposed_ms"] - (float(first["exposed_ms"].median()) if len(first)
                                                             else np.nan),
@@ -133,7 +133,8 @@ def differences_text(table: pd.DataFrame) -> list[str]:
             out.append(f"{r.run}'s buckets differ from {ref['run']}'s: {ref['layout']} → {r.layout}")
         if r.within_noise:
             out.append(f"{r.run}: {r.step_ms_vs_first:+.1f} ms a step, inside the noise (95 % interval "
-                       f"{r.vs_first_lo:+.1f}..{r.vs_first_hi:+.1f} ms): not a difference these runs can show")
+                       f"{r.step_ms_vs_first_lo:+.1f}..{r.step_ms_vs_first_hi:+.1f} ms): not a difference these runs "
+                       "can show")
         elif r.within_noise is None:
             out.append(f"{r.run}: too few steps for an interval; its difference may be noise")
     return out

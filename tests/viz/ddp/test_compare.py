@@ -67,7 +67,7 @@ def test_samples_of_one_job_compared_with_intervals_layouts_and_noise_said():
     assert any(s.startswith("B's buckets differ from A's: 20 buckets") for s in said)
     row = table.iloc[1]
     assert row["step_ms_vs_first"] == pytest.approx(row["step_ms"] - table["step_ms"].iloc[0])
-    assert row["vs_first_lo"] <= row["step_ms_vs_first"] <= row["vs_first_hi"]
+    assert row["step_ms_vs_first_lo"] <= row["step_ms_vs_first"] <= row["step_ms_vs_first_hi"]
 
 
 def test_the_median_step_is_the_one_whose_slowest_rank_is_the_median():
