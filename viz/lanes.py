@@ -21,6 +21,10 @@ GL_THRESHOLD = 6000
 # WebGL lines have one colour per trace: bucket colours come in this many bands.
 GL_COLORS = 12
 
+# bucket all-reduces by index: plotly's qualitative "D3" without its red (exposed time is red)
+BUCKET_PALETTE = ("#1F77B4", "#FF7F0E", "#2CA02C", "#9467BD", "#8C564B", "#E377C2", "#7F7F7F", "#BCBD22",
+                  "#17BECF")
+
 COLORS = {"forward": "#4C78A8", "backward": "#54A24B", "wait": "#BAB0AC",
           "optimizer": "#F58518", "exposed": "rgba(228, 26, 28, 0.55)", "param_sync": "#B279A2",
           "ddp_own": "#9D755D", "buffer_sync": "#FF9DA6",

@@ -20,6 +20,7 @@ from ddpscope.viz.ddp.buckets import compute_bucket_events
 from ddpscope.viz.ddp.stragglers import compute_launch_spread
 from ddpscope.viz.intervals import merge_sorted_runs
 from ddpscope.viz.lanes import (
+    BUCKET_PALETTE,
     COLORS,
     GL_COLORS,
     GL_THRESHOLD,
@@ -194,11 +195,11 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
                  "%{hovertext}<br>launch %{customdata[4]:.2f} ms after backward start<br>duration "
                  "%{customdata[1]:.2f} ms<br>algbw %{customdata[5]:.3f} GB/s · busbw %{customdata[6]:.3f} GB/s")
         top = max(1, int(ev["bucket"].max()))
-        if not gl:
+        if not gl:  # buckets are categories: a colour each from a qualitative palette (no colour bar)
+            colors = [BUCKET_PALETTE[int(b) % len(BUCKET_PALETTE)] for b in ev["bucket"]]
             data.extend(lane_bars(
                 gl, "bucket all-reduce", comm(ev), ev["launch_us"], ev["done_us"], origin,
-                ev["bucket"].to_numpy(float), hover, custom, text=text, line=0.5, colorscale="Viridis", cmin=0,
-                cmax=top, colorbar=dict(title="bucket", thickness=10, x=1.0, len=0.5, y=0.25)))
+                colors, hover, custom, text=text, line=0.5))
         else:  # WebGL lines take one colour each: lines per bucket index, one hover layer
             idx = ev["bucket"].to_numpy()
             y, start = comm(ev), (ev["launch_us"].to_numpy(float) - origin) / 1e3

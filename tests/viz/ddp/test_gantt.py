@@ -32,7 +32,11 @@ def test_one_trace_per_category_with_every_bar(trace):
     assert set(_trace(fig, "backward").y) == {lane_position(fig, compute_lane(r)) for r in (0, 1)}
     assert lane_position(fig, compute_lane(0)) > lane_position(fig, comm_lane(0)) > lane_position(fig, compute_lane(1))
     # buckets are coloured by index
-    assert list(buckets.marker.color) == list(trace.buckets.merge(shown[["rank", "step"]])["bucket"])
+    from ddpscope.viz.lanes import BUCKET_PALETTE
+
+    index = trace.buckets.merge(shown[["rank", "step"]])["bucket"]
+    assert list(buckets.marker.color) == [BUCKET_PALETTE[b % len(BUCKET_PALETTE)] for b in index]  # a colour a bucket
+    assert "colorbar" not in buckets.marker.to_plotly_json()  # categories, not a scale
 
 
 def test_single_step_times_are_ms_from_its_start_and_hover_has_bandwidth(trace):
