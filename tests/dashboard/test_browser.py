@@ -81,6 +81,7 @@ def test_dashboard_renders_the_timeline_for_both_ranks(tmp_path):
         ys = page.eval_on_selector_all(".js-plotly-plot .barlayer .point path",
                                        "els => els.map(e => e.getBoundingClientRect().y)")
         assert max(ys) - min(ys) > 100
+        assert page.get_by_text("Deploy", exact=True).count() == 0  # no developer menu for a user
         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
         assert (tmp_path / "dashboard.png").stat().st_size > 10_000
         # the README's picture, made here from the sample so that it shows the page as it is

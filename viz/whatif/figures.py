@@ -51,7 +51,7 @@ def make_cap_sweep_figure(sweep: pd.DataFrame, measured: pd.DataFrame | None = N
         fastest = float(curve["step_ms"].min())
         fig.add_hrect(y0=fastest, y1=fastest + noise_ms, fillcolor="#2ca02c", opacity=0.12, line_width=0,
                       annotation_text=f"within the noise of the fastest (+{noise_ms:.1f} ms)",
-                      annotation_position="top left", annotation_font_size=11)
+                      annotation_position="top right", annotation_font_size=11)
     # ticks at the caps themselves: plotly's own log ticks read "2 5 1 2 5 10 2 5 100"
     caps = sorted({float(c) for c in sweep["bucket_cap_mb"]})
     fig.update_xaxes(type="log", title_text="bucket_cap_mb (MiB, log scale)", tickvals=caps,
