@@ -31,8 +31,11 @@ def lane(rank: int, what: str) -> str:
     return f"rank {rank} · {what}"
 
 
+_REDS = {"#EF553B", "#D62728"}  # red is waiting and exposed time: no unit takes it
+
+
 def unit_colors(names: list[str]) -> dict[str, str]:
-    palette = qualitative.Plotly + qualitative.D3
+    palette = [c for c in qualitative.Plotly + qualitative.D3 if c.upper() not in _REDS]
     return {n: palette[k % len(palette)] for k, n in enumerate(names)}
 
 

@@ -21,8 +21,9 @@ when the step closes. Closed steps are handed to ``emit`` in batches, at most ``
 old: one step's events cost ~250 µs to make and encode right after a step (its tensors
 have flushed the caches) and ~40 % less each in a batch (measured on a 30 ms DeepSpeed
 step: benchmarks/deepspeed.py). A rank that stops closing steps (a hang, a long
-evaluation) has what it holds written by the live file's thread (``flush_held``), so a
-run killed later keeps every step that finished. Runs on the training thread; the autograd thread is the same one
+evaluation) for ``STALL_S`` has what it holds written by the live file's thread
+(``flush_held``), so a run killed later keeps every step that finished; while steps keep
+closing that thread writes nothing (its encode would take the GIL from the step). Runs on the training thread; the autograd thread is the same one
 on CPU (on CUDA, autograd's device thread calls the backward hooks: the stack is per
 pass, and a backward hook never runs while a forward does).
 """
@@ -78,6 +79,7 @@ class ShardedStep:
 
 HOLD_S = 0.25  # closed steps wait at most this long (seconds) to be emitted together
 HOLD_STEPS = 32  # ... and at most this many
+STALL_S = 1.0  # no step closed for this long (seconds): the live file's thread emits what is held
 
 
 class ShardedRecorder:
@@ -102,7 +104,7 @@ class ShardedRecorder:
         self.where: tuple[int, str, str | None] = (-1, "", None)  # (unit, phase, collective) for the live file
         self._lag: list[ShardedStep] = []  # closed, not yet emitted (held, or CUDA's events not yet done)
         self._lag_lock = threading.Lock()  # the live file's thread may emit what is held (flush_held)
-        self._last_flush = time.monotonic()
+        self._last_flush = self._last_close = time.monotonic()
 
     # -- passes ---------------------------------------------------------------------
     def on_forward_start(self, reduce_grads: bool = True) -> None:
@@ -314,14 +316,17 @@ class ShardedRecorder:
         cur.end = now
         with self._lag_lock:
             self._lag.append(cur)
+        self._last_close = time.monotonic()
         if len(self._lag) - self.clock.lag_steps >= HOLD_STEPS or time.monotonic() - self._last_flush >= HOLD_S:
             self._flush(keep=self.clock.lag_steps)
         if self.on_close is not None:
             self.on_close(cur)
 
     def flush_held(self) -> None:
-        """Emit the steps held longer than ``HOLD_S`` (any thread: the live file's calls it)."""
-        if self._lag and time.monotonic() - self._last_flush >= HOLD_S:
+        """Emit what is held when no step has closed for ``STALL_S`` (a hang, a long
+        evaluation): the live file's thread calls it. Never while steps keep closing: an
+        encode on another thread takes the GIL from the step being traced."""
+        if self._lag and time.monotonic() - self._last_close >= STALL_S:
             self._flush(keep=self.clock.lag_steps)
 
     def _flush(self, keep: int) -> None:
