@@ -121,7 +121,7 @@ def _rerun_once(page, runs: Path, label: str, steps: int) -> dict:
     button.click()
     page.wait_for_function(
         f"""() => [...document.querySelectorAll('.js-plotly-plot .gtitle')]
-              .some(t => t.textContent.startsWith('run: ') && t.textContent.includes('-cap{new_cap}mb (step'))""",
+              .some(t => t.textContent.startsWith('run: ') && t.textContent.includes('-cap{new_cap}mb: step'))""",
         timeout=180_000)
     page.wait_for_function("""() => [...document.querySelectorAll('.js-plotly-plot')].slice(-2)
               .every(g => g.querySelector('.barlayer .point, .scatterlayer .trace'))""", timeout=60_000)
