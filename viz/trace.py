@@ -283,6 +283,14 @@ def _step_tables(rows: list[dict], metas: dict[int, dict]) -> tuple[pd.DataFrame
     return steps.sort_values(["rank", "step"], kind="stable").reset_index(drop=True), memory
 
 
+def compute_end(df: pd.DataFrame) -> pd.Series:
+    """Backward compute's end per row (steps or passes): ``compute_end_us`` (the last
+    gradient), else, where a trace does not say it, the backward span's end."""
+    if "compute_end_us" not in df:
+        return df["backward_end_us"]
+    return df["compute_end_us"].fillna(df["backward_end_us"])
+
+
 def fill_comm_columns(steps: pd.DataFrame, buckets: pd.DataFrame, passes: pd.DataFrame) -> pd.DataFrame:
     """``steps`` with its ``COMM_FIELDS`` computed from the bucket and pass tables where
     they are missing (NaN, or no column): a prediction's steps, a table built by hand.
@@ -302,8 +310,7 @@ def fill_comm_columns(steps: pd.DataFrame, buckets: pd.DataFrame, passes: pd.Dat
         calls = [] if b is None else list(zip(b["launch_us"], b["done_us"], b["bytes"]))
         if p is not None:
             p = p.dropna(subset=["backward_start_us", "backward_end_us"])
-            ends = p["compute_end_us"].fillna(p["backward_end_us"]) if "compute_end_us" in p else p["backward_end_us"]
-            backwards = list(zip(p["backward_start_us"], ends))
+            backwards = list(zip(p["backward_start_us"], compute_end(p)))
         else:
             lo, hi = steps.at[i, "backward_start_us"], steps.at[i, "backward_end_us"]
             backwards = [(lo, hi)] if pd.notna(lo) and pd.notna(hi) else []

@@ -33,7 +33,7 @@ from ddpscope.viz.lanes import (
     lane_bars,
     select_steps,
 )
-from ddpscope.viz.trace import RunTrace
+from ddpscope.viz.trace import RunTrace, compute_end
 
 
 def _short(names: list[str], limit: int = 4) -> str:
@@ -112,16 +112,8 @@ def _backward_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
     })
 
 
-def _compute_end(df: pd.DataFrame) -> pd.Series:
-    """Backward compute's end per row: its last gradient (``compute_end_us``), else, in a
-    trace that does not say it, the backward span's end."""
-    if "compute_end_us" not in df:
-        return df["backward_end_us"]
-    return df["compute_end_us"].fillna(df["backward_end_us"])
-
-
 def _exposed_segments(trace: RunTrace, shown: pd.DataFrame) -> pd.DataFrame:
-    b, first = _sorted_per_step(trace.buckets, shown.assign(cut_us=_compute_end(shown)), "cut_us", "launch_us")
+    b, first = _sorted_per_step(trace.buckets, shown.assign(cut_us=compute_end(shown)), "cut_us", "launch_us")
     if b is None:
         return pd.DataFrame(columns=["rank", "step", "start_us", "end_us"])
     rank, step = b["rank"].to_numpy(), b["step"].to_numpy()
@@ -182,7 +174,7 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
             np.column_stack([seg["step"], dur(seg["start_us"], seg["end_us"])]),
             text=seg["label"].tolist() if len(seg) <= TEXT_LIMIT else None, line=0.5))
     if "sync_end_us" in passes:  # from backward compute's end: a span past the last gradient is waiting too
-        phase("waiting for all-reduce", passes[passes["sync"].astype(bool)].assign(wait_us=_compute_end(passes)),
+        phase("waiting for all-reduce", passes[passes["sync"].astype(bool)].assign(wait_us=compute_end(passes)),
               "wait_us", "sync_end_us", COLORS["wait"], "waiting for the averaged gradients")
     if "optimizer_start_us" in shown:
         phase("optimizer.step", shown, "optimizer_start_us", "optimizer_end_us", COLORS["optimizer"], "optimizer.step")
