@@ -53,7 +53,11 @@ def test_the_slow_rank_is_found_and_ranked_first_with_its_figures(eight_ranks):
     fwd = {r: statistics.median(x["forward_ms"] for x in own[r]["own"][1:]) for r in range(RANKS)}
     lag = fwd[SLOW] - statistics.median(fwd.values())
     assert lag >= SLOW_MS * 0.9
-    assert slow["launch_delay_ms"].iloc[0] == pytest.approx(lag, abs=10.0)
+    # launch_delay_ms counts from the step's first rank to launch, the script's lag from its median
+    # rank: the slow rank's delay beyond the others' median is its forward's lag (CI once drew a
+    # first rank 13 ms ahead of the median one, 8 ranks sharing 2 cores)
+    beyond = slow["launch_delay_ms"].iloc[0] - slow["launch_delay_ms"].iloc[1:].median()
+    assert beyond == pytest.approx(lag, abs=10.0)
     # the others' delays are scheduling noise (8 ranks share 2 cores here): well under the injected one
     assert (slow["launch_delay_ms"].iloc[1:] < SLOW_MS / 2).all()
     exposed = overview.groupby("rank")["exposed_ms"].median()
