@@ -10,7 +10,8 @@ from ddpscope.dashboard.sharded_view import render_sharded_memory
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.ddp.stages import compute_ddp_stage_comparison, ddp_comm_lines, ddp_stage, ddp_stage_differences
 from ddpscope.viz.sharded.figures import make_stage_comparison_figure
-from ddpscope.viz.zero.figures import UNITS, make_zero_projection_figure, make_zero_run_figure
+from ddpscope.viz.units import FAMILIES, FAMILY_LABELS, UNITS
+from ddpscope.viz.zero.figures import make_zero_projection_figure, make_zero_run_figure
 from ddpscope.viz.zero.model import (
     PRECISIONS,
     PRESETS,
@@ -35,18 +36,18 @@ def set_precision_k() -> None:
     st.session_state["proj_k"] = int(PRECISIONS[st.session_state["proj_precision"]].k)
 
 
-def render_ddp_memory(trace) -> None:
+def render_ddp_memory(trace, unit: str = "MiB") -> None:
     """A DDP run (ZeRO stage 0) or DDP with ZeroRedundancyOptimizer (stage 1), measured
-    beside the ZeRO model; ZeRO-1's parameter broadcasts and volume in words."""
+    beside the ZeRO model (in ``unit``); ZeRO-1's parameter broadcasts and volume in words."""
     comparison = compute_ddp_stage_comparison(trace)
     facts = ddp_stage(trace)
     c = st.columns(2)
     with c[0]:
-        st.plotly_chart(make_stage_comparison_figure(comparison), key="ddp_stages")
+        st.plotly_chart(make_stage_comparison_figure(comparison, unit), key="ddp_stages")
     with c[1]:
         view = comparison.drop(columns=["rank"]).copy()
         for col in [c for c in view.columns if c.endswith("_bytes")]:
-            view[col.replace("bytes", "MiB")] = view.pop(col) / 2**20
+            view[col.replace("bytes", unit)] = view.pop(col) / UNITS[unit]
         show_table(view.round(4), key="ddp_stage_table")
     st.caption(f"Measured: ZeRO stage {facts.get('stage', 0)} ({facts.get('stage_reason', 'DDP')}), at the end of "
                f"each measured step. The stages: the ZeRO model for this model's {int(trace.run['model_params']):,} "
@@ -56,18 +57,20 @@ def render_ddp_memory(trace) -> None:
 
 
 def render_memory(all_runs: dict, jobs: JobManager, busy: bool, trace=None) -> None:
-    """``trace``: the open training run; a sharded one is shown first, measured."""
+    """``trace``: the open training run; a sharded one is shown first, measured. One unit
+    family for the whole page: a run's amounts in its small unit, projections in its large."""
+    family = st.radio("Units", list(FAMILIES), horizontal=True, key="zero_unit", format_func=FAMILY_LABELS.get,
+                      help="DDP's bucket_cap_mb and torch's memory statistics count in MiB; the ZeRO paper in GB.")
+    unit, large = FAMILIES[family]
+    scale = UNITS[unit]
     if trace is not None and getattr(trace, "shards", None) is not None:
         st.subheader("The open run: memory by category, and where it stands among ZeRO's stages")
-        render_sharded_memory(trace)
+        render_sharded_memory(trace, unit)
         st.divider()
     elif trace is not None and trace.source == "ddpscope" and len(trace.memory) and trace.run.get("model_params"):
         st.subheader("The open run: its model states, and where they stand among ZeRO's stages")
-        render_ddp_memory(trace)
+        render_ddp_memory(trace, unit)
         st.divider()
-    unit = st.radio("Units", list(UNITS), horizontal=True, key="zero_unit",
-                    help="GB and MB are 10^9 and 10^6 bytes (the ZeRO paper's unit); GiB and MiB 2^30 and 2^20.")
-    scale = UNITS[unit]
     st.subheader("Teaching sample: one demo model trained under each ZeRO stage")
     with st.expander("Run the ZeRO stages here", expanded=False):
         c = st.columns(3)
@@ -124,7 +127,8 @@ def render_memory(all_runs: dict, jobs: JobManager, busy: bool, trace=None) -> N
         set_precision_k()
     c = st.columns(4)
     k_bytes = c[0].slider("K (optimizer bytes / parameter)", 0, 32, key="proj_k")
-    device_gib = c[1].number_input("device memory (GiB)", min_value=1.0, max_value=4096.0, value=80.0, key="proj_device")
+    device = c[1].number_input(f"device memory ({large})", min_value=1.0, max_value=4096.0, value=80.0,
+                               key="proj_device")
     with_act = c[2].checkbox("add transformer activations", key="proj_act")
     act = 0.0
     if with_act:
@@ -140,10 +144,10 @@ def render_memory(all_runs: dict, jobs: JobManager, busy: bool, trace=None) -> N
     base = PRECISIONS[prec_name]
     prec = Precision(name=base.name, param=base.param, grad=base.grad, k=k_bytes)
     mem = compute_zero_memory(params_b * 1e9, n_dev, prec, act)
-    st.plotly_chart(make_zero_projection_figure(mem, unit, device_gib * 2**30), key="zero_projection")
-    fits = largest_model(device_gib * 2**30, n_dev, prec, act)
+    st.plotly_chart(make_zero_projection_figure(mem, large, device * UNITS[large]), key="zero_projection")
+    fits = largest_model(device * UNITS[large], n_dev, prec, act)
     view_mem = mem[["stage", "name"]].copy()
-    view_mem[f"per device ({unit})"] = mem["total_bytes"] / scale
-    view_mem[f"comm per rank and step ({unit})"] = mem["comm_bytes"] / scale
+    view_mem[f"per device ({large})"] = mem["total_bytes"] / UNITS[large]
+    view_mem[f"comm per rank and step ({large})"] = mem["comm_bytes"] / UNITS[large]
     view_mem["largest model that fits (B params)"] = fits["max_params"] / 1e9
     show_table(view_mem.round(3), key="zero_projection_table")

@@ -25,6 +25,7 @@ from ddpscope.viz.sharded.metrics import (
     stage_differences,
 )
 from ddpscope.viz.sharded.predict import predict_memory, predict_peak, predict_step_ms
+from ddpscope.viz.units import UNITS
 
 MIB = 2**20
 RESHARD_CHOICES = {"true (ZeRO-3)": "true", "false (ZeRO-2)": "false"}
@@ -72,8 +73,9 @@ def render_sharded_timeline(trace) -> None:
     show_table(vol.round(3), key="sharded_volume")
 
 
-def render_sharded_memory(trace) -> None:
-    """The open sharded run's memory: over a step by category, and beside ZeRO's stages."""
+def render_sharded_memory(trace, unit: str = "MiB") -> None:
+    """The open sharded run's memory: over a step by category, and beside ZeRO's stages
+    (in ``unit``, the Memory page's)."""
     sh = trace.shards
     ranks = sorted(int(r) for r in sh.memory["rank"].unique())
     if not ranks:
@@ -83,17 +85,17 @@ def render_sharded_memory(trace) -> None:
     c = st.columns(2)
     with c[0]:
         st.plotly_chart(make_memory_over_step_figure(compute_memory_over_step(trace, rank),
-                                                     f"Rank {rank}: memory over one step (measured)"),
+                                                     f"Rank {rank}: memory over one step (measured)", unit),
                         key="sharded_memory")
     comparison = compute_stage_comparison(trace)
     with c[1]:
-        st.plotly_chart(make_stage_comparison_figure(comparison), key="sharded_stages")
+        st.plotly_chart(make_stage_comparison_figure(comparison, unit), key="sharded_stages")
     how = precision(trace).name if sh.framework == "deepspeed" else "fp32 AdamW"
     st.caption(f"Measured: ZeRO stage {sh.stage} ({sh.stage_reason}). The stages: the ZeRO model for this model's "
                f"{int(sh.units['numel'].sum()):,} parameters on {trace.world_size} ranks, {how}.")
     view = comparison.drop(columns=["rank"]).copy()
     for col in [c for c in view.columns if c.endswith("_bytes")]:
-        view[col.replace("bytes", "MiB")] = view.pop(col) / MIB
+        view[col.replace("bytes", unit)] = view.pop(col) / UNITS[unit]
     show_table(view.round(4), key="sharded_stage_table")
     for line in stage_differences(trace):
         st.write("• " + line)

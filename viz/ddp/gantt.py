@@ -33,6 +33,7 @@ from ddpscope.viz.lanes import (
     lane_bars,
     select_steps,
 )
+from ddpscope.viz.layout import LEGEND_BELOW
 from ddpscope.viz.trace import RunTrace, compute_end
 
 
@@ -272,6 +273,6 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
         yaxis=dict(tickvals=[p + d for r, p in pos.items() for d in (1, 0)],
                    ticktext=[name for r in pos for name in (compute_lane(r), comm_lane(r))],
                    range=[-0.6, 2 * len(ranks_shown) - 0.4], title=None, fixedrange=True),
-        legend=dict(orientation="h", y=-0.18), margin=dict(l=10, r=10, t=40, b=10), dragmode="zoom",
+        legend=LEGEND_BELOW, margin=dict(l=10, r=10, t=40, b=10), dragmode="zoom",
     )
     return fig

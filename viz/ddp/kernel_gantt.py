@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 
 from ddpscope.viz.intervals import merge_sorted_runs
 from ddpscope.viz.lanes import COLORS, GL_THRESHOLD, TEXT_LIMIT, group_starts, lane_bars, select_steps
+from ddpscope.viz.layout import LEGEND_BELOW
 from ddpscope.viz.trace import RunTrace
 
 COLLECTIVE_COLORS = ["#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D", "#EECA3B"]
@@ -145,6 +146,6 @@ def make_kernel_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = N
         xaxis=dict(title="ms from the start of the first shown step", zeroline=False),
         yaxis=dict(tickvals=[top - i for i in range(len(labels))], ticktext=labels, range=[-0.6, top + 0.6],
                    title=None, fixedrange=True),
-        legend=dict(orientation="h", y=-0.18), margin=dict(l=10, r=10, t=40, b=10), dragmode="zoom",
+        legend=LEGEND_BELOW, margin=dict(l=10, r=10, t=40, b=10), dragmode="zoom",
     )
     return fig

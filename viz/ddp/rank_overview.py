@@ -15,6 +15,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from ddpscope.viz.ddp.overlap import compute_step_breakdown
+from ddpscope.viz.layout import LEGEND_BELOW
 from ddpscope.viz.trace import RunTrace, fill_comm_columns
 
 #: the overview's metrics: column -> what it is
@@ -143,5 +144,5 @@ def make_step_spread_figure(overview: pd.DataFrame, metric: str = "step_ms") -> 
                              hovertemplate="step %{x}<br>median %{y:.2f} ms<extra></extra>"))
     fig.update_layout(title=f"{METRICS[metric]}: spread over ranks, per step", height=260,
                       margin=dict(l=10, r=10, t=40, b=10), xaxis_title="step", yaxis_title="ms",
-                      legend=dict(orientation="h", y=-0.3))
+                      legend=LEGEND_BELOW)
     return fig

@@ -139,13 +139,13 @@ def ddp_comm_lines(trace) -> list[str]:
     ar = float(b.groupby(["rank", "step"])["bytes"].sum().median()) if len(b) else 0.0
     lines = [f"D = {d / 2**20:.3f} MiB of parameters; N = {n} ranks; ZeRO stage {facts.get('stage', 0)} "
              f"({facts.get('stage_reason', 'DDP')}).",
-             f"All-reduce of the gradients: {ar / 2**20:.3f} MiB a step ({ar / d:.2f} D); NCCL's ring sends "
-             f"2(N-1)/N of it per rank: {2 * frac * ar / d:.2f} D."]
+             f"All-reduce of the gradients: {ar / 2**20:.3f} MiB a step ({ar / d:.2f} D); a ring all-reduce "
+             f"sends 2(N-1)/N of it per rank: {2 * frac * ar / d:.2f} D."]
     if facts.get("stage") == 1:
         sync = compute_param_sync(trace)
         m = float(sync["bytes"].median()) if len(sync) else d
         lines.append(f"Parameter broadcast after the update: {m / 2**20:.3f} MiB ({m / d:.2f} D), each rank the "
-                     f"source of its partition; by NCCL's rings each rank sends (N-1)/N of it on average: "
+                     f"source of its partition; by rings each rank sends (N-1)/N of it on average: "
                      f"{frac * m / d:.2f} D. In all {2 * frac * ar / d + frac * m / d:.2f} D, where the ZeRO paper's "
                      f"stage 1 sends 2D x (N-1)/N = {2 * frac:.2f} D (a reduce-scatter, then an all-gather): "
                      "ZeroRedundancyOptimizer keeps DDP's full all-reduce and adds the broadcast.")

@@ -23,6 +23,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ddpscope.viz.layout import LEGEND_BELOW
 from ddpscope.viz.ring.metrics import compute_ring_rounds, ring_factor
 from ddpscope.viz.ring.trace import RingTrace
 
@@ -154,5 +155,5 @@ def make_ring_whatif_figure(whatif: pd.DataFrame, size_bytes: float,
     fig.update_xaxes(title_text="ranks N", row=1, col=2)
     fig.update_yaxes(title_text="ms", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="MiB", rangemode="tozero", row=1, col=2)
-    fig.update_layout(height=430, margin=dict(t=50, b=100, l=50, r=20), legend=dict(orientation="h", y=-0.3))
+    fig.update_layout(height=430, margin=dict(t=50, b=100, l=50, r=20), legend=LEGEND_BELOW)
     return fig

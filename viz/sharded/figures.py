@@ -1,7 +1,7 @@
 """Figures of a sharded (FSDP2) run: the timeline with per-unit compute and one lane per
 collective kind, memory over a step by category, and the model states beside ZeRO's
-stages. Times in ms from the start of the first shown step (rank 0's clock), bytes in
-MiB (2^20) on the axes.
+stages. Times in ms from the start of the first shown step (rank 0's clock); bytes in
+the page's unit (``viz.units``), MiB (2^20) unless told.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from plotly.colors import qualitative
 
 from ddpscope.tracer import format as fmt
 from ddpscope.viz.lanes import select_steps
+from ddpscope.viz.layout import LEGEND_BELOW
 from ddpscope.viz.sharded.metrics import MEMORY_LABELS, with_exposed
+from ddpscope.viz.units import unit_scale
 
 MIB = 2**20
 LANES = ("compute", "all-gather", "reduce-scatter")
@@ -98,15 +100,17 @@ def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
         barmode="overlay", height=120 + 75 * len(ranks_shown) * len(LANES) // 2,
         xaxis_title="ms from the first shown step's start (rank 0's clock)",
         yaxis=dict(tickvals=list(pos.values()), ticktext=list(pos), range=[0.4, len(labels) + 0.6]),
-        legend=dict(orientation="h", y=-0.18), margin=dict(l=10, r=10, t=40, b=10),
+        legend=LEGEND_BELOW, margin=dict(l=10, r=10, t=40, b=10),
         title=f"{'DeepSpeed' if sh.framework == 'deepspeed' else 'FSDP2'}, ZeRO stage {sh.stage}: compute per unit "
               "against its all-gathers and reductions")
     return fig
 
 
-def make_memory_over_step_figure(samples: pd.DataFrame, title: str = "Memory over one step") -> go.Figure:
+def make_memory_over_step_figure(samples: pd.DataFrame, title: str = "Memory over one step",
+                                 unit: str = "MiB") -> go.Figure:
     """Stacked areas of bytes by category at each unit boundary of one step (measured, or
-    predicted: ``sharded.predict.predict_memory``), with the peak marked."""
+    predicted: ``sharded.predict.predict_memory``), with the peak marked; in ``unit``."""
+    k = unit_scale(unit)
     fig = go.Figure()
     if samples.empty:
         return fig.update_layout(title=f"{title}: no measured step")
@@ -114,37 +118,38 @@ def make_memory_over_step_figure(samples: pd.DataFrame, title: str = "Memory ove
         if cat not in samples or not (samples[cat].fillna(0) > 0).any():
             continue
         fig.add_trace(go.Scatter(
-            x=samples["t_ms"], y=samples[cat].fillna(0) / MIB, name=MEMORY_LABELS[cat], stackgroup="memory",
+            x=samples["t_ms"], y=samples[cat].fillna(0) / k, name=MEMORY_LABELS[cat], stackgroup="memory",
             mode="lines", line=dict(width=0.5, color=MEMORY_COLORS[cat]), customdata=samples["where"],
-            hovertemplate=MEMORY_LABELS[cat] + ": %{y:.3f} MiB<br>%{customdata}<extra></extra>"))
+            hovertemplate=MEMORY_LABELS[cat] + ": %{y:.3f} " + unit + "<br>%{customdata}<extra></extra>"))
     peak = samples[samples["peak"]]
     if len(peak):
         p = peak.iloc[0]
-        fig.add_trace(go.Scatter(x=[p["t_ms"]], y=[p["total_bytes"] / MIB], mode="markers+text",
+        fig.add_trace(go.Scatter(x=[p["t_ms"]], y=[p["total_bytes"] / k], mode="markers+text",
                                  marker=dict(symbol="triangle-down", size=14, color="#e41a1c"),
-                                 text=[f"peak {p['total_bytes'] / MIB:.2f} MiB: {p['where']}"],
+                                 text=[f"peak {p['total_bytes'] / k:.2f} {unit}: {p['where']}"],
                                  textposition="top center", name="peak", hoverinfo="skip"))
-    fig.update_layout(title=title, xaxis_title="ms from the step's start", yaxis_title="MiB",
-                      height=420, legend=dict(orientation="h", y=-0.2), margin=dict(l=10, r=10, t=40, b=10))
+    fig.update_layout(title=title, xaxis_title="ms from the step's start", yaxis_title=unit,
+                      height=420, legend=LEGEND_BELOW, margin=dict(l=10, r=10, t=40, b=10))
     return fig
 
 
-def make_stage_comparison_figure(comparison: pd.DataFrame) -> go.Figure:
+def make_stage_comparison_figure(comparison: pd.DataFrame, unit: str = "MiB") -> go.Figure:
     """The measured model states (per rank) beside ZeRO stages 0-3 for this model and N,
-    stacked: parameters, gradients, optimizer state (MiB); rows with a total only
-    (DeepSpeed's estimators) as one grey bar."""
+    stacked: parameters, gradients, optimizer state (in ``unit``); rows with a total
+    only (DeepSpeed's estimators) as one grey bar."""
+    k = unit_scale(unit)
     fig = go.Figure()
     rows = comparison["row"].tolist()
     for key, label, color in (("params_bytes", "parameters", "#1f77b4"), ("grads_bytes", "gradients", "#ff7f0e"),
                               ("optimizer_state_bytes", "optimizer state", "#2ca02c")):
-        fig.add_trace(go.Bar(x=rows, y=comparison[key] / MIB, name=label, marker_color=color,
-                             hovertemplate="%{x}<br>" + label + ": %{y:.3f} MiB<extra></extra>"))
+        fig.add_trace(go.Bar(x=rows, y=comparison[key] / k, name=label, marker_color=color,
+                             hovertemplate="%{x}<br>" + label + ": %{y:.3f} " + unit + "<extra></extra>"))
     totals = comparison[comparison["params_bytes"].isna()]  # a total only: DeepSpeed's estimators
     if len(totals):
-        fig.add_trace(go.Bar(x=totals["row"], y=totals["model_state_bytes"] / MIB, name="estimate (total)",
+        fig.add_trace(go.Bar(x=totals["row"], y=totals["model_state_bytes"] / k, name="estimate (total)",
                              marker_color="#7f7f7f",
-                             hovertemplate="%{x}<br>model states: %{y:.3f} MiB<extra></extra>"))
-    fig.update_layout(barmode="stack", height=380, yaxis_title="MiB per rank", legend=dict(orientation="h", y=-0.2),
+                             hovertemplate="%{x}<br>model states: %{y:.3f} " + unit + "<extra></extra>"))
+    fig.update_layout(barmode="stack", height=380, yaxis_title=f"{unit} per rank", legend=LEGEND_BELOW,
                       title="Model states: this run beside ZeRO stages 0-3 (this model, this N)",
                       margin=dict(l=10, r=10, t=40, b=10))
     return fig

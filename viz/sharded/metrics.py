@@ -252,7 +252,7 @@ def model_sizes(trace) -> tuple[float, float]:
 
 def compute_comm_volume(trace) -> pd.DataFrame:
     """Per collective kind, per rank and step (median over non-warm-up steps): the
-    messages FSDP issued (bytes), what this backend sent per rank, what NCCL's ring would
+    messages FSDP issued (bytes), what this backend sent per rank, what a ring would
     send ((G-1)/G x M for an all-gather or reduce-scatter of M bytes among G ranks,
     2(G-1)/G x M for an all-reduce; G = N, or under HSDP the shard group for those two
     and the replicas for its all-reduce), and all in units of D, the model's size in the collective's own dtype
@@ -281,9 +281,9 @@ def compute_comm_volume(trace) -> pd.DataFrame:
         group = copies if kind == "all_reduce" and not deepspeed else shards  # the ranks each runs among
         part = (group - 1) / group if group > 0 else frac
         sent = message * (2 * part if sent_as == "all_reduce" else part)
-        nccl = message * (2 * part if kind == "all_reduce" else part)
+        ring = message * (2 * part if kind == "all_reduce" else part)
         rows.append({"collective": kind, "ran_as": sent_as, "D_bytes": d, "message_bytes": message, "sent_bytes": sent,
-                     "nccl_bytes": nccl, "message_D": message / d, "sent_D": sent / d, "nccl_D": nccl / d})
+                     "ring_bytes": ring, "message_D": message / d, "sent_D": sent / d, "ring_D": ring / d})
     out = pd.DataFrame(rows)
     total = {"collective": "total", "ran_as": "", "D_bytes": np.nan,
              **{k: out[k].sum() for k in out.columns if k not in ("collective", "ran_as", "D_bytes")}}
@@ -328,7 +328,8 @@ def comm_honesty_lines(trace) -> list[str]:
                  f"the all-reduce of this rank's gradient shard across R = {r} replicas, 2(R-1)/R x D/S = "
                  f"{2 * (r - 1) / r / s:.2f} D: {k * (s - 1) / s + 2 * (r - 1) / r / s:.2f} D (DDP: 2D x (N-1)/N).")
     lines.append(f"Per step each rank sent {total['sent_bytes'] / 2**20:.3f} MiB ({total['sent_D']:.2f} D); "
-                 f"NCCL's rings would send {total['nccl_bytes'] / 2**20:.3f} MiB ({total['nccl_D']:.2f} D). " + model)
+                 f"rings (the ZeRO paper's count) would send {total['ring_bytes'] / 2**20:.3f} MiB "
+                 f"({total['ring_D']:.2f} D). " + model)
     return lines
 
 

@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 
 from ddpscope.viz.ddp.compare import difference_interval, within_noise
 from ddpscope.viz.ddp.overlap import compute_step_breakdown
+from ddpscope.viz.layout import LEGEND_BELOW
 from ddpscope.viz.trace import RunTrace
 from ddpscope.viz.whatif.model import usable_steps
 from ddpscope.viz.whatif.sweep import _medians
@@ -118,5 +119,5 @@ def make_ab_timeline_figure(runs: dict[str, RunTrace], title: str = "A against B
     fig.update_layout(title=title, barmode="overlay", height=220 + 160 * len(runs),
                       xaxis_title="ms from backward start (medians over steps and ranks)",
                       yaxis=dict(tickvals=[y for y, _ in ticks], ticktext=[n for _, n in ticks], zeroline=False),
-                      legend=dict(orientation="h", y=-0.25))
+                      legend=LEGEND_BELOW)
     return fig

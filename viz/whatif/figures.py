@@ -7,6 +7,8 @@ import math
 import pandas as pd
 import plotly.graph_objects as go
 
+from ddpscope.viz.layout import LEGEND_BELOW
+
 
 def make_cap_sweep_figure(sweep: pd.DataFrame, measured: pd.DataFrame | None = None,
                           best_cap: float | None = None, title: str = "Predicted step time against bucket_cap_mb",
@@ -58,5 +60,5 @@ def make_cap_sweep_figure(sweep: pd.DataFrame, measured: pd.DataFrame | None = N
                      ticktext=[f"{c:g}" for c in caps])
     fig.update_yaxes(title_text="ms", rangemode="tozero")
     fig.update_layout(title=title, height=430, margin=dict(t=50, b=90, l=50, r=20),
-                      legend=dict(orientation="h", y=-0.25))
+                      legend=LEGEND_BELOW)
     return fig

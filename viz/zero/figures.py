@@ -1,8 +1,8 @@
 """Figures of memory per ZeRO stage: a measured run beside the model, and projections.
 
 Bars stack parameters / gradients / optimizer state / activations. ``unit`` is one of
-``UNITS`` and is written on the axis: GB and MB are decimal (10^9, 10^6 bytes, the ZeRO
-paper's unit), GiB and MiB binary (2^30, 2^20).
+``viz.units.UNITS`` and is written on the axis: GB and MB are decimal (10^9, 10^6 bytes, the
+ZeRO paper's unit), GiB and MiB binary (2^30, 2^20).
 """
 
 from __future__ import annotations
@@ -10,15 +10,11 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-UNITS = {"GB": 1e9, "GiB": 2**30, "MB": 1e6, "MiB": 2**20}
+from ddpscope.viz.layout import LEGEND_BELOW
+from ddpscope.viz.units import unit_scale
+
 PARTS = (("params_bytes", "parameters", "#1f77b4"), ("grads_bytes", "gradients", "#ff7f0e"),
          ("optimizer_state_bytes", "optimizer state", "#2ca02c"), ("activations_bytes", "activations", "#9467bd"))
-
-
-def _scale(unit: str) -> float:
-    if unit not in UNITS:
-        raise ValueError(f"unit must be one of {', '.join(UNITS)}, got {unit!r}")
-    return UNITS[unit]
 
 
 def make_zero_run_figure(comparison: pd.DataFrame, unit: str = "MiB", rank: int = 0) -> go.Figure:
@@ -26,7 +22,7 @@ def make_zero_run_figure(comparison: pd.DataFrame, unit: str = "MiB", rank: int 
     is everything else the step's peak held: peak tensor memory minus model states
     (activations, temporaries, communication buffers); the predicted one is the
     transformer estimate when the comparison has one."""
-    k = _scale(unit)
+    k = unit_scale(unit)
     c = comparison[comparison["rank"] == rank].sort_values("stage")
     stages = [f"stage {int(s)}" for s in c["stage"]]
     x = [stages * 2, ["measured"] * len(c) + ["predicted"] * len(c)]
@@ -44,7 +40,7 @@ def make_zero_run_figure(comparison: pd.DataFrame, unit: str = "MiB", rank: int 
                              hovertemplate="%{x}<br>" + label + ": %{y:.3f} " + unit + "<extra></extra>"))
     fig.update_layout(barmode="stack", height=420, yaxis_title=unit, margin=dict(t=40, b=40, l=60, r=10),
                       title=f"Rank {rank}: measured vs predicted per ZeRO stage ({unit})",
-                      legend=dict(orientation="h", y=-0.2))
+                      legend=LEGEND_BELOW)
     return fig
 
 
@@ -52,7 +48,7 @@ def make_zero_projection_figure(memory: pd.DataFrame, unit: str = "GB",
                                 device_bytes: float | None = None) -> go.Figure:
     """Per-device memory per stage from ``viz.zero.model.compute_zero_memory``, stacked,
     with the device's memory as a line when given."""
-    k = _scale(unit)
+    k = unit_scale(unit)
     labels = [f"stage {int(s)}" for s in memory["stage"]]
     fig = go.Figure()
     for key, label, color in PARTS:
@@ -68,5 +64,5 @@ def make_zero_projection_figure(memory: pd.DataFrame, unit: str = "GB",
         fig.add_hline(y=device_bytes / k, line_dash="dash", line_color="red",
                       annotation_text=f"device memory {device_bytes / k:.4g} {unit}")
     fig.update_layout(barmode="stack", height=420, yaxis_title=f"per device ({unit})",
-                      margin=dict(t=40, b=40, l=60, r=10), legend=dict(orientation="h", y=-0.15))
+                      margin=dict(t=40, b=40, l=60, r=10), legend=LEGEND_BELOW)
     return fig

@@ -101,7 +101,7 @@ def test_memory_by_category_agrees_with_fsdp_mem_tracker_and_the_zero_model(zero
     assert peak["total_bytes"] == samples["total_bytes"].max() and peak["phase"] in ("forward", "backward")
 
 
-def test_communication_volume_says_what_gloo_sent_and_what_nccl_would(zero3):
+def test_communication_volume_says_what_gloo_sent_and_what_a_ring_would(zero3):
     trace = load_run(zero3[1])
     vol = compute_comm_volume(trace).set_index("collective")
     d = sum(_expected_units().values())
@@ -109,7 +109,7 @@ def test_communication_volume_says_what_gloo_sent_and_what_nccl_would(zero3):
     assert vol.loc["all_gather", "message_D"] == pytest.approx(2.0)  # forward and backward: ZeRO-3's 2 of 3D
     assert vol.loc["reduce_scatter", "ran_as"] == "all_reduce"
     assert vol.loc["reduce_scatter", "sent_D"] == pytest.approx(2 * (N - 1) / N)  # the whole gradient, all-reduced
-    assert vol.loc["total", "nccl_D"] == pytest.approx(3 * (N - 1) / N)  # the ZeRO model: 3D x (N-1)/N
+    assert vol.loc["total", "ring_D"] == pytest.approx(3 * (N - 1) / N)  # the ZeRO model: 3D x (N-1)/N
     proc = run_cli("summary", str(zero3[1]))
     assert proc.returncode == 0 and "gloo has no reduce-scatter" in proc.stdout and "ZeRO stage 3" in proc.stdout
     proc = run_cli("whatif", str(zero3[1]))  # bucket layouts are DDP's: the line says where this run's predictions are
@@ -151,7 +151,7 @@ def test_accumulation_and_mixed_precision_are_traced(tmp_path):
     assert vol.attrs["D_reduce_bytes"] == 2 * vol.attrs["D_bytes"]
     assert vol.loc["all_gather", "message_D"] == pytest.approx(2 * 2)  # ZeRO-3: forward and backward, per micro-batch
     assert vol.loc["reduce_scatter", "message_D"] == pytest.approx(1.0)  # once, the last micro-batch's
-    assert vol.loc["total", "nccl_D"] == pytest.approx(5 * (N - 1) / N)
+    assert vol.loc["total", "ring_D"] == pytest.approx(5 * (N - 1) / N)
     assert any("Mixed precision" in line for line in comm_honesty_lines(trace))
 
 
@@ -291,7 +291,7 @@ def test_hsdp_all_reduce_across_replicas_is_timed_apart(tmp_path):
         assert row.start_us >= rs.loc[(row.rank, row.step, row.unit), "end_us"] - 1.0
     vol = compute_comm_volume(trace).set_index("collective")
     assert vol.loc["all_reduce", "message_D"] == pytest.approx(0.5)  # D / S
-    assert vol.loc["total", "nccl_D"] == pytest.approx(3 * 1 / 2 + 2 * 1 / 2 * 0.5)  # ZeRO-3 in S = 2, + replicas
+    assert vol.loc["total", "ring_D"] == pytest.approx(3 * 1 / 2 + 2 * 1 / 2 * 0.5)  # ZeRO-3 in S = 2, + replicas
     stages = compute_stage_comparison(trace)
     measured = stages[stages["rank"].notna()]
     assert ((measured["measured/predicted"] - 1).abs() < 0.05).all()  # N = 2, not 4
