@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import shlex
 import shutil
 import time
 import zipfile
@@ -14,7 +15,7 @@ from streamlit import config as st_config
 from streamlit.testing.v1 import AppTest
 
 from ddpscope.tracer.launch.lab import lab_leftovers, why_not
-from tests.conftest import KINETO, ROOT, SAMPLES
+from tests.conftest import KINETO, ROOT, SAMPLES, run_cli
 from tests.viz.sources.test_kineto import gpu_profile
 
 # element order on the page: dataframes
@@ -269,6 +270,45 @@ def test_rerun_of_the_open_trace_shows_it_beside_its_source(app, tmp_path):
 
 
 @pytest.mark.ddp
+@pytest.mark.breadth
+def test_a_run_from_the_page_and_its_command_from_the_cli_are_the_same_run(app, tmp_path):
+    """The Run page's job (the warm launcher, inside the dashboard's process) and the command
+    it wrote in run.json run from a shell (a cold torchrun): the same command, layout and
+    conditions (threads, cores, nice), and step medians that differ by noise only: a user
+    comparing a page rerun with a CLI run compares settings, not launchers."""
+    _page(app, "Run")
+    app.slider(key="run_steps").set_value(16)
+    app.button(key="run_button").click().run()
+    _wait_for_job(app)
+    page_dir = next(p for p in (tmp_path / "runs").iterdir() if p.name != "uploads")
+    page_run = json.loads((page_dir / "run.json").read_text())
+    cmd = shlex.split(page_run["command"])
+    assert cmd[:2] == ["ddpscope", "run"] and page_run["status"] == "complete"
+    cli_dir = tmp_path / "cli-run"
+    cmd[cmd.index("--out") + 1] = str(cli_dir)
+    proc = run_cli(*cmd[1:])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cli_run = json.loads((cli_dir / "run.json").read_text())
+    def but_out(command: str) -> list[str]:
+        words = shlex.split(command)
+        return words[:words.index("--out") + 1] + words[words.index("--out") + 2:]
+
+    assert but_out(cli_run["command"]) == but_out(page_run["command"])
+    assert cli_run["conditions"] == page_run["conditions"]
+    assert cli_run["conditions"]["torch_threads"] == 1  # 2 ranks on 2 cores: torchrun's one thread a rank
+    assert cli_run["bucket_layout"] == page_run["bucket_layout"]
+    from ddpscope.viz.ddp.compare import compute_run_comparison, differences_text
+    from ddpscope.viz.trace import load_run
+
+    table = compute_run_comparison({"page": load_run(page_dir), "cli": load_run(cli_dir)})
+    assert not [s for s in differences_text(table) if "conditions" in s or "buckets differ" in s]
+    row = table.iloc[1]
+    # noise only: the 95 % interval of the difference holds 0, or the difference is within a quarter
+    # of the step (2 cores shared with the test's own process: a loose bound, a launcher's cost is not)
+    assert row["within_noise"] or abs(row["step_ms_vs_first"]) <= 0.25 * table["step_ms"].iloc[0], table.to_string()
+
+
+@pytest.mark.ddp
 def test_a_rerun_with_a_size_per_bucket_checks_the_list_then_runs_it(app, tmp_path):
     _page(app, "Run")
     app.text_input(key="run_cap_list").set_value("0.5,x").run()
@@ -481,7 +521,7 @@ def _table(app, column: str):
 def test_memory_page_shows_the_zero_sample_beside_the_model(app):
     _page(app, "Memory (ZeRO)")
     assert app.selectbox(key="zero_trace").value == "sample: zero-gpt-2rank"
-    run = _chart(app, "measured vs predicted per ZeRO stage (GB)")  # GB by default
+    run = _chart(app, "measured vs predicted per ZeRO stage (MiB)")  # binary units by default
     bars = {t["name"]: t for t in run["data"]}
     assert {"parameters", "gradients", "optimizer state"} <= set(bars)
     assert bars["parameters"]["x"][1][:4] == ["measured"] * 4 and bars["parameters"]["x"][1][4:] == ["predicted"] * 4
@@ -494,17 +534,28 @@ def test_memory_page_shows_the_zero_sample_beside_the_model(app):
     ddp = _table(app, "measured/predicted")
     assert list(ddp["row"]) == ["measured (rank 0)", "measured (rank 1)", "stage 0", "stage 1", "stage 2", "stage 3"]
     assert any("K unknown to ddpscope, read off the measurement" in m.value for m in app.markdown)
+    # one unit family for the whole page: the open run's figure and table follow the choice too
+    assert _chart(app, "MiB per rank")["layout"]["legend"]["yref"] == "container"  # below the axis title
+    mib = ddp["model_state_MiB"]
+    app.radio(key="zero_unit").set_value("decimal").run()
+    assert not app.exception
+    assert _table(app, "model_state_MB")["model_state_MB"].tolist() == pytest.approx((mib * 2**20 / 1e6).tolist(),
+                                                                                     abs=1e-3)
+    _chart(app, "MB per rank"), _chart(app, "measured vs predicted per ZeRO stage (MB)")
+    assert not any(c.endswith(("MiB", "GiB")) for d in app.dataframe for c in d.value.columns)
 
 
 def test_memory_projection_reproduces_figure_1_and_reacts_to_widgets(app):
     _page(app, "Memory (ZeRO)")
-    # the default: the paper's 7.5B parameters, N = 64, mixed precision, K = 12, in GB
+    # the paper's 7.5B parameters (the default), N = 64, mixed precision, K = 12, in its GB
+    app.radio(key="zero_unit").set_value("decimal").run()
     table = _table(app, "per device (GB)")
     assert table["per device (GB)"].round(1).tolist() == [120.0, 31.4, 16.6, 1.9]
     assert _chart(app, "per device (GB)")["layout"]["yaxis"]["title"]["text"] == "per device (GB)"
-    app.radio(key="zero_unit").set_value("GiB").run()
+    app.radio(key="zero_unit").set_value("binary").run()
     assert _table(app, "per device (GiB)")["per device (GiB)"].iloc[0] == pytest.approx(120e9 / 2**30, abs=1e-3)
-    app.radio(key="zero_unit").set_value("GB").run()
+    assert app.number_input(key="proj_device").label == "device memory (GiB)"
+    app.radio(key="zero_unit").set_value("decimal").run()
     app.select_slider(key="proj_n").set_value(8).run()
     assert _table(app, "per device (GB)")["per device (GB)"].round(3).tolist()[3] == 15.0
     app.selectbox(key="proj_preset").set_value("GPT-3 (175B)").run()

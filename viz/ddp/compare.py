@@ -79,6 +79,20 @@ def layout_text(t: RunTrace) -> str:
                                                     if isinstance(first, (int, float)) and n > 1 else "")
 
 
+def conditions_text(t: RunTrace) -> str | None:
+    """The conditions rank 0 ran under (run.json ``conditions``: torch threads, cores it
+    could use, nice value) in a few words; None for runs that predate them."""
+    c = t.run.get("conditions")
+    if not isinstance(c, dict):
+        return None
+    try:
+        threads, cores, nice = int(c["torch_threads"]), int(c["cores_allowed"]), int(c["nice"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (f"{threads} torch thread{'s' if threads != 1 else ''} a rank, {cores} core{'s' if cores != 1 else ''} "
+            f"allowed, nice {nice}")
+
+
 def same_job(a: RunTrace, b: RunTrace) -> bool:
     """Whether two runs train the same model the same way (world size, parameters, script
     or demo): then their difference is the setting's."""
@@ -96,7 +110,8 @@ def compute_run_comparison(traces: dict[str, RunTrace]) -> pd.DataFrame:
     and non-warm-up steps of step time (with its 95 % interval, ``step_ms_lo``/``_hi``),
     communication, exposed communication (ms) and overlap %; against the first run: the
     step and exposed differences (ms), the step difference's interval and whether it is
-    ``within_noise``, whether it is the ``same_job`` and its ``layout`` when that differs."""
+    ``within_noise``, whether it is the ``same_job``, its ``layout`` and the ``conditions``
+    its ranks ran under (``conditions_text``)."""
     rows = []
     items = list(traces.items())
     first = compute_step_breakdown(items[0][1]) if items else None
@@ -113,7 +128,7 @@ def compute_run_comparison(traces: dict[str, RunTrace]) -> pd.DataFrame:
                    exposed_ms_vs_first=row["exposed_ms"] - (float(first["exposed_ms"].median()) if len(first)
                                                             else np.nan),
                    same_job=same_job(items[0][1], t),
-                   layout=layout_text(t))
+                   layout=layout_text(t), conditions=conditions_text(t))
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -131,6 +146,10 @@ def differences_text(table: pd.DataFrame) -> list[str]:
                        "difference is not a setting's effect")
         if r.layout != ref["layout"]:
             out.append(f"{r.run}'s buckets differ from {ref['run']}'s: {ref['layout']} → {r.layout}")
+        known = isinstance(r.conditions, str) and isinstance(ref["conditions"], str)  # NaN: a run predating them
+        if known and r.conditions != ref["conditions"]:
+            out.append(f"{r.run} ran under other conditions than {ref['run']}: {ref['conditions']} → "
+                       f"{r.conditions}; part of its difference is theirs, not the setting's")
         if r.within_noise:
             out.append(f"{r.run}: {r.step_ms_vs_first:+.1f} ms a step, inside the noise (95 % interval "
                        f"{r.step_ms_vs_first_lo:+.1f}..{r.step_ms_vs_first_hi:+.1f} ms): not a difference these runs "

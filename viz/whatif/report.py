@@ -123,7 +123,7 @@ def print_advice(advice: Advice) -> None:
 
 def print_ab(a: RunTrace, advice: Advice, b_path: str | Path) -> None:
     """After ``--apply``: predicted against measured, and bucket by bucket, A beside B."""
-    from ddpscope.viz.ddp.compare import layout_text
+    from ddpscope.viz.ddp.compare import conditions_text, layout_text
     from ddpscope.viz.whatif.ab import compute_ab_steps, compute_bucket_ab
     from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 
@@ -151,6 +151,8 @@ def print_ab(a: RunTrace, advice: Advice, b_path: str | Path) -> None:
           f"interval {lo:.1f}..{hi:.1f} ms")
     if layout_text(a) != layout_text(b):
         print(f"layouts: A {layout_text(a)}, B {layout_text(b)}")
+    if conditions_text(a) and conditions_text(b) and conditions_text(a) != conditions_text(b):
+        print(f"conditions differ (part of the difference is theirs): A {conditions_text(a)}, B {conditions_text(b)}")
     print(f"the diff timeline: `ddpscope dashboard {Path(b.path).parent}`, open B, What-if tab")
 
 

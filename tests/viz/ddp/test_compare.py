@@ -77,3 +77,21 @@ def test_the_median_step_is_the_one_whose_slowest_rank_is_the_median():
     k = median_step(t)
     assert k in per_step.index and not t.steps.set_index(["rank", "step"]).loc[(0, k), "warmup"]
     assert (per_step < per_step[k]).sum() == (len(per_step) - 1) // 2
+
+
+def test_runs_under_other_conditions_say_so_and_runs_without_them_say_nothing():
+    a, b = (load_run(SAMPLES / n) for n in ("gpt-2rank-cap1mb", "gpt-2rank-cap25mb"))
+    a.run["conditions"] = {"torch_threads": 1, "cores_allowed": 2, "nice": 0}
+    b.run["conditions"] = {"torch_threads": 2, "cores_allowed": 2, "nice": 0}
+    table = compute_run_comparison({"A": a, "B": b})
+    assert table["conditions"].tolist() == ["1 torch thread a rank, 2 cores allowed, nice 0",
+                                            "2 torch threads a rank, 2 cores allowed, nice 0"]
+    said = [s for s in differences_text(table) if "other conditions" in s]
+    assert said == ["B ran under other conditions than A: 1 torch thread a rank, 2 cores allowed, nice 0 → "
+                    "2 torch threads a rank, 2 cores allowed, nice 0; part of its difference is theirs, not the "
+                    "setting's"]
+    b.run["conditions"] = dict(a.run["conditions"])
+    assert not [s for s in differences_text(compute_run_comparison({"A": a, "B": b})) if "conditions" in s]
+    for unknown in ({"torch_threads": "x"}, None):  # a hand-edited run.json, a run predating them: nothing said
+        b.run["conditions"] = unknown
+        assert not [s for s in differences_text(compute_run_comparison({"A": a, "B": b})) if "conditions" in s]

@@ -1,10 +1,12 @@
 """What ``run.json`` records of a traced DDP model: the bucket sizes DDP really uses, its
-settings, the script's communication hook, whether the ranks were bound to cores."""
+settings, the script's communication hook, whether the ranks were bound to cores, and the
+conditions a rank ran under (threads, cores, priority)."""
 
 from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -24,7 +26,22 @@ def ddp_facts(ddp: DDP) -> dict:
         "find_unused_parameters": bool(ddp.find_unused_parameters),
         # a calibration binds its ranks to cores as the run's were (contention differs)
         "ranks_bound_to_cores": _bound_to_cores(),
+        "conditions": rank_conditions(),
     }
+
+
+def rank_conditions() -> dict:
+    """How this rank was set to run (rank 0's; every rank is launched alike): torch's
+    intra-op threads, the cores it may run on, its nice value. They move step times as
+    much as any setting: two runs compared under different conditions say so. (Inter-op
+    threads are not read: reading them starts torch's pool, after which the script could
+    no longer set them.)"""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 0
+    return {"torch_threads": int(torch.get_num_threads()), "cores_allowed": int(cores),
+            "nice": int(os.getpriority(os.PRIO_PROCESS, 0))}
 
 
 def _bound_to_cores() -> bool:
