@@ -13,14 +13,24 @@ watching a tree that holds a venv costs about a core). Goal (issue 33): <= 1 % e
 page refreshes only while a job runs (``job_status``), never on a timer when idle (two
 0.5 s refreshers cost ~32 % of a core here before).
 
-Benchmarks are not tests: nothing is asserted; ``--smoke`` idles 3 s.
+Beside a running job (``--job``, on by default): the same page on the Run tab reruns the
+open sample (the GPT demo, 2 ranks, 50 steps) and, while the job runs, the server's own
+process (not the job's, its children) and the browser are measured as above; then the
+command the page wrote in run.json is run again from a shell with no page open, and the
+two runs' median steps are printed side by side (``viz.ddp.compare``: the difference
+and its 95 % interval), which is what the page's refreshing costs the training it watches.
+
+Benchmarks are not tests: nothing is asserted; ``--smoke`` idles 3 s and skips the job.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -99,13 +109,68 @@ def measure(seconds: float, watcher: bool = False) -> dict[str, float]:
     return {"server": 100.0 * (s1 - s0) / TICK / wall, "browser": 100.0 * (b1 - b0) / TICK / wall, "wall": wall}
 
 
+def measure_beside_job(steps: int = 50) -> dict:
+    """The page on the Run tab while the job it started runs: CPU % of a core of the
+    server's own process and of the browser, the job's median step, and the same command
+    run from a shell with no page: its median step and the difference's interval."""
+    from playwright.sync_api import sync_playwright
+
+    sys.path.insert(0, str(ROOT))
+    from ddpscope.viz.ddp.compare import compute_run_comparison
+    from ddpscope.viz.trace import load_run
+
+    with tempfile.TemporaryDirectory(prefix="ddpscope-idle-job-") as tmp:
+        runs = Path(tmp) / "runs"
+        proc, port = serve(ROOT / "app.py", runs)
+        try:
+            with sync_playwright() as p:
+                browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+                    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                    "--no-first-run"])
+                try:
+                    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                    page.goto(f"http://127.0.0.1:{port}/?page=Run", timeout=60_000)
+                    button = page.get_by_role("button", name=re.compile(r"^Rerun"))
+                    button.wait_for(timeout=90_000)
+                    page.get_by_role("slider").nth(1).focus()  # cap, steps, world size
+                    for _ in range(60):  # down to 3, then up to the asked count
+                        page.keyboard.press("ArrowLeft")
+                    for _ in range(steps - 3):
+                        page.keyboard.press("ArrowRight")
+                    page.wait_for_timeout(2000)  # the page reruns with the new settings
+                    button.click()
+                    page.wait_for_selector('[data-testid="stProgress"]', timeout=60_000)
+                    page.wait_for_timeout(2000)  # past the launch: the ranks are stepping
+                    parents = _parents()
+                    ours = _tree(os.getpid(), parents) - _tree(proc.pid, parents) - {os.getpid()}
+                    t0, s0, b0 = time.monotonic(), _cpu_ticks({proc.pid}), _cpu_ticks(ours)
+                    page.wait_for_selector('[data-testid="stProgress"]', state="detached", timeout=600_000)
+                    wall = time.monotonic() - t0
+                    s1, b1 = _cpu_ticks({proc.pid}), _cpu_ticks(ours)
+                finally:
+                    browser.close()
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        page_dir = next(d for d in runs.iterdir() if d.name != "uploads")
+        words = shlex.split(load_run(page_dir).run["command"])
+        cli_dir = Path(tmp) / "cli-run"
+        words[words.index("--out") + 1] = str(cli_dir)
+        subprocess.run([sys.executable, "-m", "ddpscope.cli", *words[1:]], cwd="/", check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+        table = compute_run_comparison({"from the page": load_run(page_dir), "from a shell": load_run(cli_dir)})
+    return {"server": 100.0 * (s1 - s0) / TICK / wall, "browser": 100.0 * (b1 - b0) / TICK / wall, "wall": wall,
+            "table": table}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=20.0, help="how long the page sits idle while measured")
-    p.add_argument("--smoke", action="store_true", help="idle 3 s: the script runs, nothing more")
+    p.add_argument("--smoke", action="store_true", help="idle 3 s, no job: the script runs, nothing more")
+    p.add_argument("--no-job", dest="job", action="store_false", help="leave out the page beside a running job")
     args = p.parse_args(argv)
     if args.smoke:
-        args.seconds = 3.0
+        args.seconds, args.job = 3.0, False
     if not os.path.exists(CHROMIUM):
         print(f"benchmarks.idle_page: needs Debian's chromium at {CHROMIUM}", file=sys.stderr)
         raise SystemExit(2)
@@ -119,6 +184,19 @@ def main(argv=None) -> None:
     print(f"  {'with a file watcher on this tree':34} {w['server']:7.2f} {w['browser']:8.2f}")
     met = r["server"] <= 1.0 and r["browser"] <= 1.0
     print(f"  goal <= 1 % each (ddpscope dashboard): {'met' if met else 'NOT met'}")
+    if not args.job:
+        return
+    j = measure_beside_job()
+    print(f"beside a running job (the Run tab, the GPT demo's 50 steps on 2 ranks; {j['wall']:.1f} s measured), "
+          "% of a core:")
+    print(f"  {'the page while its job runs':34} {j['server']:7.2f} {j['browser']:8.2f}")
+    t = j["table"]
+    for r in t.itertuples():
+        print(f"  {r.run:>14}: median step {r.step_ms:.1f} ms (95 % {r.step_ms_lo:.1f}..{r.step_ms_hi:.1f}), "
+              f"{r.steps} steps")
+    r = t.iloc[1]
+    print(f"  a shell's run - the page's: {r['step_ms_vs_first']:+.1f} ms (95 % {r['step_ms_vs_first_lo']:+.1f}.."
+          f"{r['step_ms_vs_first_hi']:+.1f}){', inside the noise' if r['within_noise'] else ''}")
 
 
 if __name__ == "__main__":
