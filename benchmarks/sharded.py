@@ -1,6 +1,7 @@
 """Sharded tracing: its overhead, and how well one trace predicts a rerun.
 
-    python -m benchmarks.sharded [--rounds 160] [--steps 30] [--layers 8] [--dim 128] [--smoke]
+    python -m benchmarks.sharded [--rounds 160] [--steps 30] [--repeats 3] [--no-overhead] [--layers 8] [--dim 128]
+                                 [--smoke]
 
 Workload: the model of ``tests/workers/fsdp2_train.py``, a torchtitan-style FSDP2
 transformer (blocks ``fully_shard``-ed, then the root; AdamW), 2 ranks, gloo on CPU.
@@ -26,7 +27,9 @@ transformer (blocks ``fully_shard``-ed, then the root; AdamW), 2 ranks, gloo on 
    show 2 %: one job's median step differs from the next one's by ~4 % here.
 2. Prediction. One traced job per ``reshard_after_forward`` (true, false); from each
    trace the other setting's peak memory and step time are predicted and set beside
-   what the other job measured. Goal: peak within 5 %; the step time's error printed.
+   what the other setting's jobs measured (``--repeats`` jobs a setting, interleaved).
+   Goals (issue 33): peak within 5 %; the step time within 10 % and the predicted change's
+   direction right.
 
 Benchmarks are not tests: nothing is asserted; ``--smoke`` runs tiny sizes once.
 """
@@ -152,33 +155,66 @@ def overhead(args, tmp: Path) -> None:
 
 
 def prediction(args, tmp: Path) -> None:
+    """``--repeats`` traced jobs per ``reshard_after_forward``, interleaved (true, false,
+    true, ...); from each trace the other setting predicted against the other's jobs."""
+    from ddpscope.viz.ddp.compare import median_interval
+    from ddpscope.viz.sharded.metrics import compute_sharded_steps
     from ddpscope.viz.sharded.predict import predict_peak, predict_step_ms
     from ddpscope.viz.trace import load_run
 
     script = ["--steps", str(args.steps), "--layers", str(args.layers), "--dim", str(args.dim), "--seq", str(args.seq)]
-    traces = {}
-    for setting in ("true", "false"):
-        out = tmp / f"p-{setting}"
-        _job(out, tmp / f"p-{setting}-report", script, ["--reshard-after-forward", setting])
-        traces[setting] = load_run(out)
-    print("\nprediction: from one trace, the other reshard_after_forward (rank 0)")
+    traces: dict[str, list] = {"true": [], "false": []}
+    for k in range(args.repeats):
+        for setting in ("true", "false"):  # interleaved: the machine's drift hits both alike
+            out = tmp / f"p-{setting}-{k}"
+            _job(out, tmp / f"p-{setting}-{k}-report", script, ["--reshard-after-forward", setting])
+            traces[setting].append(load_run(out))
+
+    def steps_of(ts):
+        import pandas as pd
+
+        frames = []
+        for j, t in enumerate(ts):
+            st = compute_sharded_steps(t)
+            st = st[(st["rank"] == 0) & ~st["warmup"] & ~st["incomplete"]]
+            frames.append(st.assign(step=st["step"] + 10_000 * j))  # each job's steps apart
+        return pd.concat(frames)
+
+    measured = {s: median_interval(steps_of(ts)) for s, ts in traces.items()}
+    print(f"\nprediction: from each trace the other reshard_after_forward (rank 0; {args.repeats} jobs a setting, "
+          "interleaved; measured: the median over every job's steps, 95 % interval)")
+    for s, (med, lo, hi) in measured.items():
+        print(f"  reshard_after_forward={s}: measured step {med:.2f} ms ({lo:.2f}..{hi:.2f})")
     print(f"{'from':>6} {'to':>6} {'pred peak MiB':>14} {'meas peak MiB':>14} {'err %':>7} "
-          f"{'pred step ms':>13} {'meas step ms':>13} {'err %':>7}")
+          f"{'pred step ms':>13} {'meas step ms':>13} {'err %':>7} {'pred delta':>10} {'meas delta':>10} "
+          f"{'direction':>9}")
+    errs, right = [], []
     for src, dst in (("true", "false"), ("false", "true")):
         value = dst == "true"
-        peak = predict_peak(traces[src], reshard_after_forward=value).iloc[0]
-        measured = predict_peak(traces[dst]).iloc[0]["measured_peak_bytes"]
-        step = predict_step_ms(traces[src], value).iloc[0]["predicted_step_ms"]
-        meas_step = predict_step_ms(traces[dst]).iloc[0]["measured_step_ms"]
-        print(f"{src:>6} {dst:>6} {peak['predicted_peak_bytes'] / 2**20:14.3f} {measured / 2**20:14.3f} "
-              f"{(peak['predicted_peak_bytes'] / measured - 1) * 100:7.2f} {step:13.2f} {meas_step:13.2f} "
-              f"{(step / meas_step - 1) * 100:7.2f}")
+        for t in traces[src]:
+            peak = predict_peak(t, reshard_after_forward=value).iloc[0]
+            meas_peak = statistics.median(predict_peak(d).iloc[0]["measured_peak_bytes"] for d in traces[dst])
+            row = predict_step_ms(t, value).iloc[0]
+            step, own = row["predicted_step_ms"], row["measured_step_ms"]
+            meas_step = measured[dst][0]
+            pred_d, meas_d = step - own, meas_step - measured[src][0]
+            same = (pred_d > 0) == (meas_d > 0)
+            errs.append(abs(step / meas_step - 1) * 100)
+            right.append(same)
+            print(f"{src:>6} {dst:>6} {peak['predicted_peak_bytes'] / 2**20:14.3f} {meas_peak / 2**20:14.3f} "
+                  f"{(peak['predicted_peak_bytes'] / meas_peak - 1) * 100:7.2f} {step:13.2f} {meas_step:13.2f} "
+                  f"{(step / meas_step - 1) * 100:7.2f} {pred_d:+10.2f} {meas_d:+10.2f} "
+                  f"{'right' if same else 'WRONG':>9}")
+    print(f"  step: mean |error| {statistics.mean(errs):.1f} % (goal <= 10 %); direction right in "
+          f"{sum(right)}/{len(right)} predictions (goal: all)")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=160, help="overhead: rounds of one step per mode")
     p.add_argument("--steps", type=int, default=30, help="prediction: steps per traced job")
+    p.add_argument("--repeats", type=int, default=3, help="prediction: traced jobs per setting, interleaved")
+    p.add_argument("--no-overhead", dest="overhead", action="store_false", help="the prediction part alone")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--seq", type=int, default=64)
@@ -190,9 +226,10 @@ def main(argv=None) -> None:
         worker(args)
         return
     if args.smoke:
-        args.rounds, args.steps, args.layers, args.dim, args.seq = 8, 5, 2, 32, 16
+        args.rounds, args.steps, args.layers, args.dim, args.seq, args.repeats = 8, 5, 2, 32, 16, 1
     with tempfile.TemporaryDirectory(prefix="ddpscope-sharded-bench-") as tmp:
-        overhead(args, Path(tmp))
+        if args.overhead:
+            overhead(args, Path(tmp))
         prediction(args, Path(tmp))
 
 

@@ -63,3 +63,32 @@ def test_zero_sample_is_complete_and_matches_the_model(name):
 
 def test_there_is_a_zero_sample():
     assert ZEROS
+
+
+def test_the_gpt_samples_predict_each_other_and_the_advice_does_not_flip():
+    """The GPT samples were recorded together (one session, one right after the other) and
+    ship one calibration of this machine (samples/README.md): each predicts the other's
+    measured median step within 10 %, and the advice does not flip with the trace it
+    starts from: each trace's model cannot tell the other's recommendation from its own
+    (their predicted steps within its noise), or both keep their setting."""
+    from ddpscope.viz.ddp.overlap import compute_step_breakdown
+    from ddpscope.viz.whatif.advisor import advise, gain_noise_ms
+    from ddpscope.viz.whatif.simulate import predict_run, traced_cap
+
+    a, b = load_run(SAMPLES / "gpt-2rank-cap1mb"), load_run(SAMPLES / "gpt-2rank-cap25mb")
+    assert (SAMPLES / "gpt-2rank-cap1mb" / "calibration.json").read_bytes() == \
+        (SAMPLES / "gpt-2rank-cap25mb" / "calibration.json").read_bytes()
+
+    def median(t):
+        return float(compute_step_breakdown(t)["step_ms"].median())
+
+    for src, dst in ((a, b), (b, a)):
+        predicted = median(predict_run(src, traced_cap(dst)))
+        assert abs(predicted / median(dst) - 1) <= 0.10, (src.path.name, predicted, median(dst))
+    advice = {a.path.name: advise(a), b.path.name: advise(b)}
+    if not any(x.change for x in advice.values()):
+        return  # both: "no change is worth it"
+    for x, y in ((a, b), (b, a)):
+        mine, theirs = advice[x.path.name].setting, advice[y.path.name].setting
+        gap = median(predict_run(x, theirs)) - median(predict_run(x, mine))
+        assert gap <= gain_noise_ms(x), (x.path.name, mine, theirs, gap)

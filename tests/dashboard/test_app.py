@@ -761,8 +761,9 @@ def test_whatif_page_gives_one_number_per_setting_and_shades_the_noise(app):
 
 
 def test_whatif_advisor_says_keep_or_change(app):
-    """The open sample (GPT, 1 MiB): no change worth it; the 25 MiB sample (one bucket
-    after backward): a change, with its interval, and its Apply button."""
+    """The MLP sample: no change worth it; the 25 MiB GPT sample (one bucket after
+    backward, with its calibration): a change, with its interval, and its Apply button."""
+    app.sidebar.selectbox(key="trace").set_value("sample: mlp-2rank-cap1mb").run()
     _page(app, "What-if")
     assert any(i.value.startswith("Advisor: keep bucket_cap_mb=1") and "noise" in i.value for i in app.info)
     app.sidebar.selectbox(key="trace").set_value("sample: gpt-2rank-cap25mb").run()

@@ -3,7 +3,7 @@ difference inside the step-to-step noise said so, and what differs besides the s
 
 A run's median is over its non-warm-up, finished steps and every rank's time in each
 (``compute_step_breakdown``). Its interval, and the interval of a difference between two
-runs, come from the bootstrap the advisor uses (``viz.whatif.advisor.step_noise_ms``):
+runs, come from one bootstrap, the advisor's too (``viz.whatif.advisor.step_noise_ms``):
 whole steps resampled with replacement, each run on its own, ``BOOTSTRAP`` times; the
 2.5th and 97.5th percentiles. A difference whose interval holds 0 cannot be told apart
 from noise: ``within_noise``. One step of each run is never the comparison: a single

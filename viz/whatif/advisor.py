@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
+from ddpscope.viz.ddp.compare import median_interval
 from ddpscope.viz.trace import RunTrace, TraceError
 from ddpscope.viz.whatif.layout import (
     MIB,
@@ -54,7 +55,6 @@ FIRSTS, GROWTHS, LARGEST = (0.25, 0.5, 1.0, 2.0, 4.0), (2.0, 4.0), (8.0, 25.0, 6
 SEARCH_STEPS = 8
 #: layouts the local search may replay
 LOCAL_BUDGET = 400
-BOOTSTRAP = 2000
 _KINDS = {"traced": 0, "uniform": 1, "growing list": 2, "per-bucket list": 3}  # simplest first
 
 
@@ -141,17 +141,12 @@ def setting_text(cap: Cap) -> str:
 
 def step_noise_ms(trace: RunTrace, seed: int = 0) -> float:
     """Half-width (ms) of the 95 % bootstrap interval of the median step time over the
-    trace's usable steps (resampling whole steps, every rank's time in each)."""
-    steps = usable_steps(trace)
-    s = trace.steps[trace.steps["step"].isin(steps)]
-    per_step = [g.to_numpy(float) / 1e3 for _, g in (s["end_us"] - s["start_us"]).groupby(s["step"])]
-    if len(per_step) < 2:
-        return float("nan")
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(per_step), size=(BOOTSTRAP, len(per_step)))
-    meds = [float(np.median(np.concatenate([per_step[i] for i in row]))) for row in picks]
-    lo, hi = np.percentile(meds, [2.5, 97.5])
-    return float(hi - lo) / 2.0
+    trace's usable steps (resampling whole steps, every rank's time in each): the
+    interval Compare gives a run (``viz.ddp.compare.median_interval``), one bootstrap."""
+    s = trace.steps[trace.steps["step"].isin(usable_steps(trace))]
+    frame = pd.DataFrame({"rank": s["rank"], "step": s["step"], "step_ms": (s["end_us"] - s["start_us"]) / 1e3})
+    _, lo, hi = median_interval(frame, seed=seed)
+    return float(hi - lo) / 2.0 if math.isfinite(lo) and math.isfinite(hi) else float("nan")
 
 
 def gain_noise_ms(trace: RunTrace) -> float:

@@ -87,7 +87,7 @@ class RankStep:
     work: dict[int, float]  # parameter -> work done when its gradient was ready
     work_end: float  # work at the end of backward compute
     head: float  # step start -> backward start
-    finalize: float  # last all-reduce done (or backward end) -> DDP has every averaged gradient
+    finalize: float  # the later of compute's end and the last all-reduce -> DDP has every averaged gradient
     tail: float  # every averaged gradient -> step end
 
 
@@ -171,13 +171,16 @@ def step_inputs(trace: RunTrace, model: WhatIfModel) -> list[StepInputs]:
                 break
             flights = _flights(b, last_launch.get(step))
             b0, b1 = float(s["backward_start_us"]), float(s["backward_end_us"])
+            # compute ends at the last gradient: a backward span that ran on (waiting inside DDP's
+            # finalize for an all-reduce) is waiting, which the replay makes from its own all-reduces
+            ce = float(s["compute_end_us"]) if pd.notna(s.get("compute_end_us")) else b1
             sync_end = float(s["sync_end_us"]) if pd.notna(s.get("sync_end_us")) else max(b1, b["done_us"].max())
             work = {int(p): max(0.0, _work_at(float(t), b0, flights, model))
                     for p, t in zip(g["param"], g["ready_us"])}
             ranks[rank] = RankStep(
-                b0=b0, work=work, work_end=max(_work_at(b1, b0, flights, model), max(work.values())),
+                b0=b0, work=work, work_end=max(_work_at(ce, b0, flights, model), max(work.values())),
                 head=b0 - float(s["start_us"]),
-                finalize=max(0.0, sync_end - max(b1, float(b["done_us"].max()))),
+                finalize=max(0.0, sync_end - max(ce, float(b["done_us"].max()))),
                 tail=max(0.0, float(s["end_us"]) - sync_end))
         else:
             out.append(StepInputs(step=step, ranks=ranks))

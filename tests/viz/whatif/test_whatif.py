@@ -310,6 +310,7 @@ def test_calibrate_refuses_other_runs_with_one_line(tmp_path, target, facts, arg
     path = tmp_path / target
     if target != "none":
         shutil.copytree(SAMPLES / {"ring": "ring-4rank-4mb", "gpt": "gpt-2rank-cap1mb"}[target], path)
+        (path / "calibration.json").unlink(missing_ok=True)  # the GPT sample ships one: none may be written
         run = json.loads((path / "run.json").read_text())
         (path / "run.json").write_text(json.dumps({**run, **facts}))
     proc = run_cli("calibrate", str(path), *args)
