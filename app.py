@@ -61,7 +61,8 @@ jobs = job_manager(str(runs_dir()), warm=os.environ.get("DDPSCOPE_WARM_LAUNCHER"
 busy = jobs.current is not None and jobs.current.running
 with st.sidebar:
     st.subheader("Runs")
-    job_status(jobs, runs_dir())
+    # the Run page refreshes its own view of the job: one refresher a page
+    job_status(jobs, runs_dir(), refresh=st.session_state.get("page") != "Run")
 
 path = traces[choice]
 

@@ -292,14 +292,20 @@ def _is_loopback(address: str) -> bool:
 
 
 #: how often a running job's progress refreshes (s): twice a writer flush (0.25 s), never idle
-LIVE_REFRESH_S = 0.5
+# Seconds between a running job's progress refreshes. Each refresh reruns a fragment on the
+# server and redraws in the browser: at 0.5 s, with two refreshers, the page took a third of
+# a core on the server and half of one in Chromium, and the job it watched ran 65 % slower
+# on 2 cores (benchmarks/idle_page.py). One refresher a page, once a second.
+LIVE_REFRESH_S = 1.0
 
 
-def job_status(jobs: JobManager, runs_dir: Path) -> None:
+def job_status(jobs: JobManager, runs_dir: Path, refresh: bool = True) -> None:
     """The current job's progress, then its outcome. Only while a job runs does it
     refresh itself (an idle page costs nothing: no timer, no rerun); the click that
-    starts a job reruns the page, which then draws the refreshing one."""
-    if jobs.current is not None and jobs.current.running:
+    starts a job reruns the page, which then draws the refreshing one. ``refresh=False``:
+    drawn once, where the page has its own refresher (the Run page), which reruns the
+    whole page when the job ends."""
+    if jobs.current is not None and jobs.current.running and refresh:
         _job_status_live(jobs, runs_dir)
     else:
         _job_status(jobs, runs_dir)
