@@ -127,7 +127,8 @@ def make_memory_over_step_figure(samples: pd.DataFrame, title: str = "Memory ove
         fig.add_trace(go.Scatter(x=[p["t_ms"]], y=[p["total_bytes"] / k], mode="markers+text",
                                  marker=dict(symbol="triangle-down", size=14, color="#e41a1c"),
                                  text=[f"peak {p['total_bytes'] / k:.2f} {unit}: {p['where']}"],
-                                 textposition="top center", name="peak", hoverinfo="skip"))
+                                 textposition="top center", name="peak", hoverinfo="skip", cliponaxis=False))
+        fig.update_yaxes(range=[0, 1.15 * p["total_bytes"] / k])  # room for the peak's label under the title
     fig.update_layout(title=title, xaxis_title="ms from the step's start", yaxis_title=unit,
                       height=420, legend=LEGEND_BELOW, margin=dict(l=10, r=10, t=40, b=10))
     return fig

@@ -46,7 +46,7 @@ def make_cap_sweep_figure(sweep: pd.DataFrame, measured: pd.DataFrame | None = N
     if best_cap is not None:
         row = sweep.loc[(sweep["bucket_cap_mb"] - best_cap).abs().idxmin()]  # the first: the default, if any
         fig.add_trace(go.Scatter(x=[float(row["bucket_cap_mb"])], y=[float(row["step_ms"])], mode="markers+text",
-                                 name="best cap (predicted)", text=[f"best: {row['bucket_cap_mb']:g} MiB"],
+                                 name="best cap (predicted)", text=[f"best: {row['bucket_cap_mb']:.4g} MiB"],
                                  textposition="top center",
                                  marker=dict(symbol="star", size=18, color="#2ca02c")))
     if noise_ms is not None and math.isfinite(noise_ms) and len(curve):
@@ -57,7 +57,7 @@ def make_cap_sweep_figure(sweep: pd.DataFrame, measured: pd.DataFrame | None = N
     # ticks at the caps themselves: plotly's own log ticks read "2 5 1 2 5 10 2 5 100"
     caps = sorted({float(c) for c in sweep["bucket_cap_mb"]})
     fig.update_xaxes(type="log", title_text="bucket_cap_mb (MiB, log scale)", tickvals=caps,
-                     ticktext=[f"{c:g}" for c in caps])
+                     ticktext=[f"{c:.4g}" for c in caps])  # a cap read off bytes: 0.0999994 reads 0.1
     fig.update_yaxes(title_text="ms", rangemode="tozero")
     fig.update_layout(title=title, height=430, margin=dict(t=50, b=90, l=50, r=20),
                       legend=LEGEND_BELOW)
