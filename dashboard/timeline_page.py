@@ -9,7 +9,7 @@ import streamlit as st
 
 from ddpscope.dashboard.common import first_real_step, load_events, load_trace, merged_trace_bytes, show_table, stamp_of
 from ddpscope.dashboard.rank_overview_view import default_ranks, render_rank_overview
-from ddpscope.dashboard.sharded_view import render_sharded_timeline
+from ddpscope.dashboard.sharded_view import render_sharded_timeline, show_sharded_comparison
 from ddpscope.viz.ddp.buckets import compute_bucket_table
 from ddpscope.viz.ddp.compare import compute_run_comparison, differences_text, median_step
 from ddpscope.viz.ddp.gantt import make_timeline_figure
@@ -175,10 +175,20 @@ def render_compare(traces: dict[str, Path]) -> None:
             loaded[label] = load_trace(str(traces[label]), stamp_of(traces[label]))
         except TraceError as e:
             st.error(f"{label}: {e}")
-    if len(loaded) >= 2:
+    # like with like: a sharded run (FSDP2, DeepSpeed) has no DDP buckets to set beside a DDP run's
+    sharded = {label: getattr(t, "shards", None) is not None for label, t in loaded.items()}
+    kind = next(iter(sharded.values()), False)
+    left = [label for label, s in sharded.items() if s != kind]
+    if left:
+        st.warning(f"{', '.join(left)} not compared with {next(iter(loaded))}: Compare sets DDP runs beside DDP runs "
+                   "and sharded runs (FSDP2, DeepSpeed) beside sharded runs")
+    loaded = {label: t for label, t in loaded.items() if label not in left}
+    if len(loaded) >= 2 and kind:
+        show_sharded_comparison(loaded)
+    elif len(loaded) >= 2:
         show_comparison(loaded, key="compare")
     else:
-        st.info("Pick at least two runs.")
+        st.info("Pick at least two runs of one kind.")
 
 
 def show_comparison(loaded: dict, key: str, layouts: bool = False) -> None:

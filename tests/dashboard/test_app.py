@@ -1052,6 +1052,11 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     at.selectbox(key="run_reshard").set_value("false (ZeRO-2)").run()
     assert not at.exception
     assert at.button(key="run_button").label == "Rerun with reshard_after_forward = false"
+    _page(at, "Compare runs")  # like with like: the DDP sample is not set beside the FSDP2 run
+    at.multiselect(key="compare_runs").set_value(["run: fsdp2", "sample: gpt-2rank-cap1mb"]).run()
+    assert not at.exception
+    assert any(w.value.startswith("sample: gpt-2rank-cap1mb not compared with run: fsdp2") for w in at.warning)
+    assert not any("buckets differ" in i.value for i in at.info)
     for r in (0, 1):  # the same run without its memory samples: the Run page says what it cannot predict
         path = out / f"rank-{r}.json"
         text = path.read_text()
