@@ -26,6 +26,7 @@ Benchmarks are not tests: nothing is asserted; ``--smoke`` idles 3 s and skips t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -76,36 +77,47 @@ def _cpu_ticks(pids: set[int]) -> int:
     return total
 
 
+@contextlib.contextmanager
+def _served_page(runs: Path, query: str = "", watcher: bool = False):
+    """A fresh server on ``runs`` and headless Chromium opened on it (``query``: e.g.
+    ``?page=Run``): yields ``(page, server)``; both are ended afterwards."""
+    from playwright.sync_api import sync_playwright
+
+    proc, port = serve(ROOT / "app.py", runs, watch=watcher)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"])
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.goto(f"http://127.0.0.1:{port}/{query}", timeout=60_000)
+                yield page, proc
+            finally:
+                browser.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def _browser_pids(server: set[int]) -> set[int]:
+    """Playwright's driver and Chromium: this process's descendants but the server's."""
+    return _tree(os.getpid(), _parents()) - server - {os.getpid()}
+
+
 def measure(seconds: float, watcher: bool = False) -> dict[str, float]:
     """CPU % of a core of the server and the browser over ``seconds`` of an idle page;
     ``watcher``: with Streamlit's file watcher on (``streamlit run app.py`` in this tree),
     else as ``ddpscope dashboard`` runs it (none)."""
-    from playwright.sync_api import sync_playwright
-
-    with tempfile.TemporaryDirectory(prefix="ddpscope-idle-") as tmp:
-        proc, port = serve(ROOT / "app.py", Path(tmp) / "runs", watch=watcher)
-        try:
-            with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-                    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                    "--no-first-run"])
-                try:
-                    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                    page.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
-                    page.wait_for_selector(".js-plotly-plot .barlayer .point", timeout=90_000)
-                    page.wait_for_timeout(3000)  # settle: fonts, the last layout
-                    parents = _parents()
-                    server = _tree(proc.pid, parents)
-                    ours = _tree(os.getpid(), parents) - server - {os.getpid()}  # Playwright's driver and Chromium
-                    t0, s0, b0 = time.monotonic(), _cpu_ticks(server), _cpu_ticks(ours)
-                    time.sleep(seconds)
-                    wall = time.monotonic() - t0
-                    s1, b1 = _cpu_ticks(server), _cpu_ticks(ours)
-                finally:
-                    browser.close()
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
+    with tempfile.TemporaryDirectory(prefix="ddpscope-idle-") as tmp, \
+            _served_page(Path(tmp) / "runs", watcher=watcher) as (page, proc):
+        page.wait_for_selector(".js-plotly-plot .barlayer .point", timeout=90_000)
+        page.wait_for_timeout(3000)  # settle: fonts, the last layout
+        server = _tree(proc.pid, _parents())
+        ours = _browser_pids(server)
+        t0, s0, b0 = time.monotonic(), _cpu_ticks(server), _cpu_ticks(ours)
+        time.sleep(seconds)
+        wall = time.monotonic() - t0
+        s1, b1 = _cpu_ticks(server), _cpu_ticks(ours)
     return {"server": 100.0 * (s1 - s0) / TICK / wall, "browser": 100.0 * (b1 - b0) / TICK / wall, "wall": wall}
 
 
@@ -113,45 +125,30 @@ def measure_beside_job(steps: int = 50) -> dict:
     """The page on the Run tab while the job it started runs: CPU % of a core of the
     server's own process and of the browser, the job's median step, and the same command
     run from a shell with no page: its median step and the difference's interval."""
-    from playwright.sync_api import sync_playwright
-
     sys.path.insert(0, str(ROOT))
     from ddpscope.viz.ddp.compare import compute_run_comparison
     from ddpscope.viz.trace import load_run
 
     with tempfile.TemporaryDirectory(prefix="ddpscope-idle-job-") as tmp:
         runs = Path(tmp) / "runs"
-        proc, port = serve(ROOT / "app.py", runs)
-        try:
-            with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-                    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                    "--no-first-run"])
-                try:
-                    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                    page.goto(f"http://127.0.0.1:{port}/?page=Run", timeout=60_000)
-                    button = page.get_by_role("button", name=re.compile(r"^Rerun"))
-                    button.wait_for(timeout=90_000)
-                    page.get_by_role("slider").nth(1).focus()  # cap, steps, world size
-                    for _ in range(60):  # down to 3, then up to the asked count
-                        page.keyboard.press("ArrowLeft")
-                    for _ in range(steps - 3):
-                        page.keyboard.press("ArrowRight")
-                    page.wait_for_timeout(2000)  # the page reruns with the new settings
-                    button.click()
-                    page.wait_for_selector('[data-testid="stProgress"]', timeout=60_000)
-                    page.wait_for_timeout(2000)  # past the launch: the ranks are stepping
-                    parents = _parents()
-                    ours = _tree(os.getpid(), parents) - _tree(proc.pid, parents) - {os.getpid()}
-                    t0, s0, b0 = time.monotonic(), _cpu_ticks({proc.pid}), _cpu_ticks(ours)
-                    page.wait_for_selector('[data-testid="stProgress"]', state="detached", timeout=600_000)
-                    wall = time.monotonic() - t0
-                    s1, b1 = _cpu_ticks({proc.pid}), _cpu_ticks(ours)
-                finally:
-                    browser.close()
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
+        with _served_page(runs, "?page=Run") as (page, proc):
+            button = page.get_by_role("button", name=re.compile(r"^Rerun"))
+            button.wait_for(timeout=90_000)
+            page.get_by_role("slider").nth(1).focus()  # cap, steps, world size
+            for _ in range(60):  # down to 3, then up to the asked count
+                page.keyboard.press("ArrowLeft")
+            for _ in range(steps - 3):
+                page.keyboard.press("ArrowRight")
+            page.wait_for_timeout(2000)  # the page reruns with the new settings
+            button.click()
+            page.wait_for_selector('[data-testid="stProgress"]', timeout=60_000)
+            page.wait_for_timeout(2000)  # past the launch: the ranks are stepping
+            ours = _browser_pids(_tree(proc.pid, _parents()))
+            # the server's own process: the job it started is its child, measured apart
+            t0, s0, b0 = time.monotonic(), _cpu_ticks({proc.pid}), _cpu_ticks(ours)
+            page.wait_for_selector('[data-testid="stProgress"]', state="detached", timeout=600_000)
+            wall = time.monotonic() - t0
+            s1, b1 = _cpu_ticks({proc.pid}), _cpu_ticks(ours)
         page_dir = next(d for d in runs.iterdir() if d.name != "uploads")
         words = shlex.split(load_run(page_dir).run["command"])
         cli_dir = Path(tmp) / "cli-run"
