@@ -486,3 +486,24 @@ def test_a_step_with_no_gradient_of_its_reduction_on_one_rank_is_left_out_of_the
     grads = trace.grads.copy()
     grads.loc[(grads["rank"] == 1) & (grads["step"] == k), "micro"] = 7
     assert [i.step for i in step_inputs(replace(trace, grads=grads), model)] == [s for s in steps if s != k]
+
+
+def test_a_backward_span_run_on_past_its_last_gradient_is_waiting_not_work():
+    """Backward compute ends at the last gradient (``compute_end_us``): a span that ran on
+    20 ms past it (waiting inside DDP's finalize) adds no work to the replay, and that
+    waiting is not carried as finalize either (the replay makes it from its all-reduces)."""
+    from dataclasses import replace
+
+    from ddpscope.viz.whatif.model import step_inputs
+
+    t = load_run(SAMPLES / "gpt-2rank-cap1mb")
+    model = fit_model(t)
+    before = {s.step: s.ranks[0] for s in step_inputs(t, model)}
+    steps = t.steps.copy()
+    steps["compute_end_us"] = steps["backward_end_us"]
+    k = next(iter(before))
+    row = (steps["rank"] == 0) & (steps["step"] == k)
+    steps.loc[row, "backward_end_us"] += 20_000.0
+    after = {s.step: s.ranks[0] for s in step_inputs(replace(t, steps=steps), model)}[k]
+    assert after.work_end == pytest.approx(before[k].work_end)
+    assert after.finalize == pytest.approx(before[k].finalize)
