@@ -151,8 +151,9 @@ def print_ab(a: RunTrace, advice: Advice, b_path: str | Path) -> None:
           f"interval {lo:.1f}..{hi:.1f} ms")
     if layout_text(a) != layout_text(b):
         print(f"layouts: A {layout_text(a)}, B {layout_text(b)}")
-    if conditions_text(a) and conditions_text(b) and conditions_text(a) != conditions_text(b):
-        print(f"conditions differ (part of the difference is theirs): A {conditions_text(a)}, B {conditions_text(b)}")
+    ca, cb = conditions_text(a), conditions_text(b)
+    if ca and cb and ca != cb:
+        print(f"conditions differ (part of the difference is theirs): A {ca}, B {cb}")
     print(f"the diff timeline: `ddpscope dashboard {Path(b.path).parent}`, open B, What-if tab")
 
 
