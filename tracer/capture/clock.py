@@ -2,8 +2,8 @@
 
 A clock hands out *stamps* while training runs and turns them into microseconds on
 this host's monotonic clock later, in one go per step (``resolve``). On CPU/gloo a
-stamp already is a time; on CUDA a stamp is an event on a stream, resolved after a
-single synchronize (see ``cuda_clock.py``, kept separate because CI cannot run it).
+stamp already is a time; on CUDA a stamp is an event on a stream, resolved once it has completed, without
+synchronising the device (see ``cuda_clock.py``, kept separate because CI cannot run it).
 
 All times are microseconds (µs) as floats on the host's monotonic clock, the clock
 that cross-rank offsets (``offsets.py``) are estimated on, at ns resolution: a whole
@@ -37,8 +37,9 @@ class Clock(Protocol):
     """The interface both clocks implement."""
 
     kind: str
-    #: Steps a stamp may stay unresolved, so that resolving never stalls the step
-    #: that is still running (0: resolved at once; CUDA: 1, one step behind).
+    #: Closed steps that may wait for their stamps to complete before the oldest is
+    #: resolved anyway (0: resolved at once; CUDA: a few, so that resolving never stalls
+    #: the step that is still running). See ``steps_to_keep``.
     lag_steps: int
     #: Stamps are not times yet (events): ``resolve`` must turn them into µs. False: a
     #: stamp is its time in µs, and the recorder skips resolving.
@@ -50,9 +51,12 @@ class Clock(Protocol):
     def host_us(self) -> float:
         """The host monotonic clock now, µs (with any test skew)."""
 
+    def done(self, stamp: Any) -> bool:
+        """The stamp's work has completed: resolving it will not block (never syncs)."""
+
     def resolve(self, stamps: Sequence[Any]) -> list[float | None]:
-        """Turn stamps into host-clock µs (``None`` stays ``None``); may block once,
-        never once per stamp."""
+        """Turn stamps into host-clock µs (``None`` stays ``None``); never synchronises
+        the device (CUDA: waits only for a stamp's own event that has not completed)."""
 
 
 class CpuClock:
@@ -71,14 +75,32 @@ class CpuClock:
     def stamp(self) -> float:
         return (time.perf_counter_ns() + self.skew_ns) / 1000.0
 
+    def done(self, stamp: Any) -> bool:
+        return True
+
     def resolve(self, stamps: Sequence[Any]) -> list[float | None]:
         return [None if s is None else float(s) for s in stamps]
 
 
+def steps_to_keep(clock: Clock, ends: Sequence[Any]) -> int:
+    """How many of the newest closed steps (``ends``: their end stamps, oldest first) wait:
+    those from the oldest whose end has not completed on the device, at most
+    ``clock.lag_steps`` (older ones are resolved anyway, blocking on their own events)."""
+    waiting = len(ends)
+    for end in ends:
+        if not clock.done(end):
+            break
+        waiting -= 1
+    return min(waiting, clock.lag_steps)
+
+
 def make_clock(device: Any) -> Clock:
-    """The clock for a model on ``device`` (a ``torch.device`` or string)."""
+    """The clock for a model on ``device`` (a ``torch.device`` or string): on CUDA, that
+    device's events and streams, whichever device is current."""
     if str(device).startswith("cuda"):
+        import torch
+
         from ddpscope.tracer.capture.cuda_clock import CudaEventClock
 
-        return CudaEventClock(host_clock=CpuClock())
+        return CudaEventClock(host_clock=CpuClock(), device=torch.device(device))
     return CpuClock()

@@ -1,66 +1,167 @@
-"""CUDA clock: ``torch.cuda.Event`` stamps, resolved with one synchronize per step.
+"""CUDA clock: ``torch.cuda.Event`` stamps on the model's device, mapped onto the host clock
+without ever synchronising the device.
 
-NOT exercised by CI (the CI machines have no GPU); its arithmetic is covered by unit
-tests that pass fake events (tests/tracer/capture/test_clock.py says so).
+NOT exercised by CI (the CI machines have no GPU). Its scheduling and arithmetic are
+device-independent and tested with a stand-in for an event (tests/tracer/capture/test_clock.py
+says so); tests/tracer/capture/test_cuda.py runs it where a GPU is.
 
-How it maps GPU time onto the host clock: at construction it synchronizes, records an
-*anchor* event on an idle stream and reads the host clock right after the event has
-completed. A stamp's host time is then ``anchor_host_us + anchor.elapsed_time(ev)``.
+**Anchors.** A GPU time becomes a host time through an *anchor*: an event recorded on a
+stream of its own (idle, so the event completes at once) while the host clock brackets it:
+``t0`` before the record, ``t1`` when ``query()`` first says done. The anchor's host time
+is the midpoint, within ``(t1 - t0) / 2``; of ``ANCHOR_SAMPLES`` tries the tightest bracket
+wins. A stamp's host time is ``anchor_host + elapsed(anchor, stamp) * rate``.
 
-Where stamps are recorded (see ddp/step_hooks.py and ddp/comm_hook.py):
-- compute-side stamps (forward, gradient ready, bucket launch, optimizer) on the
-  current stream of the autograd/main thread, i.e. the compute stream;
-- a bucket's completion inside the all-reduce future's ``then`` callback, whose
-  current stream waits for the NCCL work, so the event completes when NCCL does.
-  With the compiled capture the wrapper records its own events (ddp/compiled.py) and hands
-  them over as host µs already: those pass through ``resolve`` as they are.
+**Re-anchoring.** ``cudaEventElapsedTime`` returns float32 milliseconds: measured from one
+anchor taken at attach, a stamp's rounding step grows to ~3.9 µs after a minute and ~250 µs
+after an hour. A new anchor is taken every ``REANCHOR_S`` (between steps, when a step is
+resolved), each stamp is measured from the last anchor before it was recorded (a few
+seconds back: ≤ 0.25 µs of rounding), and from one anchor to the next the GPU-vs-host
+drift is taken out: ``rate`` is the host µs per device µs between them (the newest
+anchor's is its predecessor's until the next one).
+
+**Sharing.** The compiled capture (``native/timed_group.cpp``) times bucket all-reduces
+with its own events; it registers as an *anchor sink*: at every try it records its own
+event on the same idle stream just before ours, and the winning try's host time is
+committed to both, so compute and bucket lanes sit on one anchor, never two.
+
+**No device-wide sync.** A step is resolved when its end stamp ``query()``s done (the
+recorder asks ``done``); only when ``lag_steps`` steps are waiting is the oldest resolved
+anyway, blocking on its own events (``Event.synchronize``), never on the device.
+
+Where stamps are recorded (see ddp/step_hooks.py and ddp/comm_hook.py): compute-side
+stamps on the current stream of the model's device on the thread that stamps (the
+compute stream); a bucket's completion inside the all-reduce future's ``then`` callback,
+whose current stream waits for the NCCL work. Host µs handed over by the compiled capture
+pass through ``resolve`` as they are.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections import deque
+from typing import Any, Callable, Protocol, Sequence
+
+
+class AnchorSink(Protocol):
+    """Another set of device events (the compiled capture's) that shares this clock's anchors."""
+
+    def candidate(self, index: int, stream: Any) -> None:
+        """Record anchor try ``index``'s event on ``stream`` (before the clock records its own)."""
+
+    def commit(self, index: int, host_ns: int) -> None:
+        """Try ``index`` won: its event is the new anchor, at ``host_ns`` on the host clock."""
 
 
 class CudaEventClock:
     kind = "cuda-event"
-    # Resolve a step's events one step later: by then they have completed, so the
-    # one synchronize per step almost never stalls the CPU's run-ahead.
-    lag_steps = 1
+    #: Steps that may wait for their events; the oldest of more is resolved anyway (blocking
+    #: on its own events only). A step is resolved sooner once its end event is done.
+    lag_steps = 2
     resolves = True
+    REANCHOR_S = 2.0  # float32 ms of up to 2 s after an anchor: a rounding step of ≤ 0.12 µs
+    ANCHOR_SAMPLES = 5
+    ANCHOR_SPIN_US = 2000.0  # an anchor try that takes longer is waited for (event sync) and loses
+    ANCHORS_KEPT = 64  # stamps are resolved a few steps (anchors) after they were recorded
+    MAX_DRIFT = 1e-3  # a rate further than this from 1 is noise (two anchors too close), not drift
 
     def __init__(
         self,
-        host_clock: Any,  # the host clock (clock.CpuClock): its host_us(); clock.make_clock builds this one
+        host_clock: Any,  # clock.CpuClock: its host_us(); clock.make_clock builds this one
+        device: Any = None,  # the model's torch.device; None: the current device
+        *,
         event_factory: Callable[[], Any] | None = None,
-        synchronize: Callable[[], None] | None = None,
+        current_stream: Callable[[], Any] | None = None,
+        idle_stream: Any = None,
     ) -> None:
         import torch
 
         self._host = host_clock
+        self.device = device
         self._new_event = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
-        self._synchronize = synchronize or torch.cuda.synchronize
-        self.syncs = 0  # how many times resolve() blocked; tests check it is one per call
-        self._synchronize()  # CPU-GPU sync: once, at start, to pin the anchor
-        self._anchor = self._new_event()
-        self._anchor.record()
-        self._anchor.synchronize()  # CPU-GPU sync: the anchor has completed...
-        self._anchor_host_us = self._host.host_us()  # ...so "now" is its host time
+        # The model's device, not the current one: a script that never calls set_device has
+        # its model on cuda:k while the current device is cuda:0.
+        self._stream = current_stream or (lambda: torch.cuda.current_stream(device))
+        self._idle = idle_stream if idle_stream is not None else torch.cuda.Stream(device=device)
+        self.blocked = 0  # stamps resolve() had to wait for (Event.synchronize); tests read it
+        self._sinks: list[AnchorSink] = []
+        # (event, host µs, rate) per anchor; anchor k is self._anchors[k - self._first]
+        self._anchors: deque[list] = deque(maxlen=self.ANCHORS_KEPT)
+        self._first = 0
+        self._count = 0
+        self.reanchor()
 
+    # -- anchors --------------------------------------------------------------------
+    def share_anchors(self, sink: AnchorSink) -> None:
+        """``sink``'s events use this clock's anchors from now on (it takes one now)."""
+        self._sinks.append(sink)
+        self.reanchor()
+
+    def reanchor(self) -> None:
+        """A new anchor: the tightest of ``ANCHOR_SAMPLES`` bracketed tries on the idle stream."""
+        best = None
+        for i in range(self.ANCHOR_SAMPLES):
+            for sink in self._sinks:
+                sink.candidate(i, self._idle)
+            ev = self._new_event()
+            t0 = self._host.host_us()
+            ev.record(self._idle)
+            while not ev.query():  # the idle stream runs nothing else: microseconds
+                if self._host.host_us() - t0 > self.ANCHOR_SPIN_US:
+                    ev.synchronize()  # this event only (a GPU too busy to take it at once)
+                    break
+            t1 = self._host.host_us()
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, i, ev, round((t0 + t1) / 2.0, 3))
+        _, i, ev, host = best
+        for sink in self._sinks:
+            sink.commit(i, round(host * 1000.0))
+        if self._anchors:
+            last = self._anchors[-1]
+            device_ms = last[0].elapsed_time(ev)
+            rate = (host - last[1]) / (device_ms * 1000.0) if device_ms > 0 else 1.0
+            if abs(rate - 1.0) <= self.MAX_DRIFT:
+                last[2] = rate
+            rate = last[2]
+        else:
+            rate = 1.0
+        if len(self._anchors) == self._anchors.maxlen:
+            self._first += 1
+        self._anchors.append([ev, host, rate])
+        self._count += 1
+
+    @property
+    def anchor_host_us(self) -> float:
+        """The newest anchor's host time (µs)."""
+        return self._anchors[-1][1]
+
+    # -- stamps ---------------------------------------------------------------------
     def host_us(self) -> float:
         return self._host.host_us()
 
     def stamp(self) -> Any:
         ev = self._new_event()
-        ev.record()  # on the current stream; no sync
-        return ev
+        ev.record(self._stream())  # on the model's device's current stream; no sync
+        return (ev, self._count - 1)  # measured from the newest anchor
+
+    def done(self, stamp: Any) -> bool:
+        """The stamp's work has completed (resolving it will not block); no sync."""
+        return stamp is None or isinstance(stamp, (int, float)) or stamp[0].query()
 
     def resolve(self, stamps: Sequence[Any]) -> list[float | None]:
-        if any(s is not None and not isinstance(s, (int, float)) for s in stamps):
-            self._synchronize()  # CPU-GPU sync: the single one for this batch of stamps
-            self.syncs += 1
-        # elapsed_time is in milliseconds
-        return [
-            None if ev is None else float(ev) if isinstance(ev, (int, float))
-            else round(self._anchor_host_us + self._anchor.elapsed_time(ev) * 1000.0, 3)  # ns resolution
-            for ev in stamps
-        ]
+        """Host µs of each stamp (``None`` stays ``None``; host µs pass through). A stamp not
+        done yet is waited for on its own event; the device is never synchronised."""
+        out = [self._resolve_one(s) for s in stamps]
+        if self._host.host_us() - self._anchors[-1][1] >= self.REANCHOR_S * 1e6:
+            self.reanchor()  # between steps: the next stamps are measured from a fresh anchor
+        return out
+
+    def _resolve_one(self, stamp: Any) -> float | None:
+        if stamp is None:
+            return None
+        if isinstance(stamp, (int, float)):
+            return float(stamp)
+        ev, k = stamp
+        if not ev.query():
+            ev.synchronize()  # CPU-GPU sync on this one event: a step resolved before its end
+            self.blocked += 1
+        anchor, host, rate = self._anchors[max(k - self._first, 0)]
+        return round(host + anchor.elapsed_time(ev) * 1000.0 * rate, 3)  # ms -> µs, at ns resolution

@@ -102,8 +102,14 @@ class _OptimizerStateBytes:
 
 class MemoryMeter:
     """Bytes of one model's parameters, gradients, optimizer state and DDP's extra bucket
-    buffers, measured each step. On CUDA, adds the caching allocator's ``allocated_bytes``
-    and ``max_allocated_bytes`` (peak since the last ``reset_peak``); on CPU, the RSS."""
+    buffers, measured each step; on CPU, the RSS. On CUDA, the caching allocator's
+    ``allocated_bytes``, ``reserved_bytes`` and ``peak_allocated_bytes`` (its peak since the
+    process began or the script last reset it: ddpscope never resets the script's peak),
+    ``step_peak_bytes`` when that peak was set inside this step (else the step stayed below an
+    earlier peak and its own is not known: absent), and the device's ``device_free_bytes`` /
+    ``device_total_bytes`` (``cudaMemGetInfo``: every process on the GPU). Not seen by the
+    allocator: the CUDA context, NCCL's own buffers, other libraries' allocations; what the
+    device uses beyond ``reserved_bytes`` (``total - free - reserved``) holds them."""
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
@@ -111,6 +117,7 @@ class MemoryMeter:
         self.grad_bytes: Callable[[], int] | None = None
         self.device = params[0].device if params else torch.device("cpu")
         self.params_bytes = distinct_bytes(params)  # parameters do not change size
+        self._peak_at_start: int | None = None  # CUDA: the allocator's peak when the measured step began
         self._state = _OptimizerStateBytes()
         self._statm = None  # /proc/self/statm, kept open (a file object: closed when collected too)
         self._page = os.sysconf("SC_PAGE_SIZE")
@@ -137,11 +144,31 @@ class MemoryMeter:
             "bucket_buffers_bytes": distinct_bytes(buffers),
         }
         if self.device.type == "cuda":
-            # Allocator statistics are host-side counters: no CPU-GPU sync.
-            out["allocated_bytes"] = torch.cuda.memory_allocated(self.device)
-            out["max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            out.update(self._cuda())
         elif (rss := self._rss()) is not None:
             out["rss_bytes"] = rss
+        return out
+
+    def start_step(self) -> None:
+        """A measured step begins: remember the allocator's peak (CUDA), to tell whether the
+        step sets a new one. Never resets it: the script may read its own peak."""
+        if self.device.type == "cuda":
+            self._peak_at_start = torch.cuda.max_memory_allocated(self.device)  # a host-side counter
+
+    def _cuda(self) -> dict[str, int]:
+        # Allocator statistics are host-side counters; cudaMemGetInfo asks the driver: no
+        # CPU-GPU sync (neither waits for a stream).
+        dev = self.device
+        out = {"allocated_bytes": torch.cuda.memory_allocated(dev), "reserved_bytes": torch.cuda.memory_reserved(dev),
+               "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev)}
+        if self._peak_at_start is not None and out["peak_allocated_bytes"] > self._peak_at_start:
+            out["step_peak_bytes"] = out["peak_allocated_bytes"]
+        self._peak_at_start = None
+        try:
+            free, total = torch.cuda.mem_get_info(dev)
+            out["device_free_bytes"], out["device_total_bytes"] = int(free), int(total)
+        except RuntimeError:  # a device the driver will not report on: the allocator's figures stand
+            pass
         return out
 
     def _rss(self) -> int | None:
@@ -157,8 +184,3 @@ class MemoryMeter:
             self._statm.close()
             self._statm = None
 
-
-def reset_peak(device: torch.device) -> None:
-    """Start a new peak window (CUDA only; CPU has no allocator peak to reset)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)

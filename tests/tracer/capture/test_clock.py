@@ -1,12 +1,16 @@
-"""Clocks. The CUDA clock cannot run here (no GPU): its arithmetic and its
-one-synchronize-per-resolve rule are checked with fake events — a mock, because there
-is no other way to exercise it on a CPU machine."""
+"""Clocks. The CUDA clock cannot run here (no GPU): its scheduling and arithmetic are
+checked against a stand-in for a device (events with ``record``/``query``/``synchronize``
+and float32 ``elapsed_time``, streams busy until a time the test sets): a mock, the one
+place one is allowed, because there is no other way to exercise it on a CPU machine.
+tests/tracer/capture/test_cuda.py runs the real thing where a GPU is."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
-from ddpscope.tracer.capture.clock import SKEW_ENV, CpuClock, make_clock
+from ddpscope.tracer.capture.clock import SKEW_ENV, CpuClock, make_clock, steps_to_keep
 from ddpscope.tracer.capture.cuda_clock import CudaEventClock
 
 
@@ -29,112 +33,188 @@ def test_injected_skew_shifts_the_clock(monkeypatch):
 
 
 class FakeGpu:
-    """A fake device timeline: events complete at the GPU time when recorded."""
+    """A device stand-in: a host clock the test moves (each read advances it 0.5 µs, as
+    reading a clock takes time), a device clock on its own epoch running ``drift`` faster,
+    streams whose queued work ends at a host time the test sets, events that complete when
+    the work queued before them on their stream has."""
 
-    def __init__(self):
-        self.gpu_ms = 100.0
-        self.syncs = 0
+    def __init__(self, drift: float = 0.0):
+        self.now = 5_000_000.0  # host µs
+        self.drift = drift
+        self.event_syncs = 0
+        self.compute = self.stream()
+
+    def device_us(self, host_us: float) -> float:
+        return 7e9 + host_us * (1.0 + self.drift)
+
+    def host_us(self) -> float:
+        self.now += 0.5
+        return self.now
+
+    def stream(self):
+        return type("Stream", (), {"busy_until": 0.0})()
 
     def event(self):
         gpu = self
 
         class Event:
-            def record(self):
-                self.t = gpu.gpu_ms
+            at = None  # host µs when it completes
+
+            def record(self, stream):
+                self.at = max(gpu.now, stream.busy_until)
+
+            def query(self):
+                return self.at is not None and gpu.now >= self.at
 
             def synchronize(self):
-                pass
+                gpu.event_syncs += 1
+                gpu.now = max(gpu.now, self.at)
 
             def elapsed_time(self, other):
-                return other.t - self.t
+                assert self.query() and other.query(), "cudaErrorNotReady"
+                return float(np.float32((gpu.device_us(other.at) - gpu.device_us(self.at)) / 1000.0))
 
         return Event()
 
-    def synchronize(self):
-        self.syncs += 1
+    def clock(self, **kw):
+        return CudaEventClock(host_clock=self, event_factory=self.event, current_stream=lambda: self.compute,
+                              idle_stream=self.stream(), **kw)
 
 
-class FakeHost:
-    def __init__(self):
-        self.now = 5_000_000.0
+@pytest.fixture
+def no_device_sync(monkeypatch):
+    """torch.cuda.synchronize (the device-wide sync) fails the test if anything calls it."""
+    def refuse(*a, **k):
+        raise AssertionError("torch.cuda.synchronize: a device-wide sync")
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
 
-    def host_us(self):
-        return self.now
 
-
-def test_cuda_clock_maps_events_onto_the_host_clock_with_one_sync_per_resolve():
-    gpu, host = FakeGpu(), FakeHost()
-    clock = CudaEventClock(host_clock=host, event_factory=gpu.event, synchronize=gpu.synchronize)
-    assert gpu.syncs == 1 and clock.lag_steps == 1  # the anchor
-    stamps = []
-    for dt_ms in (1.0, 2.5, 0.25):
-        gpu.gpu_ms += dt_ms
+def test_cuda_clock_maps_events_onto_the_host_clock(no_device_sync):
+    gpu = FakeGpu()
+    clock = gpu.clock()
+    assert gpu.now - 5.0 <= clock.anchor_host_us < gpu.now  # the idle stream took the anchor at once
+    stamps, truth = [], []
+    for dt_us in (1000.0, 2500.0, 250.0):
+        gpu.now += dt_us
         stamps.append(clock.stamp())
-    times = clock.resolve(stamps + [None])
-    assert times[:3] == pytest.approx([5_000_000 + 1000, 5_000_000 + 3500, 5_000_000 + 3750])
-    assert times[3] is None
-    assert gpu.syncs == 2 and clock.syncs == 1  # one synchronize for the whole batch
-    assert clock.resolve([None, None]) == [None, None] and clock.syncs == 1
+        truth.append(gpu.now)
+    assert all(clock.done(s) for s in stamps)
+    times = clock.resolve(stamps + [None, 5_000_123.5])
+    assert times[:3] == pytest.approx(truth, abs=1.0)
+    assert times[3:] == [None, 5_000_123.5]  # host µs (the compiled capture's) pass through
+    assert gpu.event_syncs == 0 and clock.blocked == 0
 
 
-def test_the_compiled_captures_device_times_pass_through_without_a_sync():
-    """The compiled capture hands bucket times over as host µs (its own CUDA events, read
-    a step late): resolve keeps them, and needs no synchronize for a batch of only those."""
-    gpu, host = FakeGpu(), FakeHost()
-    clock = CudaEventClock(host_clock=host, event_factory=gpu.event, synchronize=gpu.synchronize)
-    assert clock.resolve([5_000_123.5, None, 7]) == [5_000_123.5, None, 7.0]
-    assert clock.syncs == 0
-    gpu.gpu_ms += 2.0
-    assert clock.resolve([clock.stamp(), 5_000_001.0]) == pytest.approx([5_002_000.0, 5_000_001.0])
-    assert clock.syncs == 1
-
-
-def test_the_recorder_resolves_device_stamps_a_step_late_in_one_sync_each():
-    """The recorder on the CUDA clock (fake events, a real backward on CPU tensors): a
-    step's events come out one step late, its stamps turned into host µs in one batch
-    (one synchronize per step), the spans and gradient marks where the device was."""
+def test_a_step_is_resolved_when_its_end_event_completes_never_by_syncing_the_device(no_device_sync):
+    """The GPU runs 30 ms behind the CPU: steps wait (nothing emitted, nothing blocks) until
+    their end events complete; only when more than ``lag_steps`` wait is the oldest
+    resolved, blocking on its own events (``Event.synchronize``), not the device."""
     import json
 
     import msgspec
-    import torch
 
     from ddpscope.tracer.capture.ddp.recorder import StepRecorder
 
-    gpu, host = FakeGpu(), FakeHost()
-    clock = CudaEventClock(host_clock=host, event_factory=gpu.event, synchronize=gpu.synchronize)
+    gpu = FakeGpu()
+    clock = gpu.clock()
     lin = torch.nn.Linear(4, 2)
-    params = list(lin.parameters())
     out: list[list[dict]] = []
-    rec = StepRecorder(clock=clock, rank=0, param_names=["weight", "bias"], params=params, optimizer=None,
-                       step_boundary="explicit",
+    rec = StepRecorder(clock=clock, rank=0, param_names=["weight", "bias"], params=list(lin.parameters()),
+                       optimizer=None, step_boundary="explicit",
                        emit=lambda events, layouts: out.append(json.loads(msgspec.json.encode(list(events)))))
 
-    def ready(i):
-        def hook(p):
-            gpu.gpu_ms += 1.0  # each gradient 1 ms after the one before
-            rec.on_grad_ready(i)
-        return hook
-
-    for i, p in enumerate(params):
-        p.register_post_accumulate_grad_hook(ready(i))
-    starts = []
-    for _ in range(3):
-        gpu.gpu_ms += 10.0
-        starts.append(5_000_000 + (gpu.gpu_ms - 100.0) * 1000)  # the host µs of the step's start
+    def step(queued_ms: float):
         rec.on_forward_start()
-        gpu.gpu_ms += 2.0
+        gpu.now += 1000.0
+        gpu.compute.busy_until = gpu.now + queued_ms * 1000  # the kernels just launched end then
         rec.on_forward_end(warmup=False)
         lin(torch.randn(3, 4)).sum().backward()
-        gpu.gpu_ms += 5.0
         rec.mark_step()
-    assert len(out) == 2 and clock.syncs == 2  # the last step waits a step (lag 1)
-    rec.finish(aborted=False)
-    assert len(out) == 3 and clock.syncs == 3
-    for events, start in zip(out, starts):
-        by_cat = {e["cat"]: e for e in events if e["ph"] == "X"}
-        assert by_cat["step"]["ts"] == pytest.approx(start) and by_cat["step"]["dur"] == pytest.approx(9000)
-        assert by_cat["forward"]["dur"] == pytest.approx(2000)
-        assert by_cat["backward"]["ts"] == pytest.approx(start + 2000)  # no output hook here: from forward's end
-        assert by_cat["backward"]["dur"] == pytest.approx(2000)  # to the engine's end, after the 2nd gradient
-        marks = sorted(e["ts"] - start for e in events if e["ph"] == "i")
-        assert marks == pytest.approx([3000, 4000])
+
+    def emitted() -> int:
+        return sum(e["ph"] == "X" and e["cat"] == "step" for events in out for e in events)
+
+    step(30.0)
+    step(30.0)
+    assert emitted() == 0 and gpu.event_syncs == 0  # two steps wait for the GPU, none blocks
+    step(30.0)
+    assert emitted() == 1 and clock.blocked > 0 and gpu.event_syncs > 0  # the third: the oldest waited for
+    syncs = gpu.event_syncs
+    gpu.now += 100_000.0  # the GPU catches up
+    step(0.0)
+    assert emitted() == 4 and gpu.event_syncs == syncs  # every step done: resolved at once, no wait
+    assert steps_to_keep(clock, []) == 0 and steps_to_keep(CpuClock(), [1.0, 2.0]) == 0
+    forwards = [e for events in out for e in events if e["ph"] == "X" and e["cat"] == "forward"]
+    # where the device ran them: the first forward ends 30 ms late, the next ones queue behind it
+    assert [f["dur"] for f in forwards] == pytest.approx([31_000, 1000, 1000, 1000], abs=2.0)
+
+
+def test_float32_rounding_and_drift_are_bounded_by_reanchoring_over_an_hour(no_device_sync):
+    """A simulated hour at 20 ppm GPU-vs-host drift: each stamp is within 1 µs of its true
+    host time with re-anchoring; from one anchor taken at attach, float32 milliseconds and
+    the drift put stamps off by tens of ms."""
+    def run(reanchor_s: float, drift: float) -> float:
+        gpu = FakeGpu(drift=drift)
+        clock = gpu.clock()
+        clock.REANCHOR_S = reanchor_s
+        worst = 0.0
+        for second in range(3600):
+            gpu.now += 1_000_000.0 + 0.37 * second  # steps of ~1 s
+            s = clock.stamp()
+            truth = gpu.now
+            (t,) = clock.resolve([s])
+            if second >= 3000:
+                worst = max(worst, abs(t - truth))
+        return worst
+
+    assert run(2.0, 20e-6) <= 1.0
+    assert run(float("inf"), 20e-6) > 10_000.0  # drift alone: 20 ppm of an hour is 72 ms
+    assert run(float("inf"), 0.0) > 10.0  # float32 ms an hour from the anchor: 250 µs steps
+
+
+def test_the_compiled_capture_shares_the_clocks_anchors(no_device_sync):
+    """The bucket lanes' events (an anchor sink) get a try recorded on the idle stream just
+    before each of the clock's, and the winning try's host time: one anchor, two paths."""
+    gpu = FakeGpu()
+    clock = gpu.clock()
+    calls = []
+
+    class Sink:
+        def candidate(self, index, stream):
+            calls.append(("try", index, stream is clock._idle))
+
+        def commit(self, index, host_ns):
+            calls.append(("commit", index, host_ns))
+
+    clock.share_anchors(Sink())
+    gpu.now += 3_000_000.0
+    clock.resolve([clock.stamp()])  # 3 s on: the clock re-anchors, and the sink with it
+    tries = [c for c in calls if c[0] == "try"]
+    commits = [c for c in calls if c[0] == "commit"]
+    assert len(commits) == 2 and len(tries) == 2 * clock.ANCHOR_SAMPLES and all(t[2] for t in tries)
+    assert commits[-1][2] == round(clock.anchor_host_us * 1000)
+    assert 0 <= commits[-1][1] < clock.ANCHOR_SAMPLES
+
+
+def test_stamps_and_anchors_use_the_models_device_not_the_current_one(monkeypatch):
+    """A model on cuda:1 while cuda:0 is current (a script that never calls set_device):
+    stamps go on cuda:1's current stream, the anchor stream is made on cuda:1."""
+    gpu = FakeGpu()
+    asked = []
+
+    def current_stream(device=None):
+        asked.append(device)
+        return gpu.compute
+
+    def stream(device=None, **_):
+        asked.append(("anchor stream", device))
+        return gpu.stream()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing: gpu.event())
+    clock = make_clock(torch.device("cuda", 1))
+    clock.host_us = gpu.host_us
+    clock._host = gpu
+    clock.stamp()
+    assert asked == [("anchor stream", torch.device("cuda", 1)), torch.device("cuda", 1)]

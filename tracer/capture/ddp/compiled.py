@@ -16,7 +16,10 @@ times (C++ post hooks put in front of DDP's on each parameter's AccumulateGrad n
 On CUDA (NCCL, or gloo with CUDA tensors) the host clock is wrong for a collective (an
 NCCL future completes when the kernel is enqueued): the wrapper also records CUDA events
 and hands their times over one take later (``DeviceLag``), when that step's work has
-long completed, so nothing synchronises inside a step; the gradient-ready times then
+long completed, so nothing synchronises inside a step; they are measured from the CUDA
+clock's own anchors (``cuda_clock.py``: the wrapper records an event beside each of the
+clock's anchor tries, and the winner's host time is committed to both), so bucket and
+compute lanes share one mapping onto the host clock. The gradient-ready times then
 come from the Python hooks' CUDA events (the C++ ready hooks stamp the host clock).
 NOT exercised by CI (no GPU there): tests/tracer/capture/test_cuda.py runs it where a GPU is.
 """
@@ -89,9 +92,20 @@ class CompiledBuckets:
         self._bucket_params(None)  # the first layout, before training (it allocates: not inside a step)
         if self.host_ready:
             self.ready = self.ext.ReadyTimes(self.recorder.params)
+        if self.device is not None and hasattr(self.recorder.clock, "share_anchors"):
+            self.recorder.clock.share_anchors(self)  # one anchor for the bucket and compute lanes
         self.ddp.reducer._update_process_group(self.group)
         self.attached = True
         return self
+
+    # -- the CUDA clock's anchor sink (cuda_clock.AnchorSink) ------------------------------
+    def candidate(self, index: int, stream) -> None:
+        if self.group is not None:
+            self.ext.anchor_candidate(self.group, index, stream.stream_id, stream.device_index, stream.device_type)
+
+    def commit(self, index: int, host_ns: int) -> None:
+        if self.group is not None:
+            self.ext.anchor_commit(self.group, index, host_ns)
 
     @property
     def host_ready(self) -> bool:

@@ -2,8 +2,8 @@
 
 Hooks (``step_hooks.py``, ``comm_hook.py``, ``param_sync.py``) call the ``on_*`` methods while training runs; they only take a
 clock stamp and append to the open step. When a step closes, its stamps are resolved
-to µs (on CPU they are µs already; on CUDA ``Clock.resolve`` in one batch per step,
-lagging ``clock.lag_steps`` steps) and its Chrome trace events go to the writer.
+to µs (on CPU they are µs already; on CUDA ``Clock.resolve`` in one batch once the
+step's end event has completed, or when ``clock.lag_steps`` steps wait) and its Chrome trace events go to the writer.
 
 Thread notes: forward/optimizer hooks run on the training thread, gradient hooks on
 the autograd thread (the same one on CPU), bucket completions on the process group's
@@ -16,10 +16,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ddpscope.tracer.capture.clock import Clock
+from ddpscope.tracer.capture.clock import Clock, steps_to_keep
 from ddpscope.tracer.capture.ddp.events import StepEvents
 from ddpscope.tracer.capture.ddp.records import BucketRecord, OwnCollective, ParamSync, PassRecord, StepRecord
-from ddpscope.tracer.capture.memory import FIRST_MEASURED_STEPS, MemoryMeter, reset_peak
+from ddpscope.tracer.capture.memory import FIRST_MEASURED_STEPS, MemoryMeter
 
 
 class StepRecorder:
@@ -96,7 +96,7 @@ class StepRecorder:
                 and now - self._memory_at < self.memory_interval_us:
             return False
         self._memory_at = now
-        reset_peak(self.device)  # its peak from here (CUDA)
+        self.memory.start_step()  # CUDA: the allocator's peak now, to tell whether the step sets a new one
         return True
 
     def on_forward_end(self, warmup: bool) -> None:
@@ -260,7 +260,8 @@ class StepRecorder:
         if cur.measure_memory:
             self._measure(cur)
         self.pending.append(cur)
-        self._resolve(len(self.pending) - self.clock.lag_steps)
+        keep = steps_to_keep(self.clock, [s.end for s in self.pending]) if self.clock.lag_steps else 0
+        self._resolve(len(self.pending) - keep)
         if self.on_close is not None:
             self.on_close(cur)
 
@@ -278,7 +279,7 @@ class StepRecorder:
         ready, self.pending = self.pending[:count], self.pending[count:]
         if self.bucket_source is not None:  # device times of buckets still waiting for them
             self.bucket_source.settle(ready)
-        if self.clock.resolves:  # stamps are device events: µs now, one batch
+        if self.clock.resolves:  # stamps are device events: µs now, one batch (completed: no sync)
             _resolve_in_place(ready, self.clock.resolve)
         nccl = [[self._nccl_us(b) for b in s.buckets] for s in ready] if self.nccl_kernel_timing else None
         layout_changed = False
@@ -320,7 +321,7 @@ def _synced(step: StepRecord) -> bool:
 
 
 def _resolve_in_place(steps: list[StepRecord], resolve: Callable[[list], list]) -> None:
-    """Every stamp of ``steps`` turned into µs by one ``resolve`` call (one CPU-GPU sync)."""
+    """Every stamp of ``steps`` turned into µs by one ``resolve`` call (no device sync)."""
     stamps: list[Any] = []
     for s in steps:
         stamps += [s.start, s.end]

@@ -18,8 +18,14 @@
 // before it), and "done", recorded in the future's callback, which c10::ivalue::Future runs
 // on a stream made to wait for the collective's work, so the event completes when the
 // collective does. Both are read one take() late, when that step's work has completed: no
-// CPU-GPU synchronisation inside a step. They map onto the host clock through an anchor
-// event whose host time was read once, at wrap(), after a synchronisation.
+// CPU-GPU synchronisation inside a step. They map onto the host clock through *anchors*:
+// events whose host times are known. The first is taken at wrap() (after waiting for the
+// current stream, before training); after that the Python clock (cuda_clock.py) shares its
+// own: at each of its tries it has this group record a candidate event on its idle anchor
+// stream just before its own event, and commits the winning try's host time to both, so
+// compute and bucket lanes sit on one anchor. Each all-reduce is measured from the newest
+// anchor when it was launched (float32 milliseconds from an anchor a few seconds back, not
+// from the start of the run), times the host-per-device rate from that anchor to the next.
 //
 // ReadyTimes stamps each parameter's gradient-ready time with a post hook inserted at
 // the front of its AccumulateGrad node: it runs when the gradient is accumulated,
@@ -42,6 +48,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -68,6 +75,7 @@ struct Record {
   // also all-reduces its map of locally used parameters (int32) on this group, when it
   // looks for unused parameters: that one is not a bucket.
   std::atomic<bool> floating{true};
+  std::atomic<int64_t> anchor{0};  // the newest anchor when it was launched
 };
 
 using HostRecords = std::vector<std::tuple<int64_t, int64_t, int64_t, bool>>;  // (launch_ns, done_ns, bytes, floating)
@@ -114,17 +122,43 @@ class TimedGroup : public c10d::ProcessGroup {
     if (auto bound = inner_->getBoundDeviceId()) {
       setBoundDeviceId(bound);
     }
+    // Each device type under its own backend's type: a "cpu:gloo,cuda:nccl" group (what
+    // init_process_group() gives on a GPU machine) registered under one type would route
+    // every device to the backend registered first (setBackend reuses a type's backend).
     for (const auto& type : inner_->getDeviceTypes()) {
-      setBackend(type.type(), inner_->getBackendType(), inner_->getBackend(type.type()));
+      auto backend = inner_->getBackend(type.type());
+      setBackend(type.type(), c10d::ProcessGroup::strToBackendType(backend->getBackendName()), backend);
     }
     setDefaultBackend(inner_->getBackendType());
     setGroupName(inner_->getGroupName());
     if (device) {
-      anchor_ = std::make_unique<c10::Event>(device->type(), c10::EventFlag::BACKEND_DEFAULT);
-      records_->record(*anchor_);
-      anchor_->synchronize();  // CPU-GPU sync: once, here, so that "now" is the anchor's host time
-      anchor_ns_ = monotonic_ns();
+      anchors_.resize(kAnchors);
+      anchor_ns_.assign(kAnchors, 0);
+      anchor_rate_.assign(kAnchors, 1.0);
+      candidates_.resize(kCandidates);
+      auto first = std::make_unique<c10::Event>(device->type(), c10::EventFlag::BACKEND_DEFAULT);
+      records_->record(*first);
+      first->synchronize();  // this event only, at wrap() (before training): "now" is its host time
+      add_anchor(std::move(first), monotonic_ns());
     }
+  }
+
+  // Anchor try `index`: an event on `stream` (the clock's idle anchor stream).
+  void anchor_candidate(int64_t index, const c10::Stream& stream) {
+    TORCH_CHECK(records_->device, "anchors are for a device group");
+    auto& slot = candidates_.at(index % kCandidates);
+    slot = std::make_unique<c10::Event>(records_->device->type(), c10::EventFlag::BACKEND_DEFAULT);
+    slot->record(stream);
+  }
+
+  // Try `index` won: its event is the newest anchor, at host_ns on the host clock.
+  void anchor_commit(int64_t index, int64_t host_ns) {
+    auto& slot = candidates_.at(index % kCandidates);
+    TORCH_CHECK(slot, "anchor try ", index, " was not recorded");
+    if (!slot->query()) {
+      slot->synchronize();  // this event only; the clock's later event on the same stream is done
+    }
+    add_anchor(std::move(slot), host_ns);
   }
 
   const std::string getBackendName() const override {
@@ -147,6 +181,7 @@ class TimedGroup : public c10d::ProcessGroup {
       }
       rec.bytes.store(bytes, std::memory_order_relaxed);
       rec.floating.store(floating, std::memory_order_relaxed);
+      rec.anchor.store(anchor_count_.load(std::memory_order_acquire) - 1, std::memory_order_relaxed);
       rec.done_ns.store(0, std::memory_order_relaxed);
       if (records_->device) {
         records_->record(records_->launch_event(bank, i));
@@ -212,9 +247,11 @@ class TimedGroup : public c10d::ProcessGroup {
     }
     out.reserve(taken_n_);
     for (int64_t i = 0; i < taken_n_; ++i) {
-      const bool done = records_->at(taken_bank_, i).done_ns.load(std::memory_order_acquire) != 0;
-      out.emplace_back(device_ns(records_->launch_event(taken_bank_, i)),
-                       done ? device_ns(records_->done_event(taken_bank_, i)) : 0);
+      const Record& rec = records_->at(taken_bank_, i);
+      const bool done = rec.done_ns.load(std::memory_order_acquire) != 0;
+      const int64_t anchor = rec.anchor.load(std::memory_order_relaxed);
+      out.emplace_back(device_ns(records_->launch_event(taken_bank_, i), anchor),
+                       done ? device_ns(records_->done_event(taken_bank_, i), anchor) : 0);
     }
     taken_n_ = 0;
     return out;
@@ -231,12 +268,40 @@ class TimedGroup : public c10d::ProcessGroup {
   }
 
  private:
-  // An event's time on the host clock: the anchor's host time + the device time between them.
-  int64_t device_ns(const c10::Event& event) const {
-    if (!event.query()) {
-      event.synchronize();  // CPU-GPU sync: only for work still running a whole step later (rare)
+  // The newest anchor; the one before gets the host-per-device rate between them (a rate
+  // further than 1e-3 from 1 is two anchors too close to tell drift from noise: kept as was).
+  void add_anchor(std::unique_ptr<c10::Event> event, int64_t host_ns) {
+    const int64_t n = anchor_count_.load(std::memory_order_relaxed);
+    double rate = 1.0;
+    if (n > 0) {
+      const int64_t prev = (n - 1) % kAnchors;
+      rate = anchor_rate_[prev];
+      const double device_ms = anchors_[prev]->elapsedTime(*event);
+      if (device_ms > 0) {
+        const double measured = (host_ns - anchor_ns_[prev]) / (device_ms * 1e6);
+        if (measured > 1.0 - 1e-3 && measured < 1.0 + 1e-3) {
+          anchor_rate_[prev] = rate = measured;
+        }
+      }
     }
-    return anchor_ns_ + static_cast<int64_t>(anchor_->elapsedTime(event) * 1e6);  // ms -> ns
+    const int64_t slot = n % kAnchors;
+    anchors_[slot] = std::move(event);
+    anchor_ns_[slot] = host_ns;
+    anchor_rate_[slot] = rate;
+    anchor_count_.store(n + 1, std::memory_order_release);
+  }
+
+  // An event's time on the host clock, measured from anchor `anchor` (the newest when it was
+  // recorded; one dropped from the ring is replaced by the oldest kept).
+  int64_t device_ns(const c10::Event& event, int64_t anchor) const {
+    if (!event.query()) {
+      event.synchronize();  // this event only: work still running a whole step later (rare)
+    }
+    const int64_t n = anchor_count_.load(std::memory_order_acquire);
+    anchor = std::min(std::max(anchor, std::max<int64_t>(0, n - kAnchors)), n - 1);
+    const int64_t slot = anchor % kAnchors;
+    const double ms = anchors_[slot]->elapsedTime(event);
+    return anchor_ns_[slot] + static_cast<int64_t>(std::llround(ms * 1e6 * anchor_rate_[slot]));  // ms -> ns
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> inner_;
@@ -245,8 +310,13 @@ class TimedGroup : public c10d::ProcessGroup {
   std::atomic<int64_t> next_{0};
   int taken_bank_ = 0;  // the bank the last take() handed over, and how many records it held
   int64_t taken_n_ = 0;
-  std::unique_ptr<c10::Event> anchor_;
-  int64_t anchor_ns_ = 0;
+  static constexpr int64_t kAnchors = 64;  // a record is read a take or two after its launch
+  static constexpr int64_t kCandidates = 8;
+  std::vector<std::unique_ptr<c10::Event>> anchors_;  // a ring of kAnchors (device groups only)
+  std::vector<int64_t> anchor_ns_;
+  std::vector<double> anchor_rate_;  // host ns per device ns from each anchor to the next
+  std::vector<std::unique_ptr<c10::Event>> candidates_;
+  std::atomic<int64_t> anchor_count_{0};
 };
 
 // (parameter index, CLOCK_MONOTONIC ns) per accumulated gradient, in order.
@@ -396,6 +466,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "settle", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).settle(); },
       py::arg("group"), py::call_guard<py::gil_scoped_release>(),
       "the device times of the last take's all-reduces, if not handed over yet");
+  m.def(
+      "anchor_candidate",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, int64_t index, int64_t stream_id, int64_t device_index,
+         int64_t device_type) {
+        as_timed(g).anchor_candidate(index, c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
+                                                                 static_cast<c10::DeviceType>(device_type)));
+      },
+      py::arg("group"), py::arg("index"), py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
+      "record anchor try `index` on that stream (the clock's idle anchor stream)");
+  m.def(
+      "anchor_commit",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, int64_t index, int64_t host_ns) {
+        as_timed(g).anchor_commit(index, host_ns);
+      },
+      py::arg("group"), py::arg("index"), py::arg("host_ns"), "try `index` is the newest anchor, at host_ns");
   m.def(
       "progress", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).progress(); },
       "(launched, done) all-reduces since the last take(): where a backward is, for the live file");

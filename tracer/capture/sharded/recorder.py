@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ddpscope.tracer.capture.clock import Clock
+from ddpscope.tracer.capture.clock import Clock, steps_to_keep
 
 FORWARD, BACKWARD = "forward", "backward"
 ROOT = 0  # the root unit's index (units.find_units lists it first)
@@ -318,7 +318,7 @@ class ShardedRecorder:
             self._lag.append(cur)
         self._last_close = time.monotonic()
         if len(self._lag) - self.clock.lag_steps >= HOLD_STEPS or time.monotonic() - self._last_flush >= HOLD_S:
-            self._flush(keep=self.clock.lag_steps)
+            self._flush()
         if self.on_close is not None:
             self.on_close(cur)
 
@@ -327,17 +327,18 @@ class ShardedRecorder:
         evaluation): the live file's thread calls it. Never while steps keep closing: an
         encode on another thread takes the GIL from the step being traced."""
         if self._lag and time.monotonic() - self._last_close >= STALL_S:
-            self._flush(keep=self.clock.lag_steps)
+            self._flush()
 
-    def _flush(self, keep: int) -> None:
-        """Emit every closed step but the newest ``keep``, oldest first."""
+    def _flush(self, keep: int | None = None) -> None:
+        """Emit every closed step but the newest ``keep`` (None: those whose device work
+        has not completed, ``clock.steps_to_keep``), oldest first."""
         with self._lag_lock:
-            count = len(self._lag) - keep
+            count = len(self._lag) - (steps_to_keep(self.clock, [s.end for s in self._lag]) if keep is None else keep)
             if count <= 0:
                 return
             ready, self._lag = self._lag[:count], self._lag[count:]
             self._last_flush = time.monotonic()
-            if self.clock.resolves:  # CUDA: every stamp of these steps in one batch (one CPU-GPU sync)
+            if self.clock.resolves:  # CUDA: every stamp of these steps in one batch (completed: no sync)
                 _resolve(ready, self.clock.resolve)
             for s in ready:
                 self.steps_written += 1

@@ -369,3 +369,24 @@ def test_ddps_buffer_broadcast_is_its_own_collective_on_its_own_lane(tmp_path, b
     plain = untraced(tmp_path, *script)
     for r in (0, 1):
         assert ddp[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
+
+
+BACKENDS = """
+import torch, torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # registers torch's own "fake" backend
+from ddpscope.tracer.capture.native import build as native
+dist.init_process_group("cpu:gloo,cuda:fake", store=dist.HashStore(), rank=0, world_size=1)
+wrapped = native.load_built().wrap(dist.group.WORLD, 16, None)
+print(*(f"{d}={g._get_backend(torch.device(d)).name()}" for g in (dist.group.WORLD, wrapped) for d in ("cpu", "cuda")))
+"""
+
+
+def test_each_device_type_keeps_its_own_backend_behind_the_wrapper(built):
+    """A group of two backends ("cpu:gloo,cuda:nccl" is what init_process_group() gives on a
+    GPU machine; here CUDA's is torch's fake backend, as this machine has no NCCL): behind
+    the wrapper each device type still reaches its own backend. Registered under the
+    group's one default type, both reached whichever was registered first."""
+    proc = subprocess.run([sys.executable, "-c", BACKENDS], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["cpu=gloo", "cuda=fake"] * 2
