@@ -378,6 +378,8 @@ HOSTILE = {  # name: (source, edit of the copied folder)
         d, "rank-0.json", lambda o: _meta(o)["param_names"].__setitem__(0, "wte.\ud800"))),
     "rank file: a newline in an event name": ("mlp-2rank-cap1mb", lambda d: _edit(
         d, "rank-0.json", lambda o: _first(o, "allreduce").update(name="all\nreduce", args={"step": 0}))),
+    "rank file: a negative NCCL kernel time": ("mlp-2rank-cap1mb", lambda d: _edit(
+        d, "rank-0.json", lambda o: _first(o, "allreduce")["args"].__setitem__("nccl_kernel_us", -5))),
     "rank file: clock offset as text": ("mlp-2rank-cap1mb", lambda d: _edit(
         d, "rank-1.json", lambda o: _meta(o)["clock_offset"]["start"].__setitem__("offset_us", "5"))),
     "rank file: memory holding lists": ("gpt-2rank-cap1mb", lambda d: _edit(

@@ -361,6 +361,14 @@ def frame_of(rows: list[dict], order: list[str], columns: list[str] | None = Non
     return df.sort_values(order, kind="stable").reset_index(drop=True)
 
 
+def _kernel_us(value) -> float:
+    """A bucket's kernel time as the backend timed it (µs, ``nccl_kernel_us``)."""
+    us = float(value)
+    if not (math.isfinite(us) and 0 <= us < 2**40):
+        raise ValueError(f"nccl_kernel_us {value!r} is not a duration")
+    return us
+
+
 _PHASES = {fmt.CAT_FORWARD: "forward", fmt.CAT_BACKWARD: "backward", fmt.CAT_GRAD_SYNC: "sync"}
 
 
@@ -417,7 +425,9 @@ def _parse_events(rank: int, meta: dict, events: list, rows: dict[str, list]) ->
                 rows["buckets"].append({"rank": rank, "step": step, "bucket": int(args["bucket"]),
                                         "bytes": int(args["bytes"]), "num_params": len(params), "params": params,
                                         "launch_us": ts, "done_us": te,
-                                        "incomplete": bool(args.get("incomplete", False))})
+                                        "incomplete": bool(args.get("incomplete", False)),
+                                        **({"kernel_us": _kernel_us(args["nccl_kernel_us"])}
+                                           if "nccl_kernel_us" in args else {})})
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise TraceError(f"rank {rank}: malformed trace event ({type(e).__name__}: {str(e)[:200]})") from None
     rows["passes"] += [p for _, p in sorted(passes.items())]

@@ -182,17 +182,29 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
 
     if len(ev):
         custom = np.column_stack([ev["step"], ev["duration_ms"], ev["bucket"], ev["bytes"] / 2**20,
-                                  ev["launch_offset_ms"], ev["algbw_gbps"], ev["busbw_gbps"]])
+                                  ev["launch_offset_ms"], ev["algbw_gbps"], ev["busbw_gbps"], ev["queued_ms"],
+                                  ev["run_ms"]])
         text = [_short(p) for p in ev["params"]] if len(ev) <= TEXT_LIMIT else None
         hover = ("<b>bucket %{customdata[2]}</b> · step %{customdata[0]}<br>%{customdata[3]:.2f} MiB · "
                  "%{hovertext}<br>launch %{customdata[4]:.2f} ms after backward start<br>duration "
-                 "%{customdata[1]:.2f} ms<br>algbw %{customdata[5]:.3f} GB/s · busbw %{customdata[6]:.3f} GB/s")
+                 "%{customdata[1]:.2f} ms: queued %{customdata[7]:.2f} ms behind earlier buckets, running "
+                 "%{customdata[8]:.2f} ms<br>algbw %{customdata[5]:.3f} GB/s · busbw %{customdata[6]:.3f} GB/s "
+                 "(over the running time)")
         top = max(1, int(ev["bucket"].max()))
         if not gl:  # buckets are categories: a colour each from a qualitative palette (no colour bar)
             colors = [BUCKET_PALETTE[int(b) % len(BUCKET_PALETTE)] for b in ev["bucket"]]
             data.extend(lane_bars(
                 gl, "bucket all-reduce", comm(ev), ev["launch_us"], ev["done_us"], origin,
                 colors, hover, custom, text=text, line=0.5))
+            queued = ev[ev["queued_ms"] > 0]
+            if len(queued):  # NCCL's FIFO stream: the part of a bucket's span spent behind earlier ones
+                data.extend(lane_bars(
+                    gl, "queued behind earlier buckets", comm(queued), queued["launch_us"],
+                    queued["launch_us"] + queued["queued_ms"] * 1e3, origin, "rgba(255,255,255,0.55)",
+                    "bucket %{customdata[2]} · step %{customdata[0]}<br>queued %{customdata[1]:.2f} ms behind "
+                    "earlier buckets (launched, not yet running)",
+                    np.column_stack([queued["step"], queued["queued_ms"], queued["bucket"]]),
+                    pattern=dict(shape="/", fgcolor="#555", size=6, solidity=0.3)))
         else:  # WebGL lines take one colour each: lines per bucket index, one hover layer
             idx = ev["bucket"].to_numpy()
             y, start = comm(ev), (ev["launch_us"].to_numpy(float) - origin) / 1e3

@@ -100,3 +100,39 @@ def test_big_views_switch_to_webgl_segments_with_the_same_numbers():
     starts, ends = seg.x[0::3], seg.x[1::3]
     assert np.allclose(ends - starts, seg_hover.customdata[:, 1], atol=1e-3)  # hover durations = drawn segments
     assert np.allclose((starts + ends) / 2, seg_hover.x, atol=1e-3)
+
+
+def test_on_nccl_a_bucket_launched_behind_another_is_queued_and_its_bandwidth_counts_its_run(trace):
+    """NCCL runs a group's all-reduces in order: a bucket launched while an earlier one of
+    its step still runs waits, and starts when every earlier one has ended. Gloo runs
+    several at once: no queue. With the backend's own kernel time, that gives the start.
+    (The sample is a gloo run; its ranks are relabelled NCCL to read the same spans so.)"""
+    import dataclasses
+
+    gloo = compute_bucket_events(trace)
+    assert (gloo["queued_ms"] == 0).all() and np.allclose(gloo["run_ms"], gloo["duration_ms"])
+    nccl = dataclasses.replace(trace, ranks={r: {**m, "backend": "nccl"} for r, m in trace.ranks.items()}, cache={})
+    ev = compute_bucket_events(nccl)
+    queued = 0
+    for _, g in ev.groupby(["rank", "step"]):
+        g = g.sort_values("launch_us")
+        before = g["done_us"].cummax().shift().to_numpy()
+        start = np.minimum(np.fmax(g["launch_us"].to_numpy(), before), g["done_us"])  # gloo's can end out of order
+        assert np.allclose(g["queued_ms"], (start - g["launch_us"]) / 1e3)
+        queued += int((g["queued_ms"] > 0).sum())
+    assert queued > 0  # the 1 MiB sample launches buckets faster than gloo reduces them
+    assert np.allclose(ev["queued_ms"] + ev["run_ms"], ev["duration_ms"])
+    ran = ev["run_ms"] > 0
+    assert np.allclose(ev["algbw_gbps"][ran], (ev["bytes"] / (ev["run_ms"] * 1e-3) / 1e9)[ran])
+    assert ev["algbw_gbps"][~ran].isna().all()  # no running time, no bandwidth (never infinite)
+    assert (ev["busbw_gbps"][ran] >= gloo["busbw_gbps"][ran] - 1e-9).all()  # never read lower for the wait
+    table = compute_bucket_table(nccl)
+    assert (table["queued_ms"] >= 0).all() and table["queued_ms"].max() > 0
+    fig = make_timeline_figure(nccl, steps=[4])
+    hatch = _trace(fig, "queued behind earlier buckets")
+    shown = ev[(ev["step"] == 4) & (ev["queued_ms"] > 0)]
+    assert len(hatch.x) == len(shown) and np.allclose(sorted(hatch.x), sorted(shown["queued_ms"]))
+    # the backend timed the kernel (TORCH_NCCL_ENABLE_TIMING=1): its start is the end less that
+    b = nccl.buckets.assign(kernel_us=(nccl.buckets["done_us"] - nccl.buckets["launch_us"]) / 4)
+    timed = compute_bucket_events(dataclasses.replace(nccl, buckets=b, cache={}))
+    assert np.allclose(timed["run_ms"], timed["duration_ms"] / 4)
