@@ -74,6 +74,11 @@ def test_one_rank_nccl(tmp_path):
     timed = ((kernels["kind"] == "comm") & (kernels["stream"] >= 0)).any()
     check_buckets(trace, profile, timed=bool(timed))
     check_memory(trace, reports)
+    b = trace.buckets
+    assert (b["num_params"] > 0).all()  # the layout read without copying the buckets on the GPU
+    # NCCL timed each bucket's collective itself (its collectives timing, turned on by the tracer)
+    assert "kernel_us" in b and b["kernel_us"].notna().all(), b.head()
+    assert (b["kernel_us"] <= b["done_us"] - b["launch_us"] + 5.0).all(), b[["launch_us", "done_us", "kernel_us"]]
 
 
 def test_two_ranks_gloo_with_cuda_tensors(tmp_path):

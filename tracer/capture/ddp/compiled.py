@@ -59,11 +59,14 @@ class DeviceLag:
     def hand_over(self, step, buckets: list) -> None:
         self.step, self.waiting = step, buckets
 
-    def fill(self, device: list[tuple[int, int]]) -> None:
-        """``device``: (launch_ns, done_ns) per all-reduce of the last take, 0 if unknown."""
-        for b, (launch, done) in zip(self.waiting, device):
+    def fill(self, device: list[tuple[int, int, int]]) -> None:
+        """``device``: (launch_ns, done_ns, kernel_ns) per all-reduce of the last take, 0 if
+        unknown (kernel_ns: the backend's own timing of it, NCCL's with its timing on)."""
+        for b, (launch, done, kernel) in zip(self.waiting, device):
             b.launch = launch / 1e3 if launch else None
             b.done = done / 1e3 if done else None
+            if kernel and isinstance(b, BucketRecord):
+                b.kernel_us = kernel / 1e3
         if device:
             self.step, self.waiting = None, []
 
@@ -74,7 +77,8 @@ class DeviceLag:
 class CompiledBuckets:
     """One DDP model's all-reduces, timed in C++ (see the module's docstring)."""
 
-    def __init__(self, ext, ddp: DDP, recorder, device: torch.device, skew_ns: int = 0) -> None:
+    def __init__(self, ext, ddp: DDP, recorder, device: torch.device, skew_ns: int = 0,
+                 kernel_timing: bool = False) -> None:
         self.ext = ext
         self.ddp = ddp
         self.recorder = recorder
@@ -83,13 +87,18 @@ class CompiledBuckets:
         self.device = None if device.type == "cpu" else device  # an accelerator: its events time the buckets
         self.lag = DeviceLag()
         self.group = ext.wrap(self.original, 4096, self.device)
+        if self.device is not None and kernel_timing:
+            ext.kernel_timing(self.group, True)
         self.ready = None  # gradient-ready stamps (C++ hooks on the parameters' AccumulateGrad nodes)
         self._params: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # bucket sizes -> params per bucket
         self.attached = False
 
     def attach(self) -> "CompiledBuckets":
         self._last_sync: tuple[list, int] = ([], 0)  # (step.grads, pass): the last syncing backward's
-        self._bucket_params(None)  # the first layout, before training (it allocates: not inside a step)
+        if self.device is None:
+            self._bucket_params(None)  # the first layout, before training (it allocates: not inside a step)
+        elif (first := assigned_layout(self.ddp, self.recorder.params)) is not None:
+            self._params[first[1]] = first[0]  # on a device, read without copying every bucket
         if self.host_ready:
             self.ready = self.ext.ReadyTimes(self.recorder.params)
         if self.device is not None and hasattr(self.recorder.clock, "share_anchors"):
@@ -164,7 +173,7 @@ class CompiledBuckets:
         if not records or step is None:
             return
         sizes = tuple(b for _, _, b, floating in records if floating)
-        params = (self._params.get(sizes) or self._from_ready_order(sizes) or self._bucket_params(sizes)) if sizes \
+        params = (self._params.get(sizes) or self._from_ready_order(sizes) or self._read_layout(sizes)) if sizes \
             else []
         self._last_sync = (step.grads, pass_index)  # read only if the layout changes next
         skew, host = self.skew_ns, self.device is None  # on a device, the times come a take later
@@ -181,6 +190,20 @@ class CompiledBuckets:
             taken.append(rec)
         if not host:
             self.lag.hand_over(step, taken)
+
+    def _read_layout(self, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The layout of a step whose all-reduces are ``sizes`` that neither a layout seen
+        before nor the ready order gives: DDP's logging data (after its rebuild); else, on
+        CPU, the reducer's buckets (a copy of each); on a device never that copy (the
+        size of every gradient, inside a step): the parameters stay unknown."""
+        logged = rebuilt_layout(self.ddp, sizes)
+        if logged is not None:
+            self._params[sizes] = logged
+            return logged
+        if self.device is None:
+            return self._bucket_params(sizes)
+        self._params[sizes] = unknown = [() for _ in sizes]
+        return unknown
 
     def _bucket_params(self, sizes: tuple[int, ...] | None) -> list[tuple[int, ...]]:
         """Each bucket's parameter indices (the recorder's), from the reducer's current
@@ -220,6 +243,52 @@ class CompiledBuckets:
             return None
         self._params[sizes] = out
         return out
+
+
+def _ints(text) -> list[int] | None:
+    try:
+        return [int(x) for x in str(text).split(",")] if text else None
+    except ValueError:
+        return None
+
+
+def rebuilt_layout(ddp: DDP, sizes: tuple[int, ...]) -> list[tuple[int, ...]] | None:
+    """Each bucket's parameter indices (the reducer's order, as ``reducer_params``) after
+    DDP rebuilt its buckets, from its logging data (``rebuilt_per_bucket_param_indices``),
+    if its buckets' bytes are ``sizes``; read, never allocated. None otherwise."""
+    try:
+        data = ddp._get_ddp_logging_data()
+    except (AttributeError, RuntimeError):
+        return None
+    if _ints(data.get("rebuilt_bucket_sizes")) != list(sizes) or not data.get("rebuilt_per_bucket_param_indices"):
+        return None
+    try:
+        return [tuple(int(i) for i in b.split()) for b in data["rebuilt_per_bucket_param_indices"].split(",")]
+    except ValueError:
+        return None
+
+
+def assigned_layout(ddp: DDP, params: list[torch.nn.Parameter]) -> tuple[list[tuple[int, ...]], tuple[int, ...]] | None:
+    """DDP's first bucket layout and its buckets' bytes, assigned as DDP assigned it
+    (``_compute_bucket_assignment_by_size`` over its size limits, buckets reversed), if
+    that agrees with the bytes its logging data gives (``bucket_sizes``); nothing is
+    allocated. None where it does not agree (sparse gradients, another torch's rules)."""
+    import torch.distributed as dist
+
+    try:
+        logged = _ints(ddp._get_ddp_logging_data().get("bucket_sizes"))
+        config = getattr(ddp, "_bucket_config", None)
+        if config is not None:
+            limits, _ = config.compute_bucket_size_limits(static_graph=ddp.static_graph,
+                                                          find_unused_parameters=ddp.find_unused_parameters)
+        else:  # torch before the bucket config: a 1 MiB first bucket, then the cap
+            limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, ddp.bucket_bytes_cap]
+        indices, _ = dist._compute_bucket_assignment_by_size(params, limits, [False] * len(params))
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+    layout = [tuple(b) for b in reversed(indices)]
+    sizes = tuple(sum(params[i].numel() * params[i].element_size() for i in b) for b in layout)
+    return (layout, sizes) if logged == list(sizes) else None
 
 
 def usable(device: torch.device) -> str | None:

@@ -303,8 +303,11 @@ class StepRecorder:
         return self._layout
 
     def _nccl_us(self, b: BucketRecord) -> float | None:
-        # Work._get_duration(): NCCL kernel time in ms, when TORCH_NCCL_ENABLE_TIMING=1
-        # (recorded by ProcessGroupNCCL with CUDA events; read after the step's sync).
+        # Work._get_duration(): NCCL kernel time in ms, with ProcessGroupNCCL's collectives
+        # timing on (its own start/end CUDA events; read once the step's events completed,
+        # so it never waits); the compiled capture read it already (kernel_us).
+        if b.kernel_us is not None:
+            return b.kernel_us
         try:
             return None if b.work is None else b.work._get_duration() * 1000.0  # ms -> µs
         except (RuntimeError, AttributeError):

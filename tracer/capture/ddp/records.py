@@ -18,7 +18,8 @@ class BucketRecord:
     params: tuple[int, ...]
     launch: Any
     done: Any = None
-    work: Any = None  # NCCL work, kept only for kernel-only timing
+    work: Any = None  # NCCL work, kept only for kernel-only timing (the Python path)
+    kernel_us: float | None = None  # the backend's own timing of it (the compiled path on NCCL)
 
 
 @dataclass(slots=True)

@@ -45,6 +45,20 @@ from ddpscope.tracer.progress import say
 from ddpscope.tracer.writer import TraceWriter, read_json, write_json_atomic
 
 NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
+
+
+def enable_kernel_timing(group, device: torch.device) -> bool:
+    """Turn on the NCCL backend's own timing of its collectives (a start and an end CUDA
+    event each, what ``TORCH_NCCL_ENABLE_TIMING=1`` turns on): a bucket's kernel time then
+    comes from NCCL, apart from its wait behind earlier buckets. Whether it is on; never
+    raises (a backend without it keeps the launch-to-done spans)."""
+    for target in (lambda: group._get_backend(device), lambda: group):
+        try:
+            target()._enable_collectives_timing()
+            return True
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            continue
+    return False
 TEST_FAIL_ENV = "DDPSCOPE_TEST_TRACER_FAIL"  # test-only: this rank's tracer cannot start
 
 
@@ -175,7 +189,8 @@ class DDPTracer:
             on_opened=lambda: self._write_run_json(status=fmt.RUNNING) if self.rank == 0 else None,
             injected=f"injected by {TEST_FAIL_ENV}" if os.environ.get(TEST_FAIL_ENV) == str(self.rank) else None)
 
-        nccl_timing = self.backend == "nccl" and os.environ.get(NCCL_TIMING_ENV) == "1"
+        nccl_timing = self.backend == "nccl" and (os.environ.get(NCCL_TIMING_ENV) == "1"
+                                                  or enable_kernel_timing(self.model.process_group, device))
         self._recorder = StepRecorder(
             clock=self.clock, rank=self.rank, param_names=names, params=params,
             optimizer=None if self.optimizer == "auto" else self.optimizer, step_boundary=cfg.step_boundary,
@@ -186,7 +201,8 @@ class DDPTracer:
         comm_state.recorder, comm_state.guard = self._recorder, self._guard
         self._comm_state = comm_state
         if ext is not None:
-            self._compiled = CompiledBuckets(ext, self.model, self._recorder, device, getattr(self.clock, "skew_ns", 0))
+            self._compiled = CompiledBuckets(ext, self.model, self._recorder, device, getattr(self.clock, "skew_ns", 0),
+                                             kernel_timing=nccl_timing)
             self._recorder.bucket_source = self._compiled.attach()
             self._recorder.memory.grad_bytes = ext.GradBytes(params)  # the gradients' bytes, counted in C++
             comm_state.before_register = self._python_capture  # the script's own hook: timed in Python

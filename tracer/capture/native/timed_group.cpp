@@ -79,12 +79,15 @@ struct Record {
 };
 
 using HostRecords = std::vector<std::tuple<int64_t, int64_t, int64_t, bool>>;  // (launch_ns, done_ns, bytes, floating)
-using DeviceRecords = std::vector<std::pair<int64_t, int64_t>>;         // (launch_ns, done_ns); 0: unknown
+// (launch_ns, done_ns, kernel_ns); 0: unknown. kernel_ns: the backend's own timing of the collective
+// (NCCL's start and end events, when its collectives timing is on: Work::getDuration).
+using DeviceRecords = std::vector<std::tuple<int64_t, int64_t, int64_t>>;
 
 // What the records and their callbacks share (outlives the wrapper while a callback may run).
 struct Records {
   Records(int64_t capacity, std::optional<c10::Device> device) : capacity(capacity), host(2 * capacity), device(device) {
     if (device) {
+      works.resize(2 * capacity);
       events.reserve(4 * capacity);  // 2 banks x capacity x {launch, done}; made lazily by record()
       for (int64_t i = 0; i < 4 * capacity; ++i) {
         events.emplace_back(device->type(), c10::EventFlag::BACKEND_DEFAULT);
@@ -109,6 +112,10 @@ struct Records {
   std::vector<Record> host;
   const std::optional<c10::Device> device;
   std::vector<c10::Event> events;
+  // Each record's Work, kept until its device times are read (a device group whose backend
+  // times its collectives: its duration is read then, never waited for).
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::atomic<bool> kernel_timing{false};
 };
 
 class TimedGroup : public c10d::ProcessGroup {
@@ -189,6 +196,9 @@ class TimedGroup : public c10d::ProcessGroup {
       rec.launch_ns.store(monotonic_ns(), std::memory_order_release);
     }
     auto work = inner_->allreduce(tensors, opts);
+    if (stamped && records_->device && records_->kernel_timing.load(std::memory_order_relaxed)) {
+      records_->works[bank * records_->capacity + i] = work;
+    }
     if (stamped) {
       work->getFuture()->addCallback([records = records_, bank, i](c10::ivalue::Future&) {
         if (records->device) {
@@ -251,10 +261,15 @@ class TimedGroup : public c10d::ProcessGroup {
       const bool done = rec.done_ns.load(std::memory_order_acquire) != 0;
       const int64_t anchor = rec.anchor.load(std::memory_order_relaxed);
       out.emplace_back(device_ns(records_->launch_event(taken_bank_, i), anchor),
-                       done ? device_ns(records_->done_event(taken_bank_, i), anchor) : 0);
+                       done ? device_ns(records_->done_event(taken_bank_, i), anchor) : 0,
+                       done ? kernel_ns(taken_bank_ * records_->capacity + i) : 0);
     }
     taken_n_ = 0;
     return out;
+  }
+
+  void set_kernel_timing(bool on) {
+    records_->kernel_timing.store(on && records_->device.has_value(), std::memory_order_relaxed);
   }
 
   std::pair<int64_t, int64_t> progress() const {
@@ -289,6 +304,20 @@ class TimedGroup : public c10d::ProcessGroup {
     anchor_ns_[slot] = host_ns;
     anchor_rate_[slot] = rate;
     anchor_count_.store(n + 1, std::memory_order_release);
+  }
+
+  // The backend's own duration of record `slot`'s collective (ns), 0 if it has none; the Work
+  // is released either way. Read after its done event completed: getDuration never waits.
+  int64_t kernel_ns(int64_t slot) {
+    auto work = std::move(records_->works[slot]);
+    if (!work) {
+      return 0;
+    }
+    try {
+      return static_cast<int64_t>(std::llround(static_cast<double>(work->getDuration()) * 1e6));  // ms -> ns
+    } catch (const std::exception&) {  // not timed by this backend, or not at this moment
+      return 0;
+    }
   }
 
   // An event's time on the host clock, measured from anchor `anchor` (the newest when it was
@@ -461,11 +490,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("group"), py::arg("wait_us") = 10000,
       "([(launch_ns, done_ns, bytes, floating)] since the last take (done 0: not completed within wait_us; "
       "floating False: not a gradient bucket), "
-      "[(launch_ns, done_ns)] on the device for the take before)");
+      "[(launch_ns, done_ns, kernel_ns)] on the device for the take before)");
   m.def(
       "settle", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).settle(); },
       py::arg("group"), py::call_guard<py::gil_scoped_release>(),
       "the device times of the last take's all-reduces, if not handed over yet");
+  m.def(
+      "kernel_timing", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, bool on) { as_timed(g).set_kernel_timing(on); },
+      py::arg("group"), py::arg("on"),
+      "keep each all-reduce's Work until its device times are read, and read the backend's own duration of it "
+      "(NCCL with its collectives timing on); device groups only");
   m.def(
       "anchor_candidate",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, int64_t index, int64_t stream_id, int64_t device_index,

@@ -206,13 +206,13 @@ def test_device_times_reach_the_buckets_of_the_take_before_and_settle_at_the_end
     assert lag.holds_any_of([step4, step3]) and not lag.holds_any_of([step4])
     lag.fill([])  # a take with nothing of the device's (CPU, or nothing new): still waiting
     assert lag.holds_any_of([step3])
-    lag.fill([(2_000_000, 2_500_000), (2_100_000, 0)])  # ns; 0: its completion never came
-    assert [(b.launch, b.done) for b in b3] == [(2000.0, 2500.0), (2100.0, None)]
+    lag.fill([(2_000_000, 2_500_000, 400_000), (2_100_000, 0, 0)])  # ns; 0: its completion never came
+    assert [(b.launch, b.done, b.kernel_us) for b in b3] == [(2000.0, 2500.0, 400.0), (2100.0, None, None)]
     assert not lag.holds_any_of([step3])
     b4 = [BucketRecord(index=0, nbytes=8, params=(0,), launch=None)]
     lag.hand_over(step4, b4)
-    lag.fill([(3_000_000, 3_200_000)])
-    assert (b4[0].launch, b4[0].done) == (3000.0, 3200.0) and b3[0].launch == 2000.0
+    lag.fill([(3_000_000, 3_200_000, 0)])  # the backend did not time it: no kernel time
+    assert (b4[0].launch, b4[0].done, b4[0].kernel_us) == (3000.0, 3200.0, None) and b3[0].launch == 2000.0
 
 
 def test_a_second_build_waits_on_the_lock_and_finds_the_first_ones_build(tmp_path, built):
@@ -390,3 +390,51 @@ def test_each_device_type_keeps_its_own_backend_behind_the_wrapper(built):
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["cpu=gloo", "cuda=fake"] * 2
+
+
+LAYOUTS = """
+import json, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from ddpscope.tracer.capture.ddp.compiled import assigned_layout, rebuilt_layout
+from ddpscope.tracer.capture.ddp.reducer import reducer_params
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), *[torch.nn.Linear(256, 256) for _ in range(5)])
+ddp = DDP(model, bucket_cap_mb=float(sys.argv[1]), static_graph=sys.argv[2] == "static")
+names, params = reducer_params(ddp)
+index = {id(p): i for i, p in enumerate(params)}
+def copied():  # the reducer's buckets as copies (what a device must not do)
+    buckets = sorted(ddp.reducer._get_zeros_like_grad_buckets(), key=lambda b: b.index())
+    return [[index[id(p)] for p in b.parameters()] for b in buckets], [b.buffer().nbytes for b in buckets]
+first = assigned_layout(ddp, params)
+out = {"first": [list(map(list, first[0])), list(first[1])] if first else None, "first_copied": copied()}
+for _ in range(3):
+    ddp(torch.randn(8, 64)).sum().backward()
+layout, sizes = copied()
+out["rebuilt_copied"] = [layout, sizes]
+rebuilt = rebuilt_layout(ddp, tuple(sizes))
+out["rebuilt"] = list(map(list, rebuilt)) if rebuilt is not None else None
+out["other_sizes"] = rebuilt_layout(ddp, tuple(sizes[:-1]))
+if dist.get_rank() == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("graph", ["dynamic", "static"])
+def test_a_device_reads_ddps_bucket_layout_without_copying_the_buckets(tmp_path, graph):
+    """On a device the compiled capture never copies every bucket (a copy of every gradient on
+    the GPU): the first layout is assigned as DDP assigned it, the rebuilt one read from DDP's
+    logging data. Both equal the reducer's own buckets (read here by copying them, on CPU)."""
+    script = tmp_path / "layouts.py"
+    script.write_text(LAYOUTS)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
+                           "static", "--rdzv-endpoint", f"127.0.0.1:{_port()}", str(script), "0.3", graph],
+                          capture_output=True, text=True, timeout=180, cwd="/", env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["first"] == out["first_copied"]
+    if graph == "dynamic":  # DDP rebuilt its buckets from the first iteration's ready order
+        assert len(out["rebuilt_copied"][0]) > len(out["first_copied"][0]) == 1
+        assert out["rebuilt"] == out["rebuilt_copied"][0]
+    assert out["other_sizes"] is None  # another step's all-reduces: not this layout
