@@ -105,8 +105,11 @@ class Lab:
         return f"{self.nodes[0].address}:{PORT}"
 
     def env(self) -> dict[str, str]:
-        """What each node's ranks need: gloo bound to the lab's interface."""
-        return {"GLOO_SOCKET_IFNAME": IFACE}
+        """What each node's ranks need: gloo bound to the lab's interface, and to know that
+        their nodes are emulated (ddpscope's jobs then stay on gloo: see workloads/worker.py)."""
+        from ddpscope.tracer.workloads.worker import EMULATED_ENV
+
+        return {"GLOO_SOCKET_IFNAME": IFACE, EMULATED_ENV: "1"}
 
     def __enter__(self) -> "Lab":
         reason = why_not()

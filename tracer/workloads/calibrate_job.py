@@ -69,11 +69,12 @@ def _timed_all_reduce(t: torch.Tensor, device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e6
 
 
-def _agreed(value: int) -> int:
-    """Rank 0's ``value`` on every rank (repeat counts must match: all-reduce is collective)."""
-    t = torch.tensor([value], dtype=torch.int64)
+def _agreed(value: int, device: torch.device) -> int:
+    """Rank 0's ``value`` on every rank (repeat counts must match: all-reduce is collective);
+    on the job's device (NCCL broadcasts device tensors only)."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.broadcast(t, 0)
-    return int(t.item())
+    return int(t.item())  # CPU-GPU sync on CUDA: between measurements
 
 
 def sweep(device: torch.device, max_bytes: int, budget_s: float, rank: int, passes: int = 3) -> list[dict]:
@@ -83,7 +84,7 @@ def sweep(device: torch.device, max_bytes: int, budget_s: float, rank: int, pass
     reps = {}
     for nbytes, t in tensors.items():  # warm-up: buffers, connections; and how many repeats fit
         first = _timed_all_reduce(t, device)
-        reps[nbytes] = _agreed(max(2, min(20, int(budget_s * 1e6 / passes / max(first, 1.0)))))
+        reps[nbytes] = _agreed(max(2, min(20, int(budget_s * 1e6 / passes / max(first, 1.0)))), device)
     times: dict[int, list[float]] = {n: [] for n in tensors}
     for p in range(passes):
         for nbytes, t in tensors.items():
@@ -119,7 +120,9 @@ def _comm_train(count: int, t: torch.Tensor) -> float:
     t0 = time.perf_counter()
     works = [dist.all_reduce(t, async_op=True) for _ in range(count)]
     for w in works:
-        w.wait()
+        w.wait()  # NCCL: only makes the current stream wait
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)  # CPU-GPU sync: the all-reduces' end, not their enqueue
     return (time.perf_counter() - t0) * 1e6
 
 
@@ -130,10 +133,10 @@ def contention(device: torch.device, nbytes: int, repeats: int = 3) -> dict:
     compute = _Backward(device)
     msg = torch.ones(nbytes // 4, device=device)
     compute(5)
-    iters = _agreed(max(10, int(10 * 100e3 / max(compute(10), 1.0))))  # ~100 ms of compute
+    iters = _agreed(max(10, int(10 * 100e3 / max(compute(10), 1.0))), device)  # ~100 ms of compute
     dist.barrier()
     first = _comm_train(2, msg)
-    count = _agreed(max(2, int(2 * 150e3 / max(first, 1.0))))  # ~150 ms of all-reduces
+    count = _agreed(max(2, int(2 * 150e3 / max(first, 1.0))), device)  # ~150 ms of all-reduces
     compute_slow, comm_slow, alone_us, lost_us = [], [], [], []
     for _ in range(repeats):
         compute_alone = compute(iters)

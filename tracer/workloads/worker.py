@@ -24,12 +24,32 @@ def injected(env: str, rank: int) -> int | None:
     return int(s) if int(r) == rank else None
 
 
+# Set by the lab (launch/lab.py) in each emulated node's ranks: several "nodes" share this
+# machine's GPUs (NCCL refuses two ranks on one GPU) and their links are shaped veth pairs
+# that NCCL would bypass (shared memory, P2P): ddpscope's own jobs stay on gloo there.
+EMULATED_ENV = "DDPSCOPE_EMULATED_NODE"
+
+
+def why_not_cuda(cuda_available: bool, gpus: int, local_ranks: int, emulated: bool) -> str | None:
+    """Why this job's ranks cannot each have a GPU and NCCL (None: they can), in one line."""
+    if not cuda_available:
+        return "no CUDA device"
+    if emulated:
+        return "emulated nodes share this machine's GPUs, and NCCL would bypass their shaped links: gloo on CPU"
+    if local_ranks > gpus:
+        return (f"{local_ranks} ranks on this node and {gpus} GPU{'s' * (gpus != 1)}: NCCL needs a GPU of its own "
+                f"for each rank; gloo on CPU (give --nproc {gpus} for NCCL)")
+    return None
+
+
 def init_worker(pg_timeout_s: float, bind: bool = True):
-    """Set this rank up and join the job's process group: the local GPU and NCCL where
-    CUDA is present, else gloo with the rank bound to its share of the cores (less
-    scheduling noise; ``bind=False`` leaves it on every core, as a script that does not
-    bind itself runs). Returns this rank's ``torch.device``."""
+    """Set this rank up and join the job's process group: its own GPU and NCCL where every
+    rank of the node has one (``why_not_cuda``; else said once, by local rank 0), else gloo
+    with the rank bound to its share of the cores (less scheduling noise; ``bind=False``
+    leaves it on every core, as a script that does not bind itself runs). Returns this
+    rank's ``torch.device``."""
     import datetime
+    import sys
 
     import torch
     import torch.distributed as dist
@@ -37,7 +57,12 @@ def init_worker(pg_timeout_s: float, bind: bool = True):
     from ddpscope.tracer.workloads.affinity import bind_local_rank_to_cores
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
+    available = torch.cuda.is_available()
+    why = why_not_cuda(available, torch.cuda.device_count() if available else 0,
+                       int(os.environ.get("LOCAL_WORLD_SIZE", 1)), os.environ.get(EMULATED_ENV) == "1")
+    if available and why is not None and local_rank == 0:
+        print(f"ddpscope: {why}", file=sys.stderr, flush=True)
+    if why is None:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

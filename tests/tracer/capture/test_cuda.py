@@ -152,3 +152,21 @@ def test_fsdp2_on_nccl_is_traced_per_unit_with_cuda_events(tmp_path, nproc):
     if nproc > 1:
         colls = sh.colls[sh.colls["step"] == 2]
         assert set(colls["collective"]) == {"all_gather", "reduce_scatter"} and (colls["end_us"] >= colls["start_us"]).all()
+
+
+def test_ddpscopes_own_jobs_take_a_gpu_per_rank_or_say_why_not(tmp_path):
+    """One rank more than there are GPUs (the demo's default 2 on a 1-GPU machine): gloo on
+    CPU, said in one line, not a crash in set_device. A rank per GPU: NCCL; and calibrating
+    that run sweeps NCCL all-reduces (its repeat counts agreed over NCCL on the device)."""
+    gpus = torch.cuda.device_count()
+    over = run_cli("run", "--nproc", str(gpus + 1), "--steps", "3", "--out", str(tmp_path / "over"), timeout=600)
+    assert over.returncode == 0, over.stderr[-3000:]
+    assert "NCCL needs a GPU of its own for each rank" in over.stdout + over.stderr
+    assert {m["backend"] for m in load_run(tmp_path / "over").ranks.values()} == {"gloo"}
+    one = run_cli("run", "--nproc", "1", "--steps", "3", "--out", str(tmp_path / "one"), timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert load_run(tmp_path / "one").ranks[0]["backend"] == "nccl"
+    cal = run_cli("calibrate", str(tmp_path / "one"), "--max-mb", "4", timeout=600)
+    assert cal.returncode == 0, cal.stderr[-3000:]
+    got = json.loads((tmp_path / "one" / "calibration.json").read_text())
+    assert got["backend"] == "nccl" and got["device"] == "cuda" and got["sizes"][-1]["bytes"] == 4 * 2**20
