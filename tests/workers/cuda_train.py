@@ -6,7 +6,7 @@ Every rank trains on ``cuda:LOCAL_RANK % device_count`` (two ranks may share one
 with gloo, which all-reduces CUDA tensors through the host). After each
 ``optimizer.step()`` (where the tracer closes the step and measures memory) it records
 ``torch.cuda.memory_allocated`` and the bytes of parameters and gradients; rank r writes
-them to PATH.r.json, with the allocator's reserved bytes and peak. ``--sync-debug-from K``
+them to PATH.r.json after every step, with the allocator's reserved bytes and peak. ``--sync-debug-from K``
 turns torch's sync debug mode to "error" from step K on: any device or stream synchronize
 inside a step (the tracer's included) raises. ``--temp-mib M`` allocates and frees M MiB
 before training: the script's own peak, which the tracer must not reset.
@@ -53,10 +53,11 @@ def main() -> None:
                      "grads_bytes": sum(q.grad.numel() * q.grad.element_size() for q in model.parameters()),
                      "reserved_bytes": torch.cuda.memory_reserved(device),
                      "peak_allocated_bytes": torch.cuda.max_memory_allocated(device)})
+        # every step: `ddpscope run --steps N` ends the job inside the N-th step's optimizer.step()
+        with open(f"{args.report}.{dist.get_rank()}.json", "w") as f:
+            json.dump(rows, f)
         opt.zero_grad(set_to_none=False)
     torch.cuda.set_sync_debug_mode(0)
-    with open(f"{args.report}.{dist.get_rank()}.json", "w") as f:
-        json.dump(rows, f)
     dist.destroy_process_group()
 
 

@@ -38,6 +38,8 @@ def traced(tmp_path: Path, nproc: int, backend: str, *script_args: str, profile:
 
 
 def check_memory(trace, reports) -> None:
+    assert reports and all(reports.values()), "the script wrote no report"
+    compared = 0
     for rank, rows in reports.items():
         mem = trace.memory[trace.memory["rank"] == rank].set_index("step")
         for row in rows:
@@ -48,6 +50,8 @@ def check_memory(trace, reports) -> None:
                 # the allocator's own counters, read at the same moment; its peak is the script's
                 assert m["reserved_bytes"] == row["reserved_bytes"], (rank, row)
                 assert m["peak_allocated_bytes"] == row["peak_allocated_bytes"], (rank, row)
+                compared += 1
+    assert compared >= len(reports)  # at least one measured step of each rank compared
 
 
 def check_buckets(trace, profile, timed: bool) -> None:
@@ -97,7 +101,7 @@ def test_no_device_sync_inside_traced_steps_and_the_scripts_peak_stays_its_own(t
     assert meta["status"] == "complete" and meta["steps"] == 6, meta  # `ddpscope run --steps 6`: steps 2-5 in "error" mode
     assert meta["capture_path"] == capture_path_expected(), meta.get("capture_path_note")
     rows = reports[0]
-    assert len(rows) == 8  # the script ran every step: nothing raised
+    assert len(rows) >= 5  # steps 0-4 returned from optimizer.step() (the job ends inside step 5's)
     assert all(r["peak_allocated_bytes"] >= 512 * 2**20 for r in rows), rows
     check_memory(trace, reports)
     mem = trace.memory
@@ -156,17 +160,24 @@ def test_fsdp2_on_nccl_is_traced_per_unit_with_cuda_events(tmp_path, nproc):
 
 def test_ddpscopes_own_jobs_take_a_gpu_per_rank_or_say_why_not(tmp_path):
     """One rank more than there are GPUs (the demo's default 2 on a 1-GPU machine): gloo on
-    CPU, said in one line, not a crash in set_device. A rank per GPU: NCCL; and calibrating
-    that run sweeps NCCL all-reduces (its repeat counts agreed over NCCL on the device)."""
+    CPU, said in one line, not a crash in set_device; calibrating that run likewise. A rank
+    per GPU: NCCL, and (two GPUs or more) its calibration sweeps NCCL all-reduces, its repeat
+    counts agreed over NCCL on the device."""
     gpus = torch.cuda.device_count()
-    over = run_cli("run", "--nproc", str(gpus + 1), "--steps", "3", "--out", str(tmp_path / "over"), timeout=600)
+    over = run_cli("run", "--demo", "gpt", "--nproc", str(gpus + 1), "--steps", "3", "--out", str(tmp_path / "over"),
+                   timeout=600)
     assert over.returncode == 0, over.stderr[-3000:]
     assert "NCCL needs a GPU of its own for each rank" in over.stdout + over.stderr
     assert {m["backend"] for m in load_run(tmp_path / "over").ranks.values()} == {"gloo"}
-    one = run_cli("run", "--nproc", "1", "--steps", "3", "--out", str(tmp_path / "one"), timeout=600)
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert load_run(tmp_path / "one").ranks[0]["backend"] == "nccl"
-    cal = run_cli("calibrate", str(tmp_path / "one"), "--max-mb", "4", timeout=600)
+    cal = run_cli("calibrate", str(tmp_path / "over"), "--max-mb", "1", timeout=600)
     assert cal.returncode == 0, cal.stderr[-3000:]
-    got = json.loads((tmp_path / "one" / "calibration.json").read_text())
-    assert got["backend"] == "nccl" and got["device"] == "cuda" and got["sizes"][-1]["bytes"] == 4 * 2**20
+    assert json.loads((tmp_path / "over" / "calibration.json").read_text())["backend"] == "gloo"
+    one = run_cli("run", "--demo", "gpt", "--nproc", str(gpus), "--steps", "3", "--out", str(tmp_path / "one"),
+                  timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert {m["backend"] for m in load_run(tmp_path / "one").ranks.values()} == {"nccl"}
+    if gpus >= 2:
+        cal = run_cli("calibrate", str(tmp_path / "one"), "--max-mb", "4", timeout=600)
+        assert cal.returncode == 0, cal.stderr[-3000:]
+        got = json.loads((tmp_path / "one" / "calibration.json").read_text())
+        assert got["backend"] == "nccl" and got["device"] == "cuda" and got["sizes"][-1]["bytes"] == 4 * 2**20

@@ -26,6 +26,7 @@ NOT exercised by CI (no GPU there): tests/tracer/capture/test_cuda.py runs it wh
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -277,18 +278,30 @@ def assigned_layout(ddp: DDP, params: list[torch.nn.Parameter]) -> tuple[list[tu
 
     try:
         logged = _ints(ddp._get_ddp_logging_data().get("bucket_sizes"))
-        config = getattr(ddp, "_bucket_config", None)
-        if config is not None:
-            limits, _ = config.compute_bucket_size_limits(static_graph=ddp.static_graph,
-                                                          find_unused_parameters=ddp.find_unused_parameters)
-        else:  # torch before the bucket config: a 1 MiB first bucket, then the cap
-            limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, ddp.bucket_bytes_cap]
-        indices, _ = dist._compute_bucket_assignment_by_size(params, limits, [False] * len(params))
-    except (AttributeError, RuntimeError, TypeError, ValueError):
+    except (AttributeError, RuntimeError):
         return None
-    layout = [tuple(b) for b in reversed(indices)]
-    sizes = tuple(sum(params[i].numel() * params[i].element_size() for i in b) for b in layout)
-    return (layout, sizes) if logged == list(sizes) else None
+    # the limits DDP used: torch 2.13's bucket config says; an older torch used one of the
+    # others (no bucketing in the first iteration, or a 1 MiB first bucket then the cap)
+    candidates = []
+    config = getattr(ddp, "_bucket_config", None)
+    try:
+        if config is not None:
+            candidates.append(list(config.compute_bucket_size_limits(
+                static_graph=ddp.static_graph, find_unused_parameters=ddp.find_unused_parameters)[0]))
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        pass
+    cap = getattr(ddp, "bucket_bytes_cap", None)
+    candidates += [[sys.maxsize]] + ([[dist._DEFAULT_FIRST_BUCKET_BYTES, cap], [cap]] if cap else [])
+    for limits in candidates:
+        try:
+            indices, _ = dist._compute_bucket_assignment_by_size(params, limits, [False] * len(params))
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            continue
+        layout = [tuple(b) for b in reversed(indices)]
+        sizes = tuple(sum(params[i].numel() * params[i].element_size() for i in b) for b in layout)
+        if logged == list(sizes):
+            return layout, sizes
+    return None
 
 
 def usable(device: torch.device) -> str | None:
