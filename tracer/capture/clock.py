@@ -51,6 +51,10 @@ class Clock(Protocol):
     def host_us(self) -> float:
         """The host monotonic clock now, µs (with any test skew)."""
 
+    def stamp_current(self) -> Any:
+        """A stamp on the stream current now, even where ``stamp`` is pinned to another
+        (CUDA: a collective's own stream; CPU: the host clock, as ``stamp``)."""
+
     def done(self, stamp: Any) -> bool:
         """The stamp's work has completed: resolving it will not block (never syncs)."""
 
@@ -74,6 +78,8 @@ class CpuClock:
 
     def stamp(self) -> float:
         return (time.perf_counter_ns() + self.skew_ns) / 1000.0
+
+    stamp_current = stamp
 
     def done(self, stamp: Any) -> bool:
         return True

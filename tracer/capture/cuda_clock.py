@@ -79,7 +79,8 @@ class CudaEventClock:
         self._new_event = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
         # The model's device, not the current one: a script that never calls set_device has
         # its model on cuda:k while the current device is cuda:0.
-        self._stream = current_stream or (lambda: torch.cuda.current_stream(device))
+        self._current = current_stream or (lambda: torch.cuda.current_stream(device))
+        self._stream = self._current  # where stamp() records (pin_stream fixes it)
         self._idle = idle_stream if idle_stream is not None else torch.cuda.Stream(device=device)
         self.blocked = 0  # stamps resolve() had to wait for (Event.synchronize); tests read it
         self._sinks: list[AnchorSink] = []
@@ -137,10 +138,23 @@ class CudaEventClock:
     def host_us(self) -> float:
         return self._host.host_us()
 
+    def pin_stream(self, stream: Any) -> None:
+        """``stamp()`` records on ``stream`` (the compute stream) whichever stream is current
+        when a hook stamps: FSDP2 runs its collectives, and so our hooks around them, inside
+        its own streams, which run ahead of compute."""
+        self._stream = lambda: stream
+
     def stamp(self) -> Any:
         ev = self._new_event()
-        ev.record(self._stream())  # on the model's device's current stream; no sync
+        ev.record(self._stream())  # the model's device's current (or pinned) stream; no sync
         return (ev, self._count - 1)  # measured from the newest anchor
+
+    def stamp_current(self) -> Any:
+        """A stamp on the stream current now (a collective's own stream, or a future's
+        callback stream that waits for its work); no sync."""
+        ev = self._new_event()
+        ev.record(self._current())
+        return (ev, self._count - 1)
 
     def done(self, stamp: Any) -> bool:
         """The stamp's work has completed (resolving it will not block); no sync."""

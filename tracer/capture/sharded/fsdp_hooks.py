@@ -217,8 +217,8 @@ class FSDPHooks:
         prefetch = kind == "all_gather" and self.current_issuer is not None and self.current_issuer != unit
         return self._safe(self.rec.comm_start, kind, unit, nbytes, prefetch)
 
-    def comm_end(self, rec: Any) -> None:
-        self._safe(self.rec.comm_end, rec)
+    def comm_end(self, rec: Any, work: Any = None) -> None:
+        self._safe(self.rec.comm_end, rec, work)
 
 
 class _ReplicaAllReduce:
@@ -238,10 +238,12 @@ class _ReplicaAllReduce:
         if unit is None or self.hooks.guard.broken is not None:
             return torch.distributed.all_reduce(tensor, *args, **kwargs)
         rec = self.hooks.comm_start("all_reduce", unit, tensor.numel() * tensor.element_size())
+        work = None
         try:
-            return torch.distributed.all_reduce(tensor, *args, **kwargs)
+            work = torch.distributed.all_reduce(tensor, *args, **kwargs)
+            return work
         finally:
-            self.hooks.comm_end(rec)
+            self.hooks.comm_end(rec, work)
 
 
 @functools.cache
@@ -259,10 +261,12 @@ def _timed_class(cls: type, kind: str) -> type:
             tensor = args[0] if kind == "all_gather" else args[1] if len(args) > 1 else None
         nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
         rec = hooks.comm_start(kind, unit, nbytes)
+        work = None
         try:
-            return original(self, *args, **kwargs)
+            work = original(self, *args, **kwargs)
+            return work
         finally:
-            hooks.comm_end(rec)
+            hooks.comm_end(rec, work)  # an async Work: its end comes from its future
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "_ddpscope": True,
                                        "__doc__": f"{cls.__name__}, timed by ddpscope", "__module__": cls.__module__})

@@ -111,7 +111,10 @@ class FSDPTracer:
         device = self.units[0].group.device
         self.stage, self.stage_reason = zero_stage(self.units)  # run.json has them from its first writing
         self.sent_as = "all_reduce" if dist.get_backend() == "gloo" else None  # gloo has no reduce-scatter
-        self._open_files(device, make_clock(device), fsdp_units.signature(self.units),
+        clock = make_clock(device)
+        if device.type == "cuda":  # every cut on the compute stream (FSDP2 calls its collectives in its own streams)
+            clock.pin_stream(torch.cuda.current_stream(device))
+        self._open_files(device, clock, fsdp_units.signature(self.units),
                          fsdp_units.meta_params(self.model)[:3], [u.facts() for u in self.units])
         names = [u.name for u in self.units]
         measure_step = self._measure_steps()

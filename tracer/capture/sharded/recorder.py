@@ -50,7 +50,10 @@ class Coll:
     start: Any
     end: Any = None
     prefetch: bool = False  # issued by another unit ahead of its use
-    device: tuple[Any, Any] | None = None  # CUDA events on the collective's stream
+    # CUDA: (start, end) stamps on the collective's own stream (its end: after the stream
+    # waited for the work, or in the Work's future callback); they time the collective,
+    # while start/end (the compute stream's) cut compute
+    device: list[Any] | None = None
     extra: dict | None = None  # more args for its event (DeepSpeed: what issued it, the bucket)
 
 
@@ -194,7 +197,7 @@ class ShardedRecorder:
         self._cut(now)
         self._stack.append(None)
         rec = Coll(kind=kind, unit=unit, phase=phase or self._phase(cur), nbytes=nbytes, start=now, prefetch=prefetch,
-                   extra=extra)
+                   extra=extra, device=[self.clock.stamp_current(), None] if self.clock.resolves else None)
         cur.colls.append(rec)
         self.where = (unit, rec.phase, kind)
         return rec
@@ -216,15 +219,34 @@ class ShardedRecorder:
         return BACKWARD if self.in_backward() else top[1] if top else \
             (BACKWARD if cur.passes and cur.passes[-1].backward_start is not None else FORWARD)
 
-    def comm_end(self, rec: Coll | None) -> None:
+    def comm_end(self, rec: Coll | None, work: Any = None) -> None:
+        """The collective's call returned (``work``: what it returned, a ``Work`` when async)."""
         if rec is None or self.current is None:
             return
         now = self.clock.stamp()
         rec.end = now
+        if rec.device is not None:
+            self._device_end(rec, work)
         self._pop_marker()
         self._resume(now)
         top = self._top()
         self.where = (top[0], top[1], None) if top else (-1, "", None)
+
+    def _device_end(self, rec: Coll, work: Any) -> None:
+        """CUDA: the collective's end on a stream that waits for it: the current one after a
+        synchronous call (it waits for NCCL's), else the Work's future's callback stream."""
+        future = getattr(work, "get_future", None)
+        if future is None:
+            rec.device[1] = self.clock.stamp_current()
+            return
+
+        def done(_):
+            rec.device[1] = self.clock.stamp_current()
+
+        try:
+            future().then(done)
+        except RuntimeError:  # a Work without a future: the end is not known on the device
+            pass
 
     def wait_start(self, unit: int) -> Any:
         if self.current is None:
@@ -354,7 +376,7 @@ def _resolve(steps: list[ShardedStep], resolve: Callable[[list], list]) -> None:
         for seg in s.segments + s.waits:
             stamps += [seg[2], seg[3]]
         for c in s.colls:
-            stamps += [c.start, c.end]
+            stamps += [c.start, c.end, *(c.device or (None, None))]
         stamps += [m["ts"] for m in s.memory]
     times = iter(resolve(stamps))
     for s in steps:
@@ -368,5 +390,8 @@ def _resolve(steps: list[ShardedStep], resolve: Callable[[list], list]) -> None:
         s.waits = [(u, ph, next(times), next(times)) for u, ph, _, _ in s.waits]
         for c in s.colls:
             c.start, c.end = next(times), next(times)
+            begin, end = next(times), next(times)
+            if begin is not None and end is not None:  # CUDA: the collective's own stream times it
+                c.start, c.end = begin, end
         for m in s.memory:
             m["ts"] = next(times)

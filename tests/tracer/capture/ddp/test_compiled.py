@@ -421,7 +421,7 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("graph", ["dynamic", "static"])
+@pytest.mark.parametrize("graph", ["dynamic", pytest.param("static", marks=pytest.mark.breadth)])
 def test_a_device_reads_ddps_bucket_layout_without_copying_the_buckets(tmp_path, graph):
     """On a device the compiled capture never copies every bucket (a copy of every gradient on
     the GPU): the first layout is assigned as DDP assigned it, the rebuilt one read from DDP's

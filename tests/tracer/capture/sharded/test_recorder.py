@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from ddpscope.tracer.capture.clock import CpuClock
 from ddpscope.tracer.capture.live import LiveFile
 from ddpscope.tracer.capture.sharded import recorder as rec_mod
@@ -104,3 +106,58 @@ def test_a_tick_that_fails_is_said_once_and_the_heartbeat_goes_on(tmp_path, capf
     err = capfd.readouterr().err
     assert len(calls) == 1 and err.count("could not write the steps held (RuntimeError: disk gone)") == 1
     assert later != first  # the heartbeat goes on (its time moves)
+
+
+def test_on_cuda_compute_is_cut_on_the_compute_stream_and_collectives_timed_on_their_own():
+    """FSDP2 calls its collectives inside its own streams, which run ahead of compute. With
+    a device stand-in (the one place a stand-in is allowed: no GPU here): every cut is on
+    the compute stream (the clock is pinned to it), the collective is timed on its stream
+    (a synchronous call: after the stream waited for it; an async one: in its Work's
+    future's callback), so a unit's compute is where the compute stream ran it."""
+    from tests.tracer.capture.test_clock import FakeGpu
+
+    gpu = FakeGpu()
+    comm = gpu.stream()
+    current = [gpu.compute]
+    clock = gpu.clock()
+    clock._current = lambda: current[0]
+    clock.pin_stream(gpu.compute)
+    emitted = []
+    rec = ShardedRecorder(clock=clock, emit=emitted.append)
+
+    class Work:  # what an async collective returns: its future's callbacks run when it is done
+        def get_future(self):
+            return self
+
+        def then(self, callback):
+            current[0] = comm  # the callback's stream waits for the work
+            callback(self)
+            current[0] = gpu.compute
+
+    t0 = gpu.now
+    rec.on_forward_start()
+    rec.enter(ROOT, FORWARD)
+    gpu.compute.busy_until = gpu.now + 3000  # the root's forward kernels: 3 ms of compute
+    current[0] = comm  # FSDP2's all-gather stream: waits for nothing queued, its collective takes 5 ms
+    c = rec.comm_start("all_gather", 1, 64, True)
+    comm.busy_until = gpu.now + 5000
+    rec.comm_end(c)  # synchronous: the stream waited for NCCL
+    c2 = rec.comm_start("reduce_scatter", 1, 64, False)
+    comm.busy_until = gpu.now + 9000
+    rec.comm_end(c2, Work())  # async: the end from the future
+    current[0] = gpu.compute
+    gpu.compute.busy_until = gpu.now + 4000  # more compute: to 4 ms
+    rec.leave(ROOT, FORWARD)
+    rec.on_forward_end()
+    rec.on_optimizer_start()
+    rec.on_optimizer_end()
+    gpu.now += 20_000  # the device finishes
+    rec.finish(aborted=False)
+    (step,) = emitted
+    ag, rs = step.colls
+    assert ag.end - ag.start == pytest.approx(5000, abs=3)
+    assert (rs.start - t0, rs.end - t0) == pytest.approx((5000, 9000), abs=5)  # behind the all-gather on its stream
+    assert ag.start - t0 == pytest.approx(0, abs=5)  # launched at once on its own stream, not after compute
+    root = [seg for seg in step.segments if seg[0] == ROOT]
+    assert all(b >= a for _, _, a, b in root)  # no negative segments
+    assert max(b for _, _, _, b in root) - t0 == pytest.approx(4000, abs=5)  # compute ran to 4 ms
