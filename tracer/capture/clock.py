@@ -92,6 +92,8 @@ def steps_to_keep(clock: Clock, ends: Sequence[Any]) -> int:
     """How many of the newest closed steps (``ends``: their end stamps, oldest first) wait:
     those from the oldest whose end has not completed on the device, at most
     ``clock.lag_steps`` (older ones are resolved anyway, blocking on their own events)."""
+    if not clock.lag_steps:  # the host clock: every stamp is a time already
+        return 0
     waiting = len(ends)
     for end in ends:
         if not clock.done(end):

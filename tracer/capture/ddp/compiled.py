@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer.capture.ddp.records import BucketRecord, OwnCollective
+from ddpscope.tracer.capture.ddp.run_facts import bucket_caps
 from ddpscope.tracer.capture.native import build as native
 
 
@@ -290,8 +291,8 @@ def assigned_layout(ddp: DDP, params: list[torch.nn.Parameter]) -> tuple[list[tu
                 static_graph=ddp.static_graph, find_unused_parameters=ddp.find_unused_parameters)[0]))
     except (AttributeError, RuntimeError, TypeError, ValueError):
         pass
-    cap = getattr(ddp, "bucket_bytes_cap", None)
-    candidates += [[sys.maxsize]] + ([[dist._DEFAULT_FIRST_BUCKET_BYTES, cap], [cap]] if cap else [])
+    caps = bucket_caps(ddp)
+    candidates += [[sys.maxsize], [caps["first_bucket_cap_bytes"], caps["bucket_cap_bytes"]]]
     for limits in candidates:
         try:
             indices, _ = dist._compute_bucket_assignment_by_size(params, limits, [False] * len(params))

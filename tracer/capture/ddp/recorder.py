@@ -260,8 +260,7 @@ class StepRecorder:
         if cur.measure_memory:
             self._measure(cur)
         self.pending.append(cur)
-        keep = steps_to_keep(self.clock, [s.end for s in self.pending]) if self.clock.lag_steps else 0
-        self._resolve(len(self.pending) - keep)
+        self._resolve(len(self.pending) - steps_to_keep(self.clock, [s.end for s in self.pending]))
         if self.on_close is not None:
             self.on_close(cur)
 
