@@ -45,7 +45,8 @@ def test_both_paths_time_the_same_allreduces_in_one_run(tmp_path, built):
     on the same collectives. Same count, sizes and order every step; the wrapper stamps
     launch after the hook (the hook's own Python runs first: 45-260 µs measured here) and
     completion before it (its C++ callback is registered first, and needs no GIL: 10-120
-    µs earlier). The bound of 5 ms is for a loaded 2-core machine."""
+    µs earlier, or later by as long as the Python callback waits for the GIL). The bounds
+    (5 ms, 50 ms for completion) are for a loaded 2-core machine."""
     _job(tmp_path, "--mode", "agree", "--out", str(tmp_path))
     for r in (0, 1):
         compiled = json.loads((tmp_path / f"report-{r}.json").read_text())["compiled"]
@@ -58,7 +59,9 @@ def test_both_paths_time_the_same_allreduces_in_one_run(tmp_path, built):
             for (launch, done, _), e in zip(recs, mine):
                 assert launch <= done
                 assert 0 <= launch - e["ts"] < 5000
-                assert 0 <= e["ts"] + e["dur"] - done < 5000
+                # the hook's completion callback needs the GIL, which the training thread may
+                # hold for a while on 2 loaded cores (5.3 and 5.8 ms seen): the order is the check
+                assert 0 <= e["ts"] + e["dur"] - done < 50_000
         # gradient-ready times: the Python hook runs inside the accumulation, the C++ post
         # hook just after it: same parameters in the same order, C++ a little later
         ready = json.loads((tmp_path / f"report-{r}.json").read_text())["ready"]
