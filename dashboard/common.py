@@ -5,6 +5,7 @@ whether this page may start commands."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import ipaddress
 import json
 import math
@@ -405,6 +406,8 @@ def lab_controls(prefix: str, disabled: bool = False):
                     else None}
 
 
+#: st.dataframe's text for a missing value (a newer Streamlit's; older ones show "None")
+_HAS_PLACEHOLDER = "placeholder" in inspect.signature(st.dataframe).parameters
 #: column names kept as they are: the names of the settings users pass
 _KEPT_NAMES = frozenset({"bucket_cap_mb", "bucket_cap_mb_list", "reshard_after_forward", "find_unused_parameters",
                          "reduce_bucket_size"})
@@ -436,11 +439,12 @@ def column_label(name: str) -> str:
 def show_table(df: pd.DataFrame, *, key: str, where=None) -> None:
     """``st.dataframe`` as every page shows a table: no index, readable headers (the
     frame's own column names stay, for whoever reads it), an empty cell shown as "–",
-    not "None"."""
+    not "None" (a text cell here; a missing number by Streamlit's ``placeholder``)."""
     shown = df.copy()
     for c in shown.columns[shown.dtypes == object]:
         present = shown[c].dropna()
         if all(isinstance(v, str) for v in present):  # text (or nothing): a dash; bools and numbers: blank
             shown[c] = shown[c].map(lambda v: "–" if v is None or (isinstance(v, float) and math.isnan(v)) else v)
     config = {c: st.column_config.Column(column_label(c)) for c in shown.columns if isinstance(c, str)}
-    (where or st).dataframe(shown, hide_index=True, key=key, column_config=config)
+    extra = {"placeholder": "–"} if _HAS_PLACEHOLDER else {}  # a missing number, as a missing text
+    (where or st).dataframe(shown, hide_index=True, key=key, column_config=config, **extra)

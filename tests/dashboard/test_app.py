@@ -755,6 +755,7 @@ def test_whatif_page_gives_one_number_per_setting_and_shades_the_noise(app):
     alike = table[table["within_noise"]]
     assert 1 < len(alike) < len(table)  # some caps are alike, not all
     assert set(table["bucket_cap_mb_list"]) == {"–"}  # an empty cell, not "None"
+    assert {d.proto.placeholder for d in app.dataframe} == {"–"}  # a missing number too, on every table
     config = json.loads(next(d for d in app.dataframe if "within_noise" in d.value.columns).proto.columns)
     assert config["step_ms"]["label"] == "step (ms)" and config.get("bucket_cap_mb", {}).get("label") in (None, "bucket_cap_mb")
     assert any("cannot be told apart from it" in c.value for c in app.caption)
