@@ -1,6 +1,6 @@
 """DeepSpeed tracing: its overhead on ZeRO stages 1, 2 and 3.
 
-    python -m benchmarks.deepspeed [--rounds 60] [--layers 4] [--dim 256] [--smoke]
+    python -m benchmarks.deepspeed [--rounds 60] [--layers 4] [--dim 256] [--pieces-steps 100] [--smoke]
 
 Workload: an MLP of ``--layers`` hidden layers (``--dim`` wide), a client AdamW,
 DeepSpeed's engine at each ZeRO stage (fp32, ``reduce_bucket_size`` 50,000 elements),
@@ -19,7 +19,9 @@ memory (~1-3 % here) cancels out. Each mode's ratio is the median over rounds of
 over the same round's untraced step (rank 0), and the median over windows of 16 rounds of
 their totals' ratio (``16-rd``: the tracer writes its steps in batches, every ~0.25 s, a cost
 a median over single rounds would not see), each with a bootstrap 95 % interval. Goal:
-``traced`` <= 1.02 at every stage, both ways.
+``traced`` <= 1.02 at every stage, both ways. Then, at each stage, the traced engine runs
+``--pieces-steps`` more steps with the tracer's pieces timed in place (``PIECES``): where
+its cost is, in µs a step, as ``benchmarks/overhead.py`` says it for DDP.
 
 Benchmarks are not tests: nothing is asserted; ``--smoke`` runs tiny sizes once.
 """
@@ -64,6 +66,7 @@ def worker(args: argparse.Namespace) -> None:
     base = nn.Sequential(*layers, nn.Linear(args.dim, 8))
     gen = torch.Generator().manual_seed(rank)
     results: dict[str, dict[str, list[float]]] = {}
+    pieces: dict[str, dict[str, float]] = {}
     for stage in STAGES:
         config = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 10**9,
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000,
@@ -100,6 +103,8 @@ def worker(args: argparse.Namespace) -> None:
                 order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]  # rotate who goes first
                 for mode in order:
                     times[mode].append(step(engine_of[mode]))
+            if block == len(MODES) - 1 and args.pieces_steps:  # after every round: the wrapping touches none
+                pieces[str(stage)] = where_the_time_goes(tracer, lambda: step(engine_of["traced"]), args.pieces_steps)
             tracer.close()
             if tracer.failure:
                 raise SystemExit(f"deepspeed overhead benchmark: {tracer.failure}")
@@ -109,9 +114,69 @@ def worker(args: argparse.Namespace) -> None:
         engines.clear()
         gc.collect()
     if rank == 0:
-        print(RESULT_PREFIX + json.dumps(results), flush=True)
+        print(RESULT_PREFIX + json.dumps({"times": results, "pieces": pieces}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+# The tracer's own work on the training thread, by piece, timed in place (the caches as cold
+# as a real step leaves them), exclusive: a piece's time excludes the pieces inside it. The
+# wrappers' own frames (DeepSpeed's methods and the backend's collectives called through
+# ddpscope's) are not timed: the ratios above hold them.
+PIECES = {
+    "collectives: who issued them (comm.CommTap)": ("tap.before", "tap.after", "tap.poll", "tap.step_ends"),
+    "collective records": ("comm_start", "comm_end", "comm_async"),
+    "passes and waits": ("on_forward_start", "on_forward_end", "enter", "leave", "wait_start", "wait_end",
+                         "on_backward_end", "on_optimizer_start", "on_optimizer_end"),
+    "memory accounting (measured steps)": ("sample",),
+    "building the step's events": ("events",),
+    "encoding and handing them to the writer": ("add",),
+    "rest of closing a step": ("_close",),
+}
+
+
+def where_the_time_goes(tracer, run_step, steps: int) -> dict[str, float]:
+    """µs a step per piece of ``PIECES`` over ``steps`` steps of the traced engine."""
+    import time
+
+    from ddpscope.tracer.capture.sharded import fsdp_tracer
+
+    rec, tap, writer = tracer.recorder, tracer.tap, tracer._writer
+    spent: dict[str, int] = {}
+    stack: list[int] = []  # the time of the pieces inside the running one, per level
+
+    def timed(label: str, fn):
+        def wrapper(*a, **k):
+            stack.append(0)
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                total = time.perf_counter_ns() - t0
+                inner = stack.pop()
+                spent[label] = spent.get(label, 0) + total - inner
+                if stack:
+                    stack[-1] += total
+        return wrapper
+
+    events = fsdp_tracer.step_events
+    for label, names in PIECES.items():
+        for name in names:
+            if name == "events":
+                fsdp_tracer.step_events = timed(label, events)  # looked up at each call
+                continue
+            owner, attr = (tap, name[4:]) if name.startswith("tap.") else (writer, name) if name == "add" else (rec, name)
+            if getattr(owner, attr, None) is not None:  # an instance attribute shadows the method
+                setattr(owner, attr, timed(label, getattr(owner, attr)))
+    try:
+        for _ in range(3):
+            run_step()
+        spent.clear()
+        for _ in range(steps):
+            run_step()
+    finally:
+        fsdp_tracer.step_events = events
+    return {label: spent.get(label, 0) / steps / 1e3 for label in PIECES}
 
 
 def overhead(args, tmp: Path) -> None:
@@ -119,6 +184,7 @@ def overhead(args, tmp: Path) -> None:
 
     result, res = worker_result("benchmarks.deepspeed", RESULT_PREFIX,
                                 ["--rounds", str(args.rounds), "--layers", str(args.layers), "--dim", str(args.dim),
+                                 "--pieces-steps", str(args.pieces_steps),
                                  "--out", str(tmp / "traces")], tmp / "logs", env={"DS_ACCELERATOR": "cpu"})
     if result is None:
         raise SystemExit(f"benchmark job failed: {res.reason}\n{res.stderr_tail}")
@@ -126,13 +192,20 @@ def overhead(args, tmp: Path) -> None:
           "(rank 0; one step of every mode per round, interleaved)")
     print(f"  {'stage':>5} {'mode':<9} {'median ms':>9}  {'median':>6}  {'95% CI':>11}  {'16-rd':>6}  {'95% CI':>11}")
     met = True
-    for stage, times in result.items():
+    for stage, times in result["times"].items():
         r, mr = ratios(times), window_ratios(times)
         for m in MODES:
             print(f"  {stage:>5} {m:<9} {statistics.median(times[m]) * 1e3:9.2f}  {r[m][0]:6.3f}  "
                   f"{r[m][1]:.3f}-{r[m][2]:.3f}  {mr[m][0]:6.3f}  {mr[m][1]:.3f}-{mr[m][2]:.3f}")
         met = met and max(r["traced"][0], mr["traced"][0]) <= 1.02
     print(f"  goal traced <= 1.02 at every stage, per round and per 16 rounds: {'met' if met else 'NOT met'}")
+    for stage, pieces in result["pieces"].items():
+        step_us = statistics.median(result["times"][stage]["traced"]) * 1e6
+        total = sum(pieces.values())
+        print(f"  stage {stage}: where the tracer's time goes ({args.pieces_steps} steps timed in place, µs a step; "
+              f"{total:.0f} µs = {100 * total / step_us:.2f} % of its median step):")
+        for piece, us in sorted(pieces.items(), key=lambda kv: -kv[1]):
+            print(f"    {us:7.1f}  {piece}")
 
 
 def main(argv=None) -> None:
@@ -140,6 +213,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=60, help="rounds of one step per mode, per stage")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--pieces-steps", type=int, default=100,
+                   help="steps of the traced engine timed piece by piece after the rounds (0: none)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, few rounds: the script runs, nothing more")
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -153,7 +228,7 @@ def main(argv=None) -> None:
         print("benchmarks.deepspeed: DeepSpeed is not installed (pip install deepspeed==0.19.8)", file=sys.stderr)
         raise SystemExit(2)
     if args.smoke:
-        args.rounds, args.layers, args.dim = 6, 1, 32
+        args.rounds, args.layers, args.dim, args.pieces_steps = 6, 1, 32, 3
     with tempfile.TemporaryDirectory(prefix="ddpscope-deepspeed-bench-") as tmp:
         overhead(args, Path(tmp))
 

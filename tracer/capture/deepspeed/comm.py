@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-import threading
+from _thread import get_ident
 from typing import Any
 
 # method -> (the recorder's kind, the argument whose bytes are the message)
@@ -85,7 +85,7 @@ class CommTap:
         self.unit_of = unit_of
         self.owner_of = owner_of
         self.guard = guard
-        self.thread = threading.get_ident()  # the training thread: ZeRO's collectives are issued there
+        self.thread = get_ident()  # the training thread: ZeRO's collectives are issued there
         self.bucket: tuple[int, dict] | None = None
         self.in_step = False  # inside the engine's optimizer step (set by the tracer's step wrapper)
         self.pending: list[tuple[Any, Any]] = []  # (Coll, Work) launched async, not yet seen done
@@ -101,11 +101,12 @@ class CommTap:
             _TAP = None
 
     # -- one collective ---------------------------------------------------------------
-    def poll(self) -> None:
-        """Stamp the async collectives the training thread now sees complete (no wait)."""
+    def poll(self, now: Any = None) -> None:
+        """Stamp the async collectives the training thread now sees complete (no wait), with
+        ``now`` where given (a stamp taken just before: the end of a wait they ended by)."""
         if not self.pending:
             return
-        now, left = None, []
+        left = []
         for coll, work in self.pending:
             try:
                 done = work.is_completed()
@@ -124,11 +125,14 @@ class CommTap:
         self.pending = []
 
     def before(self, kind: str, method: str, tensor: Any, is_async: bool, frame) -> Any:
-        """The collective's record (None: not traced). Called before every collective of the
-        process, so it touches as little as it can: each call here runs with caches the
-        collective's tensors have just flushed (~5x a warm call's cost, measured)."""
+        """What ``after`` needs to record the collective (None: not traced): an async one's
+        record (``comm_async``), or a synchronous one's facts and start, recorded whole by
+        ``after`` (``comm_timed``). Called around every collective of the process, so the
+        pair touches as little as it can: each call runs with caches the collective's
+        tensors have just flushed (~10x a warm call's cost, benchmarks/deepspeed.py)."""
         rec = self.recorder
-        if rec.current is None or threading.get_ident() != self.thread:
+        step = rec.current
+        if step is None or get_ident() != self.thread:
             return None
         if self.pending:
             self.poll()
@@ -141,15 +145,20 @@ class CommTap:
         phase = "optimizer" if self.in_step else None
         if is_async:
             return rec.comm_async(kind, unit, nbytes(tensor), prefetch, phase, extra)
-        return rec.comm_start(kind, unit, nbytes(tensor), prefetch, phase, extra)
+        where, rec.where = rec.where, (unit, phase or "", kind)  # the live file: in this collective now
+        return (step, kind, unit, nbytes(tensor), prefetch, phase, extra, where, rec.clock.stamp())
 
-    def after(self, coll: Any, is_async: bool, result: Any) -> None:
+    def after(self, span: Any, is_async: bool, result: Any) -> None:
+        rec = self.recorder
         if not is_async:
-            self.recorder.comm_end(coll)
+            end = rec.clock.stamp()
+            step, kind, unit, size, prefetch, phase, extra, where, start = span
+            rec.where = where
+            rec.comm_timed(step, kind, unit, size, prefetch, phase, extra, start, end)
         elif result is None or not hasattr(result, "is_completed"):  # nothing to watch: done as launched
-            coll.end = self.recorder.clock.stamp()
+            span.end = rec.clock.stamp()
         else:
-            self.pending.append((coll, result))
+            self.pending.append((span, result))
 
     def _issuer(self, frame) -> tuple[int, bool, dict]:
         """(unit, prefetch, event args) of the collective whose caller is ``frame``."""
@@ -234,7 +243,10 @@ def _wrapped(original, method: str):
         try:
             result = original(*args, **kwargs)
         except BaseException:
-            tap.after(coll, False, None)  # the span ends with the error; the error is the script's
+            try:
+                tap.after(coll, is_async, None)  # the span ends with the error; the error is the script's
+            except Exception as e:  # noqa: BLE001
+                tap.guard.fail(e)
             raise
         try:
             tap.after(coll, is_async, result)

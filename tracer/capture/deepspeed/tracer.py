@@ -246,6 +246,12 @@ class DeepSpeedTracer(FSDPTracer):
         (class-level: each handle is made per gather; taken off again at the end)."""
         module = sys.modules.get(_PARTITION_MODULE)
         rec, tap = self.recorder, self.tap
+
+        def waited(handle, step, start, end) -> None:
+            """Recorded whole after the wait (one call: see ``ShardedRecorder.comm_timed``)."""
+            tap.poll(end)  # the awaited gather was done when its wait returned (at the latest)
+            params = getattr(handle, "params", None) or [getattr(handle, "param", None)]
+            rec.wait_timed(step, unit_of.get(id(params[0]), -1), start, end)
         for cls in (getattr(module, n, None) for n in _WAIT_HANDLES):
             own = None if cls is None else cls.__dict__.get("wait")
             if own is None or getattr(own, "_ddpscope", False):
@@ -254,23 +260,20 @@ class DeepSpeedTracer(FSDPTracer):
             def make(own_wait):
                 @functools.wraps(own_wait)
                 def wait(handle, *args, **kwargs):
-                    token = [None]
-
-                    def start() -> None:
+                    step = rec.current
+                    if step is None or self._guard.broken is not None:
+                        return own_wait(handle, *args, **kwargs)
+                    start = None
+                    try:
                         tap.poll()  # what finished before this wait ended no later than now
-                        params = getattr(handle, "params", None) or [getattr(handle, "param", None)]
-                        token[0] = rec.wait_start(unit_of.get(id(params[0]), -1))
-
-                    def end() -> None:
-                        tap.poll()  # the awaited gather is done now (at the latest)
-                        rec.wait_end(token[0])
-
-                    self._guarded(start)
+                        start = rec.clock.stamp()
+                    except Exception as e:  # noqa: BLE001 - tracing stops, training goes on
+                        self._guard.fail(e)
                     try:
                         return own_wait(handle, *args, **kwargs)
                     finally:
-                        if token[0] is not None:
-                            self._guarded(end)
+                        if start is not None:
+                            self._guarded(lambda: waited(handle, step, start, rec.clock.stamp()))
 
                 wait._ddpscope = True
                 return wait

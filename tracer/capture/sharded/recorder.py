@@ -78,6 +78,9 @@ class ShardedStep:
     memory: list[dict] = field(default_factory=list)  # samples: {"ts", "unit", "phase", "at", bytes...}
     measure: bool = False
     incomplete: bool = False
+    # (start, end): the training thread inside a collective or a wait recorded whole after it
+    # returned (``comm_timed``, ``wait_timed``); cut out of the compute segments when emitted
+    holes: list[tuple[Any, Any]] = field(default_factory=list)
 
 
 HOLD_S = 0.25  # closed steps wait at most this long (seconds) to be emitted together
@@ -201,6 +204,23 @@ class ShardedRecorder:
         cur.colls.append(rec)
         self.where = (unit, rec.phase, kind)
         return rec
+
+    def comm_timed(self, step: ShardedStep, kind: str, unit: int, nbytes: int, prefetch: bool, phase: str | None,
+                   extra: dict | None, start: Any, end: Any) -> None:
+        """A synchronous collective of ``step`` that ran from ``start`` to ``end``, recorded in
+        one call after it returned (host clocks only: DeepSpeed's tap). The same record as
+        ``comm_start`` + ``comm_end``; its time leaves compute when the step is emitted. One
+        call, not two that cut and resume the stack: each runs with the caches the
+        collective just flushed, ~10x a warm call (benchmarks/deepspeed.py's pieces)."""
+        step.colls.append(Coll(kind, unit, phase or self._phase(step), nbytes, start, end, prefetch, None, extra))
+        step.holes.append((start, end))
+
+    def wait_timed(self, step: ShardedStep, unit: int, start: Any, end: Any) -> None:
+        """A wait for an all-gather of ``step`` from ``start`` to ``end``, recorded whole after
+        it (as ``wait_start`` + ``wait_end``; its time leaves compute when emitted)."""
+        top = self._top()
+        step.waits.append((unit, BACKWARD if self.in_backward() else top[1] if top else FORWARD, start, end))
+        step.holes.append((start, end))
 
     def comm_async(self, kind: str, unit: int, nbytes: int, prefetch: bool, phase: str | None = None,
                    extra: dict | None = None) -> Coll | None:
@@ -363,8 +383,37 @@ class ShardedRecorder:
             if self.clock.resolves:  # CUDA: every stamp of these steps in one batch (completed: no sync)
                 _resolve(ready, self.clock.resolve)
             for s in ready:
+                if s.holes:
+                    s.segments = cut_holes(s.segments, s.holes)
                 self.steps_written += 1
                 self.emit(s)
+
+
+def cut_holes(segments: list[tuple[int, str, Any, Any]], holes: list[tuple[Any, Any]]
+              ) -> list[tuple[int, str, float, float]]:
+    """``segments`` (unit, phase, start, end) less every ``(start, end)`` of ``holes``: each
+    segment split around the holes inside it (pieces of no length dropped), in order."""
+    merged: list[list[float]] = []
+    for a, b in sorted(holes):
+        if b is None or b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    out = []
+    for unit, phase, ts, te in segments:
+        for a, b in merged:
+            if b <= ts or a >= te:
+                continue
+            if a > ts:
+                out.append((unit, phase, ts, a))
+            ts = max(ts, b)
+            if ts >= te:
+                break
+        if te > ts:
+            out.append((unit, phase, ts, te))
+    return out
 
 
 def _resolve(steps: list[ShardedStep], resolve: Callable[[list], list]) -> None:
@@ -377,6 +426,8 @@ def _resolve(steps: list[ShardedStep], resolve: Callable[[list], list]) -> None:
             stamps += [seg[2], seg[3]]
         for c in s.colls:
             stamps += [c.start, c.end, *(c.device or (None, None))]
+        for h in s.holes:
+            stamps += h
         stamps += [m["ts"] for m in s.memory]
     times = iter(resolve(stamps))
     for s in steps:
@@ -393,5 +444,6 @@ def _resolve(steps: list[ShardedStep], resolve: Callable[[list], list]) -> None:
             begin, end = next(times), next(times)
             if begin is not None and end is not None:  # CUDA: the collective's own stream times it
                 c.start, c.end = begin, end
+        s.holes = [(next(times), next(times)) for _ in s.holes]
         for m in s.memory:
             m["ts"] = next(times)

@@ -161,3 +161,84 @@ def test_on_cuda_compute_is_cut_on_the_compute_stream_and_collectives_timed_on_t
     root = [seg for seg in step.segments if seg[0] == ROOT]
     assert all(b >= a for _, _, a, b in root)  # no negative segments
     assert max(b for _, _, _, b in root) - t0 == pytest.approx(4000, abs=5)  # compute ran to 4 ms
+
+
+class _Ticks(CpuClock):
+    """The host clock's interface, each stamp one µs after the last: two recorders fed the
+    same calls stamp the same times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = 0.0
+
+    def stamp(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    stamp_current = stamp
+
+
+def test_a_collective_or_wait_recorded_whole_cuts_compute_as_one_recorded_at_both_ends():
+    """DeepSpeed's tap records a synchronous collective (and a wait) in one call after it
+    returned (``comm_timed``, ``wait_timed``): the step it gives is the one ``comm_start``/
+    ``comm_end`` and ``wait_start``/``wait_end`` give, compute cut around each, in both
+    passes, whether or not the hole touches a segment's end."""
+    def step(rec: ShardedRecorder, whole: bool) -> None:
+        clock = rec.clock
+        rec.on_forward_start()
+        rec.enter(ROOT, FORWARD)
+        for unit in (1, 2):  # two collectives in a row: the second's hole touches the first's
+            if whole:
+                start = clock.stamp()
+                rec.comm_timed(rec.current, "all_reduce", unit, 64, False, None, {"op": "all_reduce"}, start,
+                               clock.stamp())
+            else:
+                rec.comm_end(rec.comm_start("all_reduce", unit, 64, False, None, {"op": "all_reduce"}))
+        clock.stamp()  # compute
+        if whole:
+            start = clock.stamp()
+            rec.wait_timed(rec.current, 3, start, clock.stamp())
+        else:
+            rec.wait_end(rec.wait_start(3))
+        rec.leave(ROOT, FORWARD)
+        rec.on_forward_end()
+        rec.enter(ROOT, BACKWARD)
+        clock.stamp()
+        if whole:
+            start = clock.stamp()
+            rec.comm_timed(rec.current, "all_reduce", 4, 32, False, None, None, start, clock.stamp())
+        else:
+            rec.comm_end(rec.comm_start("all_reduce", 4, 32, False))
+        rec.leave(ROOT, BACKWARD)
+        rec.on_backward_end()
+        rec.on_optimizer_start()
+        rec.on_optimizer_end()
+
+    out = {}
+    for whole in (False, True):
+        emitted: list = []
+        rec = ShardedRecorder(clock=_Ticks(), emit=emitted.append)
+        step(rec, whole)
+        rec.finish(aborted=False)
+        (s,) = emitted
+        out[whole] = s
+    a, b = out[False], out[True]
+    assert [(u, ph, ts, te) for u, ph, ts, te in a.segments if te > ts] == b.segments
+    # one µs a stamp: compute runs between the holes (the collectives at 3-4, 5-6 and 15-16, the wait
+    # at 8-9), never inside one
+    assert b.segments == [(ROOT, FORWARD, 2.0, 3.0), (ROOT, FORWARD, 4.0, 5.0), (ROOT, FORWARD, 6.0, 8.0),
+                          (ROOT, FORWARD, 9.0, 10.0), (ROOT, BACKWARD, 12.0, 15.0), (ROOT, BACKWARD, 16.0, 17.0)]
+    assert a.waits == b.waits and [w[0] for w in b.waits] == [3]
+    assert [(c.kind, c.unit, c.phase, c.nbytes, c.start, c.end, c.extra) for c in a.colls] == \
+        [(c.kind, c.unit, c.phase, c.nbytes, c.start, c.end, c.extra) for c in b.colls]
+    assert [c.phase for c in b.colls] == [FORWARD, FORWARD, BACKWARD]
+
+
+def test_holes_are_cut_out_of_segments_wherever_they_fall():
+    segs = [(0, FORWARD, 0.0, 10.0), (1, BACKWARD, 20.0, 30.0)]
+    # one inside, one over a segment's end, two overlapping, one over a whole segment, one between
+    holes = [(2.0, 3.0), (9.0, 12.0), (14.0, 15.0), (21.0, 24.0), (23.0, 25.0)]
+    assert rec_mod.cut_holes(segs, holes) == [(0, FORWARD, 0.0, 2.0), (0, FORWARD, 3.0, 9.0),
+                                              (1, BACKWARD, 20.0, 21.0), (1, BACKWARD, 25.0, 30.0)]
+    assert rec_mod.cut_holes(segs, [(0.0, 40.0)]) == []
+    assert rec_mod.cut_holes(segs, []) == segs
