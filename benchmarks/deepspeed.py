@@ -1,9 +1,13 @@
 """DeepSpeed tracing: its overhead on ZeRO stages 1, 2 and 3.
 
-    python -m benchmarks.deepspeed [--rounds 60] [--layers 4] [--dim 256] [--pieces-steps 100] [--smoke]
+    python -m benchmarks.deepspeed [--rounds 60] [--layers 4] [--dim 256] [--bucket-elements 50000]
+                                   [--pieces-steps 100] [--smoke]
 
 Workload: an MLP of ``--layers`` hidden layers (``--dim`` wide), a client AdamW,
-DeepSpeed's engine at each ZeRO stage (fp32, ``reduce_bucket_size`` 50,000 elements),
+DeepSpeed's engine at each ZeRO stage (fp32, ``reduce_bucket_size`` and
+``stage3_prefetch_bucket_size`` ``--bucket-elements``: 50,000 by default, ~10 buckets a
+step, a collective every ~3 ms of a ~28 ms step: a stress of the per-collective cost;
+DeepSpeed's own default, 500,000,000, makes this model one bucket),
 2 ranks, DeepSpeed's CPU accelerator (gloo). Needs DeepSpeed (``pip install
 deepspeed==0.19.8``); its first run builds a small C++ op (~100 s).
 
@@ -69,8 +73,8 @@ def worker(args: argparse.Namespace) -> None:
     pieces: dict[str, dict[str, float]] = {}
     for stage in STAGES:
         config = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 10**9,
-                  "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000,
-                                        "stage3_prefetch_bucket_size": 50_000,
+                  "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket_elements,
+                                        "stage3_prefetch_bucket_size": args.bucket_elements,
                                         "stage3_param_persistence_threshold": 0}}
         engines = []
         for _ in MODES:
@@ -184,11 +188,13 @@ def overhead(args, tmp: Path) -> None:
 
     result, res = worker_result("benchmarks.deepspeed", RESULT_PREFIX,
                                 ["--rounds", str(args.rounds), "--layers", str(args.layers), "--dim", str(args.dim),
+                                 "--bucket-elements", str(args.bucket_elements),
                                  "--pieces-steps", str(args.pieces_steps),
                                  "--out", str(tmp / "traces")], tmp / "logs", env={"DS_ACCELERATOR": "cpu"})
     if result is None:
         raise SystemExit(f"benchmark job failed: {res.reason}\n{res.stderr_tail}")
-    print(f"overhead: DeepSpeed {args.layers} hidden layers of {args.dim}, ranks=2, rounds={args.rounds} "
+    print(f"overhead: DeepSpeed {args.layers} hidden layers of {args.dim}, buckets of {args.bucket_elements:,} "
+          f"elements, ranks=2, rounds={args.rounds} "
           "(rank 0; one step of every mode per round, interleaved)")
     print(f"  {'stage':>5} {'mode':<9} {'median ms':>9}  {'median':>6}  {'95% CI':>11}  {'16-rd':>6}  {'95% CI':>11}")
     met = True
@@ -213,6 +219,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=60, help="rounds of one step per mode, per stage")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--bucket-elements", type=int, default=50_000,
+                   help="reduce_bucket_size and stage3_prefetch_bucket_size (elements; DeepSpeed's default: 500000000)")
     p.add_argument("--pieces-steps", type=int, default=100,
                    help="steps of the traced engine timed piece by piece after the rounds (0: none)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, few rounds: the script runs, nothing more")
