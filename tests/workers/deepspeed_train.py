@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("--reduce-bucket-size", type=int, default=50_000, help="elements (DeepSpeed's unit)")
     p.add_argument("--config-file", action="store_true", help="hand DeepSpeed a JSON file, not a dict")
     p.add_argument("--overlap-comm", action="store_true", help="zero_optimization.overlap_comm")
+    p.add_argument("--persistence-threshold", type=int, default=0,
+                   help="stage3_param_persistence_threshold (elements; DeepSpeed's default 100000)")
     args = p.parse_args()
     import deepspeed
 
@@ -39,7 +41,7 @@ def main() -> None:
               "zero_optimization": {"stage": args.stage, "reduce_bucket_size": args.reduce_bucket_size,
                                     "allgather_bucket_size": args.reduce_bucket_size,
                                     "stage3_prefetch_bucket_size": args.reduce_bucket_size,
-                                    "stage3_param_persistence_threshold": 0, "overlap_comm": args.overlap_comm},
+                                    "stage3_param_persistence_threshold": args.persistence_threshold, "overlap_comm": args.overlap_comm},
               "bf16": {"enabled": args.bf16}, "steps_per_print": 10**9}
     if args.config_file:
         path = os.path.join(args.report, f"ds-config-{os.environ.get('RANK', '0')}.json")

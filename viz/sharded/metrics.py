@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.tracer import format as fmt
+from ddpscope.viz.intervals import intersection, merge_intervals
 from ddpscope.viz.zero.model import model_state_bytes, run_precision
 
 MODEL_STATE_PARTS = {  # the ZeRO model's three parts <- the measured categories
@@ -92,9 +93,10 @@ def compute_unit_table(trace) -> pd.DataFrame:
 
 def compute_sharded_steps(trace) -> pd.DataFrame:
     """Per rank and step: step_ms, compute_ms, all_gather_ms, reduce_scatter_ms,
-    all_reduce_ms (HSDP's across replicas; 0 without), wait_ms,
-    exposed_ms (communication no compute hid, and the waits) and the step's memory peak
-    (bytes; NaN on steps whose memory was not measured)."""
+    all_reduce_ms (HSDP's across replicas; 0 without: each the time one of that kind was in
+    flight, not a sum of overlapping spans), wait_ms, exposed_ms (the time communication or a
+    wait for it ran with no compute beside it) and the step's memory peak (bytes; NaN on
+    steps whose memory was not measured)."""
     sh = trace.shards
     colls = with_exposed(trace)
     out = trace.steps[["rank", "step", "warmup", "incomplete"]].copy()
@@ -106,19 +108,38 @@ def compute_sharded_steps(trace) -> pd.DataFrame:
 
     segs = sh.segments.assign(ms=(sh.segments["end_us"] - sh.segments["start_us"]) / 1e3)
     waits = sh.waits.assign(ms=(sh.waits["end_us"] - sh.waits["start_us"]) / 1e3)
-    parts = {"compute_ms": per(segs, "ms"),
-             "all_gather_ms": per(colls[colls["collective"] == "all_gather"], "ms"),
-             "reduce_scatter_ms": per(colls[colls["collective"] == "reduce_scatter"], "ms"),
-             "all_reduce_ms": per(colls[colls["collective"] == "all_reduce"], "ms"),
-             "wait_ms": per(waits, "ms"), "comm_exposed_ms": per(colls, "exposed_ms"),
+    parts = {"compute_ms": per(segs, "ms"), "wait_ms": per(waits, "ms"),
              "peak_bytes": sh.memory.groupby(key)["total_bytes"].max() if len(sh.memory) else pd.Series(dtype=float)}
     idx = pd.MultiIndex.from_frame(out[key])
     for name, series in parts.items():
         out[name] = series.reindex(idx).to_numpy() if len(series) else np.nan
-    for name in ("compute_ms", "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "wait_ms", "comm_exposed_ms"):
+    for name in ("compute_ms", "wait_ms"):
         out[name] = out[name].fillna(0.0)
-    out["exposed_ms"] = out.pop("comm_exposed_ms") + out["wait_ms"]
-    return out.reset_index(drop=True)
+    # time, not a sum of spans: async collectives run side by side (ZeRO-3's gathers), and a
+    # gather being waited for overlaps its wait; each counts once
+    by_step = {k: g for k, g in colls.groupby(key)}
+    seg_by = {k: g for k, g in sh.segments.groupby(key)}
+    wait_by = {k: g for k, g in sh.waits.groupby(key)}
+    empty = pd.DataFrame({"start_us": [], "end_us": []})
+    cols = {f"{kind}_ms": [] for kind in ("all_gather", "reduce_scatter", "all_reduce")} | {"exposed_ms": []}
+    for k in out[key].itertuples(index=False, name=None):
+        c, w, g = by_step.get(k, empty), wait_by.get(k, empty), seg_by.get(k, empty)
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            mine = c[c["collective"] == kind] if len(c) else c
+            cols[f"{kind}_ms"].append(_union_us(mine) / 1e3)
+        comm = merge_intervals(np.r_[c["start_us"].to_numpy(float), w["start_us"].to_numpy(float)],
+                               np.r_[c["end_us"].to_numpy(float), w["end_us"].to_numpy(float)])
+        busy = merge_intervals(g["start_us"].to_numpy(float), g["end_us"].to_numpy(float))
+        cols["exposed_ms"].append((float((comm[:, 1] - comm[:, 0]).sum()) - intersection(comm, busy)) / 1e3)
+    for name, values in cols.items():
+        out[name] = values
+    order = ["compute_ms", "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "wait_ms", "peak_bytes", "exposed_ms"]
+    return out[[c for c in out.columns if c not in order] + order].reset_index(drop=True)
+
+
+def _union_us(df: pd.DataFrame) -> float:
+    merged = merge_intervals(df["start_us"].to_numpy(float), df["end_us"].to_numpy(float))
+    return float((merged[:, 1] - merged[:, 0]).sum())
 
 
 def compute_memory_over_step(trace, rank: int, step: int | None = None) -> pd.DataFrame:
@@ -314,9 +335,14 @@ def comm_honesty_lines(trace) -> list[str]:
                      "updated partitions after the step, (N-1)/N D: 3D x (N-1)/N in all, against the model's 2D.")
     gathered = vol[vol["collective"] == "all_gather"]
     if sh.framework == "deepspeed" and sh.stage == 3 and len(gathered) and gathered["message_D"].iloc[0] < 1.95:
+        why = ["a parameter used again within stage3_max_reuse_distance stays gathered"]
+        colls = sh.colls[sh.colls["step"].isin(_real_steps(trace))]
+        after = colls[colls["issued_by"] == "param_allgather"].groupby(["rank", "step"])["bytes"].sum()
+        if len(after):  # the persistent parameters: whole all along, refreshed once after each step
+            why.append(f"the parameters under stage3_param_persistence_threshold ({float(after.median()) / d:.2f} D) "
+                       "are never partitioned and are gathered once, after the step")
         lines.append(f"DeepSpeed gathered {gathered['message_D'].iloc[0]:.2f} D of parameters a step where the ZeRO "
-                     "model counts 2D (forward, then again for backward): a parameter used again within "
-                     "stage3_max_reuse_distance stays gathered.")
+                     f"model counts 2D (forward, then again for backward): {'; '.join(why)}.")
     if sh.reduce_scatter_sent_as == "all_reduce":
         lines.append("gloo has no reduce-scatter: PyTorch ran each one as an all-reduce of the whole gradient, "
                      "then kept this rank's shard, so each rank sent 2(N-1)/N of it, not (N-1)/N.")

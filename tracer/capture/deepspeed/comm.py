@@ -13,8 +13,8 @@ for a collective inside a traced step):
   number the buckets of a step and name their parameters);
 - a ZeRO-3 parameter fetch, ``__all_gather_params_``: the unit of its first parameter,
   a prefetch when the module being fetched does not own it;
-- stages 1-2's gather of the updated partitions after the step
-  (``all_gather_into_tensor_dp_groups``);
+- the parameters gathered after the step: stages 1-2's updated partitions
+  (``all_gather_into_tensor_dp_groups``), stage 3's persistent parameters (``_post_step``);
 - anything else (the gradient norm's all-reduce, an overflow check): ``other``.
 
 A synchronous call pauses compute on the recorder's lane for its length; an async one
@@ -48,7 +48,9 @@ OPS: dict[str, tuple[str, str]] = {
 }
 GRAD_BUCKET, PARAM_FETCH, PARAM_ALLGATHER, OTHER = "grad_bucket", "param_fetch", "param_allgather", "other"
 _FETCH = "__all_gather_params_"
-_AFTER_STEP = ("all_gather_into_tensor_dp_groups", "all_gather_dp_groups")
+# the parameters gathered after the step: stages 1-2's updated partitions; stage 3's persistent
+# parameters (those under stage3_param_persistence_threshold, kept whole, refreshed in _post_step)
+_AFTER_STEP = ("all_gather_into_tensor_dp_groups", "all_gather_dp_groups", "_post_step")
 _DEPTH = 24  # frames walked up from a collective: ZeRO's issuers sit 3-10 frames above the backend
 
 _TAP: CommTap | None = None  # the active tap (one traced engine per process)
@@ -120,7 +122,9 @@ class CommTap:
         self.pending = left
 
     def step_ends(self) -> None:
-        """The step's optimizer starts: what is done is stamped; what is not stays open."""
+        """The step's optimizer starts, or the step ends: what is done is stamped; what is
+        not stays open (ZeRO-3's gathers of persistent parameters in ``_post_step`` are
+        waited on torch's own Works, which no wrapper sees: done by the step's end)."""
         self.poll()
         self.pending = []
 

@@ -192,6 +192,7 @@ class DeepSpeedTracer(FSDPTracer):
             finally:
                 self.tap.in_step = False
             if boundary[0]:
+                self._guarded(self.tap.step_ends)  # the step's own async gathers: seen done by now
                 self._guarded(rec.on_optimizer_end)  # closes the step (its on_close may end the job: --steps)
             return result
 

@@ -77,6 +77,37 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
         assert own[r]["losses"] == checks(plain)[r]["losses"]
 
 
+def test_zero3_persistent_parameters_gathered_after_the_step_end_in_their_step(tmp_path):
+    """DeepSpeed's default keeps parameters under stage3_param_persistence_threshold whole and
+    gathers them after every step (``_post_step``), waiting on torch's own Works: those
+    gathers are named for what they are and end in their step (they used to stay open until
+    the next step's first collective: 90 ms gathers in a 125 ms step, more exposed than the
+    step on a user's transformer)."""
+    script = (WORKER, "--stage", "3", "--steps", "3", "--reduce-bucket-size", "20000",
+              "--persistence-threshold", "300")  # the biases (256, 256, 8) persist, the weights do not
+    proc, out, report = trace_script(tmp_path, *script, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    trace = _load(out)
+    colls, steps = trace.shards.colls, trace.steps.set_index(["rank", "step"])
+    after = colls[colls["issued_by"] == "param_allgather"]
+    assert len(after) and (after["phase"] == "optimizer").all() and (after["collective"] == "all_gather").all()
+    for (rank, step), c in after.groupby(["rank", "step"]):
+        assert c["bytes"].sum() == 4 * (256 + 256 + 8), (rank, step)  # every persistent parameter, whole
+    for (rank, step), c in colls.groupby(["rank", "step"]):
+        end = steps.loc[(rank, step), "end_us"]
+        assert (c["end_us"] <= end).all(), (rank, step)  # every collective seen done in its own step
+    events = [e for e in json.loads((out / "rank-0.json").read_text())  # a complete run's file is whole JSON
+              if e.get("ph") == "X" and e.get("args", {}).get("zero") == "param_allgather"]
+    assert events and all(e["name"] == "all-gather (no unit)" for e in events)  # not the last unit's name
+    from ddpscope.viz.sharded.metrics import compute_sharded_steps
+
+    # the gathers run side by side: time in flight and exposed time are times, not sums of spans
+    per = compute_sharded_steps(trace)
+    for col in ("all_gather_ms", "exposed_ms", "compute_ms"):
+        assert (per[col] <= per["step_ms"] + 1e-6).all(), per[["step_ms", col]]
+    assert (per["compute_ms"] + per["exposed_ms"] <= per["step_ms"] + 1e-6).all()
+
+
 def test_bf16_with_overlap_comm_and_accumulation_reduces_every_micro_batch(tmp_path):
     """Stage 2 in bf16 with ``overlap_comm`` and two micro-batches a step: DeepSpeed
     reduces the gradients of every micro-batch (stage 2 partitions them as they come), so
