@@ -141,28 +141,12 @@ PIECES = {
 
 def where_the_time_goes(tracer, run_step, steps: int) -> dict[str, float]:
     """µs a step per piece of ``PIECES`` over ``steps`` steps of the traced engine."""
-    import time
-
+    from benchmarks.overhead import exclusive_timer
     from ddpscope.tracer.capture.sharded import fsdp_tracer
 
     rec, tap, writer = tracer.recorder, tracer.tap, tracer._writer
     spent: dict[str, int] = {}
-    stack: list[int] = []  # the time of the pieces inside the running one, per level
-
-    def timed(label: str, fn):
-        def wrapper(*a, **k):
-            stack.append(0)
-            t0 = time.perf_counter_ns()
-            try:
-                return fn(*a, **k)
-            finally:
-                total = time.perf_counter_ns() - t0
-                inner = stack.pop()
-                spent[label] = spent.get(label, 0) + total - inner
-                if stack:
-                    stack[-1] += total
-        return wrapper
-
+    timed = exclusive_timer(spent)
     events = fsdp_tracer.step_events
     for label, names in PIECES.items():
         for name in names:

@@ -172,13 +172,13 @@ PIECES = {
 }
 
 
-def where_the_time_goes(tracer, run_step, steps: int) -> dict[str, float]:
-    """µs a step per piece of ``PIECES``, over ``steps`` steps of ``tracer``'s model
-    (``run_step``), after the interleaved rounds (so the wrapping never touches them)."""
+def exclusive_timer(spent: dict[str, int]):
+    """``timed(label, fn, materialize=False)``: ``fn`` wrapped to add its ns to
+    ``spent[label]``, less the time of the timed pieces it calls (exclusive);
+    ``materialize``: an iterable it returns is built inside the timing (events built
+    here, not in whoever consumes them)."""
     import time
 
-    rec, writer = tracer._recorder, tracer._writer
-    spent: dict[str, int] = {}
     stack: list[int] = []  # the time of the pieces inside the running one, per level
 
     def timed(label: str, fn, materialize: bool = False):
@@ -187,7 +187,7 @@ def where_the_time_goes(tracer, run_step, steps: int) -> dict[str, float]:
             t0 = time.perf_counter_ns()
             try:
                 out = fn(*a, **k)
-                return iter(list(out)) if materialize else out  # events: built here, not in add
+                return iter(list(out)) if materialize else out
             finally:
                 total = time.perf_counter_ns() - t0
                 inner = stack.pop()
@@ -196,6 +196,15 @@ def where_the_time_goes(tracer, run_step, steps: int) -> dict[str, float]:
                     stack[-1] += total
         return wrapper
 
+    return timed
+
+
+def where_the_time_goes(tracer, run_step, steps: int) -> dict[str, float]:
+    """µs a step per piece of ``PIECES``, over ``steps`` steps of ``tracer``'s model
+    (``run_step``), after the interleaved rounds (so the wrapping never touches them)."""
+    rec, writer = tracer._recorder, tracer._writer
+    spent: dict[str, int] = {}
+    timed = exclusive_timer(spent)
     for label, names in PIECES.items():
         for name in names:
             owner = writer if name == "add" else rec.step_events if name == "events" else rec

@@ -126,19 +126,20 @@ def compute_sharded_steps(trace) -> pd.DataFrame:
         c, w, g = by_step.get(k, empty), wait_by.get(k, empty), seg_by.get(k, empty)
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             mine = c[c["collective"] == kind] if len(c) else c
-            cols[f"{kind}_ms"].append(_union_us(mine) / 1e3)
+            cols[f"{kind}_ms"].append(_length(merge_intervals(mine["start_us"].to_numpy(float),
+                                                              mine["end_us"].to_numpy(float))) / 1e3)
         comm = merge_intervals(np.r_[c["start_us"].to_numpy(float), w["start_us"].to_numpy(float)],
                                np.r_[c["end_us"].to_numpy(float), w["end_us"].to_numpy(float)])
         busy = merge_intervals(g["start_us"].to_numpy(float), g["end_us"].to_numpy(float))
-        cols["exposed_ms"].append((float((comm[:, 1] - comm[:, 0]).sum()) - intersection(comm, busy)) / 1e3)
+        cols["exposed_ms"].append((_length(comm) - intersection(comm, busy)) / 1e3)
     for name, values in cols.items():
         out[name] = values
     order = ["compute_ms", "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "wait_ms", "peak_bytes", "exposed_ms"]
     return out[[c for c in out.columns if c not in order] + order].reset_index(drop=True)
 
 
-def _union_us(df: pd.DataFrame) -> float:
-    merged = merge_intervals(df["start_us"].to_numpy(float), df["end_us"].to_numpy(float))
+def _length(merged: np.ndarray) -> float:
+    """Total length of disjoint intervals (``merge_intervals``'s (n, 2) array)."""
     return float((merged[:, 1] - merged[:, 0]).sum())
 
 
