@@ -232,7 +232,8 @@ class DeepSpeedTracer(FSDPTracer):
                 index = self._bucket[1]
                 self._bucket[1] += 1
                 tap.bucket = (unit_of.get(id(first), -1),
-                              bucket_args(index, count, names.get(id(first), "?"), names.get(id(last), "?")))
+                              bucket_args(index, count, names.get(id(first), "?"), names.get(id(last), "?")),
+                              "optimizer" if tap.in_step else rec.phase_of(cur))  # its reductions' pass
 
             self._guarded(start)
             try:

@@ -81,6 +81,9 @@ class ShardedStep:
     # (start, end): the training thread inside a collective or a wait recorded whole after it
     # returned (``comm_timed``, ``wait_timed``); cut out of the compute segments when emitted
     holes: list[tuple[Any, Any]] = field(default_factory=list)
+    # collectives a tap recorded as bare tuples on the hot path, made into ``colls`` and
+    # ``holes`` by the recorder's ``expand`` when the step is emitted (DeepSpeed's buckets)
+    raw: list[tuple] = field(default_factory=list)
 
 
 HOLD_S = 0.25  # closed steps wait at most this long (seconds) to be emitted together
@@ -101,6 +104,8 @@ class ShardedRecorder:
         self.sample = sample  # bytes by category now (the memory meter), on measured steps
         self.measure_step = measure_step
         self.on_close = on_close
+        # makes a step's ``raw`` collectives into ``colls`` and ``holes`` when it is emitted (set by a tap)
+        self.expand: Callable[[ShardedStep], None] | None = None
         self.optimizer = None  # found at its first step (hooks._attach_optimizer_finder)
         self.current: ShardedStep | None = None
         self.next_step = 0
@@ -199,7 +204,7 @@ class ShardedRecorder:
         now = self.clock.stamp()
         self._cut(now)
         self._stack.append(None)
-        rec = Coll(kind=kind, unit=unit, phase=phase or self._phase(cur), nbytes=nbytes, start=now, prefetch=prefetch,
+        rec = Coll(kind=kind, unit=unit, phase=phase or self.phase_of(cur), nbytes=nbytes, start=now, prefetch=prefetch,
                    extra=extra, device=[self.clock.stamp_current(), None] if self.clock.resolves else None)
         cur.colls.append(rec)
         self.where = (unit, rec.phase, kind)
@@ -212,7 +217,7 @@ class ShardedRecorder:
         ``comm_start`` + ``comm_end``; its time leaves compute when the step is emitted. One
         call, not two that cut and resume the stack: each runs with the caches the
         collective just flushed, ~10x a warm call (benchmarks/deepspeed.py's pieces)."""
-        step.colls.append(Coll(kind, unit, phase or self._phase(step), nbytes, start, end, prefetch, None, extra))
+        step.colls.append(Coll(kind, unit, phase or self.phase_of(step), nbytes, start, end, prefetch, None, extra))
         step.holes.append((start, end))
 
     def wait_timed(self, step: ShardedStep, unit: int, start: Any, end: Any) -> None:
@@ -229,12 +234,14 @@ class ShardedRecorder:
         cur = self.current
         if cur is None:
             return None
-        rec = Coll(kind=kind, unit=unit, phase=phase or self._phase(cur), nbytes=nbytes, start=self.clock.stamp(),
+        rec = Coll(kind=kind, unit=unit, phase=phase or self.phase_of(cur), nbytes=nbytes, start=self.clock.stamp(),
                    prefetch=prefetch, extra=extra)
         cur.colls.append(rec)
         return rec
 
-    def _phase(self, cur: ShardedStep) -> str:
+    def phase_of(self, cur: ShardedStep) -> str:
+        """The pass a collective issued now in step ``cur`` runs in: autograd's backward, else the
+        innermost unit's pass, else the step's latest pass."""
         top = self._top()
         return BACKWARD if self.in_backward() else top[1] if top else \
             (BACKWARD if cur.passes and cur.passes[-1].backward_start is not None else FORWARD)
@@ -383,6 +390,8 @@ class ShardedRecorder:
             if self.clock.resolves:  # CUDA: every stamp of these steps in one batch (completed: no sync)
                 _resolve(ready, self.clock.resolve)
             for s in ready:
+                if s.raw and self.expand is not None:
+                    self.expand(s)
                 if s.holes:
                     s.segments = cut_holes(s.segments, s.holes)
                 self.steps_written += 1

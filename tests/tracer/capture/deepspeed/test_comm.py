@@ -1,14 +1,18 @@
 """The backend tap's pieces that need no DeepSpeed (tracer/capture/deepspeed/comm.py):
 message bytes, the collective's own signature read through a decorator that does not
 ``functools.wraps`` (as DeepSpeed's ``stage_on_cpu`` does), and a patched class that
-hands on unchanged while no tap is attached. The real collectives are timed in
+hands on unchanged while no tap is attached, and the short path of a bucket's reductions
+against a stand-in backend (a recorder of its own). The real collectives are timed in
 ``test_tracer.py`` (real DeepSpeed jobs)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from ddpscope.tracer.capture.clock import CpuClock
 from ddpscope.tracer.capture.deepspeed import comm
+from ddpscope.tracer.capture.sharded.recorder import BACKWARD, ROOT, ShardedRecorder
 
 
 def _no_wraps(func):  # DeepSpeed's stage_on_cpu: wrapper(self, *args, **kwargs), the function in its closure
@@ -52,3 +56,88 @@ def test_a_patched_backend_hands_on_unchanged_without_a_tap():
     b = Mine()
     assert b.all_gather_into_tensor(torch.zeros(8), torch.zeros(4), async_op=True) == ("gathered", 8, True)
     assert "all_reduce" not in Mine.__dict__  # only what the class itself defines
+
+
+class _Guard:
+    broken = None
+
+    def __init__(self) -> None:
+        self.errors: list[BaseException] = []
+
+    def fail(self, e: BaseException) -> None:
+        self.errors.append(e)
+        self.broken = str(e)
+
+
+class _Clock(CpuClock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.skew_ns = 7_000_000_000  # 7 s: the short path's ns stamps must get it as the clock's own do
+
+
+def test_a_buckets_reductions_on_the_short_path_are_the_records_the_general_path_makes():
+    """A bucket's synchronous reductions skip ``before``/``after`` (two ns stamps and a tuple
+    into the step) and become records when the step is emitted: the same kind, unit, pass,
+    bytes, args and span as the general path gives, in start order among the async
+    gathers, cut out of compute; the live file says the rank is in it while it runs; an
+    error of the collective reaches the caller once, the collective run once."""
+    calls: list[str] = []
+    seen_where: list = []
+
+    class Mine:
+        def all_reduce(self, tensor, op=None, group=None, async_op=False):
+            calls.append("all_reduce")
+            seen_where.append(comm._TAP.recorder.where)
+            if tensor.numel() == 3:
+                raise RuntimeError("the script's own error")
+            return None
+
+        def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
+            calls.append("all_gather")
+            return None  # nothing to watch: done as launched
+
+    comm.patch_backend(Mine)
+    emitted: list = []
+    rec = ShardedRecorder(clock=_Clock(), emit=emitted.append)
+    guard = _Guard()
+    tap = comm.CommTap(rec, {}, {}, guard)
+    tap.attach(Mine)
+    b = Mine()
+    try:
+        rec.on_forward_start()
+        rec.enter(ROOT, BACKWARD)
+        tap.bucket = (2, comm.bucket_args(0, 5, "a.weight", "b.bias"), BACKWARD)
+        assert b.all_reduce(torch.zeros(10), None, None, False) is None  # positional, as DeepSpeed calls it
+        assert seen_where[-1] == (2, BACKWARD, "all_reduce") and rec.where != seen_where[-1]
+        tap.bucket = None
+        b.all_gather_into_tensor(torch.zeros(8), torch.zeros(4), async_op=True)  # the general path: a gather
+        tap.bucket = (3, comm.bucket_args(1, 1, "c.weight", "c.weight"), BACKWARD)
+        b.all_reduce(tensor=torch.zeros(4, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match="the script's own error"):
+            b.all_reduce(torch.zeros(3))
+        tap.bucket = None
+        assert len(rec.current.raw) == 3 and len(rec.current.colls) == 1  # recorded bare until emitted
+        rec.leave(ROOT, BACKWARD)
+        rec.on_backward_end()
+        rec.on_optimizer_start()
+        rec.on_optimizer_end()
+        rec.finish(aborted=False)
+    finally:
+        tap.detach()
+    assert calls == ["all_reduce", "all_gather", "all_reduce", "all_reduce"]  # each once
+    assert guard.errors == []
+    (s,) = emitted
+    assert s.raw == []
+    got = [(c.kind, c.unit, c.phase, c.nbytes, (c.extra or {}).get("zero"), (c.extra or {}).get("bucket"),
+            (c.extra or {}).get("op")) for c in s.colls]
+    assert got == [("all_reduce", 2, BACKWARD, 40, comm.GRAD_BUCKET, 0, "all_reduce"),
+                   ("all_gather", -1, BACKWARD, 32, comm.OTHER, None, "all_gather_into_tensor"),
+                   ("all_reduce", 3, BACKWARD, 32, comm.GRAD_BUCKET, 1, "all_reduce"),
+                   ("all_reduce", 3, BACKWARD, 12, comm.GRAD_BUCKET, 1, "all_reduce")]
+    assert s.colls[0].extra["first_param"] == "a.weight" and s.colls[0].extra["params"] == 5
+    starts = [c.start for c in s.colls]
+    assert starts == sorted(starts) and all(c.end >= c.start for c in s.colls)
+    assert s.start <= starts[0] and s.colls[-1].end <= s.end  # the skew applied: on the clock's axis
+    for c in s.colls:
+        if c.kind == "all_reduce":  # no compute inside a reduction
+            assert not any(a < c.end and b > c.start for _, _, a, b in s.segments)
