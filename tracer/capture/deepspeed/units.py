@@ -1,6 +1,9 @@
 """A DeepSpeed model's units, as ddpscope names its collectives: one per module that
 holds parameters of its own (``recurse=False``), in the order ``named_modules`` lists
 them, the top module first (``(root)``, with whatever parameters it holds directly).
+A parameter shared by several modules (tied weights: GPT-2's ``lm_head`` and ``wte``)
+is its first holder's, counted once, as DeepSpeed partitions it once; a module whose
+parameters are all another's is no unit of its own (its fetches are that unit's).
 At ZeRO-3 these are exactly what DeepSpeed fetches: ``fetch_sub_module`` gathers a
 module's own parameters. At stages 1-2 a gradient bucket is named for the unit of its
 first parameter.
@@ -51,8 +54,11 @@ def find_units(module: torch.nn.Module, stage: int, world: int, itemsize: int) -
     by_param: dict[int, int] = {}
     by_module: dict[int, int] = {}
     for name, m in module.named_modules():
-        own = list(m.named_parameters(recurse=False))
+        held = list(m.named_parameters(recurse=False))
+        own = [(n, p) for n, p in held if id(p) not in by_param]  # tied: the first holder's
         if not own and name:
+            if held:  # only tied parameters: the module's fetches gather its first parameter's unit
+                by_module[id(m)] = by_param[id(held[0][1])]
             continue
         k = len(units)
         counts = [numel(p) for _, p in own]

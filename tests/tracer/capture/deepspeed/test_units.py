@@ -35,3 +35,26 @@ def test_zero3_sizes_come_from_ds_numel():
         p.data = torch.empty(0)
     units, _, _ = find_units(net, stage=3, world=2, itemsize=2)
     assert units[0].numel == 20 and units[0].unsharded_bytes == 40 and units[0].reshard_after_forward
+
+
+def test_tied_weights_count_once_in_their_first_holder():
+    """GPT-2's head shares the embedding's weight: DeepSpeed partitions it once, so the
+    units' bytes (the ZeRO model's D) count it once, in the embedding's unit; the head,
+    holding nothing else, is no unit: its fetches are the embedding's, not a prefetch."""
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(10, 4)
+            self.mid = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.out = nn.Linear(4, 10)
+            self.head.weight = self.wte.weight
+            self.out.weight = self.wte.weight  # tied too, with a bias of its own
+
+    net = Tied()
+    units, unit_of, owner_of = find_units(net, stage=3, world=2, itemsize=4)
+    assert [u.name for u in units] == [ROOT_NAME, "wte", "mid", "out"]
+    assert [u.numel for u in units] == [0, 40, 20, 10]
+    assert sum(u.unsharded_bytes for u in units) == 4 * sum(p.numel() for p in net.parameters())  # each once
+    assert units[3].param_names == ["out.bias"]
+    assert unit_of[id(net.wte.weight)] == 1 and owner_of[id(net.head)] == 1 and owner_of[id(net.out)] == 3
