@@ -136,7 +136,8 @@ def worker(args: argparse.Namespace) -> None:
 # ddpscope's, with a bucket's reductions recorded on the short path inside them: comm.CommTap)
 # are not timed: the ratios above hold them.
 PIECES = {
-    "collectives: who issued them (comm.CommTap)": ("tap.before", "tap.after", "tap.poll", "tap.step_ends"),
+    "collectives: who issued them (comm.CommTap)": ("tap.launch", "tap.landed", "tap.issued", "tap.poll",
+                                                    "tap.step_ends"),
     "collective records": ("comm_start", "comm_end", "comm_async", "expand"),
     "passes and waits": ("on_forward_start", "on_forward_end", "enter", "leave", "wait_start", "wait_end",
                          "on_backward_end", "on_optimizer_start", "on_optimizer_end"),
@@ -220,12 +221,12 @@ def hot_path(calls: int = 2000) -> dict[str, tuple[float, float]]:
     out = {}
     tap.attach(StandIn)
     try:
-        for path in ("no step of the traced engine open", "a bucket's reduction (short path)",
-                     "any other collective (general path)"):
+        for path in ("no step of the traced engine open", "a bucket's reduction",
+                     "any other synchronous collective (its issuer found)"):
             if path.startswith("a bucket"):
                 rec.on_forward_start()
                 rec.enter(ROOT, BACKWARD)
-                tap.bucket = (0, comm.bucket_args(0, 2, "a.weight", "a.bias"), BACKWARD)
+                tap.bucket = (0, comm.bucket_args(0, 2, "a.weight", "a.bias"), BACKWARD, False)
             elif path.startswith("any other"):
                 tap.bucket = None
             costs = []

@@ -88,27 +88,31 @@ class CommTap:
 
     ``unit_of``: ``id(param) -> unit``; ``owner_of``: ``id(module) -> unit``;
     ``guard``: the tracer's ``HookGuard``. ``bucket`` is set by the bucket wrappers
-    for the length of a bucket's reduction: ``(unit, event args, phase)`` (``bucket_args``;
-    the phase its reduction runs in, as ``ShardedRecorder._phase`` says it then).
+    for the length of a bucket's reduction: its *issuer*, ``(unit, event args, phase,
+    prefetch)`` (``bucket_args``; the pass its reduction runs in, as
+    ``ShardedRecorder.phase_of`` says it then).
 
-    A bucket's synchronous reductions, most of a stage 1-2 step's collectives, take the
-    wrapper's short path on the host clock: two ``perf_counter_ns`` and one tuple into the
-    step's ``raw``, made into records when the step is emitted (``expand``). The general
-    path (``before``/``after``) costs ~18 µs a collective here, the short one ~6 µs: each
-    runs on the caches the collective has just flushed, where every object and function
-    touched is a miss (warm, ~1.8 µs and ~0.5 µs: benchmarks/deepspeed.py's ``hot path``)."""
+    A synchronous collective (every one at stages 1-2, the reduce-scatters at 3) takes the
+    wrapper's short path: its issuer, two ``perf_counter_ns`` and one tuple into the step's
+    ``raw``, made into records when the step is emitted (``expand``). Recording it as it
+    returns cost ~20 µs a collective here, the short path ~5-10 µs (a bucket's, whose
+    issuer is made once per bucket): each runs on the caches the collective has just
+    flushed, where every object and function touched is a miss (warm: ~2.3 and ~0.5 µs;
+    benchmarks/deepspeed.py's ``hot path``). An async one (ZeRO-3's gathers) is recorded
+    as it is launched (``launch``) and stamped done when seen done (``landed``, ``poll``).
+    Host clock only: DeepSpeed's collectives are timed as the host launched and saw them."""
 
     def __init__(self, recorder, unit_of: dict[int, int], owner_of: dict[int, int], guard) -> None:
+        clock = recorder.clock
+        if not isinstance(clock, CpuClock):  # the short path's stamps are perf_counter_ns
+            raise TypeError(f"DeepSpeed's collectives are timed on the host clock, not {type(clock).__name__}")
         self.recorder = recorder
         self.unit_of = unit_of
         self.owner_of = owner_of
         self.guard = guard
         self.thread = get_ident()  # the training thread: ZeRO's collectives are issued there
-        self.bucket: tuple[int, dict, str] | None = None
-        # the short path's stamps are perf_counter_ns: the host clock's (with its test skew); off
-        # for a clock whose stamps are not host times
-        clock = recorder.clock
-        self.skew_ns: int | None = clock.skew_ns if isinstance(clock, CpuClock) else None
+        self.bucket: tuple[int, dict, str, bool] | None = None
+        self.skew_ns: int = clock.skew_ns  # test-only skew: ns stamps get it as the clock's own do
         recorder.expand = self.expand
         self.in_step = False  # inside the engine's optimizer step (set by the tracer's step wrapper)
         self.pending: list[tuple[Any, Any]] = []  # (Coll, Work) launched async, not yet seen done
@@ -149,56 +153,45 @@ class CommTap:
         self.poll()
         self.pending = []
 
-    def expand(self, step: ShardedStep) -> None:
-        """The step's ``raw`` collectives (``(start_ns, end_ns, kind, method, bytes, bucket)``,
-        the short path's) as records and holes in compute, all collectives in start order."""
-        skew = self.skew_ns or 0
-        colls, holes = step.colls, step.holes
-        for start, end, kind, method, size, (unit, args, phase) in step.raw:
-            a, b = (start + skew) / 1000.0, (end + skew) / 1000.0
-            colls.append(Coll(kind, unit, phase, size, a, b, False, None, {**args, "op": method}))
-            holes.append((a, b))
-        step.raw = []
-        colls.sort(key=_start)
-
-    def before(self, kind: str, method: str, tensor: Any, is_async: bool, frame) -> Any:
-        """What ``after`` needs to record the collective (None: not traced): an async one's
-        record (``comm_async``), or a synchronous one's facts and start, recorded whole by
-        ``after`` (``comm_timed``). Called around every collective of the process, so the
-        pair touches as little as it can: each call runs with caches the collective's
-        tensors have just flushed (~10x a warm call's cost, benchmarks/deepspeed.py)."""
+    def issued(self, kind: str, frame) -> tuple[int, dict, str, bool]:
+        """The issuer of a synchronous collective outside a bucket, called by ``frame``."""
+        unit, prefetch, extra = self._issuer(kind, frame)
         rec = self.recorder
-        step = rec.current
-        if step is None or get_ident() != self.thread:
-            return None
-        if self.pending:
-            self.poll()
+        return unit, extra, "optimizer" if self.in_step else rec.phase_of(rec.current), prefetch
+
+    def expand(self, step: ShardedStep) -> None:
+        """The step's ``raw`` collectives (``(start_ns, end_ns, kind, method, bytes, issuer)``,
+        the short path's) as records and holes in compute, all collectives in start order."""
+        skew, timed = self.skew_ns, self.recorder.comm_timed
+        for start, end, kind, method, size, (unit, args, phase, prefetch) in step.raw:
+            timed(step, kind, unit, size, prefetch, phase, {**args, "op": method},
+                  (start + skew) / 1000.0, (end + skew) / 1000.0)
+        step.raw = []
+        step.colls.sort(key=_start)
+
+    def launch(self, kind: str, method: str, tensor: Any, frame) -> Coll | None:
+        """An async collective launched now (ZeRO-3's gathers): its record, open until seen done."""
         bucket = self.bucket
         if bucket is not None:
-            unit, prefetch, extra, phase = bucket[0], False, {**bucket[1], "op": method}, bucket[2]
+            unit, prefetch, extra, phase = bucket[0], bucket[3], {**bucket[1], "op": method}, bucket[2]
         else:
-            unit, prefetch, extra = self._issuer(frame)
+            unit, prefetch, extra = self._issuer(kind, frame)
             extra["op"] = method
             phase = "optimizer" if self.in_step else None
-        if is_async:
-            return rec.comm_async(kind, unit, nbytes(tensor), prefetch, phase, extra)
-        where, rec.where = rec.where, (unit, phase or "", kind)  # the live file: in this collective now
-        return (step, kind, unit, nbytes(tensor), prefetch, phase, extra, where, rec.clock.stamp())
+        return self.recorder.comm_async(kind, unit, nbytes(tensor), prefetch, phase, extra)
 
-    def after(self, span: Any, is_async: bool, result: Any) -> None:
-        rec = self.recorder
-        if not is_async:
-            end = rec.clock.stamp()
-            step, kind, unit, size, prefetch, phase, extra, where, start = span
-            rec.where = where
-            rec.comm_timed(step, kind, unit, size, prefetch, phase, extra, start, end)
-        elif result is None or not hasattr(result, "is_completed"):  # nothing to watch: done as launched
-            span.end = rec.clock.stamp()
+    def landed(self, coll: Coll, result: Any) -> None:
+        """The async collective's call returned ``result`` (its Work: watched until done)."""
+        if result is None or not hasattr(result, "is_completed"):  # nothing to watch: done as launched
+            coll.end = self.recorder.clock.stamp()
         else:
-            self.pending.append((span, result))
+            self.pending.append((coll, result))
 
-    def _issuer(self, frame) -> tuple[int, bool, dict]:
-        """(unit, prefetch, event args) of the collective whose caller is ``frame``."""
+    def _issuer(self, kind: str, frame) -> tuple[int, bool, dict]:
+        """(unit, prefetch, event args) of the collective of ``kind`` whose caller is ``frame``:
+        ZeRO's fetches and after-step gathers are all-gathers, anything else is ``other``."""
+        if kind != "all_gather":
+            return -1, False, {"zero": OTHER}
         f = frame
         for _ in range(_DEPTH):
             if f is None:
@@ -267,46 +260,45 @@ def _wrapped(original, method: str):
         tap = _TAP
         if tap is None or tap.recorder.current is None or tap.guard.broken is not None:  # nothing to trace
             return original(*args, **kwargs)
-        size = -1  # >= 0: a bucket's synchronous reduction, on the short path (the tap's docstring)
+        size, coll = -1, None  # size >= 0: a synchronous collective, on the short path (CommTap's docstring)
         try:
-            tensor = None if at is None else args[at] if len(args) > at else kwargs.get(message)
-            is_async = bool(False if asy is None else args[asy] if len(args) > asy
-                            else kwargs.get("async_op", asy_default))
-            bucket = tap.bucket
-            if bucket is not None and not is_async and tap.skew_ns is not None:
-                rec = tap.recorder
-                step = rec.current
-                if step is not None and get_ident() == tap.thread:
+            if get_ident() == tap.thread:
+                tensor = None if at is None else args[at] if len(args) > at else kwargs.get(message)
+                is_async = bool(False if asy is None else args[asy] if len(args) > asy
+                                else kwargs.get("async_op", asy_default))
+                if tap.pending:
+                    tap.poll()  # the gathers done by now: stamped no later than this collective
+                if is_async:
+                    coll = tap.launch(kind, method, tensor, sys._getframe(1))
+                else:
+                    issuer = tap.bucket or tap.issued(kind, sys._getframe(1))
+                    rec = tap.recorder
+                    step = rec.current
                     try:
                         size = tensor.nbytes  # numel x element size
                     except AttributeError:  # a list of tensors, or none
                         size = nbytes(tensor)
-            coll = tap.before(kind, method, tensor, is_async, sys._getframe(1)) if size < 0 else None
         except Exception as e:  # noqa: BLE001 - a tracer error stops tracing, never the collective
             tap.guard.fail(e)
             coll, size = None, -1
         if size >= 0:  # as little touched as can be: each thing is a cache miss after the collective
-            where, rec.where = rec.where, (bucket[0], bucket[2], kind)  # the live file: in it now
+            where, rec.where = rec.where, (issuer[0], issuer[2], kind)  # the live file: in it now
             start = perf_counter_ns()
             try:
-                return original(*args, **kwargs)  # its errors are the script's, its span ends with them
+                return original(*args, **kwargs)  # its errors are the script's; its span ends with them
             finally:
-                step.raw.append((start, perf_counter_ns(), kind, method, size, bucket))
+                step.raw.append((start, perf_counter_ns(), kind, method, size, issuer))
                 rec.where = where
         if coll is None:
             return original(*args, **kwargs)
+        result = None
         try:
             result = original(*args, **kwargs)
-        except BaseException:
+        finally:  # an error's span ends with it; the error is the script's
             try:
-                tap.after(coll, is_async, None)  # the span ends with the error; the error is the script's
+                tap.landed(coll, result)
             except Exception as e:  # noqa: BLE001
                 tap.guard.fail(e)
-            raise
-        try:
-            tap.after(coll, is_async, result)
-        except Exception as e:  # noqa: BLE001
-            tap.guard.fail(e)
         return result
 
     collective._ddpscope = True

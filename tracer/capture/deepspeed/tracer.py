@@ -233,7 +233,7 @@ class DeepSpeedTracer(FSDPTracer):
                 self._bucket[1] += 1
                 tap.bucket = (unit_of.get(id(first), -1),
                               bucket_args(index, count, names.get(id(first), "?"), names.get(id(last), "?")),
-                              "optimizer" if tap.in_step else rec.phase_of(cur))  # its reductions' pass
+                              "optimizer" if tap.in_step else rec.phase_of(cur), False)  # its reductions' pass
 
             self._guarded(start)
             try:

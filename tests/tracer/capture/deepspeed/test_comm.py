@@ -75,12 +75,14 @@ class _Clock(CpuClock):
         self.skew_ns = 7_000_000_000  # 7 s: the short path's ns stamps must get it as the clock's own do
 
 
-def test_a_buckets_reductions_on_the_short_path_are_the_records_the_general_path_makes():
-    """A bucket's synchronous reductions skip ``before``/``after`` (two ns stamps and a tuple
-    into the step) and become records when the step is emitted: the same kind, unit, pass,
-    bytes, args and span as the general path gives, in start order among the async
-    gathers, cut out of compute; the live file says the rank is in it while it runs; an
-    error of the collective reaches the caller once, the collective run once."""
+def test_synchronous_collectives_on_the_short_path_become_the_records_of_their_issuers():
+    """A synchronous collective is recorded bare (two ns stamps and a tuple into the step)
+    and becomes a record when the step is emitted: a bucket's reductions with the bucket's
+    unit, pass and args; an all-gather called by ZeRO's after-step gather
+    (``all_gather_dp_groups``) in the optimizer step as ``param_allgather``; any other as
+    ``other``; each with its bytes and span, in start order among the async gathers
+    (recorded as launched), cut out of compute. The live file says the rank is in it while
+    it runs; an error of the collective reaches the caller once, the collective run once."""
     calls: list[str] = []
     seen_where: list = []
 
@@ -96,6 +98,9 @@ def test_a_buckets_reductions_on_the_short_path_are_the_records_the_general_path
             calls.append("all_gather")
             return None  # nothing to watch: done as launched
 
+    def all_gather_dp_groups(b):  # named as DeepSpeed's after-step gather
+        b.all_gather_into_tensor(torch.zeros(6), torch.zeros(3))
+
     comm.patch_backend(Mine)
     emitted: list = []
     rec = ShardedRecorder(clock=_Clock(), emit=emitted.append)
@@ -106,12 +111,12 @@ def test_a_buckets_reductions_on_the_short_path_are_the_records_the_general_path
     try:
         rec.on_forward_start()
         rec.enter(ROOT, BACKWARD)
-        tap.bucket = (2, comm.bucket_args(0, 5, "a.weight", "b.bias"), BACKWARD)
+        tap.bucket = (2, comm.bucket_args(0, 5, "a.weight", "b.bias"), BACKWARD, False)
         assert b.all_reduce(torch.zeros(10), None, None, False) is None  # positional, as DeepSpeed calls it
         assert seen_where[-1] == (2, BACKWARD, "all_reduce") and rec.where != seen_where[-1]
         tap.bucket = None
-        b.all_gather_into_tensor(torch.zeros(8), torch.zeros(4), async_op=True)  # the general path: a gather
-        tap.bucket = (3, comm.bucket_args(1, 1, "c.weight", "c.weight"), BACKWARD)
+        b.all_gather_into_tensor(torch.zeros(8), torch.zeros(4), async_op=True)  # async: recorded as launched
+        tap.bucket = (3, comm.bucket_args(1, 1, "c.weight", "c.weight"), BACKWARD, False)
         b.all_reduce(tensor=torch.zeros(4, dtype=torch.float64))
         with pytest.raises(RuntimeError, match="the script's own error"):
             b.all_reduce(torch.zeros(3))
@@ -120,11 +125,15 @@ def test_a_buckets_reductions_on_the_short_path_are_the_records_the_general_path
         rec.leave(ROOT, BACKWARD)
         rec.on_backward_end()
         rec.on_optimizer_start()
+        tap.in_step = True
+        b.all_reduce(torch.zeros(1))  # the gradient norm's
+        all_gather_dp_groups(b)
+        tap.in_step = False
         rec.on_optimizer_end()
         rec.finish(aborted=False)
     finally:
         tap.detach()
-    assert calls == ["all_reduce", "all_gather", "all_reduce", "all_reduce"]  # each once
+    assert calls == ["all_reduce", "all_gather", "all_reduce", "all_reduce", "all_reduce", "all_gather"]  # once each
     assert guard.errors == []
     (s,) = emitted
     assert s.raw == []
@@ -133,8 +142,11 @@ def test_a_buckets_reductions_on_the_short_path_are_the_records_the_general_path
     assert got == [("all_reduce", 2, BACKWARD, 40, comm.GRAD_BUCKET, 0, "all_reduce"),
                    ("all_gather", -1, BACKWARD, 32, comm.OTHER, None, "all_gather_into_tensor"),
                    ("all_reduce", 3, BACKWARD, 32, comm.GRAD_BUCKET, 1, "all_reduce"),
-                   ("all_reduce", 3, BACKWARD, 12, comm.GRAD_BUCKET, 1, "all_reduce")]
+                   ("all_reduce", 3, BACKWARD, 12, comm.GRAD_BUCKET, 1, "all_reduce"),
+                   ("all_reduce", -1, "optimizer", 4, comm.OTHER, None, "all_reduce"),
+                   ("all_gather", -1, "optimizer", 24, comm.PARAM_ALLGATHER, None, "all_gather_into_tensor")]
     assert s.colls[0].extra["first_param"] == "a.weight" and s.colls[0].extra["params"] == 5
+    assert not any(c.prefetch for c in s.colls)
     starts = [c.start for c in s.colls]
     assert starts == sorted(starts) and all(c.end >= c.start for c in s.colls)
     assert s.start <= starts[0] and s.colls[-1].end <= s.end  # the skew applied: on the clock's axis

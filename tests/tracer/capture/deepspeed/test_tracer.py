@@ -77,6 +77,35 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
         assert own[r]["losses"] == checks(plain)[r]["losses"]
 
 
+def test_hugging_face_trainer_under_deepspeed_is_traced_with_its_tied_weights_counted_once(tmp_path):
+    """The Trainer builds DeepSpeed's engine itself (through Accelerate): it is traced, each
+    step's buckets carry every gradient once, D counts GPT-2's tied head and embedding
+    once (as DeepSpeed partitions it: the model's own parameter count, the instrument), the
+    measured model states sit on the ZeRO model's, and training is bit-identical."""
+    pytest.importorskip("transformers")
+    script = (str(ROOT / "tests" / "workers" / "hf_deepspeed_train.py"), "--stage", "2", "--steps", "4")
+    proc, out, report = trace_script(tmp_path, *script, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    own = checks(report)
+    run = json.loads((out / fmt.RUN_FILE).read_text())
+    assert run["sharding"]["framework"] == "deepspeed" and run["sharding"]["stage"] == own[0]["stage"] == 2
+    assert run["status"] == fmt.COMPLETE and own[0]["global_step"] == 4
+    trace = _load(out)
+    numel = own[0]["numel"]
+    assert int(trace.shards.units["unsharded_bytes"].sum()) == 4 * numel  # the tied weight once
+    assert "lm_head" not in set(trace.shards.units["name"])  # holds only the tied weight: wte's unit
+    colls = trace.shards.colls
+    for (rank, step), c in colls.groupby(["rank", "step"]):
+        assert c[c["issued_by"] == "grad_bucket"]["bytes"].sum() == 4 * numel, (rank, step)
+    summary = run_cli("summary", str(out))
+    assert summary.returncode == 0 and "ZeRO stage 2" in summary.stdout
+    measured = [float(line.split()[-1]) for line in summary.stdout.splitlines() if line.strip().startswith("measured")]
+    assert len(measured) == 2 and all(0.95 <= m <= 1.05 for m in measured), summary.stdout
+    plain = untraced(tmp_path, *script)
+    for r in (0, 1):
+        assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
+
+
 def test_zero3_persistent_parameters_gathered_after_the_step_end_in_their_step(tmp_path):
     """DeepSpeed's default keeps parameters under stage3_param_persistence_threshold whole and
     gathers them after every step (``_post_step``), waiting on torch's own Works: those

@@ -1,0 +1,67 @@
+"""Hugging Face Trainer with DeepSpeed ZeRO, as its users run it (the user's code: nothing
+of ddpscope's in it): a tiny GPT-2 (its head tied to the token embedding) from
+``GPT2Config`` (no download), random tokens, DeepSpeed's config as a dict in
+``TrainingArguments(deepspeed=...)``; the Trainer builds the engine through Accelerate.
+
+``--report DIR``: rank r writes DIR/check-rank<r>.json after training: the parameters'
+checksum, their count (each once: the tied weight is one parameter), the stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+
+class RandomTokens(Dataset):
+    def __init__(self, n: int = 256, length: int = 32, vocab: int = 256) -> None:
+        self.data = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--report", required=True)
+    args = p.parse_args()
+    os.makedirs(args.report, exist_ok=True)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    # explicit sizes: the Trainer's "auto" fills train_batch_size for one process on CPU
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+          "zero_optimization": {"stage": args.stage, "reduce_bucket_size": 20000}}
+    training = TrainingArguments(output_dir=os.path.join(args.report, "hf"), per_device_train_batch_size=4,
+                                 max_steps=args.steps, deepspeed=ds, save_strategy="no", report_to=[],
+                                 logging_steps=2, learning_rate=3e-4, seed=0, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=training, train_dataset=RandomTokens())
+    trainer.train()
+    engine = trainer.model_wrapped
+    digest = hashlib.sha256()
+    for name, param in sorted(engine.module.named_parameters()):
+        digest.update(name.encode())
+        digest.update(param.detach().float().numpy().tobytes())
+    rank = dist.get_rank()
+    with open(os.path.join(args.report, f"check-rank{rank}.json"), "w") as f:
+        json.dump({"params_sha256": digest.hexdigest(), "class": type(engine).__name__,
+                   "stage": engine.zero_optimization_stage(),
+                   "numel": sum(p.numel() for p in engine.module.parameters()),
+                   "global_step": trainer.state.global_step}, f)
+    engine.destroy()
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
