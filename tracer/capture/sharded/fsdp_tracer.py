@@ -297,4 +297,5 @@ def position(recorder: ShardedRecorder, names: list[str]) -> dict:
     else:
         where = "forward" if cur.passes and cur.passes[-1].backward_start is None else "backward"
     return {"step": cur.step, "steps_done": cur.step, "phase": where,
-            "activity": [cur.step, len(cur.passes), len(cur.segments), len(cur.colls) + len(cur.raw), len(cur.waits)]}
+            "activity": [cur.step, len(cur.passes), len(cur.segments), len(cur.colls) + len(cur.raw),
+                         len(cur.waits)]}

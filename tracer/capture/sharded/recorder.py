@@ -82,7 +82,7 @@ class ShardedStep:
     # returned (``comm_timed``, ``wait_timed``); cut out of the compute segments when emitted
     holes: list[tuple[Any, Any]] = field(default_factory=list)
     # collectives a tap recorded as bare tuples on the hot path, made into ``colls`` and
-    # ``holes`` by the recorder's ``expand`` when the step is emitted (DeepSpeed's buckets)
+    # ``holes`` by the recorder's ``expand`` when the step is emitted (DeepSpeed's synchronous ones)
     raw: list[tuple] = field(default_factory=list)
 
 
