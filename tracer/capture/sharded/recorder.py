@@ -17,15 +17,14 @@ the bottom of the stack even when its pre-backward runs after a child's (its out
 child's: a body's hidden states whose backward the script starts itself).
 
 Times are clock stamps (``clock.py``): µs on CPU; on CUDA, events resolved in one batch
-when the step closes. Closed steps are handed to ``emit`` in batches, at most ``HOLD_S``
-old: one step's events cost ~250 µs to make and encode right after a step (its tensors
-have flushed the caches) and ~40 % less each in a batch (measured on a 30 ms DeepSpeed
-step: benchmarks/deepspeed.py). A rank that stops closing steps (a hang, a long
-evaluation) for ``STALL_S`` has what it holds written by the live file's thread
-(``flush_held``), so a run killed later keeps every step that finished; while steps keep
-closing that thread writes nothing (its encode would take the GIL from the step). Runs on the training thread; the autograd thread is the same one
-on CPU (on CUDA, autograd's device thread calls the backward hooks: the stack is per
-pass, and a backward hook never runs while a forward does).
+when the step closes. Closed steps go to ``emit`` in batches at most ``HOLD_S`` old: a
+step's events cost ~250 µs to make and encode right after it (its tensors have flushed
+the caches), ~40 % less each in a batch (benchmarks/deepspeed.py). A rank that stops
+closing steps (a hang, a long evaluation) for ``STALL_S`` has them written by the live
+file's thread (``flush_held``), so a run killed later keeps every step that finished.
+Runs on the training thread; the autograd thread is the same one on CPU (on CUDA,
+autograd's device thread calls the backward hooks: the stack is per pass, and a
+backward hook never runs while a forward does).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ddpscope.tracer.capture.clock import Clock, steps_to_keep
+from ddpscope.tracer.capture.sharded.step_times import cut_holes, resolve_steps
 
 FORWARD, BACKWARD = "forward", "backward"
 ROOT = 0  # the root unit's index (units.find_units lists it first)
@@ -81,9 +81,7 @@ class ShardedStep:
     # (start, end): the training thread inside a collective or a wait recorded whole after it
     # returned (``comm_timed``, ``wait_timed``); cut out of the compute segments when emitted
     holes: list[tuple[Any, Any]] = field(default_factory=list)
-    # collectives a tap recorded as bare tuples on the hot path, made into ``colls`` and
-    # ``holes`` by the recorder's ``expand`` when the step is emitted (DeepSpeed's synchronous ones)
-    raw: list[tuple] = field(default_factory=list)
+    raw: list[tuple] = field(default_factory=list)  # a tap's bare records: made ``colls`` by ``expand``
 
 
 HOLD_S = 0.25  # closed steps wait at most this long (seconds) to be emitted together
@@ -104,8 +102,7 @@ class ShardedRecorder:
         self.sample = sample  # bytes by category now (the memory meter), on measured steps
         self.measure_step = measure_step
         self.on_close = on_close
-        # makes a step's ``raw`` collectives into ``colls`` and ``holes`` when it is emitted (set by a tap)
-        self.expand: Callable[[ShardedStep], None] | None = None
+        self.expand: Callable[[ShardedStep], None] | None = None  # a step's raw into colls, when emitted
         self.optimizer = None  # found at its first step (hooks._attach_optimizer_finder)
         self.current: ShardedStep | None = None
         self.next_step = 0
@@ -212,11 +209,9 @@ class ShardedRecorder:
 
     def comm_timed(self, step: ShardedStep, kind: str, unit: int, nbytes: int, prefetch: bool, phase: str | None,
                    extra: dict | None, start: Any, end: Any) -> None:
-        """A synchronous collective of ``step`` that ran from ``start`` to ``end``, recorded in
-        one call after it returned (host clocks only: DeepSpeed's tap). The same record as
-        ``comm_start`` + ``comm_end``; its time leaves compute when the step is emitted. One
-        call, not two that cut and resume the stack: each runs with the caches the
-        collective just flushed, ~10x a warm call (benchmarks/deepspeed.py's pieces)."""
+        """A synchronous collective of ``step`` that ran from ``start`` to ``end`` (host clocks:
+        DeepSpeed's tap): the record ``comm_start`` + ``comm_end`` make, its time left out of
+        compute when the step is emitted, without cutting and resuming the stack."""
         step.colls.append(Coll(kind, unit, phase or self.phase_of(step), nbytes, start, end, prefetch, None, extra))
         step.holes.append((start, end))
 
@@ -388,7 +383,7 @@ class ShardedRecorder:
             ready, self._lag = self._lag[:count], self._lag[count:]
             self._last_flush = time.monotonic()
             if self.clock.resolves:  # CUDA: every stamp of these steps in one batch (completed: no sync)
-                _resolve(ready, self.clock.resolve)
+                resolve_steps(ready, self.clock.resolve)
             for s in ready:
                 if s.raw and self.expand is not None:
                     self.expand(s)
@@ -397,62 +392,3 @@ class ShardedRecorder:
                 self.steps_written += 1
                 self.emit(s)
 
-
-def cut_holes(segments: list[tuple[int, str, Any, Any]], holes: list[tuple[Any, Any]]
-              ) -> list[tuple[int, str, float, float]]:
-    """``segments`` (unit, phase, start, end) less every ``(start, end)`` of ``holes``: each
-    segment split around the holes inside it (pieces of no length dropped), in order."""
-    merged: list[list[float]] = []
-    for a, b in sorted(holes):
-        if b is None or b <= a:
-            continue
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    out = []
-    for unit, phase, ts, te in segments:
-        for a, b in merged:
-            if b <= ts or a >= te:
-                continue
-            if a > ts:
-                out.append((unit, phase, ts, a))
-            ts = max(ts, b)
-            if ts >= te:
-                break
-        if te > ts:
-            out.append((unit, phase, ts, te))
-    return out
-
-
-def _resolve(steps: list[ShardedStep], resolve: Callable[[list], list]) -> None:
-    stamps: list[Any] = []
-    for s in steps:
-        stamps += [s.start, s.end, *(s.optimizer or (None, None))]
-        for p in s.passes:
-            stamps += [*p.forward, p.backward_start, p.backward_end]
-        for seg in s.segments + s.waits:
-            stamps += [seg[2], seg[3]]
-        for c in s.colls:
-            stamps += [c.start, c.end, *(c.device or (None, None))]
-        for h in s.holes:
-            stamps += h
-        stamps += [m["ts"] for m in s.memory]
-    times = iter(resolve(stamps))
-    for s in steps:
-        s.start, s.end = next(times), next(times)
-        opt = [next(times), next(times)]
-        s.optimizer = opt if s.optimizer else None
-        for p in s.passes:
-            p.forward = [next(times), next(times)]
-            p.backward_start, p.backward_end = next(times), next(times)
-        s.segments = [(u, ph, next(times), next(times)) for u, ph, _, _ in s.segments]
-        s.waits = [(u, ph, next(times), next(times)) for u, ph, _, _ in s.waits]
-        for c in s.colls:
-            c.start, c.end = next(times), next(times)
-            begin, end = next(times), next(times)
-            if begin is not None and end is not None:  # CUDA: the collective's own stream times it
-                c.start, c.end = begin, end
-        s.holes = [(next(times), next(times)) for _ in s.holes]
-        for m in s.memory:
-            m["ts"] = next(times)

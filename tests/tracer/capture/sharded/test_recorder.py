@@ -233,12 +233,3 @@ def test_a_collective_or_wait_recorded_whole_cuts_compute_as_one_recorded_at_bot
         [(c.kind, c.unit, c.phase, c.nbytes, c.start, c.end, c.extra) for c in b.colls]
     assert [c.phase for c in b.colls] == [FORWARD, FORWARD, BACKWARD]
 
-
-def test_holes_are_cut_out_of_segments_wherever_they_fall():
-    segs = [(0, FORWARD, 0.0, 10.0), (1, BACKWARD, 20.0, 30.0)]
-    # one inside, one over a segment's end, two overlapping, one over a whole segment, one between
-    holes = [(2.0, 3.0), (9.0, 12.0), (14.0, 15.0), (21.0, 24.0), (23.0, 25.0)]
-    assert rec_mod.cut_holes(segs, holes) == [(0, FORWARD, 0.0, 2.0), (0, FORWARD, 3.0, 9.0),
-                                              (1, BACKWARD, 20.0, 21.0), (1, BACKWARD, 25.0, 30.0)]
-    assert rec_mod.cut_holes(segs, [(0.0, 40.0)]) == []
-    assert rec_mod.cut_holes(segs, []) == segs
