@@ -37,12 +37,14 @@ class WarmLauncher:
         self._events: queue.Queue[dict | None] = queue.Queue()
         self._lock = threading.Lock()
         self.ready_s: float | None = None  # seconds the zygote took to import torch
+        self.asked = False  # start() was called: a zygote is wanted from then on
         self.error: str | None = None
 
     # -- the zygote ----------------------------------------------------------------------
     def start(self) -> None:
         """Start the zygote if it is not running (returns at once; it warms up alone)."""
         with self._lock:
+            self.asked = True
             if self._proc is not None and self._proc.poll() is None:
                 return
             env = {**os.environ, **self._env}
@@ -172,16 +174,32 @@ class WarmLauncher:
 
 _shared: WarmLauncher | None = None
 _shared_lock = threading.Lock()
+# The dashboard's first view comes first: the zygote's ``import torch`` (~1.5 s of a core)
+# beside the browser drawing it made the Timeline's first chart 3.19 s where it is 2.80 s
+# without (2 cores, benchmarks/first_chart.py); a rerun asked for sooner starts it at once.
+WARM_AFTER_S = 3.0
 
 
 def shared_launcher() -> WarmLauncher:
-    """This process's warm launcher (one zygote however many pages use it), warming up."""
+    """This process's warm launcher (one zygote however many pages use it): warming up
+    ``WARM_AFTER_S`` after it is first asked for, or at its first launch if sooner."""
     global _shared
     with _shared_lock:
         if _shared is None:
             _shared = WarmLauncher()
-        _shared.start()
+            timer = threading.Timer(WARM_AFTER_S, _warm, args=(_shared,))
+            timer.daemon = True
+            timer.start()
+        elif _shared.asked:  # warmed before: a zygote that died or was closed warms up again now
+            _warm(_shared)
         return _shared
+
+
+def _warm(launcher: WarmLauncher) -> None:
+    try:
+        launcher.start()
+    except Exception:  # noqa: BLE001 - the first launch tries again, and says why if it cannot
+        pass
 
 
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from ddpscope.tracer.launch import warm
 from ddpscope.tracer.launch.procfs import alive
 from ddpscope.tracer.launch.runner import RunConfig, run_job
 from ddpscope.tracer.launch.warm import WarmLauncher
@@ -47,3 +48,28 @@ def test_a_zygote_started_from_a_short_lived_thread_stays_warm_and_runs_jobs(tmp
     assert not alive(pid)  # reaped: no zombie either
     assert processes_mentioning(str(tmp_path)) == []
     assert pid not in [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def test_the_dashboards_launcher_warms_up_after_the_first_view_and_again_after_it_is_closed(monkeypatch):
+    """The dashboard asks for its launcher on every page run. Its zygote's ``import torch``
+    beside the first view slowed the first chart (benchmarks/first_chart.py): it warms up
+    ``WARM_AFTER_S`` after the first ask, not at it; once warmed, a zygote gone (closed
+    after a rank that would not die) warms up again at the next page run."""
+    monkeypatch.setattr(warm, "WARM_AFTER_S", 0.5)
+    monkeypatch.setattr(warm, "_shared", None)
+    launcher = warm.shared_launcher()
+    pids = []
+    try:
+        assert launcher._proc is None and warm.shared_launcher() is launcher and launcher._proc is None
+        deadline = time.monotonic() + 120
+        while launcher.ready_s is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert launcher.ready_s is not None, "the zygote never warmed up"
+        pids.append(launcher._proc.pid)
+        launcher.close()
+        assert warm.shared_launcher() is launcher and launcher._proc is not None  # at once, this time
+        pids.append(launcher._proc.pid)
+        assert pids[1] != pids[0]
+    finally:
+        launcher.close()
+    assert not any(alive(pid) for pid in pids)
