@@ -16,19 +16,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset
+from hf_trainer_train import RandomTokens  # its sibling's data (the script's folder is on sys.path)
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-
-
-class RandomTokens(Dataset):
-    def __init__(self, n: int = 256, length: int = 32, vocab: int = 256) -> None:
-        self.data = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
 def main() -> None:
@@ -46,7 +35,7 @@ def main() -> None:
     training = TrainingArguments(output_dir=os.path.join(args.report, "hf"), per_device_train_batch_size=4,
                                  max_steps=args.steps, deepspeed=ds, save_strategy="no", report_to=[],
                                  logging_steps=2, learning_rate=3e-4, seed=0, dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=training, train_dataset=RandomTokens())
+    trainer = Trainer(model=model, args=training, train_dataset=RandomTokens(n=256, length=32, vocab=256))
     trainer.train()
     engine = trainer.model_wrapped
     digest = hashlib.sha256()
