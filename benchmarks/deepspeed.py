@@ -1,7 +1,7 @@
 """DeepSpeed tracing: its overhead on ZeRO stages 1, 2 and 3.
 
     python -m benchmarks.deepspeed [--rounds 60] [--layers 4] [--dim 256] [--bucket-elements 50000]
-                                   [--pieces-steps 100] [--smoke]
+                                   [--pieces-steps 100] [--cpu] [--smoke]
 
 Workload: an MLP of ``--layers`` hidden layers (``--dim`` wide), a client AdamW,
 DeepSpeed's engine at each ZeRO stage (fp32, ``reduce_bucket_size`` and
@@ -26,7 +26,12 @@ steps in batches, every ~0.25 s, a cost a median over single rounds would not se
 with a bootstrap 95 % interval. ``control`` against ``untraced`` is the noise floor: on
 this 2-core machine it has read 0.97-1.05 over 600 rounds, as large as the goal, so
 ``both`` sets the traced step against the mean of the same round's two untraced steps
-(half the noise of either). Goal: ``both`` <= 1.02 at every stage, both ways. The class's
+(half the noise of either). Goal: ``both`` <= 1.02 at every stage, both ways. The
+traced step's mean excess is then split by what the tracer did in it besides tracing
+(memory measured, held steps emitted, neither): what each kind of step costs, and its
+share of what a window pays. ``--cpu`` times the training thread's CPU
+(``time.thread_time``) instead of the wall: what the tracer's own code adds, with the
+waits for the other rank (and their noise) left out. The class's
 collective methods stay wrapped while a tracer is attached (``comm.py``), so the untraced
 engines pay the wrapper's check for another engine's tap (~2 µs a collective, ``hot path``): the ratios
 leave that out. Then, at each stage, the traced engine runs
@@ -78,6 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(rank)
     results: dict[str, dict[str, list[float]]] = {}
     pieces: dict[str, dict[str, float]] = {}
+    step_tags: dict[str, list[str]] = {}
     for stage in STAGES:
         config = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 10**9,
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket_elements,
@@ -89,15 +95,18 @@ def worker(args: argparse.Namespace) -> None:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             engines.append(deepspeed.initialize(model=model, optimizer=opt, config=config)[0])
         times: dict[str, list[float]] = {m: [] for m in MODES}
+        tags: list[str] = []  # per traced round: what the tracer did in that step besides tracing it
+
+        clk = time.thread_time if args.cpu else time.perf_counter
 
         def step(engine) -> float:
             x = torch.randn(16, 64, generator=gen)
             y = torch.randn(16, 8, generator=gen)
-            t0 = time.perf_counter()
+            t0 = clk()
             loss = nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
-            return time.perf_counter() - t0
+            return clk() - t0
 
         for block in range(BLOCKS):  # every mode on every engine, twice: a copy's place in memory cancels out
             engine_of = {m: engines[(k + block) % len(MODES)] for k, m in enumerate(MODES)}
@@ -107,27 +116,61 @@ def worker(args: argparse.Namespace) -> None:
             why = tracer.start()
             if why is not None:
                 raise SystemExit(f"deepspeed overhead benchmark: {why}")
+            measured = tag_measured_steps(tracer.recorder)
             for mode in MODES:  # warm-up on this copy
                 for _ in range(3):
                     step(engine_of[mode])
             for r in range(block * args.rounds // BLOCKS, (block + 1) * args.rounds // BLOCKS):
                 order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]  # rotate who goes first
                 for mode in order:
+                    if mode == "traced":
+                        written, measured[0] = tracer.recorder.steps_written, False
                     times[mode].append(step(engine_of[mode]))
+                tags.append(step_tag(measured[0], tracer.recorder.steps_written > written))
             if block == BLOCKS - 1 and args.pieces_steps:  # after every round: the wrapping touches none
                 pieces[str(stage)] = where_the_time_goes(tracer, lambda: step(engine_of["traced"]), args.pieces_steps)
             tracer.close()
             if tracer.failure:
                 raise SystemExit(f"deepspeed overhead benchmark: {tracer.failure}")
         results[str(stage)] = times
+        step_tags[str(stage)] = tags
         for engine in engines:
             engine.destroy()
         engines.clear()
         gc.collect()
     if rank == 0:
-        print(RESULT_PREFIX + json.dumps({"times": results, "pieces": pieces}), flush=True)
+        print(RESULT_PREFIX + json.dumps({"times": results, "pieces": pieces, "tags": step_tags}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def tag_measured_steps(rec) -> list[bool]:
+    """A flag set when ``rec`` decides to measure memory in a step (its ``measure_step``
+    wrapped: one call a step)."""
+    flag, decide = [False], rec.measure_step
+
+    def measure_step(step: int) -> bool:
+        flag[0] = decide(step)
+        return flag[0]
+
+    rec.measure_step = measure_step
+    return flag
+
+
+def step_tag(measured: bool, emitted: bool) -> str:
+    return ("memory measured" if measured else "") + (" + " if measured and emitted else "") + \
+        ("steps emitted" if emitted else "") or "traced only"
+
+
+def excess_by_tag(times: dict[str, list[float]], tags: list[str]) -> dict[str, tuple[int, float, float]]:
+    """Per tag: (rounds, mean µs the traced step took over the mean of the round's untraced
+    and control steps, that tag's share of the mean excess over all rounds, µs a step).
+    The shares add up to the mean excess: what a window's total (``16-rd``) pays."""
+    out: dict[str, list[float]] = {}
+    for t, u, c, tag in zip(times["traced"], times["untraced"], times["control"], tags):
+        out.setdefault(tag, []).append((t - (u + c) / 2) * 1e6)
+    n = len(tags)
+    return {tag: (len(xs), statistics.fmean(xs), sum(xs) / n) for tag, xs in sorted(out.items())}
 
 
 # The tracer's own work on the training thread, by piece, timed in place (the caches as cold
@@ -244,13 +287,15 @@ def overhead(args, tmp: Path) -> None:
     result, res = worker_result("benchmarks.deepspeed", RESULT_PREFIX,
                                 ["--rounds", str(args.rounds), "--layers", str(args.layers), "--dim", str(args.dim),
                                  "--bucket-elements", str(args.bucket_elements),
-                                 "--pieces-steps", str(args.pieces_steps),
+                                 "--pieces-steps", str(args.pieces_steps), *(["--cpu"] if args.cpu else []),
                                  "--out", str(tmp / "traces")], tmp / "logs", env={"DS_ACCELERATOR": "cpu"})
     if result is None:
         raise SystemExit(f"benchmark job failed: {res.reason}\n{res.stderr_tail}")
     print(f"overhead: DeepSpeed {args.layers} hidden layers of {args.dim}, buckets of {args.bucket_elements:,} "
           f"elements, ranks=2, rounds={args.rounds} "
           "(rank 0; one step of every mode per round, interleaved)")
+    if args.cpu:
+        print("  --cpu: every time below is the training thread's CPU time, not the step's wall time")
     print("  ratios to the untraced engine's step of the same rounds; 'both': traced to the mean of the untraced")
     print("  and control steps of the same round (two baselines: half the noise of either; control's own ratio")
     print("  is the noise floor)")
@@ -267,6 +312,12 @@ def overhead(args, tmp: Path) -> None:
                   f"{r[m][1]:.3f}-{r[m][2]:.3f}  {mr[m][0]:6.3f}  {mr[m][1]:.3f}-{mr[m][2]:.3f}")
         met = met and max(r["both"][0], mr["both"][0]) <= 1.02
     print(f"  goal traced <= 1.02 at every stage ('both', per round and per 16 rounds): {'met' if met else 'NOT met'}")
+    print("  the traced step's excess over the mean of its round's untraced and control steps, by what the tracer")
+    print("  did in it besides tracing (µs; a mean keeps the spikes a median drops: share = what a window pays)")
+    for stage, times in result["times"].items():
+        tags = result["tags"][stage]
+        for tag, (count, mean, share) in excess_by_tag(times, tags).items():
+            print(f"    stage {stage}  {tag:<33} {count:5d} rounds  mean {mean:8.1f}  share {share:7.1f} µs a step")
     for stage, pieces in result["pieces"].items():
         step_us = statistics.median(result["times"][stage]["traced"]) * 1e6
         total = sum(pieces.values())
@@ -288,6 +339,9 @@ def main(argv=None) -> None:
                    help="reduce_bucket_size and stage3_prefetch_bucket_size (elements; DeepSpeed's default: 500000000)")
     p.add_argument("--pieces-steps", type=int, default=100,
                    help="steps of the traced engine timed piece by piece after the rounds (0: none)")
+    p.add_argument("--cpu", action="store_true",
+                   help="time each step's CPU on the training thread (time.thread_time), not its wall time: "
+                        "what the tracer adds there, with the waits for the other rank left out (less noise)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, few rounds: the script runs, nothing more")
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
