@@ -12,7 +12,13 @@ import os
 
 import streamlit as st
 
-from ddpscope.dashboard.common import (
+from ddpscope.dashboard.serve import wait_for_preload
+
+# `ddpscope dashboard`'s server imports the page's heavy modules on a thread as it starts
+# (dashboard/serve.py): its first page run waits for them rather than import beside it
+wait_for_preload()
+
+from ddpscope.dashboard.common import (  # noqa: E402 - after the wait
     TRAINING_KINDS,
     command_policy,
     handle_upload,
@@ -27,12 +33,12 @@ from ddpscope.dashboard.common import (
     runs_note,
     stamp_of,
 )
-from ddpscope.dashboard.memory_page import render_memory
-from ddpscope.dashboard.ring_page import render_ring
-from ddpscope.dashboard.run_page import render_run
-from ddpscope.dashboard.timeline_page import render_compare, render_timeline
-from ddpscope.dashboard.whatif_page import render_whatif
-from ddpscope.viz.trace import TraceError
+from ddpscope.dashboard.memory_page import render_memory  # noqa: E402
+from ddpscope.dashboard.ring_page import render_ring  # noqa: E402
+from ddpscope.dashboard.run_page import render_run  # noqa: E402
+from ddpscope.dashboard.timeline_page import render_compare, render_timeline  # noqa: E402
+from ddpscope.dashboard.whatif_page import render_whatif  # noqa: E402
+from ddpscope.viz.trace import TraceError  # noqa: E402
 
 st.set_page_config(page_title="ddpscope", layout="wide")
 st.title("ddpscope")

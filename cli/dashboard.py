@@ -11,7 +11,7 @@ from ddpscope.cli.output import PROG
 
 
 def dashboard_command(args: argparse.Namespace) -> int:
-    """Replace this process with ``streamlit run app.py`` on ``runs_dir``."""
+    """Replace this process with ``streamlit run app.py`` on ``runs_dir`` (``streamlit_command``)."""
     app = app_path()
     if app is None:
         print(f"{PROG} dashboard: error: cannot find ddpscope's app.py next to the tracer package", file=sys.stderr)
@@ -41,10 +41,11 @@ def dashboard_command(args: argparse.Namespace) -> int:
 
 
 def streamlit_command(app: Path, host: str, port: int) -> list[str]:
-    """``streamlit run app.py`` as a user gets it: no deploy button or developer menu
-    (``toolbarMode minimal``), no watcher on the installed source tree (its inotify
+    """``streamlit run app.py`` as a user gets it: through ``ddpscope.dashboard.serve``
+    (the page's heavy imports done while the browser loads), no deploy button or developer
+    menu (``toolbarMode minimal``), no watcher on the installed source tree (its inotify
     queue overflows on a large venv and says so in the terminal), no usage statistics."""
-    return [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", host,
+    return [sys.executable, "-m", "ddpscope.dashboard.serve", "run", str(app), "--server.address", host,
             "--server.port", str(port), "--browser.gatherUsageStats", "false",
             "--server.maxUploadSize", "200", "--server.showEmailPrompt", "false",
             "--client.toolbarMode", "minimal", "--server.fileWatcherType", "none", "--server.runOnSave", "false"]

@@ -42,13 +42,14 @@ def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 90) -> Non
 
 @contextlib.contextmanager
 def dashboard_page(runs: Path):
-    """``streamlit run app.py`` on a free local port with ``runs`` as the runs folder,
+    """``streamlit run app.py`` as ``ddpscope dashboard`` starts it (``ddpscope.dashboard.serve``)
+    on a free local port with ``runs`` as the runs folder,
     opened in headless Chromium at its first timeline: yields ``(page, port, server)``
     (``server``: the streamlit process); the server is stopped and its process group
     ended afterwards."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
+        [sys.executable, "-m", "ddpscope.dashboard.serve", "run", "app.py", "--server.headless", "true",
          "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
          "--server.fileWatcherType", "none"],  # as `ddpscope dashboard` runs it: no watcher on this tree
         cwd=ROOT, env={**os.environ, "DDPSCOPE_RUNS_DIR": str(runs)},
