@@ -70,21 +70,22 @@ USER_SCRIPT = textwrap.dedent('''
 def serve(script: Path | str, runs: Path, env: dict[str, str] | None = None,
           stderr=subprocess.DEVNULL, watch: bool = False, entry: str = "ddpscope.dashboard.serve"
           ) -> tuple[subprocess.Popen, int]:
-    """``streamlit run script`` (headless, a free local port, its own process group) on the
-    runs folder ``runs``, once it answers; also used by ``benchmarks.first_chart`` and
+    """``streamlit run script`` as ``ddpscope dashboard`` runs it (its flags:
+    ``streamlit_command``), headless, on a free local port, in its own process group, on
+    the runs folder ``runs``, once it answers; also used by ``benchmarks.first_chart`` and
     ``benchmarks.idle_page``. ``watch``: Streamlit's file watcher on (off, as ``ddpscope
     dashboard`` runs it: watching this tree, which holds a venv, costs about a core).
     ``entry``: the module run as ``python -m``: ``ddpscope dashboard``'s (which preloads the
     page's imports), or ``streamlit`` itself."""
     sys.path.insert(0, str(ROOT))
+    from ddpscope.cli.dashboard import streamlit_command
     from ddpscope.tracer.launch.torchrun import free_port
 
     port = free_port()
-    # no file watcher, as `ddpscope dashboard` runs it: watching this tree (its .venv) costs a core
-    proc = subprocess.Popen([sys.executable, "-m", entry, "run", str(script), "--server.headless", "true",
-                             "--server.port", str(port), "--server.address", "127.0.0.1",
-                             "--browser.gatherUsageStats", "false",
-                             "--server.fileWatcherType", "auto" if watch else "none"],
+    cmd = streamlit_command(Path(script), "127.0.0.1", port)
+    cmd[2] = entry  # python -m ENTRY run ...
+    cmd += ["--server.headless", "true"] + (["--server.fileWatcherType", "auto"] if watch else [])  # the last wins
+    proc = subprocess.Popen(cmd,
                             cwd=ROOT, env={**os.environ, "DDPSCOPE_RUNS_DIR": str(runs), **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     deadline = time.monotonic() + 90

@@ -10,13 +10,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from ddpscope.cli.dashboard import streamlit_command
 from ddpscope.tracer.launch.torchrun import free_port
 from tests.conftest import ROOT
 
@@ -49,9 +49,7 @@ def dashboard_page(runs: Path):
     ended afterwards."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpscope.dashboard.serve", "run", "app.py", "--server.headless", "true",
-         "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
-         "--server.fileWatcherType", "none"],  # as `ddpscope dashboard` runs it: no watcher on this tree
+        [*streamlit_command(Path("app.py"), "127.0.0.1", port), "--server.headless", "true"],  # as the user gets it
         cwd=ROOT, env={**os.environ, "DDPSCOPE_RUNS_DIR": str(runs)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )

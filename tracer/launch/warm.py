@@ -27,6 +27,11 @@ from ddpscope.tracer.launch import torchrun
 from ddpscope.tracer.launch.hangs import HangWatch
 from ddpscope.tracer.launch.torchrun import LaunchConfig, LaunchResult
 
+# how often a running job's logs are read (its lines, the progress a page shows, arrive
+# within this) when no message of the zygote's comes sooner: each turn opens every rank's
+# two logs (at 0.05 s that was ~2.5 % of a core of the dashboard's server, beside the job)
+POLL_S = 0.25
+
 
 class WarmLauncher:
     """One zygote, one job at a time. ``start()`` begins warming in the background."""
@@ -131,7 +136,7 @@ class WarmLauncher:
                 if watch is not None and (hang := watch.poll()) is not None:
                     break
                 try:
-                    msg = events.get(timeout=0.05)
+                    msg = events.get(timeout=POLL_S)
                 except queue.Empty:
                     msg = {}
                 if msg is None:  # the zygote died under the job
