@@ -292,7 +292,6 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-#: how often a running job's progress refreshes (s): twice a writer flush (0.25 s), never idle
 # Seconds between a running job's progress refreshes. Each refresh reruns a fragment on the
 # server and redraws in the browser: at 0.5 s, with two refreshers, the page took a third of
 # a core on the server and half of one in Chromium, and the job it watched ran 65 % slower
@@ -322,6 +321,7 @@ def _job_status(jobs: JobManager, runs_dir: Path) -> None:
     if job is None:
         st.caption(f"Runs started here are kept in {runs_dir}.")
         return
+    job.settle()  # past its last step: shown ended now, not a refresh later
     if job.running:
         show_progress(job)
         st.session_state["job_was_running"] = True

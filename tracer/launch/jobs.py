@@ -25,6 +25,9 @@ from ddpscope.tracer.progress import MESSAGE_PREFIX
 from ddpscope.tracer.writer import update_run_json
 
 Config = RunConfig | RingConfig | ZeroConfig
+# a job past its last step ends within about this (s): the trace closed, the ranks exiting
+# (~0.1 s from the warm launcher, ~1.1 s cold; benchmarks/rerun.py's "finish")
+FINISH_WAIT_S = 1.5
 
 
 @dataclass
@@ -43,6 +46,16 @@ class Job:
     source: Path | None = None  # the run this one reruns (with other settings)
     facts: dict | None = None  # added to the run's run.json when it ends (an applied recommendation)
     notes: list[str] = field(default_factory=list)
+    ended: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+    settled: bool = False  # settle has waited once (a job stuck at its end is not waited for again)
+
+    def settle(self, timeout_s: float = FINISH_WAIT_S) -> None:
+        """Past its last step (finishing), wait up to ``timeout_s`` for the job to end, once:
+        a page that shows it then draws the finished run now, not at its next refresh (up to
+        a second later: most of the time the loop added after a warm rerun)."""
+        if self.running and self.total > 0 and self.done >= self.total and not self.settled:
+            self.settled = True
+            self.ended.wait(timeout_s)
 
     @property
     def steps_done(self) -> int:  # the name the DDP page uses
@@ -169,3 +182,5 @@ class JobManager:
                 update_run_json(job.out, job.facts)
         except Exception as e:  # never lose the reason; the page shows it
             job.error = f"{type(e).__name__}: {e}"
+        finally:
+            job.ended.set()

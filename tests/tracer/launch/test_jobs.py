@@ -37,3 +37,20 @@ def test_one_job_at_a_time_across_kinds_and_ring_progress(tmp_path):
         jobs.start_zero(model="mlp", nproc=2, stages="5")
     with pytest.raises(ValueError, match="a ring needs two ranks: give --nproc 2 or more, or --emulate-nodes 2"):
         jobs.start_ring(nproc=1, mb=1.0, repeat=1)
+
+
+def test_settle_waits_for_a_job_past_its_last_step_to_end_once_and_never_before(tmp_path):
+    """What the page calls before drawing a job: past its last step, the job's end is
+    waited for (the page then shows the finished run at once, not a refresh later)."""
+    jobs = JobManager(tmp_path / "runs")
+    job = jobs.start(demo="mlp", nproc=2, bucket_cap_mb=5.0, steps=3)
+    assert job is not None
+    job.settle(timeout_s=60)  # steps not all done yet: returns at once, and may wait later
+    assert not job.settled
+    deadline = time.monotonic() + 120
+    while job.running and job.done < job.total and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert job.running, "the job ended before its finishing could be seen"  # rank 0 reports its last step first
+    job.settle(timeout_s=60)
+    assert job.settled and job.ended.is_set() and not job.running and job.ok
+    job.settle(timeout_s=60)  # ended: nothing to wait for
