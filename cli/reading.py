@@ -224,6 +224,7 @@ def _sharded_summary(trace, as_json: bool) -> int:
     was really sent (gloo's reduce-scatter is an all-reduce)."""
     from ddpscope.viz.sharded.buckets import compute_bucket_table
     from ddpscope.viz.sharded.metrics import (
+        UNTIMED_UNITS,
         comm_honesty_lines,
         compute_comm_volume,
         compute_sharded_steps,
@@ -242,7 +243,8 @@ def _sharded_summary(trace, as_json: bool) -> int:
         out = {"path": str(trace.path), "source": trace.source, "kind": "sharded", "framework": sh.framework,
                "status": trace.status, "deepspeed": trace.run.get("deepspeed"), "buckets": buckets.to_dict("records"),
                "unfinished": trace.unfinished, "world_size": trace.world_size, "stage": sh.stage,
-               "stage_reason": sh.stage_reason, "ranks": _by_rank(med), "units": units.to_dict("records"),
+               "stage_reason": sh.stage_reason, "ranks": _by_rank(med),
+               "units": [_json_safe(r) for r in units.astype(object).to_dict("records")],
                "model_states": stages.to_dict("records"), "comm_volume": volume.to_dict("records"),
                "comm_D_bytes": volume.attrs["D_bytes"], "comm": comm_honesty_lines(trace)}
         print(json.dumps(out, indent=1, default=lambda v: None if v != v else float(v)))
@@ -256,7 +258,9 @@ def _sharded_summary(trace, as_json: bool) -> int:
     hsdp = ["all_reduce_bytes", "all_reduce_ms"] if "all_reduce_ms" in units else []  # across replicas
     print(units[["unit", "params", "all_gathers", "all_gather_bytes", "all_gather_ms", "reduce_scatter_bytes",
                  "reduce_scatter_ms", *hsdp, "wait_ms", "exposed_ms", "forward_ms", "backward_ms"]].round(3)
-          .to_string(index=False))
+          .to_string(index=False, na_rep="-"))
+    if sh.framework == "deepspeed":
+        print(UNTIMED_UNITS)
     if len(buckets):
         print(f"gradient buckets ({framework}; ms and bytes per step; start_ms after the step's start):")
         print(buckets.round(3).to_string(index=False))

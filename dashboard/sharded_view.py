@@ -16,6 +16,7 @@ from ddpscope.viz.sharded.figures import (
     make_stage_comparison_figure,
 )
 from ddpscope.viz.sharded.metrics import (
+    UNTIMED_UNITS,
     comm_honesty_lines,
     compute_comm_volume,
     compute_memory_over_step,
@@ -60,6 +61,8 @@ def render_sharded_timeline(trace) -> None:
     for col in ("sharded_bytes", "unsharded_bytes", "all_gather_bytes", "reduce_scatter_bytes"):
         table[col.replace("bytes", "MiB")] = table.pop(col) / MIB
     show_table(table.round(3), key="sharded_units")
+    if trace.shards.framework == "deepspeed":
+        st.caption(UNTIMED_UNITS)
     buckets = compute_bucket_table(trace)
     if len(buckets):
         st.subheader("Gradient buckets (DeepSpeed; per step, medians over ranks and non-warm-up steps)")

@@ -56,12 +56,21 @@ def _real_steps(trace) -> set[int]:
     return set(real.astype(int)) or set(steps["step"].astype(int))
 
 
+UNTIMED_UNITS = ("DeepSpeed's compute is timed between collectives and waits, not per module: forward and backward "
+                 "are the whole model's, on the root unit's row")
+
+
 def compute_unit_table(trace) -> pd.DataFrame:
     """One row per unit: its size, and per step (median over ranks and non-warm-up steps)
     its all-gathers and reduce-scatters (count, bytes, ms; HSDP's all-reduces across
     replicas too, when the run had them), the compute waiting for its
-    all-gathers, its exposed communication, and its forward and backward compute."""
+    all-gathers, its exposed communication, and its forward and backward compute (ms;
+    a DeepSpeed run's are the root unit's alone, whole, and NaN elsewhere: its compute is
+    not timed per module)."""
     sh = trace.shards
+    # DeepSpeed's tracer cuts compute at collectives and waits, not at modules: the whole
+    # model's forward and backward are the root unit's; the other units' are not measured
+    per_module_untimed = sh.framework == "deepspeed"
     real = _real_steps(trace)
     colls = with_exposed(trace)
     colls = colls[colls["step"].isin(real)]
@@ -86,6 +95,8 @@ def compute_unit_table(trace) -> pd.DataFrame:
             per_step[f"{phase}_ms"] = s.groupby(["rank", "step"])["ms"].sum()
         for key, series in per_step.items():
             row[key] = float(series.median()) if len(series) else 0.0
+        if per_module_untimed and not u.root:  # not measured, not zero
+            row["forward_ms"] = row["backward_ms"] = float("nan")
         row["exposed_ms"] = sum(row[f"{kind}_exposed_ms"] for kind in kinds) + row["wait_ms"]
         rows.append(row)
     return pd.DataFrame(rows)

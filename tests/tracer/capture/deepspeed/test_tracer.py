@@ -14,6 +14,7 @@ import json
 import pytest
 
 from ddpscope.tracer import format as fmt
+from ddpscope.viz.sharded.metrics import UNTIMED_UNITS, compute_unit_table
 from tests.conftest import ROOT, run_cli
 from tests.tracer.capture.autotrace.test_autotrace import checks, trace_script, untraced
 
@@ -66,9 +67,16 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
     assert len(after)
     for state in after["optimizer_state_bytes"]:
         assert abs(state - 8 * numel / 2) <= 2 * PAD, state
+    # compute is timed between collectives, not per module: the root's row holds it all, the others none
+    units = compute_unit_table(trace)
+    root = units["unit"] == trace.shards.units.loc[trace.shards.units["root"], "name"].iloc[0]
+    assert (units.loc[root, ["forward_ms", "backward_ms"]] > 0).all().all()
+    assert units.loc[~root, ["forward_ms", "backward_ms"]].isna().all().all() and (~root).any()
     summary = run_cli("summary", str(out))
     assert summary.returncode == 0 and "DeepSpeed units=" in summary.stdout and f"ZeRO stage {stage}" in summary.stdout
-    assert "gradient buckets (DeepSpeed" in summary.stdout
+    assert "gradient buckets (DeepSpeed" in summary.stdout and UNTIMED_UNITS in summary.stdout
+    as_json = json.loads(run_cli("summary", str(out), "--json").stdout)
+    assert [u["forward_ms"] is None for u in as_json["units"]] == list(~root)
     whatif = run_cli("whatif", str(out))  # bucket_cap_mb's what-if is DDP's: one line, pointing at DeepSpeed's own
     assert whatif.returncode == 2 and "is a DeepSpeed ZeRO run" in whatif.stderr and "--zero-stage" in whatif.stderr
     plain = untraced(tmp_path, *script)
