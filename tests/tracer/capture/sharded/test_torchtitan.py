@@ -1,0 +1,102 @@
+"""torchtitan's own trainer (0.3: ``python -m torchtitan.train``, its llama3 debug model,
+FSDP2 as torchtitan applies it), traced by ``ddpscope run`` with no change to it. On
+this CPU-only machine torchtitan needs shims (``workers/torchtitan_shims.py``: the
+tests', never ddpscope's). Checked against the untraced run (bit-identical parameters,
+the same losses), the model's own sizes (messages), and the ZeRO paper's model states."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpscope.tracer import format as fmt
+from ddpscope.tracer.launch.torchrun import free_port
+from ddpscope.viz.sharded.metrics import compute_stage_comparison
+from ddpscope.viz.trace import load_run
+from tests.conftest import run_cli
+from tests.tracer.capture.autotrace.test_autotrace import WORKERS
+
+pytest.importorskip("torchtitan")
+pytest.importorskip("tokenizers")
+pytestmark = pytest.mark.frameworks
+WORKER = str(WORKERS / "torchtitan_train.py")
+STEPS = 3
+ARGS = ("--module", "llama3", "--config", "llama3_debugmodel", "--training.steps", str(STEPS),
+        "--training.seq_len", "128", "--training.local_batch_size", "2", "--debug.seed", "7",
+        # FSDP2's plain fully_shard (the default SPMD backend asks for a newer torch's DTensor mesh)
+        "--parallelism.spmd_backend", "partial_dtensor")
+UNITS = ["tok_embeddings", *(f"layers.{i}" for i in range(6)), "norm, lm_head"]
+_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _assets(root: Path) -> Path:
+    """torchtitan's debug model reads ``tests/assets/tokenizer`` and ``tests/assets/c4_test``
+    under the working folder: a small BPE tokenizer (2,000 tokens, the debug model has
+    2,048) and 400 documents, made here (the package ships neither)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    words = (Path(__file__).resolve().parents[4] / "README.md").read_text().split()
+    docs = [" ".join(rng.choice(words) for _ in range(120)) for _ in range(400)]
+    data = root / "tests" / "assets" / "c4_test"
+    data.mkdir(parents=True)
+    (data / "data.json").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    special = ["<|begin_of_text|>", "<|end_of_text|>", "<unk>"]
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=2000, special_tokens=special))
+    folder = root / "tests" / "assets" / "tokenizer"
+    folder.mkdir(parents=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": special[0], "eos_token": special[1]}))
+    return root
+
+
+def _losses(text: str) -> list[tuple[int, str, str]]:
+    return sorted(set(_LOSS.findall(_COLOUR.sub("", text))))
+
+
+def test_torchtitan_trains_bit_identically_traced_per_unit_with_its_own_sizes(tmp_path):
+    root = _assets(tmp_path / "root")
+    out = tmp_path / "run"
+    traced = run_cli("run", "--nproc", "2", "--out", str(out), "--", WORKER, str(root), str(tmp_path / "traced.json"),
+                     *ARGS, timeout=600)
+    assert traced.returncode == 0, traced.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DDPSCOPE_CAPTURE")}
+    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
+                            "static", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", WORKER, str(root),
+                            str(tmp_path / "plain.json"), *ARGS], cwd="/", env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    # nothing torchtitan computes changes
+    assert json.loads((tmp_path / "traced.json").read_text()) == json.loads((tmp_path / "plain.json").read_text())
+    losses = _losses(plain.stderr + plain.stdout)
+    assert [s for s, _, _ in losses] == [str(s) for s in range(1, STEPS + 1)]
+    assert _losses(traced.stdout + traced.stderr) == losses
+
+    run = json.loads((out / fmt.RUN_FILE).read_text())
+    assert run["kind"] == fmt.KIND_SHARDED and run["status"] == fmt.COMPLETE
+    trace = load_run(out)
+    units = trace.shards.units
+    assert units["name"].tolist() == UNITS  # torchtitan's fully_shard calls: embeddings, each layer, norm + head
+    assert trace.shards.stage == 3 and set(trace.steps["step"]) == set(range(STEPS))
+    # bf16 parameters gathered, fp32 gradients reduced (torchtitan's mixed precision): the messages are
+    # each unit's parameters at those sizes, every step
+    numel = dict(zip(units["unit"], units["numel"]))
+    colls = trace.shards.colls
+    for (rank, step), c in colls.groupby(["rank", "step"]):
+        rs = c[c["collective"] == "reduce_scatter"].groupby("unit")["bytes"].sum()
+        assert rs.to_dict() == {u: 4 * n for u, n in numel.items()}, (rank, step)
+        ag = c[c["collective"] == "all_gather"].groupby("unit")["bytes"]
+        assert all(b % (2 * numel[u]) == 0 and b > 0 for u, b in ag.sum().items()), (rank, step)
+    # model states per rank: the ZeRO paper's stage 3 with this run's K and N
+    measured = compute_stage_comparison(trace).dropna(subset=["measured/predicted"])
+    assert len(measured) == 2 and measured["measured/predicted"].between(0.98, 1.02).all(), measured
