@@ -36,7 +36,9 @@ def render_sharded_timeline(trace) -> None:
     sh = trace.shards
     run = trace.run
     cols = st.columns(5)
-    cols[0].metric("model", str(run.get("model", "?")))
+    # the model's class (the script's name, e.g. torchtitan's "train", says little), the script beside it
+    cols[0].metric("model", str(run.get("model_class") or run.get("model", "?")),
+                   help=f"script: {run.get('model', '?')}")
     cols[1].metric("ranks", trace.world_size)
     cols[2].metric("ZeRO stage", sh.stage, help=sh.stage_reason)
     deepspeed = sh.framework == "deepspeed"

@@ -32,7 +32,9 @@ def render_timeline(path: Path, trace) -> None:
         return
     run = trace.run
     cols = st.columns(5)
-    cols[0].metric("model", str(run.get("model", "?")))
+    # the model's class (the script's name, e.g. torchtitan's "train", says little), the script beside it
+    cols[0].metric("model", str(run.get("model_class") or run.get("model", "?")),
+                   help=f"script: {run.get('model', '?')}")
     cols[1].metric("ranks", run.get("world_size", "?"))
     cols[2].metric("bucket_cap_mb (MiB)", f"{run.get('bucket_cap_mb', float('nan')):g}")
     cols[3].metric("buckets", len(run.get("bucket_layout") or []))
