@@ -13,11 +13,11 @@ Two threads importing modules that import each other can deadlock Python's modul
 once Streamlit's server is up (its runtime out of ``INITIAL``: the server has imported
 what it serves with, uvicorn's ``multiprocessing`` and ``zoneinfo`` among them, which
 pandas imports too), and ``app.py`` waits for the thread (``wait_for_preload``) before
-its own imports. Only modules that make no Streamlit call
-at import are preloaded: the dashboard's own modules make their caches when imported, and
-a cache made before Streamlit's runtime exists is a plain in-memory one (Streamlit says
-"No runtime found"). An import that fails here is left to the page, which says what is
-wrong where the user looks.
+its own imports. Only modules that make no Streamlit call at import are preloaded: the
+dashboard's own modules make their caches when imported, and a cache made before
+Streamlit's runtime exists is a plain in-memory one (Streamlit says "No runtime found").
+An import that fails here is left to the page, which says what is wrong where the user
+looks.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def wait_for_preload() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """``streamlit ARGV`` (``run app.py --flags``) in this process, preloading once it is up."""
-    from streamlit.web import cli
+    from streamlit.web import cli  # imports streamlit.runtime too: the thread's server_up imports nothing new
 
     start_preload()
     sys.argv = ["streamlit", *(sys.argv[1:] if argv is None else argv)]
