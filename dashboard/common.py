@@ -313,15 +313,15 @@ def job_status(jobs: JobManager, runs_dir: Path, refresh: bool = True) -> None:
 
 @st.fragment(run_every=LIVE_REFRESH_S)
 def _job_status_live(jobs: JobManager, runs_dir: Path) -> None:
-    _job_status(jobs, runs_dir)
+    _job_status(jobs, runs_dir, LIVE_REFRESH_S)
 
 
-def _job_status(jobs: JobManager, runs_dir: Path) -> None:
+def _job_status(jobs: JobManager, runs_dir: Path, refresh_s: float = 0.0) -> None:
     job = jobs.current
     if job is None:
         st.caption(f"Runs started here are kept in {runs_dir}.")
         return
-    job.settle()  # past its last step: shown ended now, not a refresh later
+    job.settle(refresh_s)  # ending before the next refresh: shown ended now, not a refresh later
     if job.running:
         show_progress(job)
         st.session_state["job_was_running"] = True

@@ -196,7 +196,7 @@ def _live_body(jobs: JobManager) -> None:
     job = jobs.current
     if job is None or job.kind != "ddp":
         return
-    job.settle()  # past its last step: shown ended now, not a refresh later
+    job.settle(LIVE_REFRESH_S)  # ending before the next refresh: shown ended now (running: a refresher's run)
     st.subheader(f"{'Running' if job.running else 'Last run'}: {job.out.name}")
     for note in job.notes:
         st.info(f"ddpscope: {note}")

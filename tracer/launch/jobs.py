@@ -49,13 +49,19 @@ class Job:
     ended: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
     settled: bool = False  # settle has waited once (a job stuck at its end is not waited for again)
 
-    def settle(self, timeout_s: float = FINISH_WAIT_S) -> None:
-        """Past its last step (finishing), wait up to ``timeout_s`` for the job to end, once:
-        a page that shows it then draws the finished run now, not at its next refresh (up to
-        a second later: most of the time the loop added after a warm rerun)."""
-        if self.running and self.total > 0 and self.done >= self.total and not self.settled:
+    def settle(self, before_s: float = 0.0, timeout_s: float = FINISH_WAIT_S) -> None:
+        """Wait, once, for a job that will end before ``before_s`` from now (a page's next
+        refresh): past its last step, or with its steps left at its last step's pace
+        (``last_ms``) done by then; at most that long plus ``timeout_s``. A page that
+        shows it then draws the finished run now, not a refresh later (that wait was most
+        of the loop added after a warm rerun)."""
+        if not self.running or self.settled or self.total <= 0:
+            return
+        left_s = 0.0 if self.done >= self.total else \
+            (self.total - self.done) * self.last_ms / 1e3 if self.kind == "ddp" and self.last_ms else None
+        if left_s is not None and left_s <= before_s:
             self.settled = True
-            self.ended.wait(timeout_s)
+            self.ended.wait(left_s + timeout_s)
 
     @property
     def steps_done(self) -> int:  # the name the DDP page uses

@@ -54,3 +54,19 @@ def test_settle_waits_for_a_job_past_its_last_step_to_end_once_and_never_before(
     job.settle(timeout_s=60)
     assert job.settled and job.ended.is_set() and not job.running and job.ok
     job.settle(timeout_s=60)  # ended: nothing to wait for
+
+
+def test_settle_waits_for_a_job_its_pace_says_ends_before_the_next_refresh(tmp_path):
+    """Steps left at the last step's pace: done before the page's next refresh, so waited
+    for (once); not before then."""
+    jobs = JobManager(tmp_path / "runs")
+    job = jobs.start(demo="mlp", nproc=2, bucket_cap_mb=5.0, steps=6)
+    assert job is not None
+    deadline = time.monotonic() + 120
+    while job.running and not (job.done >= 1 and job.last_ms) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert job.running and job.done < job.total, "the job ended before its pace could be seen"
+    job.settle(before_s=0.0)  # steps left, no time to do them: no wait
+    assert not job.settled
+    job.settle(before_s=600.0, timeout_s=60)  # done long before that at its pace: waited for
+    assert job.settled and job.ended.is_set() and not job.running and job.ok
