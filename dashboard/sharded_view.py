@@ -63,7 +63,7 @@ def render_sharded_timeline(trace) -> None:
     for col in ("sharded_bytes", "unsharded_bytes", "all_gather_bytes", "reduce_scatter_bytes"):
         table[col.replace("bytes", "MiB")] = table.pop(col) / MIB
     show_table(table.round(3), key="sharded_units")
-    if trace.shards.framework == "deepspeed":
+    if deepspeed:
         st.caption(UNTIMED_UNITS)
     buckets = compute_bucket_table(trace)
     if len(buckets):

@@ -1,7 +1,8 @@
 """torchtitan's own trainer (``python -m torchtitan.train``), as a user launches it, on CPU:
-``torchtitan_train.py ROOT REPORT [torchtitan's arguments]``. ROOT holds torchtitan's
-test assets (``tests/assets/tokenizer``, ``tests/assets/c4_test``: its debug model's
-paths are relative); REPORT gets the sha256 of the trained
+``torchtitan_train.py ROOT [torchtitan's arguments] --report FOLDER``. ROOT holds
+torchtitan's test assets (``tests/assets/tokenizer``, ``tests/assets/c4_test``: its debug
+model's paths are relative); ``--report`` (the other test workers' flag, taken out before
+torchtitan parses the rest) gets ``check-rank<r>.json``: the sha256 of the trained
 parameters (whole, gathered). The CPU shims are the tests' (``torchtitan_shims.py``)."""
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import torch.distributed as dist  # noqa: E402
 from torchtitan import train  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-root, report = Path(sys.argv[1]), Path(sys.argv[2])
-sys.argv = [sys.argv[0], *sys.argv[3:]]
+at = sys.argv.index("--report")
+root, report = Path(sys.argv[1]), Path(sys.argv[at + 1])
+sys.argv = [sys.argv[0], *sys.argv[2:at], *sys.argv[at + 2:]]
 os.chdir(root)
 own_train = Trainer.train
 
@@ -35,8 +37,9 @@ def trained(self):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p  # gathers: every rank calls it
         digest.update(name.encode())
         digest.update(full.detach().float().contiguous().numpy().tobytes())
-    if dist.get_rank() == 0:
-        report.write_text(json.dumps({"params_sha256": digest.hexdigest(), "torch": torch.__version__}))
+    report.mkdir(parents=True, exist_ok=True)
+    (report / f"check-rank{dist.get_rank()}.json").write_text(
+        json.dumps({"params_sha256": digest.hexdigest(), "torch": torch.__version__}))
 
 
 Trainer.train = trained

@@ -7,21 +7,16 @@ the same losses), the model's own sizes (messages), and the ZeRO paper's model s
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ddpscope.tracer import format as fmt
-from ddpscope.tracer.launch.torchrun import free_port
 from ddpscope.viz.sharded.metrics import compute_stage_comparison
 from ddpscope.viz.trace import load_run
-from tests.conftest import run_cli
-from tests.tracer.capture.autotrace.test_autotrace import WORKERS
+from tests.tracer.capture.autotrace.test_autotrace import WORKERS, checks, trace_script, untraced
 
 pytest.importorskip("torchtitan")
 pytest.importorskip("tokenizers")
@@ -66,19 +61,13 @@ def _losses(text: str) -> list[tuple[int, str, str]]:
 
 def test_torchtitan_trains_bit_identically_traced_per_unit_with_its_own_sizes(tmp_path):
     root = _assets(tmp_path / "root")
-    out = tmp_path / "run"
-    traced = run_cli("run", "--nproc", "2", "--out", str(out), "--", WORKER, str(root), str(tmp_path / "traced.json"),
-                     *ARGS, timeout=600)
+    traced, out, report = trace_script(tmp_path, WORKER, str(root), *ARGS)
     assert traced.returncode == 0, traced.stderr[-3000:]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DDPSCOPE_CAPTURE")}
-    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
-                            "static", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", WORKER, str(root),
-                            str(tmp_path / "plain.json"), *ARGS], cwd="/", env=env, capture_output=True, text=True,
-                           timeout=600)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    plain_report = untraced(tmp_path, WORKER, str(root), *ARGS)
     # nothing torchtitan computes changes
-    assert json.loads((tmp_path / "traced.json").read_text()) == json.loads((tmp_path / "plain.json").read_text())
-    losses = _losses(plain.stderr + plain.stdout)
+    assert checks(report) == checks(plain_report)
+    plain = (tmp_path / "plain.log").read_text()
+    losses = _losses(plain)
     assert [s for s, _, _ in losses] == [str(s) for s in range(1, STEPS + 1)]
     assert _losses(traced.stdout + traced.stderr) == losses
 
