@@ -31,6 +31,7 @@ PRINTS = {
     "advisor": "workload  link        MAPE %",
     "deepspeed": "goal traced <= 1.02 at every stage",
     "idle_page": "goal <= 1 % each (ddpscope dashboard)",
+    "cuda_overhead": "traced / untraced:",
 }
 
 

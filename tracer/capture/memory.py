@@ -23,6 +23,20 @@ import torch
 FIRST_MEASURED_STEPS = 3
 
 
+def allocator_counters(device: torch.device) -> dict[str, int]:
+    """The CUDA caching allocator's current allocated and reserved bytes and its peak of
+    allocated bytes (since the process began or the script last reset it), for
+    ``device``: host-side counters, no CPU-GPU sync.
+
+    One read of the nested statistics: ``torch.cuda.memory_allocated`` and its siblings each
+    build, flatten and sort every statistic the allocator keeps (MEASURED a call on the
+    training thread), and a step read four of them."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)  # {} before CUDA is initialised
+    allocated, reserved = stats.get("allocated_bytes", {}).get("all", {}), stats.get("reserved_bytes", {}).get("all", {})
+    return {"allocated_bytes": int(allocated.get("current", 0)), "reserved_bytes": int(reserved.get("current", 0)),
+            "peak_allocated_bytes": int(allocated.get("peak", 0))}
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank's own data of ``t``: a DTensor's local shard (FSDP), else ``t``."""
     return t._local_tensor if hasattr(t, "_local_tensor") else t
@@ -153,14 +167,13 @@ class MemoryMeter:
         """A measured step begins: remember the allocator's peak (CUDA), to tell whether the
         step sets a new one. Never resets it: the script may read its own peak."""
         if self.device.type == "cuda":
-            self._peak_at_start = torch.cuda.max_memory_allocated(self.device)  # a host-side counter
+            self._peak_at_start = allocator_counters(self.device)["peak_allocated_bytes"]  # host-side
 
     def _cuda(self) -> dict[str, int]:
         # Allocator statistics are host-side counters; cudaMemGetInfo asks the driver: no
         # CPU-GPU sync (neither waits for a stream).
         dev = self.device
-        out = {"allocated_bytes": torch.cuda.memory_allocated(dev), "reserved_bytes": torch.cuda.memory_reserved(dev),
-               "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev)}
+        out = allocator_counters(dev)
         if self._peak_at_start is not None and out["peak_allocated_bytes"] > self._peak_at_start:
             out["step_peak_bytes"] = out["peak_allocated_bytes"]
         self._peak_at_start = None

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from ddpscope.tracer.capture.memory import _OptimizerStateBytes, local_tensor
+from ddpscope.tracer.capture.memory import _OptimizerStateBytes, allocator_counters, local_tensor
 from ddpscope.tracer.capture.sharded.units import Unit
 
 
@@ -149,6 +149,6 @@ class ShardedMemory:
         }
         if self.device.type == "cuda":
             # Allocator statistics are host-side counters: no CPU-GPU sync.
-            allocated = torch.cuda.memory_allocated(self.device)
+            allocated = allocator_counters(self.device)["allocated_bytes"]
             out["other_bytes"] = max(0, allocated - sum(out.values()))
         return out

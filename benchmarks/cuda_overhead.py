@@ -1,0 +1,225 @@
+"""Tracing overhead on a GPU: traced against untraced step time, one rank on NCCL.
+
+    python -m benchmarks.cuda_overhead [--seconds 240] [--models launch,compute] [--window 20]
+                                       [--device cpu] [--smoke]
+
+One process, one rank (NCCL, world size 1; ``--device cpu`` runs it on gloo, to try the
+script where there is no GPU). For each model, two identical copies, each in its own DDP on
+its own process group (the tracer turns NCCL's collective timing on for its group alone),
+one traced by the full tracer as ``ddpscope run`` uses it (compiled capture, writing its
+file), the other not. Both train on the same batches, so their parameters must end
+bit-identical (printed). They run in alternating *windows* of ``--window`` steps, the order
+swapped every round; a window is timed from a device synchronize to a device synchronize
+(the benchmark's own, between windows, never inside a step), so inside it the CPU runs ahead
+of the GPU as in training, and a window's time is what the device took. Ratio per round:
+traced window over untraced window (paired: slow drifts of the machine cancel); printed, the
+median with a bootstrap 95 % interval. Goal (issue 34): <= 1.02.
+
+Models, fp32, AdamW:
+- ``launch``: 24 ``Linear(512)`` layers, batch 64: tiny kernels, the GPU waits for the
+  CPU's launches, so the tracer's host cost shows in full;
+- ``compute``: 8 ``Linear(4096)`` layers, batch 2048: the CPU runs ahead of the GPU, so the
+  host cost hides unless the tracer makes the CPU wait for the device.
+
+Then, for the traced copy, where its host time goes, piece by piece (µs a step, timed in
+place: ``benchmarks.overhead.where_the_time_goes``), and the host cost of each CUDA call the
+tracer makes (µs a call, median of 200, the GPU idle; ``mem_get_info`` also behind 50 ms of
+queued work: if it waited for the device it would take that long). Benchmarks are not
+tests: nothing is asserted. Needs the compiled capture built (``ddpscope build``).
+``--smoke``: 3 s a model, on gloo and the CPU where there is no GPU: the script runs, nothing more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = {"launch": (24, 512, 64), "compute": (8, 4096, 2048)}  # layers, width, batch
+
+
+def median_ci(values: list[float], boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """The median of ``values`` with a bootstrap 95 % interval (resampled with replacement)."""
+    rng, n = random.Random(seed), len(values)
+    samples = sorted(statistics.median(values[rng.randrange(n)] for _ in range(n)) for _ in range(boot))
+    return statistics.median(values), samples[int(0.025 * boot)], samples[int(0.975 * boot) - 1]
+
+
+def call_costs(torch, device) -> dict[str, float]:
+    """µs a call (median of 200, GPU idle) of the CUDA calls the tracer makes on the host."""
+    from ddpscope.tracer.capture.memory import allocator_counters
+
+    calls = {
+        "torch.cuda.memory_allocated (each of the 4 reads a measured step made before)":
+            lambda: torch.cuda.memory_allocated(device),
+        "allocator_counters (the 1 read a measured step makes now)": lambda: allocator_counters(device),
+        "torch.cuda.mem_get_info": lambda: torch.cuda.mem_get_info(device),
+        "Event(enable_timing=True) + record": lambda: torch.cuda.Event(enable_timing=True).record(),
+        "torch.cuda.current_stream": lambda: torch.cuda.current_stream(device),
+    }
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    torch.cuda.synchronize(device)
+    calls["Event.query (done)"] = ev.query
+    out = {}
+    for label, fn in calls.items():
+        times = []
+        for _ in range(200):
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append(time.perf_counter_ns() - t0)
+        out[label] = statistics.median(times) / 1e3
+    # behind queued work: a call that waited for the device would take the queue's time
+    a = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize(device)
+    one_ms = (time.perf_counter() - t0) * 100  # ms per product
+    for _ in range(max(1, int(50 / max(one_ms, 1e-3)))):
+        a @ a  # ~50 ms queued
+    t0 = time.perf_counter_ns()
+    torch.cuda.mem_get_info(device)
+    out["torch.cuda.mem_get_info, 50 ms of work queued"] = (time.perf_counter_ns() - t0) / 1e3
+    torch.cuda.synchronize(device)
+    return out
+
+
+def run_model(name: str, args, torch, dist, device) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from benchmarks.overhead import where_the_time_goes
+    from ddpscope.tracer import DDPTracer
+
+    layers, width, batch = MODELS[name]
+    if args.device == "cpu":  # a try of the script, not a measurement
+        layers, width, batch = 4, 64, 8
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+                                 for _ in range(layers)]).to(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    copies = {}
+    for mode in ("untraced", "traced"):
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+                                      for _ in range(layers)]).to(device)
+        model.load_state_dict(base.state_dict())
+        ddp = DDP(model, process_group=dist.new_group(backend=backend),
+                  device_ids=[device.index] if device.type == "cuda" else None)
+        copies[mode] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4, foreach=True))
+    gen = torch.Generator(device=device).manual_seed(1)
+    batches = [torch.randn(batch, width, device=device, generator=gen) for _ in range(8)]
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    done = {"untraced": 0, "traced": 0}
+
+    def window(mode: str, steps: int) -> float:
+        ddp, opt = copies[mode]
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            x = batches[done[mode] % len(batches)]
+            ddp(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            done[mode] += 1
+        sync()
+        return time.perf_counter() - t0
+
+    tmp = tempfile.mkdtemp(prefix="ddpscope-cuda-overhead-")
+    ddp, opt = copies["traced"]
+    tracer = DDPTracer(ddp, opt, out_dir=Path(tmp) / name, capture="compiled")
+    tracer.__enter__()
+    try:
+        for mode in ("untraced", "traced"):
+            window(mode, 10)  # warm-up: DDP's bucket rebuild, the allocator, cuBLAS
+        ratios, times = [], {"untraced": [], "traced": []}
+        end = time.monotonic() + args.seconds
+        while time.monotonic() < end:
+            order = ("untraced", "traced") if len(ratios) % 2 == 0 else ("traced", "untraced")
+            got = {m: window(m, args.window) for m in order}
+            for m in got:
+                times[m].append(got[m] / args.window)
+            ratios.append(got["traced"] / got["untraced"])
+        pieces = where_the_time_goes(tracer, lambda: window("traced", 1), 50)
+        # the untraced copy catches up on the steps the pieces took, then both must match
+        window("untraced", done["traced"] - done["untraced"])
+        sync()
+        same = all(torch.equal(a, b) for a, b in zip(copies["traced"][0].parameters(),
+                                                     copies["untraced"][0].parameters()))
+        note = tracer.capture_note
+    finally:
+        tracer.__exit__(None, None, None)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"ratios": ratios, "times": times, "pieces": pieces, "same": same, "note": note,
+            "steps": done["traced"], "capture": "compiled" if note is None else "python"}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=240.0, help="alternating windows per model, seconds")
+    p.add_argument("--models", default="launch,compute", help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument("--window", type=int, default=20, help="steps of one mode between two device synchronizes")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--smoke", action="store_true", help="3 s a model (on the CPU where there is no GPU)")
+    args = p.parse_args()
+    models = args.models.split(",")
+    if any(m not in MODELS for m in models):
+        p.error(f"--models: any of {', '.join(MODELS)}")
+    import torch
+    import torch.distributed as dist
+
+    if args.smoke:
+        args.seconds = 3.0
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("cuda_overhead: no CUDA device here (--device cpu tries the script on gloo)", file=sys.stderr)
+        return 2
+    from ddpscope.tracer.launch.native import build_native
+
+    if not build_native(lambda line: print(line, file=sys.stderr))["ok"]:
+        return 1
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        name_of = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (a try, not a measurement)"
+        print(f"{name_of}, torch {torch.__version__}; windows of {args.window} steps, {args.seconds:g} s a model")
+        for name in models:
+            r = run_model(name, args, torch, dist, device)
+            med, lo, hi = median_ci(r["ratios"])
+            verdict = "met" if hi <= 1.02 else "NOT met"
+            layers, width, batch = MODELS[name]
+            print(f"\nmodel={name} ({layers} x Linear({width}), batch {batch}; capture {r['capture']}"
+                  f"{'' if r['note'] is None else ': ' + r['note']})")
+            print(f"  {len(r['ratios'])} rounds, {r['steps']} traced steps; ms a step (median of windows): "
+                  f"untraced {1e3 * statistics.median(r['times']['untraced']):.3f}, "
+                  f"traced {1e3 * statistics.median(r['times']['traced']):.3f}")
+            print(f"  traced / untraced: {med:.4f} (95 % CI {lo:.4f}-{hi:.4f}); goal <= 1.02: {verdict}")
+            print(f"  parameters bit-identical to the untraced copy's: {r['same']}")
+            print(f"  where the traced step's host time goes (µs a step, 50 steps timed in place; "
+                  f"{sum(r['pieces'].values()):.0f} µs in all):")
+            for piece, us in sorted(r["pieces"].items(), key=lambda kv: -kv[1]):
+                print(f"    {us:7.1f}  {piece}")
+        if device.type == "cuda":
+            print("\nhost cost of the CUDA calls the tracer makes (µs a call, median of 200, GPU idle):")
+            for label, us in call_costs(torch, device).items():
+                print(f"  {us:9.1f}  {label}")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
