@@ -15,14 +15,20 @@ wins. A stamp's host time is ``anchor_host + elapsed(anchor, stamp) * rate``.
 anchor taken at attach, a stamp's rounding step grows to ~3.9 µs after a minute and ~250 µs
 after an hour. A new anchor is taken every ``REANCHOR_S`` (between steps, when a step is
 resolved), each stamp is measured from the last anchor before it was recorded (a few
-seconds back: ≤ 0.25 µs of rounding), and from one anchor to the next the GPU-vs-host
-drift is taken out: ``rate`` is the host µs per device µs between them (the newest
-anchor's is its predecessor's until the next one).
+seconds back: ≤ 0.25 µs of rounding), and the GPU-vs-host drift is taken out: ``rate``,
+host µs per device µs, measured between the new anchor and the oldest one kept (up to
+~2 minutes back), and only once that baseline is long against the two anchors' brackets
+(``_rate``); until then the last rate (1 at first). A rate from two anchors seconds apart
+is mostly the brackets' noise, not drift.
 
 **Sharing.** The compiled capture (``native/timed_group.cpp``) times bucket all-reduces
 with its own events; it registers as an *anchor sink*: at every try it records its own
-event on the same idle stream just before ours, and the winning try's host time is
-committed to both, so compute and bucket lanes sit on one anchor, never two.
+event on the same idle stream just before ours, and the winning try's host time and the
+rate are committed to both, so compute, gradient-ready and bucket lanes sit on one
+anchor and one rate, never two. (Each side used to measure its own rate over its own
+pair of anchors; the first pair differed, and a 2-rank job sharing one GPU then showed
+gradients ready after the end of their backward. That this was the cause is read from
+the code, not yet confirmed on a GPU.)
 
 **No device-wide sync.** A step is resolved when its end stamp ``query()``s done (the
 recorder asks ``done``); only when ``lag_steps`` steps are waiting is the oldest resolved
@@ -47,8 +53,10 @@ class AnchorSink(Protocol):
     def candidate(self, index: int, stream: Any) -> None:
         """Record anchor try ``index``'s event on ``stream`` (before the clock records its own)."""
 
-    def commit(self, index: int, host_ns: int) -> None:
-        """Try ``index`` won: its event is the new anchor, at ``host_ns`` on the host clock."""
+    def commit(self, index: int, host_ns: int, rate: float) -> None:
+        """Try ``index`` won: its event is the new anchor, at ``host_ns`` on the host clock;
+        ``rate`` (host per device time) applies from the sink's last anchor on: one rate,
+        decided here, for both sets of events."""
 
 
 class CudaEventClock:
@@ -61,7 +69,9 @@ class CudaEventClock:
     ANCHOR_SAMPLES = 5
     ANCHOR_SPIN_US = 2000.0  # an anchor try that takes longer is waited for (event sync) and loses
     ANCHORS_KEPT = 64  # stamps are resolved a few steps (anchors) after they were recorded
-    MAX_DRIFT = 1e-3  # a rate further than this from 1 is noise (two anchors too close), not drift
+    MAX_DRIFT = 1e-3  # a rate further than this from 1 is not drift (a GPU clock is good to ~1e-5)
+    RATE_BASELINE_S = 1.0  # the drift is measured over at least this long
+    RATE_UNCERTAINTY = 2e-6  # and only where the anchors' brackets allow this relative error
 
     def __init__(
         self,
@@ -84,7 +94,7 @@ class CudaEventClock:
         self._idle = idle_stream if idle_stream is not None else torch.cuda.Stream(device=device)
         self.blocked = 0  # stamps resolve() had to wait for (Event.synchronize); tests read it
         self._sinks: list[AnchorSink] = []
-        # (event, host µs, rate) per anchor; anchor k is self._anchors[k - self._first]
+        # (event, host µs, rate, bracket half-width µs) per anchor; anchor k is self._anchors[k - self._first]
         self._anchors: deque[list] = deque(maxlen=self.ANCHORS_KEPT)
         self._first = 0
         self._count = 0
@@ -112,22 +122,35 @@ class CudaEventClock:
             t1 = self._host.host_us()
             if best is None or t1 - t0 < best[0]:
                 best = (t1 - t0, i, ev, round((t0 + t1) / 2.0, 3))
-        _, i, ev, host = best
+        width, i, ev, host = best
+        rate = self._rate(ev, host, width / 2.0)
         for sink in self._sinks:
-            sink.commit(i, round(host * 1000.0))
+            sink.commit(i, round(host * 1000.0), rate)
         if self._anchors:
-            last = self._anchors[-1]
-            device_ms = last[0].elapsed_time(ev)
-            rate = (host - last[1]) / (device_ms * 1000.0) if device_ms > 0 else 1.0
-            if abs(rate - 1.0) <= self.MAX_DRIFT:
-                last[2] = rate
-            rate = last[2]
-        else:
-            rate = 1.0
+            self._anchors[-1][2] = rate  # from the last anchor to this one
         if len(self._anchors) == self._anchors.maxlen:
             self._first += 1
-        self._anchors.append([ev, host, rate])
+        self._anchors.append([ev, host, rate, width / 2.0])
         self._count += 1
+
+    def _rate(self, ev: Any, host: float, halfwidth: float) -> float:
+        """Host µs per device µs from the last anchor on: measured against the oldest anchor
+        kept (up to ``ANCHORS_KEPT`` x ``REANCHOR_S`` back) once that is ``RATE_BASELINE_S``
+        back and both anchors' host times are known well enough (their brackets' half-widths
+        over the baseline ≤ ``RATE_UNCERTAINTY``); else the last anchor's. Two anchors a few
+        ms apart cannot tell drift (ppm) from the brackets' noise: a GPU that another
+        process time-slices can widen a bracket to ~1 ms, and a rate from such a pair is off
+        by 1e-3 or more, which over the seconds to the next anchor puts stamps ms off."""
+        if not self._anchors:
+            return 1.0
+        last = self._anchors[-1][2]
+        base_ev, base_host, _, base_hw = self._anchors[0]
+        span_us = host - base_host
+        if span_us < self.RATE_BASELINE_S * 1e6 or (base_hw + halfwidth) / span_us > self.RATE_UNCERTAINTY:
+            return last
+        device_us = base_ev.elapsed_time(ev) * 1000.0
+        measured = span_us / device_us if device_us > 0 else 1.0
+        return measured if abs(measured - 1.0) <= self.MAX_DRIFT else last
 
     @property
     def anchor_host_us(self) -> float:
@@ -177,5 +200,5 @@ class CudaEventClock:
         if not ev.query():
             ev.synchronize()  # CPU-GPU sync on this one event: a step resolved before its end
             self.blocked += 1
-        anchor, host, rate = self._anchors[max(k - self._first, 0)]
+        anchor, host, rate, _ = self._anchors[max(k - self._first, 0)]
         return round(host + anchor.elapsed_time(ev) * 1000.0 * rate, 3)  # ms -> µs, at ns resolution

@@ -29,8 +29,9 @@ def allocator_counters(device: torch.device) -> dict[str, int]:
     ``device``: host-side counters, no CPU-GPU sync.
 
     One read of the nested statistics: ``torch.cuda.memory_allocated`` and its siblings each
-    build, flatten and sort every statistic the allocator keeps (MEASURED a call on the
-    training thread), and a step read four of them."""
+    build, flatten and sort every statistic the allocator keeps, and a measured step read
+    four of them (on an H200 host: 64-111 µs a call, against 12-23 µs for this one read;
+    ``benchmarks/cuda_overhead.py``)."""
     stats = torch.cuda.memory_stats_as_nested_dict(device)  # {} before CUDA is initialised
     allocated, reserved = stats.get("allocated_bytes", {}).get("all", {}), stats.get("reserved_bytes", {}).get("all", {})
     return {"allocated_bytes": int(allocated.get("current", 0)), "reserved_bytes": int(reserved.get("current", 0)),

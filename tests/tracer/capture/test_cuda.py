@@ -62,6 +62,21 @@ def check_buckets(trace, profile, timed: bool) -> None:
         assert (a["start_after_launch_ms"] >= -0.05).all(), a
 
 
+def check_ready_times(trace) -> None:
+    """Every parameter's gradient-ready time, every step, inside its pass's backward (the
+    compiled capture: C++ hooks' device events on the shared anchors, read a step late)."""
+    g, passes = trace.grads, trace.passes
+    n_params = len(trace.ranks[0]["param_names"])
+    assert len(g) and g["ready_us"].notna().all(), g.head()
+    per_step = g.groupby(["rank", "step"])["param"].nunique()
+    assert (per_step == n_params).all(), per_step
+    both = g.merge(passes, on=["rank", "step", "micro"])
+    assert len(both) == len(g)
+    # a gradient is accumulated after its pass's backward began and by the end of its compute
+    assert (both["ready_us"] >= both["backward_start_us"] - 5.0).all(), both.head()
+    assert (both["ready_us"] <= both["backward_end_us"] + 5.0).all(), both.head()
+
+
 def capture_path_expected() -> str:
     from ddpscope.tracer.capture.native import build as native
 
@@ -78,6 +93,7 @@ def test_one_rank_nccl(tmp_path):
     timed = ((kernels["kind"] == "comm") & (kernels["stream"] >= 0)).any()
     check_buckets(trace, profile, timed=bool(timed))
     check_memory(trace, reports)
+    check_ready_times(trace)
     b = trace.buckets
     assert (b["num_params"] > 0).all()  # the layout read without copying the buckets on the GPU
     # NCCL timed each bucket's collective itself (its collectives timing, turned on by the tracer)
@@ -89,6 +105,7 @@ def test_two_ranks_gloo_with_cuda_tensors(tmp_path):
     trace, profile, reports = traced(tmp_path, 2, "gloo")
     assert {m["clock"] for m in trace.ranks.values()} == {"cuda-event"}
     check_buckets(trace, profile, timed=False)  # gloo's span is host-side, around its copies
+    check_ready_times(trace)
     check_memory(trace, reports)
 
 

@@ -19,8 +19,10 @@ and hands their times over one take later (``DeviceLag``), when that step's work
 long completed, so nothing synchronises inside a step; they are measured from the CUDA
 clock's own anchors (``cuda_clock.py``: the wrapper records an event beside each of the
 clock's anchor tries, and the winner's host time is committed to both), so bucket and
-compute lanes share one mapping onto the host clock. The gradient-ready times then
-come from the Python hooks' CUDA events (the C++ ready hooks stamp the host clock).
+compute lanes share one mapping onto the host clock. The C++ ready hooks then record an
+event per gradient too, from a ring, on those anchors: ``take_ready`` hands the step its
+gradients with their times still None, and ``settle`` fills them in once the step is
+resolved (its end event done: reading them waits for nothing).
 NOT exercised by CI (no GPU there): tests/tracer/capture/test_cuda.py runs it where a GPU is.
 """
 
@@ -92,6 +94,8 @@ class CompiledBuckets:
         if self.device is not None and kernel_timing:
             ext.kernel_timing(self.group, True)
         self.ready = None  # gradient-ready stamps (C++ hooks on the parameters' AccumulateGrad nodes)
+        # device ready times not read yet: (step, first index in step.grads, slots)
+        self._ready_slots: list[tuple[Any, int, list[int]]] = []
         self._params: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # bucket sizes -> params per bucket
         self.attached = False
 
@@ -101,8 +105,7 @@ class CompiledBuckets:
             self._bucket_params(None)  # the first layout, before training (it allocates: not inside a step)
         elif (first := assigned_layout(self.ddp, self.recorder.params)) is not None:
             self._params[first[1]] = first[0]  # on a device, read without copying every bucket
-        if self.host_ready:
-            self.ready = self.ext.ReadyTimes(self.recorder.params)
+        self.ready = self.ext.ReadyTimes(self.recorder.params, group=self.group if self.device is not None else None)
         if self.device is not None and hasattr(self.recorder.clock, "share_anchors"):
             self.recorder.clock.share_anchors(self)  # one anchor for the bucket and compute lanes
         self.ddp.reducer._update_process_group(self.group)
@@ -114,15 +117,15 @@ class CompiledBuckets:
         if self.group is not None:
             self.ext.anchor_candidate(self.group, index, stream.stream_id, stream.device_index, stream.device_type)
 
-    def commit(self, index: int, host_ns: int) -> None:
+    def commit(self, index: int, host_ns: int, rate: float) -> None:
         if self.group is not None:
-            self.ext.anchor_commit(self.group, index, host_ns)
+            self.ext.anchor_commit(self.group, index, host_ns, rate)
 
     @property
-    def host_ready(self) -> bool:
-        """The C++ hooks take the gradient-ready times (host clock: CPU); else the Python
-        hooks do, on the clock's stamps (CUDA events)."""
-        return self.device is None
+    def ready_in_cpp(self) -> bool:
+        """The C++ hooks take the gradient-ready times (the host clock on CPU, events on the
+        group's anchors on a device), not the Python hooks."""
+        return self.ready is not None
 
     def detach(self) -> None:
         """The reducer's own group back and the ready hooks off (DDP untraced from here
@@ -138,6 +141,7 @@ class CompiledBuckets:
         if self.ready is not None:
             self.ready.remove()
             self.ready = None
+        self._ready_slots = []
 
     def progress(self) -> tuple[int, int]:
         """``(launched, done)`` all-reduces of the open step (read by the live file's thread)."""
@@ -149,7 +153,13 @@ class CompiledBuckets:
         (at the end of each backward, accumulation's included)."""
         if self.ready is None or step is None:
             return
-        step.grads.extend(self.ready.take(k, self.skew_ns))
+        if not self.ready.on_device:
+            step.grads.extend(self.ready.take(k, self.skew_ns))
+            return
+        taken = self.ready.take_device(k)  # (param, slot, pass): times once the step is resolved
+        if taken:
+            self._ready_slots.append((step, len(step.grads), [slot for _, slot, _ in taken]))
+            step.grads.extend((param, None, kk) for param, _, kk in taken)
 
     def take_pending(self) -> list[tuple[int, int, int]]:
         """The host records since the last take; the device times of the take before go
@@ -163,9 +173,21 @@ class CompiledBuckets:
     def settle(self, steps) -> None:
         """Before ``steps`` are resolved: if the last take's buckets (still waiting for their
         device times) are among them, read those now (at the end of tracing; it waits for
-        their events if need be: a CPU-GPU sync, once)."""
+        their events if need be: a CPU-GPU sync, once); their gradients' device times too
+        (the recorder resolves a step once its end event is done: no wait)."""
         if self.group is not None and self.lag.holds_any_of(steps):
             self.lag.fill(self.ext.settle(self.group))
+        if self._ready_slots and self.ready is not None:
+            keep = []
+            for step, first, slots in self._ready_slots:
+                if not any(step is s for s in steps):
+                    keep.append((step, first, slots))
+                    continue
+                grads = step.grads
+                for j, ns in enumerate(self.ready.resolve(slots, self.skew_ns), start=first):
+                    param, _, k = grads[j]
+                    grads[j] = (param, ns / 1e3 if ns else None, k)
+            self._ready_slots = keep
 
     def take(self, step, pass_index: int) -> None:
         """The all-reduces since the last call, that pass's, into ``step.buckets`` and, for

@@ -211,7 +211,7 @@ class DDPTracer:
         self._handles.add(CollectiveTimer(self._recorder, self._guard, own_groups=(self._cpu_group,),
                                           host_clock=self.clock.kind == CpuClock.kind))
         attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles, self._guard,
-                     grad_hooks=self._compiled is None or not self._compiled.host_ready)
+                     grad_hooks=self._compiled is None or not self._compiled.ready_in_cpp)
         try:  # where this rank is, for the launcher's hang watchdog (optional: never fatal)
             self._live = LiveFile(cfg.out_dir, self.rank, self._recorder)
         except OSError:
@@ -236,12 +236,12 @@ class DDPTracer:
         """The script registers its own communication hook: its collectives may not go
         through the reducer's group, so ours (Python) wraps and times it from here on."""
         if self._compiled is not None:
-            host_ready = self._compiled.host_ready  # else the Python ready hooks are on already
+            ready_in_cpp = self._compiled.ready_in_cpp  # else the Python ready hooks are on already
             self._compiled.detach()
             self._compiled = None
             if self._recorder is not None:
                 self._recorder.bucket_source = None
-                if host_ready:
+                if ready_in_cpp:
                     attach_grad_hooks(self._recorder.params, self._recorder, self._handles, self._guard)
             self._meta["capture_path"] = "python"
             self._meta["capture_path_note"] = "the script registered a communication hook: timed in Python"

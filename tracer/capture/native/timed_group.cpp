@@ -23,14 +23,17 @@
 // current stream, before training); after that the Python clock (cuda_clock.py) shares its
 // own: at each of its tries it has this group record a candidate event on its idle anchor
 // stream just before its own event, and commits the winning try's host time to both, so
-// compute and bucket lanes sit on one anchor. Each all-reduce is measured from the newest
-// anchor when it was launched (float32 milliseconds from an anchor a few seconds back, not
-// from the start of the run), times the host-per-device rate from that anchor to the next.
+// compute and bucket lanes sit on one anchor, with the host-per-device rate the clock measured.
+// Each all-reduce is measured from the newest anchor when it was launched (float32
+// milliseconds from an anchor a few seconds back, not from the start of the run), times that rate.
 //
 // ReadyTimes stamps each parameter's gradient-ready time with a post hook inserted at
 // the front of its AccumulateGrad node: it runs when the gradient is accumulated,
 // before DDP's own hook on that node (which may launch the bucket), on the autograd
-// thread, without the GIL (host clock: used on CPU).
+// thread, without the GIL: the host clock, and on a device group also an event on the
+// device's current stream from a preallocated ring, measured from the group's anchors
+// (a Python hook and a torch.cuda.Event per gradient, resolved in Python, cost the
+// training thread tens of µs each on a GPU host).
 //
 // Records go into a preallocated array (no allocation on the hot path) of two banks: the
 // one being filled, and the one last taken, whose device events are read at the next
@@ -118,6 +121,55 @@ struct Records {
   std::atomic<bool> kernel_timing{false};
 };
 
+// Device events whose host times are known (see the header): a ring of the newest kAnchors,
+// each with the host-per-device rate to the next. Shared by a device group's records and the
+// ready hooks (ReadyTimes), so the bucket, gradient-ready and compute lanes sit on one mapping.
+// Anchors are added on the training thread between steps; stamps read the newest index.
+struct Anchors {
+  static constexpr int64_t kAnchors = 64;  // a stamp is read a step or two after it was recorded
+  static constexpr int64_t kCandidates = 8;
+
+  Anchors() : events(kAnchors), ns(kAnchors, 0), rate(kAnchors, 1.0), candidates(kCandidates) {}
+
+  int64_t newest() const {
+    return count.load(std::memory_order_acquire) - 1;
+  }
+
+  // The newest anchor, at host_ns; `rate` (host per device ns) applies from the anchor before
+  // it on. The Python clock decides the rate (cuda_clock.py: measured over a long baseline)
+  // and hands the same one to both sets of events.
+  void add(std::unique_ptr<c10::Event> event, int64_t host_ns, double r) {
+    const int64_t n = count.load(std::memory_order_relaxed);
+    if (n > 0) {
+      rate[(n - 1) % kAnchors] = r;
+    }
+    const int64_t slot = n % kAnchors;
+    events[slot] = std::move(event);
+    ns[slot] = host_ns;
+    rate[slot] = r;
+    count.store(n + 1, std::memory_order_release);
+  }
+
+  // An event's time on the host clock, measured from anchor `anchor` (the newest when it was
+  // recorded; one dropped from the ring is replaced by the oldest kept).
+  int64_t host_ns(const c10::Event& event, int64_t anchor) const {
+    if (!event.query()) {
+      event.synchronize();  // this event only: work still running when it is read (rare)
+    }
+    const int64_t n = count.load(std::memory_order_acquire);
+    anchor = std::min(std::max(anchor, std::max<int64_t>(0, n - kAnchors)), n - 1);
+    const int64_t slot = anchor % kAnchors;
+    const double ms = events[slot]->elapsedTime(event);
+    return ns[slot] + static_cast<int64_t>(std::llround(ms * 1e6 * rate[slot]));  // ms -> ns
+  }
+
+  std::vector<std::unique_ptr<c10::Event>> events;
+  std::vector<int64_t> ns;
+  std::vector<double> rate;  // host ns per device ns from each anchor to the next
+  std::vector<std::unique_ptr<c10::Event>> candidates;
+  std::atomic<int64_t> count{0};
+};
+
 class TimedGroup : public c10d::ProcessGroup {
  public:
   TimedGroup(c10::intrusive_ptr<c10d::ProcessGroup> inner, int64_t capacity, std::optional<c10::Device> device)
@@ -139,33 +191,40 @@ class TimedGroup : public c10d::ProcessGroup {
     setDefaultBackend(inner_->getBackendType());
     setGroupName(inner_->getGroupName());
     if (device) {
-      anchors_.resize(kAnchors);
-      anchor_ns_.assign(kAnchors, 0);
-      anchor_rate_.assign(kAnchors, 1.0);
-      candidates_.resize(kCandidates);
+      anchors_ = std::make_shared<Anchors>();
       auto first = std::make_unique<c10::Event>(device->type(), c10::EventFlag::BACKEND_DEFAULT);
       records_->record(*first);
       first->synchronize();  // this event only, at wrap() (before training): "now" is its host time
-      add_anchor(std::move(first), monotonic_ns());
+      anchors_->add(std::move(first), monotonic_ns(), 1.0);
     }
+  }
+
+  // The group's anchors (a device group's; null on the host), for the ready hooks to share.
+  std::shared_ptr<Anchors> anchors() const {
+    return anchors_;
+  }
+
+  std::optional<c10::Device> device() const {
+    return records_->device;
   }
 
   // Anchor try `index`: an event on `stream` (the clock's idle anchor stream).
   void anchor_candidate(int64_t index, const c10::Stream& stream) {
     TORCH_CHECK(records_->device, "anchors are for a device group");
-    auto& slot = candidates_.at(index % kCandidates);
+    auto& slot = anchors_->candidates.at(index % Anchors::kCandidates);
     slot = std::make_unique<c10::Event>(records_->device->type(), c10::EventFlag::BACKEND_DEFAULT);
     slot->record(stream);
   }
 
-  // Try `index` won: its event is the newest anchor, at host_ns on the host clock.
-  void anchor_commit(int64_t index, int64_t host_ns) {
-    auto& slot = candidates_.at(index % kCandidates);
+  // Try `index` won: its event is the newest anchor, at host_ns on the host clock, `rate` from
+  // the anchor before it on.
+  void anchor_commit(int64_t index, int64_t host_ns, double rate) {
+    auto& slot = anchors_->candidates.at(index % Anchors::kCandidates);
     TORCH_CHECK(slot, "anchor try ", index, " was not recorded");
     if (!slot->query()) {
       slot->synchronize();  // this event only; the clock's later event on the same stream is done
     }
-    add_anchor(std::move(slot), host_ns);
+    anchors_->add(std::move(slot), host_ns, rate);
   }
 
   const std::string getBackendName() const override {
@@ -188,7 +247,7 @@ class TimedGroup : public c10d::ProcessGroup {
       }
       rec.bytes.store(bytes, std::memory_order_relaxed);
       rec.floating.store(floating, std::memory_order_relaxed);
-      rec.anchor.store(anchor_count_.load(std::memory_order_acquire) - 1, std::memory_order_relaxed);
+      rec.anchor.store(records_->device ? anchors_->newest() : 0, std::memory_order_relaxed);
       rec.done_ns.store(0, std::memory_order_relaxed);
       if (records_->device) {
         records_->record(records_->launch_event(bank, i));
@@ -260,8 +319,8 @@ class TimedGroup : public c10d::ProcessGroup {
       const Record& rec = records_->at(taken_bank_, i);
       const bool done = rec.done_ns.load(std::memory_order_acquire) != 0;
       const int64_t anchor = rec.anchor.load(std::memory_order_relaxed);
-      out.emplace_back(device_ns(records_->launch_event(taken_bank_, i), anchor),
-                       done ? device_ns(records_->done_event(taken_bank_, i), anchor) : 0,
+      out.emplace_back(anchors_->host_ns(records_->launch_event(taken_bank_, i), anchor),
+                       done ? anchors_->host_ns(records_->done_event(taken_bank_, i), anchor) : 0,
                        done ? kernel_ns(taken_bank_ * records_->capacity + i) : 0);
     }
     taken_n_ = 0;
@@ -283,29 +342,6 @@ class TimedGroup : public c10d::ProcessGroup {
   }
 
  private:
-  // The newest anchor; the one before gets the host-per-device rate between them (a rate
-  // further than 1e-3 from 1 is two anchors too close to tell drift from noise: kept as was).
-  void add_anchor(std::unique_ptr<c10::Event> event, int64_t host_ns) {
-    const int64_t n = anchor_count_.load(std::memory_order_relaxed);
-    double rate = 1.0;
-    if (n > 0) {
-      const int64_t prev = (n - 1) % kAnchors;
-      rate = anchor_rate_[prev];
-      const double device_ms = anchors_[prev]->elapsedTime(*event);
-      if (device_ms > 0) {
-        const double measured = (host_ns - anchor_ns_[prev]) / (device_ms * 1e6);
-        if (measured > 1.0 - 1e-3 && measured < 1.0 + 1e-3) {
-          anchor_rate_[prev] = rate = measured;
-        }
-      }
-    }
-    const int64_t slot = n % kAnchors;
-    anchors_[slot] = std::move(event);
-    anchor_ns_[slot] = host_ns;
-    anchor_rate_[slot] = rate;
-    anchor_count_.store(n + 1, std::memory_order_release);
-  }
-
   // The backend's own duration of record `slot`'s collective (ns), 0 if it has none; the Work
   // is released either way. Read after its done event completed: getDuration never waits.
   int64_t kernel_ns(int64_t slot) {
@@ -320,39 +356,45 @@ class TimedGroup : public c10d::ProcessGroup {
     }
   }
 
-  // An event's time on the host clock, measured from anchor `anchor` (the newest when it was
-  // recorded; one dropped from the ring is replaced by the oldest kept).
-  int64_t device_ns(const c10::Event& event, int64_t anchor) const {
-    if (!event.query()) {
-      event.synchronize();  // this event only: work still running a whole step later (rare)
-    }
-    const int64_t n = anchor_count_.load(std::memory_order_acquire);
-    anchor = std::min(std::max(anchor, std::max<int64_t>(0, n - kAnchors)), n - 1);
-    const int64_t slot = anchor % kAnchors;
-    const double ms = anchors_[slot]->elapsedTime(event);
-    return anchor_ns_[slot] + static_cast<int64_t>(std::llround(ms * 1e6 * anchor_rate_[slot]));  // ms -> ns
-  }
-
   c10::intrusive_ptr<c10d::ProcessGroup> inner_;
   std::shared_ptr<Records> records_;
   std::atomic<int> bank_{0};
   std::atomic<int64_t> next_{0};
   int taken_bank_ = 0;  // the bank the last take() handed over, and how many records it held
   int64_t taken_n_ = 0;
-  static constexpr int64_t kAnchors = 64;  // a record is read a take or two after its launch
-  static constexpr int64_t kCandidates = 8;
-  std::vector<std::unique_ptr<c10::Event>> anchors_;  // a ring of kAnchors (device groups only)
-  std::vector<int64_t> anchor_ns_;
-  std::vector<double> anchor_rate_;  // host ns per device ns from each anchor to the next
-  std::vector<std::unique_ptr<c10::Event>> candidates_;
-  std::atomic<int64_t> anchor_count_{0};
+  std::shared_ptr<Anchors> anchors_;  // device groups only
 };
 
-// (parameter index, CLOCK_MONOTONIC ns) per accumulated gradient, in order.
+// (parameter index, CLOCK_MONOTONIC ns) per accumulated gradient, in order; on a device
+// group, also a timing-enabled event per gradient, recorded on the autograd thread's current
+// stream of the device (the stream the accumulation ran on), from a ring of `ring` events
+// handed out in order: take_device() gives (parameter, slot, pass) and resolve(slots), once
+// the step's work has completed, their host times on the group's anchors. A slot is reused
+// only after resolve() released it; a gradient that finds the ring full gets no device time
+// (slot -1) rather than overwrite one still to be read.
 class ReadyTimes {
  public:
-  ReadyTimes(const std::vector<at::Tensor>& params, int64_t capacity)
-      : records_(new std::pair<std::atomic<int64_t>, std::atomic<int64_t>>[capacity]), capacity_(capacity) {
+  ReadyTimes(const std::vector<at::Tensor>& params, int64_t capacity,
+             const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& group)
+      : records_(new Stamp[capacity]), capacity_(capacity) {
+    if (group) {
+      auto* timed = dynamic_cast<TimedGroup*>(group->get());
+      TORCH_CHECK(timed != nullptr, "not a ddpscope TimedGroup");
+      device_ = timed->device();
+      anchors_ = timed->anchors();
+      TORCH_CHECK(device_ && anchors_, "device ready times need a device group");
+      // enough for a few steps of gradient accumulation on every parameter; events are
+      // created lazily by their first record
+      ring_ = 1;
+      while (ring_ < std::max<int64_t>(1024, 32 * static_cast<int64_t>(params.size()))) {
+        ring_ *= 2;
+      }
+      events_.reserve(ring_);
+      for (int64_t i = 0; i < ring_; ++i) {
+        events_.emplace_back(device_->type(), c10::EventFlag::BACKEND_DEFAULT);
+      }
+      event_anchor_.assign(ring_, 0);
+    }
     for (size_t i = 0; i < params.size(); ++i) {
       auto node = torch::autograd::impl::grad_accumulator(params[i]);
       TORCH_CHECK(node, "parameter ", i, " has no gradient accumulator (does it require grad?)");
@@ -377,28 +419,89 @@ class ReadyTimes {
 
   void stamp(int64_t param) {
     const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
-    if (i < capacity_) {
-      records_[i].first.store(param, std::memory_order_relaxed);
-      records_[i].second.store(monotonic_ns(), std::memory_order_release);
+    if (i >= capacity_) {
+      return;
     }
+    Stamp& rec = records_[i];
+    rec.param.store(param, std::memory_order_relaxed);
+    int64_t slot = -1;
+    if (device_) {
+      const int64_t id = issued_.fetch_add(1, std::memory_order_relaxed);
+      if (id - released_.load(std::memory_order_acquire) < ring_) {
+        slot = id;
+        const int64_t k = slot & (ring_ - 1);
+        event_anchor_[k] = anchors_->newest();
+        c10::impl::VirtualGuardImpl impl(device_->type());
+        events_[k].record(impl.getStream(*device_));  // no sync: an event on the stream, read a step later
+      }
+    }
+    rec.slot.store(slot, std::memory_order_relaxed);
+    rec.ns.store(monotonic_ns(), std::memory_order_release);
   }
 
   // (parameter, µs, pass_index) per gradient since the last take (µs: (ns + skew_ns) / 1000,
   // the Python clock's arithmetic): the tuples the recorder keeps, made here rather than
-  // by a Python loop on the training thread.
+  // by a Python loop on the training thread. Host clock (a CPU group).
   std::vector<std::tuple<int64_t, double, int64_t>> take(int64_t pass_index, int64_t skew_ns) {
     const int64_t n = std::min(next_.load(std::memory_order_acquire), capacity_);
     std::vector<std::tuple<int64_t, double, int64_t>> out;
     out.reserve(n);
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t ns = records_[i].second.load(std::memory_order_acquire);
-      out.emplace_back(records_[i].first.load(std::memory_order_relaxed), (ns + skew_ns) / 1e3, pass_index);
+      const int64_t ns = records_[i].ns.load(std::memory_order_acquire);
+      out.emplace_back(records_[i].param.load(std::memory_order_relaxed), (ns + skew_ns) / 1e3, pass_index);
     }
     next_.store(0, std::memory_order_release);
     return out;
   }
 
+  // (parameter, slot, pass_index) per gradient since the last take, on a device group: the
+  // slots' host times come from resolve() once the step's work has completed.
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> take_device(int64_t pass_index) {
+    const int64_t n = std::min(next_.load(std::memory_order_acquire), capacity_);
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+    out.reserve(n);
+    for (int64_t i = 0; i < n; ++i) {
+      records_[i].ns.load(std::memory_order_acquire);
+      out.emplace_back(records_[i].param.load(std::memory_order_relaxed),
+                       records_[i].slot.load(std::memory_order_relaxed), pass_index);
+    }
+    next_.store(0, std::memory_order_release);
+    return out;
+  }
+
+  // Host ns (+ skew_ns) of each slot (0 for -1), in the order given; slots up to the largest
+  // given are released for reuse. It waits only for an event not completed yet (this event:
+  // never the device); the recorder calls it once the step's own end event has completed.
+  std::vector<int64_t> resolve(const std::vector<int64_t>& slots, int64_t skew_ns) {
+    TORCH_CHECK(device_, "resolve is for device ready times");
+    std::vector<int64_t> out;
+    out.reserve(slots.size());
+    int64_t last = -1;
+    for (const int64_t slot : slots) {
+      if (slot < 0 || slot >= issued_.load(std::memory_order_relaxed)) {
+        out.push_back(0);
+        continue;
+      }
+      const int64_t k = slot & (ring_ - 1);
+      out.push_back(anchors_->host_ns(events_[k], event_anchor_[k]) + skew_ns);
+      last = std::max(last, slot);
+    }
+    if (last >= released_.load(std::memory_order_relaxed)) {
+      released_.store(last + 1, std::memory_order_release);
+    }
+    return out;
+  }
+
+  bool on_device() const {
+    return device_.has_value();
+  }
+
  private:
+  struct Stamp {
+    std::atomic<int64_t> param{0};
+    std::atomic<int64_t> slot{-1};
+    std::atomic<int64_t> ns{0};
+  };
   struct Hook : torch::autograd::FunctionPostHook {
     Hook(ReadyTimes* owner, int64_t param) : owner_(owner), param_(param) {}
     torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
@@ -410,9 +513,17 @@ class ReadyTimes {
     int64_t param_;
   };
 
-  std::unique_ptr<std::pair<std::atomic<int64_t>, std::atomic<int64_t>>[]> records_;
+  std::unique_ptr<Stamp[]> records_;
   const int64_t capacity_;
   std::atomic<int64_t> next_{0};
+  // device ready times: the group's device and anchors, a ring of events
+  std::optional<c10::Device> device_;
+  std::shared_ptr<Anchors> anchors_;
+  int64_t ring_ = 0;  // a power of two
+  std::vector<c10::Event> events_;
+  std::vector<int64_t> event_anchor_;  // the newest anchor when each slot was recorded
+  std::atomic<int64_t> issued_{0};  // slots handed out (the autograd thread)
+  std::atomic<int64_t> released_{0};  // slots below this were resolved (training thread)
   // what grad_accumulator hands out: std::shared_ptr<Node> up to torch 2.12 (seen failing to
   // build against 2.11 on a GPU machine), c10::intrusive_ptr<Node> in 2.13
   using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
@@ -511,16 +622,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "record anchor try `index` on that stream (the clock's idle anchor stream)");
   m.def(
       "anchor_commit",
-      [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, int64_t index, int64_t host_ns) {
-        as_timed(g).anchor_commit(index, host_ns);
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, int64_t index, int64_t host_ns, double rate) {
+        as_timed(g).anchor_commit(index, host_ns, rate);
       },
-      py::arg("group"), py::arg("index"), py::arg("host_ns"), "try `index` is the newest anchor, at host_ns");
+      py::arg("group"), py::arg("index"), py::arg("host_ns"), py::arg("rate") = 1.0,
+      "try `index` is the newest anchor, at host_ns; rate: host per device time from the anchor before it");
   m.def(
       "progress", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).progress(); },
       "(launched, done) all-reduces since the last take(): where a backward is, for the live file");
   py::class_<ReadyTimes, std::shared_ptr<ReadyTimes>>(m, "ReadyTimes")
-      .def(py::init<const std::vector<at::Tensor>&, int64_t>(), py::arg("params"), py::arg("capacity") = 1 << 16)
+      .def(py::init<const std::vector<at::Tensor>&, int64_t,
+                    const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>&>(),
+           py::arg("params"), py::arg("capacity") = 1 << 16, py::arg("group") = py::none(),
+           "group: a device group (wrap(..., device)): each gradient also gets a device event on its anchors")
       .def("take", &ReadyTimes::take, py::arg("pass_index"), py::arg("skew_ns") = 0)
+      .def("take_device", &ReadyTimes::take_device, py::arg("pass_index"))
+      .def("resolve", &ReadyTimes::resolve, py::arg("slots"), py::arg("skew_ns") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("on_device", &ReadyTimes::on_device)
       .def("remove", &ReadyTimes::remove);
   py::class_<GradBytes, std::shared_ptr<GradBytes>>(m, "GradBytes")
       .def(py::init<std::vector<at::Tensor>>(), py::arg("params"))

@@ -218,6 +218,47 @@ def test_device_times_reach_the_buckets_of_the_take_before_and_settle_at_the_end
     assert (b4[0].launch, b4[0].done, b4[0].kernel_us) == (3000.0, 3200.0, None) and b3[0].launch == 2000.0
 
 
+def test_device_ready_times_reach_their_step_when_it_is_resolved_and_not_before():
+    """On a device the C++ ready hooks record an event per gradient (a ring slot): the step
+    gets its gradients at the end of each backward with no time yet, and their times when
+    the recorder resolves that step (its end event done), in order; a slot the ring had no
+    room for (-1, read back as 0) stays without a time. The C++ ring cannot run without a
+    GPU: ``ready`` is a stand-in for it (the one here, said so); test_cuda.py runs the real one."""
+    from types import SimpleNamespace
+
+    from ddpscope.tracer.capture.ddp.compiled import CompiledBuckets, DeviceLag
+
+    class Ring:  # stand-in for ext.ReadyTimes on a device group: slot s resolves to 1000 * (s + 1) ns
+        on_device = True
+
+        def __init__(self):
+            self.stamped, self.resolved = [], []
+
+        def take_device(self, k):
+            out, self.stamped = [(p, s, k) for p, s in self.stamped], []
+            return out
+
+        def resolve(self, slots, skew_ns):
+            self.resolved.append(list(slots))
+            return [0 if s < 0 else 1000 * (s + 1) + skew_ns for s in slots]
+
+    cb = object.__new__(CompiledBuckets)  # the bookkeeping alone: no group, no DDP
+    cb.ready, cb._ready_slots, cb.group, cb.lag, cb.skew_ns = Ring(), [], None, DeviceLag(), 0
+    step3, step4 = SimpleNamespace(grads=[]), SimpleNamespace(grads=[])
+    cb.ready.stamped = [(2, 0), (1, 1)]
+    cb.take_ready(step3, 0)
+    cb.ready.stamped = [(0, 2)]
+    cb.take_ready(step3, 1)  # a second backward of the step (gradient accumulation)
+    cb.ready.stamped = [(2, 3), (1, -1)]
+    cb.take_ready(step4, 0)
+    assert step3.grads == [(2, None, 0), (1, None, 0), (0, None, 1)]  # no time before it is resolved
+    cb.settle([step3])
+    assert step3.grads == [(2, 1.0, 0), (1, 2.0, 0), (0, 3.0, 1)]  # µs
+    assert step4.grads == [(2, None, 0), (1, None, 0)] and cb.ready.resolved == [[0, 1], [2]]
+    cb.settle([step4])
+    assert step4.grads == [(2, 4.0, 0), (1, None, 0)] and cb._ready_slots == []
+
+
 def test_a_second_build_waits_on_the_lock_and_finds_the_first_ones_build(tmp_path, built):
     """Ranks of several jobs (or nodes sharing a cache) never compile side by side: a
     builder holding the lock makes the next one wait, which then takes the finished build.
