@@ -53,6 +53,22 @@ def _zip(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
+def test_an_upload_cut_short_while_written_opens_as_the_steps_it_holds(app, mlp_run):
+    """A rank file is written as it goes (format version 2: an event array): one cut short (a
+    run killed while writing, a copy taken mid-run) is read up to its last whole event and
+    the run shows as unfinished, saying which rank stopped where; nothing is refused, nothing
+    raised. (A version-1 object cut short is refused: the trunc.zip case below.)"""
+    files = {p.name: p.read_bytes() for p in mlp_run[0].iterdir() if p.name.endswith(".json")}
+    assert files["rank-0.json"].startswith(b"[")
+    files["rank-0.json"] = files["rank-0.json"][:5000]
+    app.sidebar.file_uploader(key="upload").upload("cut.zip", _zip(files))
+    app.run()
+    assert not app.exception and not app.sidebar.error
+    assert not app.sidebar.selectbox(key="trace").value.startswith("sample:")  # the upload is open
+    notes = " ".join(w.value for w in app.warning)
+    assert "the trace was not finished (rank 0 after step 0)" in notes, notes
+
+
 def test_timeline_view_opens_on_a_sample_with_both_ranks(app):
     assert app.title[0].value == "ddpscope"
     medians = app.dataframe[MEDIANS].value
@@ -186,6 +202,7 @@ def _sample_with(sample: str, name: str, old: bytes, new: bytes) -> dict[str, by
 @pytest.mark.parametrize("name, make, message", [
     ("notes.zip", lambda: b"just some text", "not a readable .zip or .tar(.gz) archive"),
     ("empty.zip", lambda: _zip({"readme.txt": b"hi"}), "holds no rank-<r>.json"),
+    # a Chrome-trace object (format version 1, as the samples are, or a profiler's) cut short cannot be read
     ("trunc.zip", lambda: _zip({"rank-0.json": (SAMPLES / "mlp-2rank-cap1mb" / "rank-0.json").read_bytes()[:5000],
                                 "rank-1.json": (SAMPLES / "mlp-2rank-cap1mb" / "rank-1.json").read_bytes()}),
      "is not valid JSON (truncated"),

@@ -5,6 +5,7 @@ demo model under each ZeRO stage). Their configs and runners; the jobs themselve
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,11 +100,21 @@ class ZeroConfig:
         self.stages = ",".join(parts)
         check_out_dir(self.out)
 
+    def command(self) -> list[str]:
+        """The ``ddpscope zero`` command line that reproduces this run."""
+        return ["ddpscope", "zero", "--nproc", str(self.nproc), "--model", self.model, "--steps", str(self.steps),
+                "--stages", self.stages, "--timeout", f"{self.timeout_s:g}", "--out", str(self.out.resolve())]
+
     def launch_config(self) -> LaunchConfig:
         args = ["--model", self.model, "--steps", str(self.steps), "--stages", self.stages,
                 "--out", str(self.out.resolve())]
         return LaunchConfig(target="ddpscope.tracer.workloads.zero_job", args=args, nproc=self.nproc, log_dir=self.out / "logs",
                             timeout_s=self.timeout_s)
+
+
+def started_at() -> str:
+    """Now, UTC, to the second (ISO 8601): a run's ``started_at``, as the DDP tracer writes it."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def _physical_memory_bytes() -> int | None:
@@ -126,7 +137,7 @@ def run_ring(cfg: RingConfig, on_progress: Callable[[dict], None] = lambda p: No
     return launch_traced(cfg.launch_config(), cfg.out, {
         "kind": fmt.KIND_RING, "mb": cfg.mb, "repeat": cfg.repeat, "dtype": cfg.dtype,
         "nproc_per_node": cfg.nproc, "nnodes": cfg.nnodes, "job": cfg.job,
-        "command": " ".join(cfg.command())}, on_progress, on_output, launcher, node)
+        "command": " ".join(cfg.command()), "started_at": started_at()}, on_progress, on_output, launcher, node)
 
 
 def run_zero(cfg: ZeroConfig, on_progress: Callable[[dict], None] = lambda p: None,
@@ -135,4 +146,4 @@ def run_zero(cfg: ZeroConfig, on_progress: Callable[[dict], None] = lambda p: No
     """Run the ZeRO memory job (``tracer/workloads/zero_job.py``) to its end; as ``run_job``."""
     return launch_traced(cfg.launch_config(), cfg.out, {
         "kind": fmt.KIND_ZERO, "model": cfg.model, "steps": cfg.steps, "nproc_per_node": cfg.nproc,
-        "nnodes": 1}, on_progress, on_output, launcher)
+        "nnodes": 1, "command": " ".join(cfg.command()), "started_at": started_at()}, on_progress, on_output, launcher)

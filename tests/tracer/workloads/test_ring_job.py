@@ -25,6 +25,7 @@ def test_ring_run_writes_a_trace_per_rank(ring_run):
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "complete" and run["kind"] == "ring" and run["world_size"] == 4
     assert run["bytes"] == MIB and run["chunk_numel"] == [MIB // 16] * 4
+    assert run["command"].startswith("ddpscope ring --nproc 4 ") and run["started_at"].endswith("+00:00")
     assert [s["calibration"] for s in run["sizes"]] == [True, True, False]
     for r in range(4):
         doc = json.loads((out / f"rank-{r}.json").read_text())

@@ -20,6 +20,9 @@ def test_zero_run_measures_every_stage_on_every_rank(zero_run):
     assert "stage 3 (FSDP, full sharding)" in proc.stderr
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "complete" and run["kind"] == "zero" and run["world_size"] == 2
+    # where it came from: the command that reproduces it, and when
+    assert run["command"] == f"ddpscope zero --nproc 2 --model mlp --steps 3 --stages 0,1,2,3 --timeout 600 --out {out}"
+    assert run["started_at"].startswith("20") and run["started_at"].endswith("+00:00")
     for r in (0, 1):
         assert check_chrome_trace(json.loads((out / f"rank-{r}.json").read_text())) == []
     trace = load_zero(out)
