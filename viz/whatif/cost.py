@@ -26,13 +26,15 @@ CALIBRATION_FORMAT = "ddpscope-calibration"
 class AllReduceCost:
     """``latency_us`` (µs) + bytes x ``us_per_byte``; ``points``: (bytes, µs) medians of
     a calibration, interpolated linearly between them (the line outside them);
-    ``scale``: a factor on everything (the run's own buckets against the calibration);
+    ``scale``: a factor on everything and ``overhead_us`` (µs) added to each all-reduce
+    (the run's own buckets against the calibration: faster, or slower by a fixed cost);
     ``source``: where the numbers came from, said to the user."""
 
     latency_us: float
     us_per_byte: float
     points: tuple[tuple[float, float], ...] = ()
     scale: float = 1.0
+    overhead_us: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -42,6 +44,8 @@ class AllReduceCost:
             raise ValueError(f"all-reduce time per byte must be > 0 µs, got {self.us_per_byte}")
         if not (np.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"cost scale must be > 0, got {self.scale}")
+        if not (np.isfinite(self.overhead_us) and self.overhead_us >= 0):
+            raise ValueError(f"all-reduce overhead must be >= 0 µs, got {self.overhead_us}")
 
     @property
     def bandwidth_gbps(self) -> float:
@@ -56,11 +60,15 @@ class AllReduceCost:
             xs, ys = np.array(self.points, dtype=float).T
             inside = (m >= xs[0]) & (m <= xs[-1])
             line = np.where(inside, np.interp(m, xs, ys), line)
-        return self.scale * line
+        return self.scale * line + self.overhead_us
 
     def with_scale(self, scale: float, source: str) -> AllReduceCost:
         return AllReduceCost(latency_us=self.latency_us, us_per_byte=self.us_per_byte, points=self.points,
                              scale=float(scale), source=source)
+
+    def with_overhead(self, overhead_us: float, source: str) -> AllReduceCost:
+        return AllReduceCost(latency_us=self.latency_us, us_per_byte=self.us_per_byte, points=self.points,
+                             overhead_us=float(overhead_us), source=source)
 
 
 def fit_line(nbytes, us, source: str, through_origin: bool = False) -> AllReduceCost:

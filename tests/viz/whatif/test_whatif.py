@@ -345,6 +345,27 @@ def test_cost_line_and_calibration_points():
     assert pts.time_us(5.005e5) == pytest.approx(275.0) and pts.time_us(2e6) == pytest.approx(2000.0)
     with pytest.raises(ValueError):
         fit_line([0], [1], "test")
+    slower = pts.with_overhead(300.0, "test")  # a fixed cost per all-reduce: the same for every size
+    assert slower.time_us([5.005e5, 2e6]) == pytest.approx([575.0, 2300.0]) and slower.points == pts.points
+    assert pts.with_scale(0.5, "test").time_us(2e6) == pytest.approx(1000.0)
+    with pytest.raises(ValueError, match="overhead"):
+        pts.with_overhead(-1.0, "test")
+
+
+def test_a_run_slower_than_its_calibration_pays_a_fixed_cost_per_all_reduce_not_a_factor():
+    """The sample's buckets that ran alone took longer than the calibration's all-reduces of
+    their size: the model adds that as a fixed cost per all-reduce (a factor read off the
+    1 MiB cap's small buckets put a 25 MiB bucket at twice its measured time), and the
+    compute an all-reduce takes from backward stays the calibration's (scaled up, it left a
+    1 MiB cap's backward 14 ms of work where the 25 MiB cap's trace measured 29)."""
+    t = load_run(SAMPLES / "gpt-2rank-cap1mb")
+    m = fit_model(t)
+    cal = read_calibration(t.path)
+    assert m.cost.scale == 1.0 and m.cost.overhead_us > 0, m.notes
+    assert (m.steal_us_per_allreduce, m.steal_us_per_mib) == pytest.approx(cal.steal())
+    assert f"calibration + {m.cost.overhead_us:.0f} µs an all-reduce" in m.notes[1]
+    big = 25 * MIB  # the 25 MiB cap's bucket: the calibration's time plus the same fixed cost
+    assert m.cost.time_us(big) == pytest.approx(cal.cost().time_us(big) + m.cost.overhead_us)
 
 
 def test_ring_projection_follows_the_formula_and_keeps_compute():
