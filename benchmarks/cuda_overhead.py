@@ -32,6 +32,7 @@ tests: nothing is asserted. Needs the compiled capture built (``ddpscope build``
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import random
 import shutil
@@ -108,10 +109,7 @@ def run_model(name: str, args, torch, dist, device) -> dict:
     backend = "nccl" if device.type == "cuda" else "gloo"
     copies = {}
     for mode in ("untraced", "traced"):
-        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
-                                      for _ in range(layers)]).to(device)
-        model.load_state_dict(base.state_dict())
-        ddp = DDP(model, process_group=dist.new_group(backend=backend),
+        ddp = DDP(copy.deepcopy(base), process_group=dist.new_group(backend=backend),
                   device_ids=[device.index] if device.type == "cuda" else None)
         copies[mode] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4, foreach=True))
     gen = torch.Generator(device=device).manual_seed(1)

@@ -25,6 +25,13 @@ RUN_FILE = "run.json"
 RANK_FILE_RE = re.compile(r"^rank-(\d+)\.json$")
 
 
+def started_at() -> str:
+    """Now, UTC, to the second (ISO 8601): run.json's ``started_at``."""
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def rank_file(rank: int) -> str:
     return f"rank-{rank}.json"
 

@@ -5,7 +5,6 @@ demo model under each ZeRO stage). Their configs and runners; the jobs themselve
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,11 +111,6 @@ class ZeroConfig:
                             timeout_s=self.timeout_s)
 
 
-def started_at() -> str:
-    """Now, UTC, to the second (ISO 8601): a run's ``started_at``, as the DDP tracer writes it."""
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
 def _physical_memory_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -137,7 +131,7 @@ def run_ring(cfg: RingConfig, on_progress: Callable[[dict], None] = lambda p: No
     return launch_traced(cfg.launch_config(), cfg.out, {
         "kind": fmt.KIND_RING, "mb": cfg.mb, "repeat": cfg.repeat, "dtype": cfg.dtype,
         "nproc_per_node": cfg.nproc, "nnodes": cfg.nnodes, "job": cfg.job,
-        "command": " ".join(cfg.command()), "started_at": started_at()}, on_progress, on_output, launcher, node)
+        "command": " ".join(cfg.command()), "started_at": fmt.started_at()}, on_progress, on_output, launcher, node)
 
 
 def run_zero(cfg: ZeroConfig, on_progress: Callable[[dict], None] = lambda p: None,
@@ -146,4 +140,4 @@ def run_zero(cfg: ZeroConfig, on_progress: Callable[[dict], None] = lambda p: No
     """Run the ZeRO memory job (``tracer/workloads/zero_job.py``) to its end; as ``run_job``."""
     return launch_traced(cfg.launch_config(), cfg.out, {
         "kind": fmt.KIND_ZERO, "model": cfg.model, "steps": cfg.steps, "nproc_per_node": cfg.nproc,
-        "nnodes": 1, "command": " ".join(cfg.command()), "started_at": started_at()}, on_progress, on_output, launcher)
+        "nnodes": 1, "command": " ".join(cfg.command()), "started_at": fmt.started_at()}, on_progress, on_output, launcher)

@@ -10,7 +10,7 @@ on the same ranks and backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -63,12 +63,10 @@ class AllReduceCost:
         return self.scale * line + self.overhead_us
 
     def with_scale(self, scale: float, source: str) -> AllReduceCost:
-        return AllReduceCost(latency_us=self.latency_us, us_per_byte=self.us_per_byte, points=self.points,
-                             scale=float(scale), source=source)
+        return replace(self, scale=float(scale), overhead_us=0.0, source=source)
 
     def with_overhead(self, overhead_us: float, source: str) -> AllReduceCost:
-        return AllReduceCost(latency_us=self.latency_us, us_per_byte=self.us_per_byte, points=self.points,
-                             overhead_us=float(overhead_us), source=source)
+        return replace(self, scale=1.0, overhead_us=float(overhead_us), source=source)
 
 
 def fit_line(nbytes, us, source: str, through_origin: bool = False) -> AllReduceCost:

@@ -391,7 +391,7 @@ class DDPTracer:
             "sharding": _zero_stage(self._recorder.optimizer if self._recorder else None),
             **self.config.run_meta,
         })
-        run.setdefault("started_at", _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+        run.setdefault("started_at", fmt.started_at())
         if error:
             run["error"] = error
         write_json_atomic(path, run)

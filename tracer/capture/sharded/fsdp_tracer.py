@@ -261,7 +261,7 @@ class FSDPTracer:
             "steps": steps, "ranks": [fmt.rank_file(r) for r in range(self.world_size)],
             **self.config.run_meta, **self.run_meta,
         })
-        run.setdefault("started_at", _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+        run.setdefault("started_at", fmt.started_at())
         if error:
             run["error"] = error
         write_json_atomic(path, run)
