@@ -120,10 +120,9 @@ def usable_steps(trace: RunTrace) -> list[int]:
     return sorted(int(k) for k, n in counts.items() if n == len(trace.ranks))
 
 
-def _latest(trace: RunTrace, column: str = "launch_us") -> dict[int, pd.Series]:
-    """Per step, each bucket's latest ``column`` over ranks (µs): its last launch (the
-    collective cannot start earlier), or ``done_us``, when it had ended on every rank."""
-    return {int(k): g.groupby("bucket")[column].max() for k, g in trace.buckets.groupby("step")}
+def _last_launch(trace: RunTrace) -> dict[int, pd.Series]:
+    """Per step, each bucket's last launch over ranks (µs): the collective cannot start earlier."""
+    return {int(k): g.groupby("bucket")["launch_us"].max() for k, g in trace.buckets.groupby("step")}
 
 
 def _flights(b: pd.DataFrame, start_all: pd.Series | None) -> np.ndarray:
@@ -157,7 +156,7 @@ def step_inputs(trace: RunTrace, model: WhatIfModel) -> list[StepInputs]:
     sync_micro = _syncing_micro(trace)
     g_by = {k: g for k, g in grads.groupby(["rank", "step"])}
     b_by = {k: g for k, g in trace.buckets.groupby(["rank", "step"])}
-    last_launch = _latest(trace)
+    last_launch = _last_launch(trace)
     out = []
     for step in usable_steps(trace):
         ranks = {}
@@ -270,7 +269,7 @@ def flight_us_per_mib(trace: RunTrace) -> float:
     to compute lost per MiB that removes, on this trace, what the slowdown says (all-reduces
     in flight at once count once in the time, each in the MiB)."""
     steps = trace.steps.set_index(["rank", "step"])
-    last_launch = _latest(trace)
+    last_launch = _last_launch(trace)
     keep = set(usable_steps(trace))
     time_us = mib = 0.0
     for (rank, step), b in trace.buckets.groupby(["rank", "step"]):
@@ -312,7 +311,7 @@ def fit_compute_slowdown(trace: RunTrace) -> tuple[float | None, str]:
     rows = []
     steps = trace.steps.set_index(["rank", "step"])
     b_by = {k: g for k, g in trace.buckets.groupby(["rank", "step"])}
-    last_launch = _latest(trace)
+    last_launch = _last_launch(trace)
     keep = set(usable_steps(trace))
     for (rank, step), g in trace.grads.groupby(["rank", "step"]):
         if step not in keep or (rank, step) not in b_by:
@@ -401,10 +400,7 @@ def _comm_samples(trace: RunTrace, lanes: int) -> dict:
     then on any rank (``computing``, 0/1) and how many of this rank's all-reduces were in
     flight (``in_flight``), as arrays of equal shape (buckets x slices, padded with zeros)."""
     keep = set(usable_steps(trace))
-    last_launch = _latest(trace)
-    # a lane frees when its collective has ended on every rank: one collective, as the
-    # simulator runs it (its lanes are the group's, not one rank's)
-    last_done = _latest(trace, "done_us")
+    last_launch = _last_launch(trace)
     s = trace.steps[trace.steps["step"].isin(keep)]
     spans_of = {int(k): g[["backward_start_us", "backward_end_us"]].to_numpy(float) for k, g in s.groupby("step")}
     nbytes, flight, computing, in_flight = [], [], [], []
@@ -415,11 +411,9 @@ def _comm_samples(trace: RunTrace, lanes: int) -> dict:
         b = b.sort_values("bucket")
         starts = np.maximum(b["bucket"].map(last_launch[int(step)]).to_numpy(float), b["launch_us"].to_numpy(float))
         done = b["done_us"].to_numpy(float)
-        done_all = b["bucket"].map(last_done[int(step)]).to_numpy(float)
-        # FIFO with ``lanes`` workers: a bucket starts no earlier than the lanes-th one before it
-        # ended on every rank
+        # FIFO with ``lanes`` workers: a bucket starts no earlier than the lanes-th one before it ended
         for j in range(lanes, len(starts)):
-            starts[j] = max(starts[j], np.sort(done_all[:j])[-lanes])
+            starts[j] = max(starts[j], np.sort(done[:j])[-lanes])
         starts = np.minimum(starts, done)
         cuts = np.unique(np.concatenate([starts, done, np.ravel(spans)]))
         for j, nb in enumerate(b["bytes"].to_numpy()):
