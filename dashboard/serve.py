@@ -85,8 +85,9 @@ def server_up(timeout_s: float = SERVER_UP_S) -> bool:
 
 def start_preload() -> None:
     global _thread
-    _thread = threading.Thread(target=preload, kwargs={"after": server_up}, name="ddpscope-preload", daemon=True)
-    _thread.start()
+    thread = threading.Thread(target=preload, kwargs={"after": server_up}, name="ddpscope-preload", daemon=True)
+    thread.start()
+    _thread = thread  # published once started: a thread seen but not yet alive would not be waited for
 
 
 def wait_for_preload() -> None:
