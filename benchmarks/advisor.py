@@ -144,7 +144,10 @@ def regime(workload: str, link: str, args, caps, work: Path, script: Path) -> di
     print(f"MAPE over the caps and the recommendation: {mape:.1f} % (goal <= 5 % when emulated); noise floor "
           f"(median spread between repeats) {floor:.1f} %")
     print(f"gain: predicted {pred_gain:.1f} ms (interval {advice.interval_ms[0]:.1f}..{advice.interval_ms[1]:.1f}, "
-          f"{'worth a change' if advice.change else 'not worth a change'}), measured {gained:.1f} ms "
+          f"{'worth a change' if advice.change else 'not worth a change'}"
+          + ("" if advice.gain_if_overlap_lost_ms is None else
+             f"; {advice.gain_if_overlap_lost_ms:.1f} ms with the unmeasured steal at its bound")
+          + f"), measured {gained:.1f} ms "
           f"(own {own_m:.1f} -> best found {best_m:.1f})"
           + ("" if within is None else f"; within +-30 % of the predicted gain: {'yes' if within else 'no'}"))
     return {"workload": workload, "link": link, "mape": mape, "noise": floor, "change": advice.change,

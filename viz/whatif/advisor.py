@@ -88,6 +88,7 @@ class Advice:
     # find_unused_parameters=True where every parameter had its gradient in every step: what
     # the same search predicts with the flag off (DDP then rebuilds in gradient-ready order)
     flag_off: "FlagOff | None" = None
+    gain_if_overlap_lost_ms: float | None = None  # the steal not measured: the best's gain at its bound
 
     @property
     def gain_pct(self) -> float:
@@ -105,6 +106,7 @@ class Advice:
                 "measured_step_ms": self.measured_step_ms, "gain_ms": self.gain_ms, "gain_pct": self.gain_pct,
                 "gain_interval_ms": list(self.interval_ms), "noise_ms": self.noise_ms,
                 "best_found": setting_json(self.best), "searched": self.searched, "note": self.note,
+                "gain_if_overlap_lost_ms": self.gain_if_overlap_lost_ms,
                 "flag_off": None if self.flag_off is None else {
                     "flag": self.flag_off.flag, **setting_json(self.flag_off.setting),
                     "step_ms": self.flag_off.step_ms, "gain_ms": self.flag_off.gain_ms,
@@ -415,7 +417,18 @@ def _advise(trace: RunTrace, search: _Search, noise: float, caps, lists, local_b
     mb, mo = _medians(pred_best), _medians(pred_own)
     gain = mo["step_ms"] - mb["step_ms"]
     floor = MIN_GAIN * mo["step_ms"]
-    if (gain > noise or not math.isfinite(noise)) and gain >= floor:
+    worth = lambda g: (g > noise or not math.isfinite(noise)) and g >= floor  # noqa: E731
+    # the steal not measured: the gain must hold at its other end too (all the compute overlapped lost)
+    most = None if model.steal_max_us_per_mib is None or not worth(gain) else model.at_most_steal()
+    worst = gain if most is None else \
+        _medians(predict_run(trace, own, most))["step_ms"] - _medians(predict_run(trace, best, most))["step_ms"]
+    if worth(gain) and not worth(worst):
+        change, why = False, (f"no change is worth it until communication's cost to backward is measured: the best "
+                              f"layout found, {setting_text(best)}, is predicted {gain:.1f} ms faster a step if "
+                              f"all-reduces take no compute from backward, {abs(worst):.1f} ms "
+                              f"{'faster' if worst >= 0 else 'slower'} if they take all they overlap, and this trace "
+                              "cannot tell which (run `ddpscope calibrate` and ask again)")
+    elif worth(gain):
         change, why = True, (f"predicted {gain:.1f} ms faster a step, more than the noise (±{noise:.1f} ms)"
                              if math.isfinite(noise) else f"predicted {gain:.1f} ms faster a step (noise unknown: "
                              "too few steps)")
@@ -430,4 +443,4 @@ def _advise(trace: RunTrace, search: _Search, noise: float, caps, lists, local_b
                   traced_step_ms=mo["step_ms"], measured_step_ms=_medians(trace)["step_ms"], gain_ms=gain,
                   noise_ms=noise, searched={k: int(kinds.get(k, 0)) for k in _KINDS if k != "traced"},
                   candidates=table.drop(columns="simplicity"), prediction=pred_best if change else pred_own,
-                  note=note)
+                  note=note, gain_if_overlap_lost_ms=None if most is None else worst)

@@ -25,7 +25,9 @@ around the syncing backward (before it, after DDP has every averaged gradient).
   trace's gradients: segments of backward between two ready gradients of the same kind
   (same name but for layer numbers, same size) cost the same work, so their overlapped
   and non-overlapped durations give a slowdown, turned into µs/MiB with the run's own
-  time in flight per MiB; else 0 (``notes`` say which);
+  time in flight per MiB; else 0 (``notes`` say which), and on CPU at most the run's time
+  in flight per MiB (``steal_max_us_per_mib``: overlap then buys nothing), the other end
+  of what the trace allows, which the advisor checks a change against;
 - ``launch_us``: bucket ready (its last gradient) -> DDP hands it to the hook (median);
 - ``shared_link``: whether all-reduces in flight at once share one link. On one machine
   (loopback) they do not: a small gloo all-reduce mostly waits on its peer, and two run
@@ -40,7 +42,7 @@ around the syncing backward (before it, after DDP has every averaged gradient).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -65,11 +67,19 @@ class WhatIfModel:
     launch_us: float = 0.0
     shared_link: bool = False
     notes: tuple[str, ...] = ()
+    steal_max_us_per_mib: float | None = None  # the steal not measured (CPU): the most it can be
+
+    def at_most_steal(self) -> "WhatIfModel":
+        """This model with the steal at ``steal_max_us_per_mib``, where it was not measured."""
+        if self.steal_max_us_per_mib is None:
+            raise ValueError("the steal was measured: it has no bound")
+        return replace(self, steal_us_per_mib=self.steal_max_us_per_mib, steal_max_us_per_mib=None)
 
     def __post_init__(self) -> None:
         if self.lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {self.lanes}")
-        for name in ("comm_slowdown", "steal_us_per_allreduce", "steal_us_per_mib", "launch_us"):
+        for name in ("comm_slowdown", "steal_us_per_allreduce", "steal_us_per_mib", "launch_us",
+                     *(("steal_max_us_per_mib",) if self.steal_max_us_per_mib is not None else ())):
             v = getattr(self, name)
             if not (np.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be >= 0, got {v}")
@@ -213,6 +223,7 @@ def fit_model(trace: RunTrace, calibration: Calibration | None | str = "auto") -
     shared = across_nodes(trace)
     cost, kappa, c_note = fit_comm(trace, lanes, calibration, shared)
     steal = calibration.steal() if calibration is not None else None
+    bound = None
     if steal is not None:
         # the run's all-reduces faster than the calibration's: their work on the cores too. A
         # slower one is not more work: its fixed cost is waiting (x 2 the steal of a 1 MiB cap's
@@ -223,7 +234,11 @@ def fit_model(trace: RunTrace, calibration: Calibration | None | str = "auto") -
     else:
         s, s_note = fit_compute_slowdown(trace)
         if s is None:
-            steal, s_note = (0.0, 0.0), f"{s_note}; taken as 0 (run `ddpscope calibrate` to measure it)"
+            steal, most = (0.0, 0.0), ""
+            if str(trace.run.get("device") or "cpu") == "cpu":  # gloo's threads share the cores: maybe all
+                bound = flight_us_per_mib(trace)
+                most = f"at most {bound:.0f} µs per MiB, all the backward compute it overlaps; "
+            s_note = f"{s_note}; taken as 0 ({most}run `ddpscope calibrate` to measure it)"
         else:
             steal = (0.0, s / (1.0 + s) * flight_us_per_mib(trace))
     notes += [f"{s_note}: {steal[0]:.0f} µs per all-reduce + {steal[1]:.0f} µs per MiB", c_note]
@@ -231,7 +246,7 @@ def fit_model(trace: RunTrace, calibration: Calibration | None | str = "auto") -
         notes.append("the ranks span nodes: all-reduces in flight at once share the node's link")
     return WhatIfModel(cost=cost, lanes=lanes, comm_slowdown=kappa, steal_us_per_allreduce=float(steal[0]),
                        steal_us_per_mib=float(steal[1]), shared_link=shared,
-                       launch_us=launch_delay_us(trace), notes=tuple(notes))
+                       launch_us=launch_delay_us(trace), notes=tuple(notes), steal_max_us_per_mib=bound)
 
 
 def regime(trace: RunTrace) -> str:

@@ -263,3 +263,24 @@ def test_every_candidate_step_is_the_tables_for_that_setting(sample):
     for frame in (cands, sweep):
         assert (frame["within_noise"] == (frame["step_ms"] - frame["step_ms"].min() <= advice.noise_ms)).all()
     assert sweep["within_noise"].any() and not sweep["within_noise"].all()
+
+
+def test_a_gain_that_needs_an_unmeasured_steal_of_zero_changes_nothing():
+    """The steal not measured (CPU, no calibration, no fit: ``steal_max_us_per_mib``):
+    one bucket after backward, split, gains its exposed tail only if the all-reduces
+    beside backward take none of its compute; at the bound (each takes all it overlaps:
+    2.2 ms a MiB at 2 ns a byte) splitting gains nothing. The advisor keeps the setting
+    and says both ends; with a bound too small to matter it recommends the split."""
+    t = synthetic(bucket_of=[0, 0, 0, 0])
+    t.run["bucket_cap_mb"] = 100.0
+    flight = 100.0 + MIB * 2e-3  # µs a 1 MiB all-reduce is in flight
+    a = advise(t, model(latency_us=100.0, us_per_byte=2e-3, steal_max_us_per_mib=flight))
+    assert not a.change and a.setting == 100.0 and a.best != 100.0
+    assert a.gain_ms > 1.0 and a.gain_if_overlap_lost_ms is not None and a.gain_if_overlap_lost_ms <= 0.05
+    assert "until communication's cost to backward is measured" in a.why and "ddpscope calibrate" in a.why
+    assert a.as_json()["gain_if_overlap_lost_ms"] == a.gain_if_overlap_lost_ms
+    small = advise(t, model(latency_us=100.0, us_per_byte=2e-3, steal_max_us_per_mib=1.0))
+    assert small.change and small.gain_ms == pytest.approx(a.gain_ms)
+    assert small.gain_if_overlap_lost_ms == pytest.approx(small.gain_ms, abs=0.05)
+    measured = advise(t, model(latency_us=100.0, us_per_byte=2e-3))  # steal measured: no bound, no check
+    assert measured.change and measured.gain_if_overlap_lost_ms is None

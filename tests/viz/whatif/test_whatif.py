@@ -368,6 +368,27 @@ def test_a_run_slower_than_its_calibration_pays_a_fixed_cost_per_all_reduce_not_
     assert m.cost.time_us(big) == pytest.approx(cal.cost().time_us(big) + m.cost.overhead_us)
 
 
+def test_a_steal_not_measured_on_cpu_is_zero_with_a_bound_and_measured_has_none():
+    """No calibration, and gradients of only one kind (the fit cannot tell the slowdown):
+    the steal is taken as 0, and on CPU it is bounded by the run's time in flight during
+    backward per MiB (three 5 ms all-reduces of 1 MiB inside backward: 5000 µs a MiB),
+    said in the note. On a GPU there is no bound (NCCL runs on its own stream); with a
+    calibration the steal is measured."""
+    t = synthetic()
+    m = fit_model(t, calibration=None)
+    assert (m.steal_us_per_allreduce, m.steal_us_per_mib) == (0.0, 0.0)
+    assert m.steal_max_us_per_mib == pytest.approx(5000.0)
+    assert "at most 5000 µs per MiB" in m.notes[0] and "ddpscope calibrate" in m.notes[0]
+    worst = m.at_most_steal()
+    assert worst.steal_us_per_mib == pytest.approx(5000.0) and worst.steal_max_us_per_mib is None
+    t.run["device"] = "cuda:0"
+    assert fit_model(t, calibration=None).steal_max_us_per_mib is None
+    sample = fit_model(load_run(SAMPLES / "gpt-2rank-cap1mb"))  # its calibration measures the steal
+    assert sample.steal_max_us_per_mib is None
+    with pytest.raises(ValueError, match="measured"):
+        sample.at_most_steal()
+
+
 def test_ring_projection_follows_the_formula_and_keeps_compute():
     link = LINK_PRESETS["InfiniBand NDR 400 Gb/s"]
     cost = ring_cost(64, link)
