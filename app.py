@@ -92,7 +92,7 @@ if timeline_tab.open and trace is not None:
         render_timeline(path, trace)
 if compare_tab.open:
     with compare_tab, page_guard("The comparison"):
-        render_compare(traces)
+        render_compare(traces, {label: kind for label, (_, kind) in all_runs.items()})
 if whatif_tab.open and trace is not None:
     with whatif_tab, page_guard("The What-if page"):
         render_whatif(path, trace, traces, jobs, busy, command_policy())

@@ -60,8 +60,10 @@ def render_advisor(path: Path, stamp: float, trace, model, jobs: JobManager, bus
     if rec.get("flag_off"):
         st.info(f"Without find_unused_parameters: {rec['flag_off']['text']}.")
     n = rec["searched"]
-    with st.expander(f"What the advisor searched: {n['uniform']} uniform caps, {n['growing list']} growing lists, "
-                     f"{n['per-bucket list']} per-bucket layouts"):
+    searched = ", ".join(f"{n[k]} {word}{'' if n[k] == 1 else 's'}" for k, word in
+                         (("uniform", "uniform cap"), ("growing list", "growing list"),
+                          ("per-bucket list", "per-bucket layout")))
+    with st.expander(f"What the advisor searched: {searched}"):
         st.caption("Every candidate's step_ms is its replay on all of this trace's steps: the table's number for the "
                    "same setting (search_ms: the up to 8 steps the search compared layouts on). Layouts are "
                    "built by DDP's own bucketing from the gradients' ready order; a per-bucket layout is written as "

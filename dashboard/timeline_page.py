@@ -159,18 +159,28 @@ def show_profile_beside(trace, steps, ranks) -> None:
                key="profile_agreement")
 
 
-def compare_defaults(traces: dict[str, Path]) -> list[str]:
-    """The two runs Compare opens on: the user's two newest (runs made here, then uploads),
-    else what there is, samples last."""
+def compare_defaults(traces: dict[str, Path], kinds: dict[str, str] | None = None) -> list[str]:
+    """The two runs Compare opens on: the user's two newest of one kind (``kinds``: label ->
+    "ddp", "sharded", ...; runs made here, then uploads), the newest kind first; else the
+    newest beside a sample of its kind; else what there is, samples last."""
+    kind = (kinds or {}).get
     own = [label for label in traces if not label.startswith("sample: ")]
     own.sort(key=lambda label: stamp_of(traces[label]), reverse=True)
-    newest = own[:2][::-1]  # the older of the two first: the reference
-    return (newest + [label for label in traces if label.startswith("sample: ")])[:2]
+    samples = [label for label in traces if label.startswith("sample: ")]
+    for label in own:
+        mine = [other for other in own if kind(other) == kind(label)]
+        if len(mine) >= 2:
+            return mine[:2][::-1]  # the older of the two first: the reference
+    for label in own:
+        like = [other for other in samples if kind(other) == kind(label)]
+        if like:
+            return [label, like[0]]
+    return (own[:2][::-1] + samples)[:2]
 
 
-def render_compare(traces: dict[str, Path]) -> None:
+def render_compare(traces: dict[str, Path], kinds: dict[str, str] | None = None) -> None:
     picked = st.multiselect("Runs to compare (the first is the reference)", list(traces),
-                            default=compare_defaults(traces), key="compare_runs")
+                            default=compare_defaults(traces, kinds), key="compare_runs")
     loaded = {}
     for label in picked:
         try:

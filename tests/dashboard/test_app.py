@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import shlex
 import shutil
 import time
@@ -131,6 +132,29 @@ def test_compare_opens_on_the_users_two_newest_runs(tmp_path, monkeypatch):
     _page(at, "Compare runs")
     assert at.multiselect(key="compare_runs").value == ["run: mid", "run: new"]  # the older one the reference
     assert not at.exception and len(at.dataframe[0].value) == 2
+
+
+def test_compare_opens_on_two_runs_of_one_kind(tmp_path):
+    """A DDP run, another, then an FSDP2 run (newest): Compare sets like beside like, so it
+    opens on the two DDP runs, not on the newest two (a dead end: "pick two of one kind").
+    A lone run of a kind opens beside a sample of its kind; without kinds, the newest two."""
+    from ddpscope.dashboard.timeline_page import compare_defaults
+
+    traces = {}
+    for n, name in enumerate(("old", "mid", "new")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text("{}")
+        os.utime(tmp_path / name / "run.json", (1_700_000_000 + 100 * n,) * 2)
+        traces[f"run: {name}"] = tmp_path / name
+    traces["sample: gpt"] = SAMPLES / "gpt-2rank-cap1mb"
+    kinds = {"run: old": "ddp", "run: mid": "ddp", "run: new": "sharded", "sample: gpt": "ddp"}
+    assert compare_defaults(traces, kinds) == ["run: old", "run: mid"]
+    assert compare_defaults(traces, {**kinds, "run: old": "sharded"}) == ["run: old", "run: new"]
+    assert compare_defaults(traces, {**kinds, "run: mid": "sharded", "run: old": "zero"}) == \
+        ["run: mid", "run: new"]
+    alone = {k: v for k, v in traces.items() if k in ("run: new", "run: mid", "sample: gpt")}
+    assert compare_defaults(alone, kinds) == ["run: mid", "sample: gpt"]  # no sharded sample
+    assert compare_defaults(traces) == ["run: mid", "run: new"]
 
 
 def test_compare_view_puts_runs_on_one_time_scale(app):
@@ -784,6 +808,10 @@ def test_whatif_advisor_says_keep_or_change(app):
     app.sidebar.selectbox(key="trace").set_value("sample: mlp-2rank-cap1mb").run()
     _page(app, "What-if")
     assert any(i.value.startswith("Advisor: keep bucket_cap_mb=1") and "noise" in i.value for i in app.info)
+    searched = next(e.label for e in app.expander if e.label.startswith("What the advisor searched"))
+    for part in searched.split(": ", 1)[1].split(", "):  # "1 per-bucket layout", never "1 ... layouts" (this sample's one)
+        count, word = part.split(" ", 1)
+        assert word.endswith("s") == (int(count) != 1), searched
     app.sidebar.selectbox(key="trace").set_value("sample: gpt-2rank-cap25mb").run()
     assert not app.exception
     said = next(s.value for s in app.success if s.value.startswith("Advisor:"))
