@@ -84,6 +84,14 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
         st.info("No prediction for a profiler trace: the what-if model needs each gradient's ready time, which "
                 "only a ddpscope trace records. Trace the job with `ddpscope run` to predict other caps.")
         return
+    shards = getattr(trace, "shards", None)
+    if shards is not None:  # what a sharded run can change is not a bucket cap: the Run page predicts it
+        what = ("another ZeRO stage's model states (and bucket size)" if shards.framework == "deepspeed" else
+                "reshard_after_forward and the prefetch depths: peak memory and step time")
+        st.info(f"This is a sharded run ({'DeepSpeed' if shards.framework == 'deepspeed' else 'FSDP2'}): the What-if "
+                f"predicts DDP's bucket caps. Its own settings are predicted on the Run page ({what}), beside "
+                "a rerun that checks them; the Memory (ZeRO) page sets it among ZeRO's stages.")
+        return
     stamp = stamp_of(path)
     if not trace.all_events:
         st.caption(f"{trace.world_size} ranks: predicted from the events of ranks "

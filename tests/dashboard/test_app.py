@@ -1089,6 +1089,8 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     units = next(d.value for d in at.dataframe if "all_gather_ms" in d.value.columns)
     assert list(units["unit"]) == ["(root)", "layers.0", "layers.1", "layers.2", "layers.3"]
     assert any("gloo has no reduce-scatter" in m.value for m in at.markdown)
+    _page(at, "What-if")  # not a dead end: where its own settings are predicted
+    assert not at.exception and any("sharded run (FSDP2)" in i.value and "Run page" in i.value for i in at.info)
     _page(at, "Memory (ZeRO)")
     titles = [json.dumps(c["layout"].get("title")) for c in _charts(at)]
     assert any("memory over one step (measured)" in t for t in titles)
@@ -1140,6 +1142,8 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     buckets = next(d.value for d in at.dataframe if "first_param" in d.value.columns)
     assert list(buckets["bucket"]) == [0, 1, 2] and set(buckets["collective"]) == {"all_reduce"}
     assert any("3D x (N-1)/N in all" in m.value for m in at.markdown)
+    _page(at, "What-if")
+    assert any("sharded run (DeepSpeed)" in i.value and "ZeRO stage" in i.value for i in at.info)
     _page(at, "Memory (ZeRO)")
     table = next(d.value for d in at.dataframe if "persistent measured/predicted" in d.value.columns)
     assert {"measured (rank 0)", "stage 3", "DeepSpeed estimate (stage 2)"} <= set(table["row"])
