@@ -8,8 +8,9 @@ same ranks and backend (started by torchrun; see ``tracer.launch.calibrate``).
 2. contention, for 64 KiB and 16 MiB all-reduces, three times each: a compute loop
    (forward + backward of a small MLP) alone, a train of all-reduces alone, and both at
    once (the all-reduces from a second thread, as DDP's reducer issues them during
-   backward): the median extra time each takes beside the other, as a fraction, and the
-   compute time lost per all-reduce (``compute_lost_us``).
+   backward): the median over every rank's repeats of the extra time each takes beside
+   the other, as a fraction, and of the compute time lost per all-reduce
+   (``compute_lost_us``).
 
 Rank 0 writes ``calibration.json`` (atomically) in ``--out``, the traced run's folder;
 nothing else there changes. Rank 0 prints ``ddpscope-progress {json}`` lines.
@@ -161,9 +162,24 @@ def contention(device: torch.device, nbytes: int, repeats: int = 3) -> dict:
         comm_slow.append(max(0.0, both["comm"] / comm_alone - 1.0))
         alone_us.append(comm_alone / count)
         lost_us.append(both["comm"] * slow / (1.0 + slow) / count)  # compute lost while they ran
+    # every rank's repeats, not rank 0's alone: what an all-reduce takes from compute differs
+    # between the ranks of one job (in the lab, the kernel's network work lands on one core or
+    # the other), and the model takes one steal for all ranks (rank 0's alone read 0 and 3.9
+    # ms per MiB in two calibrations of one lab)
+    compute_slow, comm_slow, alone_us, lost_us = _everyones([compute_slow, comm_slow, alone_us, lost_us], device)
     return {"bytes": nbytes, "compute_slowdown": statistics.median(compute_slow),
             "comm_slowdown": statistics.median(comm_slow), "comm_alone_us": statistics.median(alone_us),
-            "compute_lost_us": statistics.median(lost_us), "count": count, "repeats": repeats}
+            "compute_lost_us": statistics.median(lost_us), "count": count, "repeats": repeats,
+            "ranks": dist.get_world_size()}
+
+
+def _everyones(lists: list[list[float]], device: torch.device) -> list[list[float]]:
+    """Each of ``lists`` (this rank's values, the same length on every rank) with every
+    rank's values: one all-gather (on the job's device: NCCL gathers device tensors only)."""
+    mine = torch.tensor(lists, dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return torch.cat(every, dim=1).tolist()  # CPU-GPU sync on CUDA: between measurements
 
 
 @record

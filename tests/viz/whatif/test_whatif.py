@@ -257,6 +257,7 @@ def test_calibrate_stores_a_sweep_with_the_run_and_whatif_uses_it(mlp_run, tmp_p
     cal = read_calibration(run)
     assert cal.sizes == (4096.0, 16384.0, 65536.0, 262144.0, 1048576.0) and all(u > 0 for u in cal.us)
     assert cal.world_size == 2 and cal.backend == "gloo" and cal.steal() is not None
+    assert [c["ranks"] for c in cal.meta["contention"]["sizes"]] == [2, 2]  # every rank's repeats, not rank 0's
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name in before} == before
     proc = run_cli("whatif", str(run), "--caps", "1,64", "--json")
     assert proc.returncode == 0, proc.stderr
