@@ -18,7 +18,7 @@ from ddpscope.viz.trace import TraceError
 from ddpscope.viz.whatif.ab import compute_ab_steps, compute_bucket_ab, make_ab_timeline_figure
 from ddpscope.viz.whatif.advisor import SIMPLER, advise, setting_text
 from ddpscope.viz.whatif.model import fit_model
-from ddpscope.viz.whatif.report import cap_argument
+from ddpscope.viz.whatif.report import cap_argument, searched_text
 from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 
 
@@ -60,10 +60,7 @@ def render_advisor(path: Path, stamp: float, trace, model, jobs: JobManager, bus
     if rec.get("flag_off"):
         st.info(f"Without find_unused_parameters: {rec['flag_off']['text']}.")
     n = rec["searched"]
-    searched = ", ".join(f"{n[k]} {word}{'' if n[k] == 1 else 's'}" for k, word in
-                         (("uniform", "uniform cap"), ("growing list", "growing list"),
-                          ("per-bucket list", "per-bucket layout")))
-    with st.expander(f"What the advisor searched: {searched}"):
+    with st.expander(f"What the advisor searched: {searched_text(n)}"):
         st.caption("Every candidate's step_ms is its replay on all of this trace's steps: the table's number for the "
                    "same setting (search_ms: the up to 8 steps the search compared layouts on). Layouts are "
                    "built by DDP's own bucketing from the gradients' ready order; a per-bucket layout is written as "

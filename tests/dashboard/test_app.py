@@ -809,7 +809,7 @@ def test_whatif_advisor_says_keep_or_change(app):
     _page(app, "What-if")
     assert any(i.value.startswith("Advisor: keep bucket_cap_mb=1") and "noise" in i.value for i in app.info)
     searched = next(e.label for e in app.expander if e.label.startswith("What the advisor searched"))
-    for part in searched.split(": ", 1)[1].split(", "):  # "1 per-bucket layout", never "1 ... layouts" (this sample's one)
+    for part in searched.split(": ", 1)[1].replace(" and ", ", ").split(", "):  # "1 per-bucket layout" (this sample's)
         count, word = part.split(" ", 1)
         assert word.endswith("s") == (int(count) != 1), searched
     app.sidebar.selectbox(key="trace").set_value("sample: gpt-2rank-cap25mb").run()

@@ -81,12 +81,14 @@ def fit_line(nbytes, us, source: str, through_origin: bool = False) -> AllReduce
     if through_origin:
         per_byte = float(np.sum(m * t) / np.sum(m * m))
         return AllReduceCost(latency_us=0.0, us_per_byte=per_byte, source=f"{source}, bandwidth only")
+    why = "one size: no latency term"
     if len(np.unique(m)) >= 2:
         (lat, per_byte), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(m), m]), t, rcond=None)
         if lat >= 0 and per_byte > 0:
             return AllReduceCost(latency_us=float(lat), us_per_byte=float(per_byte), source=source)
+        why = "through the origin (a line through its sizes had a negative latency)"
     per_byte = float(np.sum(m * t) / np.sum(m * m))
-    return AllReduceCost(latency_us=0.0, us_per_byte=per_byte, source=f"{source}, one size: no latency term")
+    return AllReduceCost(latency_us=0.0, us_per_byte=per_byte, source=f"{source}, {why}")
 
 
 @dataclass(frozen=True)

@@ -93,8 +93,7 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
 def print_advice(advice: Advice) -> None:
     n = advice.searched
     order = "in gradient-ready order" if advice.note is None else "in registration order"
-    print(f"advisor: searched {n['uniform']} uniform caps, {n['growing list']} growing lists and "
-          f"{n['per-bucket list']} per-bucket layouts (local search), {order}; best found "
+    print(f"advisor: searched {searched_text(n)} (local search), {order}; best found "
           f"{setting_text(advice.best)}")
     if advice.note:
         print(f"  note: {advice.note}")
@@ -172,3 +171,10 @@ def _framework(path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return sharding.get("framework") if isinstance(sharding, dict) else None
+
+
+def searched_text(searched: dict[str, int]) -> str:
+    """``Advice.searched`` in words: "12 uniform caps, 40 growing lists and 1 per-bucket layout"."""
+    said = [f"{searched[k]} {word}{'' if searched[k] == 1 else 's'}" for k, word in
+            (("uniform", "uniform cap"), ("growing list", "growing list"), ("per-bucket list", "per-bucket layout"))]
+    return f"{', '.join(said[:-1])} and {said[-1]}"

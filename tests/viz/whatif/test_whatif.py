@@ -359,6 +359,8 @@ def test_cost_line_and_calibration_points():
     assert line.latency_us == pytest.approx(100) and line.us_per_byte == pytest.approx(1e-3)
     one = fit_line([1e6, 1e6], [1000, 1000], "test")
     assert one.latency_us == 0 and "one size" in one.source
+    neg = fit_line([1e6, 2e6], [1000, 3000], "test")  # two sizes whose line says -1000 µs of latency
+    assert neg.latency_us == 0 and "negative latency" in neg.source and "one size" not in neg.source
     pts = AllReduceCost(latency_us=0, us_per_byte=1e-3, points=((1e3, 50.0), (1e6, 500.0)))
     assert pts.time_us(5.005e5) == pytest.approx(275.0) and pts.time_us(2e6) == pytest.approx(2000.0)
     with pytest.raises(ValueError):
