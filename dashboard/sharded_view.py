@@ -147,8 +147,10 @@ def _prediction_metric(where, label: str, what: str, scale: float, unit: str, ta
         where.info(missing)
         return
     predicted, measured = table[f"predicted_{what}"].iloc[0], table[f"measured_{what}"].iloc[0]
-    where.metric(label, f"{predicted * scale:.{2 if unit == 'MiB' else 1}f} {unit}",
-                 f"{(predicted - measured) * scale:+.{2 if unit == 'MiB' else 1}f} {unit}", delta_color="inverse")
+    digits = 2 if unit == "MiB" else 1
+    change = round((predicted - measured) * scale, digits)
+    where.metric(label, f"{predicted * scale:.{digits}f} {unit}",  # no change: gray, not a red "+0.00"
+                 f"{change:+.{digits}f} {unit}" if change else "as this run", delta_color="inverse" if change else "off")
 
 
 def deepspeed_rerun_settings(trace) -> dict:

@@ -1097,8 +1097,12 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     assert any("beside ZeRO stages 0-3" in t for t in titles)
     _page(at, "Run")
     assert _metric(at, "predicted peak (rank 0)").endswith("MiB")
+    deltas = {m.label: m.delta for m in at.metric if m.label.startswith("predicted")}
+    assert deltas == {"predicted peak (rank 0)": "as this run", "predicted step (rank 0)": "as this run"}  # not "+0.0"
     at.selectbox(key="run_reshard").set_value("false (ZeRO-2)").run()
     assert not at.exception
+    peak = next(m for m in at.metric if m.label == "predicted peak (rank 0)")
+    assert peak.delta.startswith("+") and peak.delta.endswith(" MiB")  # units kept gathered: a larger peak
     assert at.button(key="run_button").label == "Rerun with reshard_after_forward = false"
     _page(at, "Compare runs")  # like with like: the DDP sample is not set beside the FSDP2 run
     at.multiselect(key="compare_runs").set_value(["run: fsdp2", "sample: gpt-2rank-cap1mb"]).run()
