@@ -1,7 +1,7 @@
 """DeepSpeed tracing: its overhead on ZeRO stages 1, 2 and 3.
 
     python -m benchmarks.deepspeed [--rounds 60] [--layers 4] [--dim 256] [--bucket-elements 50000]
-                                   [--pieces-steps 100] [--cpu] [--smoke]
+                                   [--stages 1,2,3] [--pieces-steps 100] [--cpu] [--smoke]
 
 Workload: an MLP of ``--layers`` hidden layers (``--dim`` wide), a client AdamW,
 DeepSpeed's engine at each ZeRO stage (fp32, ``reduce_bucket_size`` and
@@ -84,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, list[float]]] = {}
     pieces: dict[str, dict[str, float]] = {}
     step_tags: dict[str, list[str]] = {}
-    for stage in STAGES:
+    for stage in (int(x) for x in args.stages.split(",")):
         config = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 10**9,
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket_elements,
                                         "stage3_prefetch_bucket_size": args.bucket_elements,
@@ -286,7 +286,7 @@ def overhead(args, tmp: Path) -> None:
 
     result, res = worker_result("benchmarks.deepspeed", RESULT_PREFIX,
                                 ["--rounds", str(args.rounds), "--layers", str(args.layers), "--dim", str(args.dim),
-                                 "--bucket-elements", str(args.bucket_elements),
+                                 "--bucket-elements", str(args.bucket_elements), "--stages", args.stages,
                                  "--pieces-steps", str(args.pieces_steps), *(["--cpu"] if args.cpu else []),
                                  "--out", str(tmp / "traces")], tmp / "logs", env={"DS_ACCELERATOR": "cpu"})
     if result is None:
@@ -339,6 +339,7 @@ def main(argv=None) -> None:
                    help="reduce_bucket_size and stage3_prefetch_bucket_size (elements; DeepSpeed's default: 500000000)")
     p.add_argument("--pieces-steps", type=int, default=100,
                    help="steps of the traced engine timed piece by piece after the rounds (0: none)")
+    p.add_argument("--stages", default=",".join(map(str, STAGES)), help="ZeRO stages to measure, e.g. 1,3")
     p.add_argument("--cpu", action="store_true",
                    help="time each step's CPU on the training thread (time.thread_time), not its wall time: "
                         "what the tracer adds there, with the waits for the other rank left out (less noise)")
@@ -356,6 +357,8 @@ def main(argv=None) -> None:
         raise SystemExit(2)
     if args.smoke:
         args.rounds, args.layers, args.dim, args.pieces_steps = 6, 1, 32, 3
+    if not args.stages or any(x not in ("1", "2", "3") for x in args.stages.split(",")):
+        p.error(f"--stages takes ZeRO stages 1, 2 and 3, comma-separated, not {args.stages!r}")
     with tempfile.TemporaryDirectory(prefix="ddpscope-deepspeed-bench-") as tmp:
         overhead(args, Path(tmp))
 
