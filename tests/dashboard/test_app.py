@@ -1120,6 +1120,19 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     at = _page(AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run(), "Run")
     assert not at.exception and not at.error, [e.value for e in at.error]
     assert any("measured no step's memory" in i.value for i in at.info)
+    for r in (0, 1):  # ... and without any step (killed in its first): every page says so, none raises
+        path = out / f"rank-{r}.json"
+        doc = json.loads(path.read_text())
+        events = doc["traceEvents"] if isinstance(doc, dict) else doc
+        kept = [e for e in events if e.get("ph") == "M"]
+        path.write_text(json.dumps({"traceEvents": kept} if isinstance(doc, dict) else kept))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    said = [e.value for e in at.error] + [i.value for i in at.info] + [w.value for w in at.warning]
+    assert not at.exception, said
+    for page in ("Run", "What-if", "Memory (ZeRO)", "Compare runs"):
+        _page(at, page)
+        assert not at.exception, (page, said)
+    assert any("no finished step" in text for text in said), said  # the Timeline says why it draws nothing
 
 
 @pytest.mark.deepspeed
