@@ -1120,7 +1120,7 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     at = _page(AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run(), "Run")
     assert not at.exception and not at.error, [e.value for e in at.error]
     assert any("measured no step's memory" in i.value for i in at.info)
-    for r in (0, 1):  # ... and without any step (killed in its first): every page says so, none raises
+    for r in (0, 1):  # ... and without any step (killed in its first): every page opens, none raises
         path = out / f"rank-{r}.json"
         doc = json.loads(path.read_text())
         events = doc["traceEvents"] if isinstance(doc, dict) else doc
