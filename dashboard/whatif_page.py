@@ -86,11 +86,12 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
         return
     shards = getattr(trace, "shards", None)
     if shards is not None:  # what a sharded run can change is not a bucket cap: the Run page predicts it
-        what = ("another ZeRO stage's model states (and bucket size)" if shards.framework == "deepspeed" else
-                "reshard_after_forward and the prefetch depths: peak memory and step time")
-        st.info(f"This is a sharded run ({'DeepSpeed' if shards.framework == 'deepspeed' else 'FSDP2'}): the What-if "
-                f"predicts DDP's bucket caps. Its own settings are predicted on the Run page ({what}), beside "
-                "a rerun that checks them; the Memory (ZeRO) page sets it among ZeRO's stages.")
+        name, what = (("DeepSpeed", "another ZeRO stage's model states (and bucket size)")
+                      if shards.framework == "deepspeed" else
+                      ("FSDP2", "reshard_after_forward and the prefetch depths: peak memory and step time"))
+        st.info(f"This is a sharded run ({name}): the What-if predicts DDP's bucket caps. Its own settings are "
+                f"predicted on the Run page ({what}), beside a rerun that checks them; the Memory (ZeRO) page "
+                "sets it among ZeRO's stages.")
         return
     stamp = stamp_of(path)
     if not trace.all_events:

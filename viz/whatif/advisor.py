@@ -418,11 +418,11 @@ def _advise(trace: RunTrace, search: _Search, noise: float, caps, lists, local_b
     gain = mo["step_ms"] - mb["step_ms"]
     floor = MIN_GAIN * mo["step_ms"]
     worth = lambda g: (g > noise or not math.isfinite(noise)) and g >= floor  # noqa: E731
-    # the steal not measured: the gain must hold at its other end too (all the compute overlapped lost)
-    most = None if model.steal_max_us_per_mib is None or not worth(gain) else model.at_most_steal()
-    worst = gain if most is None else \
-        _medians(predict_run(trace, own, most))["step_ms"] - _medians(predict_run(trace, best, most))["step_ms"]
-    if worth(gain) and not worth(worst):
+    worst = None  # the steal not measured: the gain must hold at its other end too (all the compute overlapped lost)
+    if model.steal_max_us_per_mib is not None and worth(gain):
+        most = model.at_most_steal()
+        worst = _medians(predict_run(trace, own, most))["step_ms"] - _medians(predict_run(trace, best, most))["step_ms"]
+    if worst is not None and not worth(worst):
         change, why = False, (f"no change is worth it until communication's cost to backward is measured: the best "
                               f"layout found, {setting_text(best)}, is predicted {gain:.1f} ms faster a step if "
                               f"all-reduces take no compute from backward, {abs(worst):.1f} ms "
@@ -443,4 +443,4 @@ def _advise(trace: RunTrace, search: _Search, noise: float, caps, lists, local_b
                   traced_step_ms=mo["step_ms"], measured_step_ms=_medians(trace)["step_ms"], gain_ms=gain,
                   noise_ms=noise, searched={k: int(kinds.get(k, 0)) for k in _KINDS if k != "traced"},
                   candidates=table.drop(columns="simplicity"), prediction=pred_best if change else pred_own,
-                  note=note, gain_if_overlap_lost_ms=None if most is None else worst)
+                  note=note, gain_if_overlap_lost_ms=worst)
