@@ -269,7 +269,7 @@ def hot_path(calls: int = 2000) -> dict[str, tuple[float, float]]:
             if path.startswith("a bucket"):
                 rec.on_forward_start()
                 rec.enter(ROOT, BACKWARD)
-                tap.bucket = (0, comm.bucket_args(0, 2, "a.weight", "a.bias"), BACKWARD, False)
+                tap.bucket = comm.bucket_mark("a.weight", "a.bias", 2)
             elif path.startswith("any other"):
                 tap.bucket = None
             costs = []

@@ -33,10 +33,10 @@ import inspect
 import sys
 from _thread import get_ident
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, Callable
 
 from ddpscope.tracer.capture.clock import CpuClock
-from ddpscope.tracer.capture.sharded.recorder import Coll, ShardedStep
+from ddpscope.tracer.capture.sharded.recorder import BACKWARD, FORWARD, Coll, ShardedStep
 
 # method -> (the recorder's kind, the argument whose bytes are the message)
 OPS: dict[str, tuple[str, str]] = {
@@ -75,8 +75,32 @@ def nbytes(value: Any) -> int:
 
 
 def bucket_args(index: int, params: int, first: str, last: str) -> dict:
-    """A gradient bucket's event args (``CommTap.bucket``), made once per bucket."""
+    """A gradient bucket's event args, made when its step is emitted."""
     return {"zero": GRAD_BUCKET, "bucket": index, "params": params, "first_param": first, "last_param": last}
+
+
+_BUCKET = object()  # the head of a bucket mark
+_MARK = "_ddpscope_bucket"  # a record's bucket mark in its args until the step is emitted
+
+
+def bucket_mark(first: Any, last: Any, count: int) -> tuple:
+    """A gradient bucket about to be reduced (``CommTap.bucket``): its first and last
+    entries as DeepSpeed lists them, and how many. Nothing more is read while the bucket
+    reduces: its unit, names and number in the step are found when the step is emitted."""
+    return (_BUCKET, first, last, count)
+
+
+def phase_at(step: ShardedStep, t: float) -> str:
+    """The pass of ``step`` running at ``t`` (µs): the optimizer from its start, else the
+    latest pass begun by then, backward from its start. The recorder's ``phase_of`` says
+    the same while the step runs; this reads it from the step's stamps afterwards."""
+    opt = step.optimizer
+    if opt is not None and opt[0] is not None and t >= opt[0]:
+        return "optimizer"
+    for p in reversed(step.passes):
+        if p.forward[0] <= t:
+            return BACKWARD if p.backward_start is not None and t >= p.backward_start else FORWARD
+    return FORWARD
 
 
 def _start(coll: Coll) -> Any:
@@ -87,22 +111,25 @@ class CommTap:
     """Feeds the backend's collectives to ``recorder`` while attached.
 
     ``unit_of``: ``id(param) -> unit``; ``owner_of``: ``id(module) -> unit``;
-    ``guard``: the tracer's ``HookGuard``. ``bucket`` is set by the bucket wrappers
-    for the length of a bucket's reduction: its *issuer*, ``(unit, event args, phase,
-    prefetch)`` (``bucket_args``; the pass its reduction runs in, as
-    ``ShardedRecorder.phase_of`` says it then).
+    ``guard``: the tracer's ``HookGuard``; ``names``: ``id(param) -> name``;
+    ``param_of``: a bucket entry as DeepSpeed lists it -> its parameter (stages 1-2 list
+    ``(group, index, id)``). ``bucket`` is set by the bucket wrappers for the length of a
+    bucket's reduction: its mark (``bucket_mark``).
 
     A synchronous collective (every one at stages 1-2, the reduce-scatters at 3) takes the
-    wrapper's short path: its issuer, two ``perf_counter_ns`` and one tuple into the step's
-    ``raw``, made into records when the step is emitted (``expand``). Recording it as it
-    returns cost ~20 µs a collective here, the short path ~5-10 µs (a bucket's, whose
-    issuer is made once per bucket): each runs on the caches the collective has just
-    flushed, where every object and function touched is a miss (warm: ~2.3 and ~0.5 µs;
-    benchmarks/deepspeed.py's ``hot path``). An async one (ZeRO-3's gathers) is recorded
+    wrapper's short path: its issuer (a bucket's mark, or ``(unit, event args, prefetch)``
+    found from the call stack), two ``perf_counter_ns`` and one tuple into the step's
+    ``raw``, made into records when the step is emitted (``expand``: the pass from the
+    step's stamps, a bucket's unit, names and number from its mark). Recording it as it
+    returns cost ~20 µs a collective here, the short path ~5-10 µs: each runs on the caches
+    the collective has just flushed, where every object and function touched is a miss
+    (warm: ~2.3 and ~0.5 µs; benchmarks/deepspeed.py's ``hot path``); what waits for the
+    emit runs there warm, steps at a time. An async one (ZeRO-3's gathers) is recorded
     as it is launched (``launch``) and stamped done when seen done (``landed``, ``poll``).
     Host clock only: DeepSpeed's collectives are timed as the host launched and saw them."""
 
-    def __init__(self, recorder, unit_of: dict[int, int], owner_of: dict[int, int], guard) -> None:
+    def __init__(self, recorder, unit_of: dict[int, int], owner_of: dict[int, int], guard,
+                 names: dict[int, str] | None = None, param_of: Callable[[Any], Any] = lambda p: p) -> None:
         clock = recorder.clock
         if not isinstance(clock, CpuClock):  # the short path's stamps are perf_counter_ns
             raise TypeError(f"DeepSpeed's collectives are timed on the host clock, not {type(clock).__name__}")
@@ -110,8 +137,10 @@ class CommTap:
         self.unit_of = unit_of
         self.owner_of = owner_of
         self.guard = guard
+        self.names = names or {}
+        self.param_of = param_of
         self.thread = get_ident()  # the training thread: ZeRO's collectives are issued there
-        self.bucket: tuple[int, dict, str, bool] | None = None
+        self.bucket: tuple | None = None  # bucket_mark
         self.skew_ns: int = clock.skew_ns  # test-only skew: ns stamps get it as the clock's own do
         recorder.expand = self.expand
         self.in_step = False  # inside the engine's optimizer step (set by the tracer's step wrapper)
@@ -153,27 +182,59 @@ class CommTap:
         self.poll()
         self.pending = []
 
-    def issued(self, kind: str, frame) -> tuple[int, dict, str, bool]:
-        """The issuer of a synchronous collective outside a bucket, called by ``frame``."""
+    def issued(self, kind: str, frame) -> tuple[int, dict, bool]:
+        """The issuer of a synchronous collective outside a bucket, called by ``frame``:
+        ``(unit, event args, prefetch)``."""
         unit, prefetch, extra = self._issuer(kind, frame)
-        rec = self.recorder
-        return unit, extra, "optimizer" if self.in_step else rec.phase_of(rec.current), prefetch
+        return unit, extra, prefetch
 
     def expand(self, step: ShardedStep) -> None:
         """The step's ``raw`` collectives (``(start_ns, end_ns, kind, method, bytes, issuer)``,
-        the short path's) as records and holes in compute, all collectives in start order."""
-        skew, timed = self.skew_ns, self.recorder.comm_timed
-        for start, end, kind, method, size, (unit, args, phase, prefetch) in step.raw:
-            timed(step, kind, unit, size, prefetch, phase, {**args, "op": method},
-                  (start + skew) / 1000.0, (end + skew) / 1000.0)
-        step.raw = []
-        step.colls.sort(key=_start)
+        the short path's) as records and holes in compute, all collectives in start order,
+        each bucket's numbered in the step and named."""
+        if step.raw:
+            skew, timed = self.skew_ns, self.recorder.comm_timed
+            for start, end, kind, method, size, issuer in step.raw:
+                ts, te = (start + skew) / 1000.0, (end + skew) / 1000.0
+                if issuer[0] is _BUCKET:
+                    unit, extra, prefetch = -1, {"op": method, _MARK: issuer}, False
+                else:
+                    unit, extra, prefetch = issuer[0], {**issuer[1], "op": method}, issuer[2]
+                timed(step, kind, unit, size, prefetch, phase_at(step, ts), extra, ts, te)
+            step.raw = []
+            step.colls.sort(key=_start)
+        found: dict[int, tuple[int, dict]] = {}  # id(mark) -> (unit, args): a bucket's collectives share it
+        for c in step.colls:
+            mark = c.extra.pop(_MARK, None) if c.extra else None
+            if mark is not None:
+                if id(mark) not in found:
+                    found[id(mark)] = self._bucket(mark, len(found))
+                c.unit, args = found[id(mark)]
+                c.extra = {**args, **c.extra}
+
+    def _bucket(self, mark: tuple, index: int) -> tuple[int, dict]:
+        """(unit, event args) of the bucket ``mark``, the ``index``-th reduced in its step."""
+        _, first, last, count = mark
+        first, last = self.param_of(first), self.param_of(last)
+        names = self.names
+        return (self.unit_of.get(id(first), -1),
+                bucket_args(index, count, names.get(id(first), "?"), names.get(id(last), "?")))
+
+    def where(self) -> tuple[int, str, str | None]:
+        """The recorder's ``where`` with the short path's issuer in it resolved (its unit,
+        the pass now): for the live file's thread, off the training thread."""
+        unit, phase, coll = self.recorder.where
+        if isinstance(unit, tuple):
+            unit = self._bucket(unit, 0)[0] if unit[0] is _BUCKET else unit[0]
+            cur = self.recorder.current
+            phase = "optimizer" if self.in_step else phase_at(cur, self.recorder.clock.stamp()) if cur else ""
+        return unit, phase, coll
 
     def launch(self, kind: str, method: str, tensor: Any, frame) -> Coll | None:
         """An async collective launched now (ZeRO-3's gathers): its record, open until seen done."""
         bucket = self.bucket
-        if bucket is not None:
-            unit, prefetch, extra, phase = bucket[0], bucket[3], {**bucket[1], "op": method}, bucket[2]
+        if bucket is not None:  # unit and args when its step is emitted (expand)
+            unit, prefetch, extra, phase = -1, False, {"op": method, _MARK: bucket}, None
         else:
             unit, prefetch, extra = self._issuer(kind, frame)
             extra["op"] = method
@@ -282,7 +343,7 @@ def _wrapped(original, method: str):
             tap.guard.fail(e)
             coll, size = None, -1
         if size >= 0:  # as little touched as can be: each thing is a cache miss after the collective
-            where, rec.where = rec.where, (issuer[0], issuer[2], kind)  # the live file: in it now
+            where, rec.where = rec.where, (issuer, None, kind)  # the live file: in it now (CommTap.where)
             start = perf_counter_ns()
             try:
                 return original(*args, **kwargs)  # its errors are the script's; its span ends with them

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ddpscope.tracer.capture.clock import make_clock
-from ddpscope.tracer.capture.deepspeed.comm import CommTap, bucket_args
+from ddpscope.tracer.capture.deepspeed.comm import CommTap, bucket_mark
 from ddpscope.tracer.capture.deepspeed.engine_facts import ITEMSIZE
 from ddpscope.tracer.capture.deepspeed.memory import DeepSpeedMemory
 from ddpscope.tracer.capture.deepspeed.units import find_units
@@ -67,7 +67,6 @@ class DeepSpeedTracer(FSDPTracer):
         self.tap: CommTap | None = None
         self._patched: list[tuple[Any, str]] = []  # (object, attribute) set on instances, taken off at the end
         self._waits: list[tuple[type, Any]] = []  # (handle class, its own wait) while patched
-        self._bucket = [-1, 0]  # [step, buckets reduced in it]
 
     # -- start ------------------------------------------------------------------------
     def _attach(self) -> None:
@@ -100,15 +99,16 @@ class DeepSpeedTracer(FSDPTracer):
                                         sample=self.memory, measure_step=self._measure_steps(),
                                         on_close=self.on_step, in_backward=autograd_running)
         self.recorder.optimizer = opt
-        self.tap = CommTap(self.recorder, unit_of, owner_of, self._guard)
+        self.tap = CommTap(self.recorder, unit_of, owner_of, self._guard, self.param_names,
+                           param_of=(lambda p: p) if stage == 3 else lambda e: opt.bit16_groups[e[0]][e[1]])
         self.tap.attach(type(backend))
         self._wrap_engine()
-        self._wrap_bucket(opt, _BUCKET_METHODS[stage], unit_of)
+        self._wrap_bucket(opt, _BUCKET_METHODS[stage])
         if stage == 3:
             self._wrap_waits(unit_of)
         try:
             self._live = LiveFile(self.config.out_dir, self.rank, self.recorder,
-                                  position=lambda: position(self.recorder, names),
+                                  position=lambda: position(self.recorder, names, self.tap.where),
                                   tick=self.recorder.flush_held)
         except OSError:
             self._live = None
@@ -199,43 +199,27 @@ class DeepSpeedTracer(FSDPTracer):
         for name, fn in zip(_ENGINE_METHODS, (traced_forward, traced_prologue, traced_epilogue, traced_step)):
             self._set(engine, name, fn)
 
-    def _wrap_bucket(self, opt, method: str, unit_of: dict[int, int]) -> None:
-        """Number each bucket's reduction in its step and name its parameters for the
-        collectives it issues (``CommTap.bucket`` while it runs)."""
-        original, rec, tap, names = getattr(opt, method), self.recorder, self.tap, self.param_names
-
-        def bucket_params(dtype) -> tuple[int, Any, Any]:
-            """(count, first, last) of the parameters in the bucket about to be reduced."""
-            buckets = opt.ipg_buckets
-            for dt in ([dtype] if dtype is not None else list(buckets)):
-                b = buckets.get(dt)
-                if b is None or not b.params:
-                    continue
-                if self.stage == 3:
-                    return len(b.params), b.params[0], b.params[-1]  # the parameters themselves
-                (g0, j0, _), (g1, j1, _) = b.params[0], b.params[-1]  # (group, index in group, id)
-                return len(b.params), opt.bit16_groups[g0][j0], opt.bit16_groups[g1][j1]
-            return 0, None, None
+    def _wrap_bucket(self, opt, method: str) -> None:
+        """Mark the bucket being reduced for the collectives it issues (``CommTap.bucket``
+        while it runs): its first and last entries and how many, as DeepSpeed lists them
+        (stages 1-2: ``(group, index in group, id)``; 3: the parameters themselves). Its
+        number in the step, unit and names are found when the step is emitted: this runs
+        on caches the gradients have just flushed, where each thing read is a miss."""
+        original, rec, tap, guard = getattr(opt, method), self.recorder, self.tap, self._guard
 
         @functools.wraps(original)
         def traced_bucket(*args, **kwargs):
-            def start() -> None:
-                cur = rec.current
-                if cur is None:
-                    return
-                dtype = args[0] if args else next(iter(kwargs.values()), None)
-                count, first, last = bucket_params(dtype)
-                if not count:
-                    return
-                if self._bucket[0] != cur.step:
-                    self._bucket[:] = [cur.step, 0]
-                index = self._bucket[1]
-                self._bucket[1] += 1
-                tap.bucket = (unit_of.get(id(first), -1),
-                              bucket_args(index, count, names.get(id(first), "?"), names.get(id(last), "?")),
-                              "optimizer" if tap.in_step else rec.phase_of(cur), False)  # its reductions' pass
-
-            self._guarded(start)
+            if rec.current is not None and guard.broken is None:
+                try:
+                    buckets = opt.ipg_buckets
+                    dtype = args[0] if args else next(iter(kwargs.values()), None)
+                    for b in ((buckets.get(dtype),) if dtype is not None else buckets.values()):
+                        if b is not None and b.params:
+                            params = b.params
+                            tap.bucket = bucket_mark(params[0], params[-1], len(params))
+                            break
+                except Exception as e:  # noqa: BLE001 - tracing stops, training goes on
+                    guard.fail(e)
             try:
                 return original(*args, **kwargs)
             finally:

@@ -280,13 +280,15 @@ def _first_difference(a: list, b: list) -> str:
     return f"{len(a)} units against {len(b)}"
 
 
-def position(recorder: ShardedRecorder, names: list[str]) -> dict:
-    """Where this rank is, for the hang watchdog: the step, the unit and what it does."""
+def position(recorder: ShardedRecorder, names: list[str],
+             where: Callable[[], tuple[int, str, str | None]] | None = None) -> dict:
+    """Where this rank is, for the hang watchdog: the step, the unit and what it does
+    (``where``: the recorder's ``where`` as its writer reads it, if not as it is)."""
     cur = recorder.current
     if cur is None:
         return {"step": recorder.next_step, "steps_done": recorder.next_step, "phase": "between steps",
                 "activity": [recorder.next_step]}
-    unit, phase, coll = recorder.where
+    unit, phase, coll = recorder.where if where is None else where()
     name = names[unit] if 0 <= unit < len(names) else None
     if cur.optimizer is not None and cur.optimizer[1] is None:
         where = "optimizer"

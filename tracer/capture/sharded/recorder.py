@@ -385,7 +385,7 @@ class ShardedRecorder:
             if self.clock.resolves:  # CUDA: every stamp of these steps in one batch (completed: no sync)
                 resolve_steps(ready, self.clock.resolve)
             for s in ready:
-                if s.raw and self.expand is not None:
+                if self.expand is not None:
                     self.expand(s)
                 if s.holes:
                     s.segments = cut_holes(s.segments, s.holes)

@@ -12,7 +12,7 @@ import torch
 
 from ddpscope.tracer.capture.clock import CpuClock
 from ddpscope.tracer.capture.deepspeed import comm
-from ddpscope.tracer.capture.sharded.recorder import BACKWARD, ROOT, ShardedRecorder
+from ddpscope.tracer.capture.sharded.recorder import BACKWARD, FORWARD, ROOT, ShardedRecorder
 
 
 def _no_wraps(func):  # DeepSpeed's stage_on_cpu: wrapper(self, *args, **kwargs), the function in its closure
@@ -89,7 +89,7 @@ def test_synchronous_collectives_on_the_short_path_become_the_records_of_their_i
     class Mine:
         def all_reduce(self, tensor, op=None, group=None, async_op=False):
             calls.append("all_reduce")
-            seen_where.append(comm._TAP.recorder.where)
+            seen_where.append(comm._TAP.where())  # as the live file's thread reads it
             if tensor.numel() == 3:
                 raise RuntimeError("the script's own error")
             return None
@@ -105,18 +105,20 @@ def test_synchronous_collectives_on_the_short_path_become_the_records_of_their_i
     emitted: list = []
     rec = ShardedRecorder(clock=_Clock(), emit=emitted.append)
     guard = _Guard()
-    tap = comm.CommTap(rec, {}, {}, guard)
+    a_w, b_b, c_w = object(), object(), object()  # parameters, as a bucket lists them
+    tap = comm.CommTap(rec, {id(a_w): 2, id(b_b): 2, id(c_w): 3}, {}, guard,
+                       {id(a_w): "a.weight", id(b_b): "b.bias", id(c_w): "c.weight"})
     tap.attach(Mine)
     b = Mine()
     try:
         rec.on_forward_start()
         rec.enter(ROOT, BACKWARD)
-        tap.bucket = (2, comm.bucket_args(0, 5, "a.weight", "b.bias"), BACKWARD, False)
+        tap.bucket = comm.bucket_mark(a_w, b_b, 5)
         assert b.all_reduce(torch.zeros(10), None, None, False) is None  # positional, as DeepSpeed calls it
         assert seen_where[-1] == (2, BACKWARD, "all_reduce") and rec.where != seen_where[-1]
         tap.bucket = None
         b.all_gather_into_tensor(torch.zeros(8), torch.zeros(4), async_op=True)  # async: recorded as launched
-        tap.bucket = (3, comm.bucket_args(1, 1, "c.weight", "c.weight"), BACKWARD, False)
+        tap.bucket = comm.bucket_mark(c_w, c_w, 1)
         b.all_reduce(tensor=torch.zeros(4, dtype=torch.float64))
         with pytest.raises(RuntimeError, match="the script's own error"):
             b.all_reduce(torch.zeros(3))
@@ -153,3 +155,54 @@ def test_synchronous_collectives_on_the_short_path_become_the_records_of_their_i
     for c in s.colls:
         if c.kind == "all_reduce":  # no compute inside a reduction
             assert not any(a < c.end and b > c.start for _, _, a, b in s.segments)
+
+
+def test_a_buckets_async_and_synchronous_collectives_share_its_number_and_the_pass_comes_from_the_stamps():
+    """A bucket reduced by an async collective (recorded as launched) and a synchronous one
+    (the short path) is one bucket, numbered in the step by when it was first reduced; the
+    pass of a short-path record is read from the step's stamps when it is emitted: forward
+    before the backward starts, backward after, the optimizer from its start."""
+
+    class Mine:
+        def all_reduce(self, tensor, op=None, group=None, async_op=False):
+            return None
+
+    comm.patch_backend(Mine)
+    emitted: list = []
+    rec = ShardedRecorder(clock=_Clock(), emit=emitted.append)
+    guard = _Guard()
+    w1, w2 = object(), object()
+    tap = comm.CommTap(rec, {id(w1): 1, id(w2): 4}, {}, guard, {id(w1): "l1.weight", id(w2): "l2.weight"})
+    tap.attach(Mine)
+    b = Mine()
+    try:
+        rec.on_forward_start()
+        rec.enter(ROOT, FORWARD)
+        b.all_reduce(torch.zeros(2))  # in the forward: "other"
+        rec.leave(ROOT, FORWARD)
+        rec.on_forward_end()
+        rec.enter(ROOT, BACKWARD)
+        tap.bucket = comm.bucket_mark(w2, w2, 1)
+        b.all_reduce(torch.zeros(5), None, None, True)  # async: recorded as launched
+        b.all_reduce(torch.zeros(6))
+        tap.bucket = comm.bucket_mark(w1, w2, 2)
+        b.all_reduce(torch.zeros(7))
+        tap.bucket = None
+        rec.leave(ROOT, BACKWARD)
+        rec.on_backward_end()
+        rec.on_optimizer_start()
+        b.all_reduce(torch.zeros(1))
+        rec.on_optimizer_end()
+        rec.finish(aborted=False)
+    finally:
+        tap.detach()
+    assert guard.errors == []
+    (s,) = emitted
+    got = [(c.nbytes // 4, c.unit, c.phase, (c.extra or {}).get("zero"), (c.extra or {}).get("bucket"),
+            (c.extra or {}).get("last_param")) for c in s.colls]
+    assert got == [(2, -1, FORWARD, comm.OTHER, None, None),
+                   (5, 4, BACKWARD, comm.GRAD_BUCKET, 0, "l2.weight"),
+                   (6, 4, BACKWARD, comm.GRAD_BUCKET, 0, "l2.weight"),
+                   (7, 1, BACKWARD, comm.GRAD_BUCKET, 1, "l2.weight"),
+                   (1, -1, "optimizer", comm.OTHER, None, None)]
+    assert not any(comm._MARK in (c.extra or {}) for c in s.colls)  # marks never reach the trace

@@ -53,6 +53,9 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
         assert buckets["collective"].eq("reduce_scatter" if stage == 3 else "all_reduce").all()
         assert (buckets["phase"] == "backward").all()
         assert sorted(buckets["bucket"].unique()) == list(range(buckets["bucket"].nunique()))
+        # each bucket named by its parameters (found when the step was written) and held by a unit
+        assert (buckets["unit"] >= 0).all() and not buckets[["first_param", "last_param"]].isin(["?"]).any().any()
+        assert buckets["first_param"].str.endswith((".weight", ".bias")).all()
         gathers = c[c["collective"] == "all_gather"]
         if stage < 3:  # the updated partitions gathered back: the whole (padded) flat model, after the step
             assert set(gathers["issued_by"]) == {"param_allgather"} and (gathers["phase"] == "optimizer").all()
