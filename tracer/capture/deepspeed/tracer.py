@@ -97,7 +97,8 @@ class DeepSpeedTracer(FSDPTracer):
         self.memory = DeepSpeedMemory(opt, params, stage)
         self.recorder = ShardedRecorder(clock=self.clock, emit=lambda s: self._emit(s, names),
                                         sample=self.memory, measure_step=self._measure_steps(),
-                                        on_close=self.on_step, in_backward=autograd_running)
+                                        on_close=self.on_step, in_backward=autograd_running,
+                                        offset_us=self.offsets_start[self.rank].offset_us)
         self.recorder.optimizer = opt
         self.tap = CommTap(self.recorder, unit_of, owner_of, self._guard, self.param_names,
                            param_of=(lambda p: p) if stage == 3 else lambda e: opt.bit16_groups[e[0]][e[1]])

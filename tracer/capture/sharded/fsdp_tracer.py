@@ -121,7 +121,8 @@ class FSDPTracer:
         self.memory = ShardedMemory(self.units, device, lambda: self.recorder.optimizer if self.recorder else None)
         self.recorder = ShardedRecorder(clock=self.clock, emit=lambda s: self._emit(s, names),
                                         sample=self.memory, measure_step=measure_step, on_close=self.on_step,
-                                        in_backward=autograd_running)
+                                        in_backward=autograd_running,
+                                        offset_us=self.offsets_start[self.rank].offset_us)
         self._hooks = FSDPHooks(self.model, self.units, self.recorder, self._guard,
                                 on_measured_forward=(self.memory.activations.start, self.memory.activations.stop))
         self._hooks.attach()
@@ -169,13 +170,17 @@ class FSDPTracer:
             self._cpu_group, on_opened=lambda: self._write_run_json(fmt.RUNNING) if self.rank == 0 else None)
 
     def _measure_steps(self) -> Callable[[int], bool]:
-        """Which steps memory is measured in: the first steps, then one per memory_interval_s."""
-        interval_us, last = self.config.memory_interval_s * 1e6, [None]
+        """Which steps memory is measured in: the first steps, then the first step begun in
+        each memory_interval_s of rank 0's clock (every step where it is 0). The same step
+        on every rank: a rank measuring holds up the others at their next collective."""
+        interval_us, offset, last = self.config.memory_interval_s * 1e6, self.offsets_start[self.rank].offset_us, [None]
 
         def measure_step(step: int) -> bool:
-            now = self.clock.host_us()
-            if step < FIRST_MEASURED_STEPS or last[0] is None or now - last[0] >= interval_us:
-                last[0] = now
+            if interval_us <= 0 or step < FIRST_MEASURED_STEPS:
+                return True
+            beat = int((self.clock.host_us() + offset) // interval_us)
+            if beat != last[0]:
+                last[0] = beat
                 return True
             return False
 

@@ -17,11 +17,17 @@ the bottom of the stack even when its pre-backward runs after a child's (its out
 child's: a body's hidden states whose backward the script starts itself).
 
 Times are clock stamps (``clock.py``): µs on CPU; on CUDA, events resolved in one batch
-when the step closes. Closed steps go to ``emit`` in batches at most ``HOLD_S`` old: a
-step's events cost ~250 µs to make and encode right after it (its tensors have flushed
-the caches), ~40 % less each in a batch (benchmarks/deepspeed.py). A rank that stops
-closing steps (a hang, a long evaluation) for ``STALL_S`` has them written by the live
-file's thread (``flush_held``), so a run killed later keeps every step that finished.
+when the step closes. Closed steps go to ``emit`` in batches: a step's events cost ~250 µs
+to make and encode right after it (its tensors have flushed the caches), ~40 % less each
+in a batch (benchmarks/deepspeed.py). Every rank emits in the same step: after every
+``HOLD_STEPS``-th step, and at the first step closed in each ``HOLD_S`` of rank 0's clock
+(``offset_us``: this rank's offset to it; steps longer than ``HOLD_S / HOLD_STEPS``). A
+rank's emit holds up every other rank at their next collective, so ranks that emitted in
+different steps (as a batch every ``HOLD_S`` of each rank's own time did) each paid every
+other's too: measured here, a 2-rank DeepSpeed step with a 1.8 ms emit took 3.4 ms longer
+(benchmarks/deepspeed.py). A rank that stops closing steps (a hang, a long evaluation) for
+``STALL_S`` has them written by the live file's thread (``flush_held``), so a run killed
+later keeps every step that finished.
 Runs on the training thread; the autograd thread is the same one on CPU (on CUDA,
 autograd's device thread calls the backward hooks: the stack is per pass, and a
 backward hook never runs while a forward does).
@@ -84,8 +90,8 @@ class ShardedStep:
     raw: list[tuple] = field(default_factory=list)  # a tap's bare records: made ``colls`` by ``expand``
 
 
-HOLD_S = 0.25  # closed steps wait at most this long (seconds) to be emitted together
-HOLD_STEPS = 32  # ... and at most this many
+HOLD_STEPS = 16  # closed steps are emitted together after every 16th step: the same step on every rank
+HOLD_S = 1.0  # ... and at the first step closed in each second of rank 0's clock (long steps)
 STALL_S = 1.0  # no step closed for this long (seconds): the live file's thread emits what is held
 
 
@@ -95,8 +101,10 @@ class ShardedRecorder:
     def __init__(self, *, clock: Clock, emit: Callable[[ShardedStep], None],
                  sample: Callable[[], dict] | None = None, measure_step: Callable[[int], bool] = lambda s: True,
                  on_close: Callable[[ShardedStep], None] | None = None,
-                 in_backward: Callable[[], bool] = lambda: False) -> None:
+                 in_backward: Callable[[], bool] = lambda: False, offset_us: float = 0.0) -> None:
+        """``offset_us``: add it to this rank's host clock (µs) for rank 0's (``offsets.py``)."""
         self.clock = clock
+        self.offset_us = offset_us
         self.in_backward = in_backward  # autograd's engine runs a backward on this thread now
         self.emit = emit
         self.sample = sample  # bytes by category now (the memory meter), on measured steps
@@ -112,7 +120,8 @@ class ShardedRecorder:
         self.where: tuple[int, str, str | None] = (-1, "", None)  # (unit, phase, collective) for the live file
         self._lag: list[ShardedStep] = []  # closed, not yet emitted (held, or CUDA's events not yet done)
         self._lag_lock = threading.Lock()  # the live file's thread may emit what is held (flush_held)
-        self._last_flush = self._last_close = time.monotonic()
+        self._last_close = time.monotonic()
+        self._beat = self._beat_now()  # the HOLD_S period of rank 0's clock of the last batch
 
     # -- passes ---------------------------------------------------------------------
     def on_forward_start(self, reduce_grads: bool = True) -> None:
@@ -361,10 +370,15 @@ class ShardedRecorder:
         with self._lag_lock:
             self._lag.append(cur)
         self._last_close = time.monotonic()
-        if len(self._lag) - self.clock.lag_steps >= HOLD_STEPS or time.monotonic() - self._last_flush >= HOLD_S:
+        if (cur.step + 1) % HOLD_STEPS == 0 or len(self._lag) - self.clock.lag_steps >= 2 * HOLD_STEPS \
+                or self._beat_now() != self._beat:  # every rank in the same step (the module's docstring)
             self._flush()
         if self.on_close is not None:
             self.on_close(cur)
+
+    def _beat_now(self) -> int:
+        """The ``HOLD_S`` period of rank 0's clock it is now."""
+        return int((self.clock.host_us() + self.offset_us) // (HOLD_S * 1e6))
 
     def flush_held(self) -> None:
         """Emit what is held when no step has closed for ``STALL_S`` (a hang, a long
@@ -381,7 +395,7 @@ class ShardedRecorder:
             if count <= 0:
                 return
             ready, self._lag = self._lag[:count], self._lag[count:]
-            self._last_flush = time.monotonic()
+            self._beat = self._beat_now()
             if self.clock.resolves:  # CUDA: every stamp of these steps in one batch (completed: no sync)
                 resolve_steps(ready, self.clock.resolve)
             for s in ready:

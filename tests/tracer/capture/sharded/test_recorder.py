@@ -30,35 +30,59 @@ def _step(rec: ShardedRecorder) -> None:
     rec.on_optimizer_end()
 
 
-def test_fast_steps_are_held_then_emitted_together_in_order():
+def test_steps_are_held_then_emitted_together_after_every_hold_steps_th_step(monkeypatch):
+    """Fast steps: a batch after every HOLD_STEPS-th step, by the step's number, so every
+    rank emits in the same step whatever its clock says; each step closed as it ends."""
+    monkeypatch.setattr(rec_mod, "HOLD_S", 3600.0)  # no period of rank 0's clock ends in this test
     emitted, closed = [], []
     rec = ShardedRecorder(clock=CpuClock(), emit=emitted.append, on_close=closed.append)
-    time.sleep(rec_mod.HOLD_S)  # the first step of a run comes long after the recorder is made
-    _step(rec)
-    assert [s.step for s in emitted] == [0]  # nothing emitted for HOLD_S before: out at once
-    for _ in range(3):
+    n = rec_mod.HOLD_STEPS
+    for _ in range(n - 1):
         _step(rec)
-    assert [s.step for s in emitted] == [0] and [s.step for s in closed] == [0, 1, 2, 3]  # held; each closed
-    time.sleep(rec_mod.HOLD_S)
+    assert emitted == [] and [s.step for s in closed] == list(range(n - 1))  # held; each closed
     _step(rec)
-    assert [s.step for s in emitted] == [0, 1, 2, 3, 4]  # the batch, oldest first
-    _step(rec)
+    assert [s.step for s in emitted] == list(range(n))  # the batch, oldest first
+    for _ in range(n + 3):
+        _step(rec)
+    assert [s.step for s in emitted] == list(range(2 * n))
     rec.finish(aborted=False)
-    assert [s.step for s in emitted] == [0, 1, 2, 3, 4, 5] and rec.steps_written == 6
+    assert [s.step for s in emitted] == list(range(2 * n + 3)) and rec.steps_written == 2 * n + 3
     assert emitted[1].colls[0].extra == {"zero": "param_fetch"}
 
 
-def test_no_more_than_hold_steps_are_held():
-    emitted = []
-    rec = ShardedRecorder(clock=CpuClock(), emit=emitted.append)
-    for _ in range(rec_mod.HOLD_STEPS):
-        _step(rec)
-    assert len(emitted) == rec_mod.HOLD_STEPS  # the 32nd step emitted every one held
+class _Skewed(CpuClock):
+    def __init__(self, skew_s: float) -> None:
+        super().__init__()
+        self.skew_ns += round(skew_s * 1e9)
 
 
-def test_a_rank_that_stops_closing_steps_has_them_written_by_the_live_thread(tmp_path):
+def test_long_steps_are_emitted_in_the_same_step_on_ranks_whose_clocks_differ(monkeypatch):
+    """Steps longer than HOLD_S / HOLD_STEPS: a batch at the first step closed in each
+    HOLD_S of rank 0's clock. Two ranks stepping together, one's clock 7.1 s ahead and its
+    offset saying so, emit in the same steps; the same rank told no offset emits in others
+    (its periods end half a period apart): the offset is what aligns them."""
+    monkeypatch.setattr(rec_mod, "HOLD_S", 0.2)
+    monkeypatch.setattr(rec_mod, "HOLD_STEPS", 10_000)
+    batches: dict[str, list[int]] = {"rank 0": [], "rank 1": [], "rank 1, no offset": []}
+    recs = {"rank 0": ShardedRecorder(clock=CpuClock(), emit=lambda s: None),
+            "rank 1": ShardedRecorder(clock=_Skewed(7.1), emit=lambda s: None, offset_us=-7.1e6),
+            "rank 1, no offset": ShardedRecorder(clock=_Skewed(7.1), emit=lambda s: None)}
+    for _ in range(14):
+        for name, rec in recs.items():
+            written = rec.steps_written
+            _step(rec)
+            if rec.steps_written > written:
+                batches[name].append(rec.next_step - 1)
+        time.sleep(0.05)
+    assert len(batches["rank 0"]) >= 2
+    assert batches["rank 1"] == batches["rank 0"]
+    assert batches["rank 1, no offset"] != batches["rank 0"]
+
+
+def test_a_rank_that_stops_closing_steps_has_them_written_by_the_live_thread(tmp_path, monkeypatch):
     """A hang after some steps: the live file's thread emits what is held, so the steps that
     finished are in the trace before the watchdog kills the rank."""
+    monkeypatch.setattr(rec_mod, "HOLD_S", 3600.0)  # batches by step number only
     emitted, threads = [], []
 
     def emit(s):
@@ -70,13 +94,13 @@ def test_a_rank_that_stops_closing_steps_has_them_written_by_the_live_thread(tmp
                     tick=rec.flush_held)
     try:
         end = time.monotonic() + 0.6
-        while time.monotonic() < end:  # steps keep closing: the live thread (every 50 ms) writes nothing
-            _step(rec)
+        while time.monotonic() < end or rec.next_step % rec_mod.HOLD_STEPS != 5:  # steps keep closing:
+            _step(rec)  # the live thread (every 50 ms) writes nothing
             time.sleep(0.01)
         n = rec.next_step
         assert set(threads) <= {threading.current_thread().name}  # the GIL stays with training
         held = n - len(emitted)
-        assert held > 0  # the last ones came within HOLD_S of a batch
+        assert held > 0  # the last ones came after the last batch
         rec.on_forward_start()  # the next step starts and never ends
         deadline = time.monotonic() + 5
         while len(emitted) < n and time.monotonic() < deadline:
