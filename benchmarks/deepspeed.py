@@ -15,7 +15,9 @@ As ``benchmarks/sharded.py`` measures FSDP2's: one real 2-rank job (torchrun); p
 every rank builds three engines of the same model: ``untraced``, ``control`` (another
 untraced one: the noise floor) and ``traced`` (``DeepSpeedTracer`` as ``ddpscope run``
 starts it: every wrapper, the backend's collectives timed, memory measured once a
-second, the rank file and live file written). They run interleaved step by step (one
+second of its own steps' time, the rank file and live file written: its steps come one
+round apart, so its ``memory_interval_s`` is the default times the modes, which
+measures as often per step as the default does in a run traced alone). They run interleaved step by step (one
 step of every mode per round, the order rotating), so the machine's noise hits every
 mode alike; the rounds come in six blocks, and from one block to the next every mode
 moves to another engine (the tracer closed and started on the next; each mode on each
@@ -110,7 +112,8 @@ def worker(args: argparse.Namespace) -> None:
 
         for block in range(BLOCKS):  # every mode on every engine, twice: a copy's place in memory cancels out
             engine_of = {m: engines[(k + block) % len(MODES)] for k, m in enumerate(MODES)}
-            cfg = TracerConfig(out_dir=Path(args.out) / f"stage{stage}-{block}", capture="python")
+            cfg = TracerConfig(out_dir=Path(args.out) / f"stage{stage}-{block}", capture="python",
+                               memory_interval_s=TracerConfig.memory_interval_s * len(MODES))  # docstring
             cfg.out_dir.mkdir(parents=True, exist_ok=True)
             tracer = DeepSpeedTracer(engine_of["traced"], engine_facts(engine_of["traced"]), cfg)
             why = tracer.start()

@@ -141,3 +141,43 @@ def test_optimizer_state_is_counted_where_it_is_held_once_never_in_an_empty_cont
     one = 2 * sum(p.numel() * 4 for p in parts[0].parameters()) + 4 * 2
     assert meter(wrapped)["optimizer_state_bytes"] == one == meter(inner)["optimizer_state_bytes"]
     meter.close()
+
+
+def test_every_rank_measures_memory_in_the_same_step_whatever_its_clock():
+    """Measured steps are the first in each memory_interval_s of rank 0's clock: two ranks
+    stepping together, one's clock 7.1 s ahead and its offset saying so, measure the same
+    steps; told no offset, it measures others (its periods end half a period apart). A rank
+    measuring holds up the others at their next collective: misaligned, each pays all."""
+    import time
+
+    from ddpscope.tracer.capture.clock import CpuClock
+    from ddpscope.tracer.capture.ddp.recorder import StepRecorder
+
+    class Skewed(CpuClock):
+        def __init__(self) -> None:
+            super().__init__()
+            self.skew_ns += 7_100_000_000
+
+    lin = torch.nn.Linear(8, 4)
+    measured: dict[str, list[int]] = {}
+    recs = {}
+    for name, clock, offset in (("rank 0", CpuClock(), 0.0), ("rank 1", Skewed(), -7.1e6),
+                                ("rank 1, no offset", Skewed(), 0.0)):
+        out = measured.setdefault(name, [])
+        recs[name] = StepRecorder(
+            clock=clock, rank=0, param_names=["w", "b"], params=list(lin.parameters()), optimizer=None,
+            step_boundary="explicit", memory_interval_s=0.2, offset_us=offset,
+            emit=lambda events, layouts, out=out: out.extend(
+                e["args"]["step"] for e in events if isinstance(e, dict) and e.get("cat") == "step"
+                and "memory" in e["args"]))
+    for _ in range(14):
+        for rec in recs.values():
+            rec.on_forward_start()
+            rec.on_forward_end(warmup=False)
+            rec.mark_step()
+        time.sleep(0.05)
+    for rec in recs.values():
+        rec.finish(aborted=False)
+    assert len(measured["rank 0"]) >= 5  # the first 3, then at least two periods
+    assert measured["rank 1"] == measured["rank 0"]
+    assert measured["rank 1, no offset"] != measured["rank 0"]

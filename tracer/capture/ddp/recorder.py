@@ -38,7 +38,9 @@ class StepRecorder:
         nccl_kernel_timing: bool = False,
         on_close: Callable[[StepRecord], None] | None = None,
         memory_interval_s: float = 1.0,
+        offset_us: float = 0.0,
     ) -> None:
+        """``offset_us``: add it to this rank's host clock (µs) for rank 0's (``offsets.py``)."""
         self.clock = clock
         self.rank = rank
         self.param_names = param_names
@@ -67,7 +69,8 @@ class StepRecorder:
         self.memory = MemoryMeter(params)
         self.measure = self.memory  # at close of a measured step (benchmarks/overhead.py times it apart)
         self.memory_interval_us = memory_interval_s * 1e6
-        self._memory_at: float | None = None  # host µs when the last measured step began
+        self.offset_us = offset_us
+        self._memory_beat: int | None = None  # the memory_interval_s period of rank 0's clock last measured
 
     # -- hooks ------------------------------------------------------------------
     def on_forward_start(self, sync: bool = True) -> None:
@@ -88,14 +91,16 @@ class StepRecorder:
 
     def _measure_memory_now(self) -> bool:
         """Whether the step starting now has its memory measured: the first steps (DDP's
-        warm-up, the optimizer's state appearing), then one every ``memory_interval_s``:
-        the accounting costs ~0.1 ms on the cold caches a step leaves, and a DDP rank's
-        memory barely moves from one step to the next."""
-        now = self.clock.host_us()
-        if self.next_step >= FIRST_MEASURED_STEPS and self._memory_at is not None \
-                and now - self._memory_at < self.memory_interval_us:
-            return False
-        self._memory_at = now
+        warm-up, the optimizer's state appearing), then the first step begun in each
+        ``memory_interval_s`` of rank 0's clock, the same step on every rank (a rank's
+        accounting holds up the others at their next collective): it costs ~0.1 ms on the
+        cold caches a step leaves, and a DDP rank's memory barely moves from one step to
+        the next."""
+        if self.memory_interval_us > 0:
+            beat = int((self.clock.host_us() + self.offset_us) // self.memory_interval_us)
+            if self.next_step >= FIRST_MEASURED_STEPS and beat == self._memory_beat:
+                return False
+            self._memory_beat = beat
         self.memory.start_step()  # CUDA: the allocator's peak now, to tell whether the step sets a new one
         return True
 

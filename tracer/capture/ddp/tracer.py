@@ -195,7 +195,7 @@ class DDPTracer:
             clock=self.clock, rank=self.rank, param_names=names, params=params,
             optimizer=None if self.optimizer == "auto" else self.optimizer, step_boundary=cfg.step_boundary,
             emit=self._emit, nccl_kernel_timing=nccl_timing, on_close=self._on_step,
-            memory_interval_s=cfg.memory_interval_s,
+            memory_interval_s=cfg.memory_interval_s, offset_us=self.offsets_start[self.rank].offset_us,
         )
         comm_state.keep_work = nccl_timing
         comm_state.recorder, comm_state.guard = self._recorder, self._guard

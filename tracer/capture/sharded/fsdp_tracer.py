@@ -176,13 +176,13 @@ class FSDPTracer:
         interval_us, offset, last = self.config.memory_interval_s * 1e6, self.offsets_start[self.rank].offset_us, [None]
 
         def measure_step(step: int) -> bool:
-            if interval_us <= 0 or step < FIRST_MEASURED_STEPS:
+            if interval_us <= 0:
                 return True
             beat = int((self.clock.host_us() + offset) // interval_us)
-            if beat != last[0]:
-                last[0] = beat
-                return True
-            return False
+            if step >= FIRST_MEASURED_STEPS and beat == last[0]:
+                return False
+            last[0] = beat
+            return True
 
         return measure_step
 

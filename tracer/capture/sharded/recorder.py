@@ -24,10 +24,10 @@ in a batch (benchmarks/deepspeed.py). Every rank emits in the same step: after e
 (``offset_us``: this rank's offset to it; steps longer than ``HOLD_S / HOLD_STEPS``). A
 rank's emit holds up every other rank at their next collective, so ranks that emitted in
 different steps (as a batch every ``HOLD_S`` of each rank's own time did) each paid every
-other's too: measured here, a 2-rank DeepSpeed step with a 1.8 ms emit took 3.4 ms longer
-(benchmarks/deepspeed.py). A rank that stops closing steps (a hang, a long evaluation) for
-``STALL_S`` has them written by the live file's thread (``flush_held``), so a run killed
-later keeps every step that finished.
+other's too: measured here on a 2-rank DeepSpeed run (16 ms steps), an emit took 1.8 ms
+on the training thread and its step 3.4 ms longer than the others. A rank that stops
+closing steps (a hang, a long evaluation) for ``STALL_S`` has them written by the live
+file's thread (``flush_held``), so a run killed later keeps every step that finished.
 Runs on the training thread; the autograd thread is the same one on CPU (on CUDA,
 autograd's device thread calls the backward hooks: the stack is per pass, and a
 backward hook never runs while a forward does).
