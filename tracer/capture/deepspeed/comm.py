@@ -10,7 +10,8 @@ for a collective inside a traced step):
 
 - a gradient bucket's reduction: stages 1-2 ``reduce_ipg_grads``, stage 3
   ``__reduce_and_partition_ipg_grads`` (their per-instance wrappers in ``tracer.py``
-  number the buckets of a step and name their parameters);
+  mark the bucket; its number in the step and its parameters' names are found when the
+  step is written);
 - a ZeRO-3 parameter fetch, ``__all_gather_params_``: the unit of its first parameter,
   a prefetch when the module being fetched does not own it;
 - the parameters gathered after the step: stages 1-2's updated partitions
