@@ -88,6 +88,15 @@ class CpuClock:
         return [None if s is None else float(s) for s in stamps]
 
 
+def period_of(host_us: float, offset_us: float, interval_us: float) -> int:
+    """The period of ``interval_us`` of rank 0's clock that this rank's host time ``host_us``
+    falls in (``offset_us``: this rank's offset to rank 0, ``offsets.py``): at one moment,
+    the same on every rank. What every rank does once a period (write its steps, measure
+    memory) it does in the same step: one rank's pause holds up the others at their next
+    collective, so pauses in different steps would cost each rank all of them."""
+    return int((host_us + offset_us) // interval_us)
+
+
 def steps_to_keep(clock: Clock, ends: Sequence[Any]) -> int:
     """How many of the newest closed steps (``ends``: their end stamps, oldest first) wait:
     those from the oldest whose end has not completed on the device, at most

@@ -18,9 +18,32 @@ from typing import Callable, Iterable
 
 import torch
 
-# Steps whose memory every tracer (DDP's, FSDP2's) always measures; later ones are measured
-# at an interval (the recorders' ``_measure_memory_now``).
+from ddpscope.tracer.capture.clock import period_of
+
+# Steps whose memory every tracer (DDP's, FSDP2's, DeepSpeed's) always measures; later ones
+# once an interval (``MeasuredSteps``).
 FIRST_MEASURED_STEPS = 3
+
+
+class MeasuredSteps:
+    """Which steps memory is measured in (called with each step's number as it begins): the
+    first ``FIRST_MEASURED_STEPS``, then the first step begun in each ``interval_s`` of rank
+    0's clock (``clock.period_of``: the same step on every rank), every step where it is 0."""
+
+    def __init__(self, clock, interval_s: float, offset_us: float = 0.0) -> None:
+        self.clock = clock
+        self.interval_us = interval_s * 1e6
+        self.offset_us = offset_us  # add it to this rank's host clock (µs) for rank 0's
+        self._period: int | None = None  # of the last measured step
+
+    def __call__(self, step: int) -> bool:
+        if self.interval_us <= 0:
+            return True
+        period = period_of(self.clock.host_us(), self.offset_us, self.interval_us)
+        if step >= FIRST_MEASURED_STEPS and period == self._period:
+            return False
+        self._period = period
+        return True
 
 
 def allocator_counters(device: torch.device) -> dict[str, int]:

@@ -147,22 +147,26 @@ def test_every_rank_measures_memory_in_the_same_step_whatever_its_clock():
     """Measured steps are the first in each memory_interval_s of rank 0's clock: two ranks
     stepping together, one's clock 7.1 s ahead and its offset saying so, measure the same
     steps; told no offset, it measures others (its periods end half a period apart). A rank
-    measuring holds up the others at their next collective: misaligned, each pays all."""
-    import time
-
+    measuring holds up the others at their next collective: misaligned, each pays all. The
+    host clocks are driven by the test (50 ms a step), so no period ends between ranks."""
     from ddpscope.tracer.capture.clock import CpuClock
     from ddpscope.tracer.capture.ddp.recorder import StepRecorder
 
-    class Skewed(CpuClock):
-        def __init__(self) -> None:
+    now = [1000.0]  # µs, rank 0's host clock
+
+    class Driven(CpuClock):
+        def __init__(self, ahead_us: float) -> None:
             super().__init__()
-            self.skew_ns += 7_100_000_000
+            self.ahead_us = ahead_us
+
+        def host_us(self) -> float:
+            return now[0] + self.ahead_us
 
     lin = torch.nn.Linear(8, 4)
     measured: dict[str, list[int]] = {}
     recs = {}
-    for name, clock, offset in (("rank 0", CpuClock(), 0.0), ("rank 1", Skewed(), -7.1e6),
-                                ("rank 1, no offset", Skewed(), 0.0)):
+    for name, clock, offset in (("rank 0", Driven(0.0), 0.0), ("rank 1", Driven(7.1e6), -7.1e6),
+                                ("rank 1, no offset", Driven(7.1e6), 0.0)):
         out = measured.setdefault(name, [])
         recs[name] = StepRecorder(
             clock=clock, rank=0, param_names=["w", "b"], params=list(lin.parameters()), optimizer=None,
@@ -175,9 +179,9 @@ def test_every_rank_measures_memory_in_the_same_step_whatever_its_clock():
             rec.on_forward_start()
             rec.on_forward_end(warmup=False)
             rec.mark_step()
-        time.sleep(0.05)
+        now[0] += 50_000.0
     for rec in recs.values():
         rec.finish(aborted=False)
-    assert len(measured["rank 0"]) >= 5  # the first 3, then at least two periods
+    assert measured["rank 0"] == [0, 1, 2, 4, 8, 12]  # the first 3, then one each 0.2 s
     assert measured["rank 1"] == measured["rank 0"]
-    assert measured["rank 1, no offset"] != measured["rank 0"]
+    assert measured["rank 1, no offset"] == [0, 1, 2, 6, 10]

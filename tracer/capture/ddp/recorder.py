@@ -19,7 +19,7 @@ import torch
 from ddpscope.tracer.capture.clock import Clock, steps_to_keep
 from ddpscope.tracer.capture.ddp.events import StepEvents
 from ddpscope.tracer.capture.ddp.records import BucketRecord, OwnCollective, ParamSync, PassRecord, StepRecord
-from ddpscope.tracer.capture.memory import FIRST_MEASURED_STEPS, MemoryMeter
+from ddpscope.tracer.capture.memory import MeasuredSteps, MemoryMeter
 
 
 class StepRecorder:
@@ -68,9 +68,7 @@ class StepRecorder:
         self.step_events = StepEvents(rank, param_names)
         self.memory = MemoryMeter(params)
         self.measure = self.memory  # at close of a measured step (benchmarks/overhead.py times it apart)
-        self.memory_interval_us = memory_interval_s * 1e6
-        self.offset_us = offset_us
-        self._memory_beat: int | None = None  # the memory_interval_s period of rank 0's clock last measured
+        self._measured = MeasuredSteps(clock, memory_interval_s, offset_us)
 
     # -- hooks ------------------------------------------------------------------
     def on_forward_start(self, sync: bool = True) -> None:
@@ -91,16 +89,11 @@ class StepRecorder:
 
     def _measure_memory_now(self) -> bool:
         """Whether the step starting now has its memory measured: the first steps (DDP's
-        warm-up, the optimizer's state appearing), then the first step begun in each
-        ``memory_interval_s`` of rank 0's clock, the same step on every rank (a rank's
-        accounting holds up the others at their next collective): it costs ~0.1 ms on the
-        cold caches a step leaves, and a DDP rank's memory barely moves from one step to
-        the next."""
-        if self.memory_interval_us > 0:
-            beat = int((self.clock.host_us() + self.offset_us) // self.memory_interval_us)
-            if self.next_step >= FIRST_MEASURED_STEPS and beat == self._memory_beat:
-                return False
-            self._memory_beat = beat
+        warm-up, the optimizer's state appearing), then one each ``memory_interval_s``,
+        the same step on every rank (``MeasuredSteps``): it costs ~0.1 ms on the cold caches
+        a step leaves, and a DDP rank's memory barely moves from one step to the next."""
+        if not self._measured(self.next_step):
+            return False
         self.memory.start_step()  # CUDA: the allocator's peak now, to tell whether the step sets a new one
         return True
 

@@ -22,7 +22,7 @@ from ddpscope.tracer import format as fmt
 from ddpscope.tracer.capture.clock import make_clock
 from ddpscope.tracer.capture.hook_guard import HookGuard, HookHandles, attach_optimizer_finder, autograd_running
 from ddpscope.tracer.capture.live import LiveFile
-from ddpscope.tracer.capture.memory import FIRST_MEASURED_STEPS
+from ddpscope.tracer.capture.memory import MeasuredSteps
 from ddpscope.tracer.capture.offsets import estimate_offsets
 from ddpscope.tracer.capture.rank_files import header_events, open_rank_trace, release_group
 from ddpscope.tracer.capture.sharded import units as fsdp_units
@@ -169,22 +169,9 @@ class FSDPTracer:
             header_events(self.rank, self.hosts[self.rank]) + lane_events(self.rank), cfg.flush_interval_s,
             self._cpu_group, on_opened=lambda: self._write_run_json(fmt.RUNNING) if self.rank == 0 else None)
 
-    def _measure_steps(self) -> Callable[[int], bool]:
-        """Which steps memory is measured in: the first steps, then the first step begun in
-        each memory_interval_s of rank 0's clock (every step where it is 0). The same step
-        on every rank: a rank measuring holds up the others at their next collective."""
-        interval_us, offset, last = self.config.memory_interval_s * 1e6, self.offsets_start[self.rank].offset_us, [None]
-
-        def measure_step(step: int) -> bool:
-            if interval_us <= 0:
-                return True
-            beat = int((self.clock.host_us() + offset) // interval_us)
-            if step >= FIRST_MEASURED_STEPS and beat == last[0]:
-                return False
-            last[0] = beat
-            return True
-
-        return measure_step
+    def _measure_steps(self) -> MeasuredSteps:
+        """Which steps memory is measured in (``MeasuredSteps``)."""
+        return MeasuredSteps(self.clock, self.config.memory_interval_s, self.offsets_start[self.rank].offset_us)
 
     def _emit(self, s: ShardedStep, names: list[str]) -> None:
         if self._writer is None or self._writer.error is not None:

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ddpscope.tracer.capture.clock import Clock, steps_to_keep
+from ddpscope.tracer.capture.clock import Clock, period_of, steps_to_keep
 from ddpscope.tracer.capture.sharded.step_times import cut_holes, resolve_steps
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -370,15 +370,14 @@ class ShardedRecorder:
         with self._lag_lock:
             self._lag.append(cur)
         self._last_close = time.monotonic()
-        if (cur.step + 1) % HOLD_STEPS == 0 or len(self._lag) - self.clock.lag_steps >= 2 * HOLD_STEPS \
-                or self._beat_now() != self._beat:  # every rank in the same step (the module's docstring)
+        if (cur.step + 1) % HOLD_STEPS == 0 or self._beat_now() != self._beat:  # the same step on every rank
             self._flush()
         if self.on_close is not None:
             self.on_close(cur)
 
     def _beat_now(self) -> int:
         """The ``HOLD_S`` period of rank 0's clock it is now."""
-        return int((self.clock.host_us() + self.offset_us) // (HOLD_S * 1e6))
+        return period_of(self.clock.host_us(), self.offset_us, HOLD_S * 1e6)
 
     def flush_held(self) -> None:
         """Emit what is held when no step has closed for ``STALL_S`` (a hang, a long

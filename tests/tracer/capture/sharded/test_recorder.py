@@ -50,33 +50,42 @@ def test_steps_are_held_then_emitted_together_after_every_hold_steps_th_step(mon
     assert emitted[1].colls[0].extra == {"zero": "param_fetch"}
 
 
-class _Skewed(CpuClock):
-    def __init__(self, skew_s: float) -> None:
+class _Driven(CpuClock):
+    """A host clock the test moves (``now``: rank 0's, µs), ``ahead_us`` ahead of it."""
+
+    now = [1000.0]
+
+    def __init__(self, ahead_us: float) -> None:
         super().__init__()
-        self.skew_ns += round(skew_s * 1e9)
+        self.ahead_us = ahead_us
+
+    def host_us(self) -> float:
+        return self.now[0] + self.ahead_us
 
 
 def test_long_steps_are_emitted_in_the_same_step_on_ranks_whose_clocks_differ(monkeypatch):
     """Steps longer than HOLD_S / HOLD_STEPS: a batch at the first step closed in each
     HOLD_S of rank 0's clock. Two ranks stepping together, one's clock 7.1 s ahead and its
     offset saying so, emit in the same steps; the same rank told no offset emits in others
-    (its periods end half a period apart): the offset is what aligns them."""
+    (its periods end half a period apart): the offset is what aligns them. The host clocks
+    are driven by the test (50 ms a step), so no period ends between ranks."""
     monkeypatch.setattr(rec_mod, "HOLD_S", 0.2)
     monkeypatch.setattr(rec_mod, "HOLD_STEPS", 10_000)
+    monkeypatch.setattr(_Driven, "now", [1000.0])
     batches: dict[str, list[int]] = {"rank 0": [], "rank 1": [], "rank 1, no offset": []}
-    recs = {"rank 0": ShardedRecorder(clock=CpuClock(), emit=lambda s: None),
-            "rank 1": ShardedRecorder(clock=_Skewed(7.1), emit=lambda s: None, offset_us=-7.1e6),
-            "rank 1, no offset": ShardedRecorder(clock=_Skewed(7.1), emit=lambda s: None)}
+    recs = {"rank 0": ShardedRecorder(clock=_Driven(0.0), emit=lambda s: None),
+            "rank 1": ShardedRecorder(clock=_Driven(7.1e6), emit=lambda s: None, offset_us=-7.1e6),
+            "rank 1, no offset": ShardedRecorder(clock=_Driven(7.1e6), emit=lambda s: None)}
     for _ in range(14):
+        _Driven.now[0] += 50_000.0
         for name, rec in recs.items():
             written = rec.steps_written
             _step(rec)
             if rec.steps_written > written:
                 batches[name].append(rec.next_step - 1)
-        time.sleep(0.05)
-    assert len(batches["rank 0"]) >= 2
+    assert batches["rank 0"] == [3, 7, 11]  # its steps close at 0.05 s each; periods end at 0.2, 0.4, 0.6 s
     assert batches["rank 1"] == batches["rank 0"]
-    assert batches["rank 1, no offset"] != batches["rank 0"]
+    assert batches["rank 1, no offset"] == [1, 5, 9, 13]
 
 
 def test_a_rank_that_stops_closing_steps_has_them_written_by_the_live_thread(tmp_path, monkeypatch):
