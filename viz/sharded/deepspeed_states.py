@@ -17,6 +17,14 @@ counts it); gradients are what holds them (at stage 1 the whole gradients and th
 averaged partition, at 2-3 the partition's buffer: a storage DeepSpeed's averaged
 gradients are views of, which may be larger than P/N; said where it is).
 
+At stage 3 DeepSpeed also keeps some parameters whole on every rank, beside their
+partitions, never released after use (each of at most ``stage3_param_persistence_threshold``
+elements, 100,000 by default: the biases and norms of a large model, all of a small
+one): ``b`` bytes per element of run.json's ``stage3_persistent_numel`` more, measured
+(they are in the trace's unsharded parameters from the first step on) and predicted
+(a stage 1-2 trace says which parameters stage 3 would keep whole), which the ZeRO
+model does not count.
+
 The *persistent* states (parameters, master and moments: everything but gradients,
 which live from backward to the step in buffers whose size follows the bucket layout)
 are what a prediction for another stage is checked on.
@@ -48,6 +56,12 @@ def precision(trace) -> Precision:
                      param=b, grad=b, k=12)
 
 
+def persistent_numel(trace) -> int:
+    """Elements of the parameters DeepSpeed keeps whole at stage 3 (run.json's
+    ``stage3_persistent_numel``; 0 for a trace that does not say)."""
+    return int((trace.run.get("deepspeed") or {}).get("stage3_persistent_numel") or 0)
+
+
 def measured_states(trace) -> pd.DataFrame:
     """Per rank: params_bytes, grads_bytes, optimizer_state_bytes (moments + master),
     master_bytes, model_state_bytes and persistent_bytes (see the module's docstring).
@@ -60,6 +74,7 @@ def measured_states(trace) -> pd.DataFrame:
         sharded = float(mine["sharded_params_bytes"].max())
         if sh.stage == 3:
             params, master = sharded * b / (b + 4), sharded * 4 / (b + 4)
+            params += b * persistent_numel(trace)  # whole on every rank, beside their partitions
             grads = float(mine["sharded_grads_bytes"].max())
         else:
             params, master = float(mine["unsharded_params_bytes"].max()), sharded
@@ -92,6 +107,8 @@ def predict_states(trace, stage: int, measured: pd.DataFrame | None = None) -> d
         pred = {"params_bytes": prec.param * (params if stage < 3 else part),
                 "grads_bytes": prec.grad * (params if stage < 2 else part),
                 "optimizer_state_bytes": prec.k * part}
+    if stage == 3:  # the parameters DeepSpeed keeps whole there
+        pred["params_bytes"] += precision(trace).param * persistent_numel(trace)
     pred["model_state_bytes"] = sum(pred.values())
     pred["persistent_bytes"] = pred["params_bytes"] + pred["optimizer_state_bytes"]
     return pred
@@ -111,7 +128,8 @@ def compute_deepspeed_stages(trace) -> pd.DataFrame:
     """Rows ``measured (rank r)``, ``stage 0..3`` (the ZeRO model with this run's P, N and
     DeepSpeed's precision) and ``DeepSpeed estimate (stage k)`` for stages 2 and 3;
     ``measured/predicted`` against the run's own stage, on all model states and on the
-    persistent ones."""
+    persistent ones. The stage-3 row counts the parameters DeepSpeed keeps whole there
+    (``persistent_numel``), as a rerun at stage 3 keeps them."""
     sh = trace.shards
     n = trace.world_size
     params = float(sh.units["numel"].sum())
@@ -138,6 +156,7 @@ def deepspeed_differences(trace) -> list[str]:
     table = compute_deepspeed_stages(trace)
     own = table[table["row"] == f"stage {sh.stage}"].iloc[0]
     prec = precision(trace)
+    params = float(sh.units["numel"].sum()) or 1.0
     lines = [f"DeepSpeed keeps an fp32 master partition beside the {prec.param:g}-byte parameters, so its optimizer "
              f"state is K = 12 bytes per parameter of the partition (master, momentum, variance), as the ZeRO paper "
              f"counts mixed-precision Adam, also when it trains in float32."]
@@ -157,6 +176,14 @@ def deepspeed_differences(trace) -> list[str]:
                      + (", and 4 bytes per parameter of the largest layer gathered" if sh.stage == 3 else "")
                      + (f"; this run trains in {(trace.run.get('deepspeed') or {}).get('dtype')}"
                         if prec.param != 2 else "") + ".")
+    persist = persistent_numel(trace)
+    if persist:
+        threshold = (trace.run.get("deepspeed") or {}).get("stage3_param_persistence_threshold")
+        threshold = f"{threshold:,}" if isinstance(threshold, int) else "?"
+        lines.append(f"at stage 3 DeepSpeed keeps {persist:,} elements of parameters ({persist / params * 100:.0f} % of "
+                     f"the model: those of at most stage3_param_persistence_threshold = {threshold} elements) whole on "
+                     f"every rank beside their partitions: {prec.param * persist / 2**20:.3f} MiB more than the ZeRO "
+                     "model counts, in the stage-3 row" + (" and measured" if sh.stage == 3 else "") + ".")
     lines.append("outside the model states: activations, the gradient buckets (communication buffers) and, at stage "
                  "3, the parameters gathered for compute; on CPU temporaries are not counted.")
     return lines

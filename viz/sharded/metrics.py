@@ -344,15 +344,20 @@ def comm_honesty_lines(trace) -> list[str]:
     if sh.framework == "deepspeed" and sh.stage < 3:
         lines.append("DeepSpeed reduces each gradient bucket at stages 1-2 with an all-reduce (each rank then keeps its "
                      "partition), 2(N-1)/N D where the ZeRO model counts a reduce-scatter's (N-1)/N D, and gathers the "
-                     "updated partitions after the step, (N-1)/N D: 3D x (N-1)/N in all, against the model's 2D.")
+                     "updated partitions after the step, (N-1)/N D: 3D x (N-1)/N for a step that reduces once, against "
+                     "the model's 2D.")
+    micro = accumulation_line(trace, vol)
+    if micro:
+        lines.append(micro)
     gathered = vol[vol["collective"] == "all_gather"]
     if sh.framework == "deepspeed" and sh.stage == 3 and len(gathered) and gathered["message_D"].iloc[0] < 1.95:
-        why = ["a parameter used again within stage3_max_reuse_distance stays gathered"]
         colls = sh.colls[sh.colls["step"].isin(_real_steps(trace))]
+        why = ["a parameter used again within stage3_max_reuse_distance stays gathered"] \
+            if (colls["issued_by"] == "param_fetch").any() else []
         after = colls[colls["issued_by"] == "param_allgather"].groupby(["rank", "step"])["bytes"].sum()
         if len(after):  # the persistent parameters: whole all along, refreshed once after each step
             why.append(f"the parameters under stage3_param_persistence_threshold ({float(after.median()) / d:.2f} D) "
-                       "are never partitioned and are gathered once, after the step")
+                       "are kept whole on every rank (beside their partitions) and gathered once, after the step")
         lines.append(f"DeepSpeed gathered {gathered['message_D'].iloc[0]:.2f} D of parameters a step where the ZeRO "
                      f"model counts 2D (forward, then again for backward): {'; '.join(why)}.")
     if sh.reduce_scatter_sent_as == "all_reduce":
@@ -369,6 +374,33 @@ def comm_honesty_lines(trace) -> list[str]:
                  f"rings (the ZeRO paper's count) would send {total['ring_bytes'] / 2**20:.3f} MiB "
                  f"({total['ring_D']:.2f} D). " + model)
     return lines
+
+
+def accumulation_line(trace, vol: pd.DataFrame) -> str | None:
+    """With gradient accumulation (a step of several micro-batches, median over non-warm-up
+    steps), how often the gradients were reduced and how much was gathered a step, in D
+    (``compute_comm_volume``), and why: the ZeRO model counts one forward and backward a
+    step, and ZeRO-2/-3 (and FSDP2 unless the script turns gradient sync off) reduce every
+    micro-batch's gradients. None for one micro-batch a step."""
+    steps = trace.steps
+    real = steps[steps["step"].isin(_real_steps(trace))]
+    micro = int(real["micro_batches"].median()) if len(real) else 1
+    if micro <= 1:
+        return None
+    sh = trace.shards
+    deepspeed = sh.framework == "deepspeed"
+    kind = "all_reduce" if deepspeed and sh.stage < 3 else "reduce_scatter"
+    by = vol.set_index("collective")["message_D"]
+    reduced, gathered = float(by.get(kind, 0.0)), float(by.get("all_gather", 0.0))
+    if deepspeed:
+        why = ("ZeRO-1 reduces the accumulated gradients once, at the step's end" if sh.stage == 1 else
+               "ZeRO-2 and -3 reduce each micro-batch's gradients into this rank's partition as they come")
+    else:
+        why = ("FSDP2 reduce-scatters each micro-batch's gradients unless the script turns gradient sync off "
+               "(set_requires_gradient_sync(False)) for all but the last")
+    return (f"A step here is {micro} micro-batches (gradient accumulation): its gradients were reduced {reduced:.2f} "
+            f"times a step (D each) and {gathered:.2f} D of parameters gathered, where the ZeRO model below counts "
+            f"one forward and backward a step: {why}.")
 
 
 MEMORY_LABELS = {

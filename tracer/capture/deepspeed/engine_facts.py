@@ -31,7 +31,8 @@ def engine_facts(engine) -> dict:
     training dtype), ``communication_dtype``, ``overlap_comm``, ``contiguous_gradients``,
     ``reduce_bucket_size`` (elements, as DeepSpeed counts it) and ``reduce_bucket_bytes``
     (in the communication dtype), ``gradient_accumulation_steps``, offload devices, the
-    engine's class and DeepSpeed's version."""
+    engine's class, DeepSpeed's version, and ``stage3_persistent_numel`` (``persistent_numel``)
+    with the threshold it follows."""
     stage = _call(engine, "zero_optimization_stage")
     dtype = "bfloat16" if _call(engine, "bfloat16_enabled") else "float16" if _call(engine, "fp16_enabled") \
         else "float32"
@@ -54,10 +55,36 @@ def engine_facts(engine) -> dict:
         "offload_param": _device(_call(engine, "zero_offload_param")),
         "world_size": getattr(engine, "dp_world_size", None),
     }
+    threshold = _call(engine, "zero_param_persistence_threshold")
+    if threshold is not None:
+        facts["stage3_param_persistence_threshold"] = int(threshold)
+        try:
+            facts["stage3_persistent_numel"] = persistent_numel(engine, facts["zero_stage"])
+        except Exception:  # noqa: BLE001 - a fact ddpscope cannot read is left out
+            pass
     deepspeed = sys.modules.get("deepspeed")  # the script's: ddpscope never imports DeepSpeed itself
     if deepspeed is not None:
         facts["deepspeed_version"] = str(getattr(deepspeed, "__version__", "?"))
     return facts
+
+
+def persistent_numel(engine, stage: int | None) -> int:
+    """Elements of the parameters ZeRO-3 keeps whole on every rank (beside their partition),
+    never released after use: at stage 3 those DeepSpeed marked (``ds_persist``); at stages
+    1-2 those a rerun at stage 3 would mark, by DeepSpeed's own rule
+    (``DeepSpeedZeRoOffload.mark_persistent_parameters``, 0.19.8): in ``named_parameters``
+    order, a parameter of at most ``stage3_param_persistence_threshold`` elements, while
+    the total stays within ``stage3_model_persistence_threshold``."""
+    params = [p for _, p in engine.module.named_parameters(recurse=True)]
+    if stage == 3:
+        return sum(int(p.ds_numel) for p in params if getattr(p, "ds_persist", False))
+    each, model = int(engine.zero_param_persistence_threshold()), int(engine.zero_model_persistence_threshold())
+    total = 0
+    for p in params:
+        n = int(p.numel())
+        if n + total <= model and n <= each:
+            total += n
+    return total
 
 
 def untraced_features(engine, facts: dict) -> list[str]:
