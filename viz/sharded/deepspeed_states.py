@@ -106,7 +106,7 @@ def predict_states(trace, stage: int, measured: pd.DataFrame | None = None) -> d
         prec = precision(trace)
         pred = {"params_bytes": prec.param * (params if stage < 3 else part),
                 "grads_bytes": prec.grad * (params if stage < 2 else part),
-                "optimizer_state_bytes": prec.k * part}
+                "optimizer_state_bytes": prec.k * (params if stage < 1 else part)}
     if stage == 3:  # the parameters DeepSpeed keeps whole there
         pred["params_bytes"] += precision(trace).param * persistent_numel(trace)
     pred["model_state_bytes"] = sum(pred.values())

@@ -239,7 +239,8 @@ def test_parameters_zero3_keeps_whole_are_predicted_from_stage_2_and_measured_at
     stage-3 rerun by DeepSpeed's own marks (``ds_persist``): the same count; the stage-3
     trace's parameters alive from its first step on hold exactly their bytes (the memory
     samples: the independent instrument), and the measured model states count them; the
-    prediction from stage 2 holds within 5 % (without them it is 11 % short)."""
+    prediction from stage 2 holds within 5 % (without them it is 11 % short). Stage 0's
+    row keeps the whole optimizer state."""
     from ddpscope.viz.sharded.deepspeed_states import measured_states, predict_states
 
     script = (WORKER, "--steps", "3", "--stage", "2", "--persistence-threshold", "20000")
@@ -263,3 +264,10 @@ def test_parameters_zero3_keeps_whole_are_predicted_from_stage_2_and_measured_at
     for got in measured["persistent_bytes"]:
         assert abs(got / predicted - 1) <= 0.05, (got, predicted)
         assert got / (predicted - 4 * kept) - 1 > 0.05  # a prediction without them: off by more
+    # stage 0 partitions nothing: the ZeRO model's K x P of optimizer state, not the partition's
+    from ddpscope.viz.sharded.deepspeed_states import precision
+    from ddpscope.viz.zero.model import model_state_bytes
+
+    numel = float(traces[2].shards.units["numel"].sum())
+    assert predict_states(traces[2], 0)["optimizer_state_bytes"] == \
+        model_state_bytes(numel, 2, 0, precision(traces[2]))["optimizer_state_bytes"] == 12 * numel
