@@ -153,6 +153,8 @@ def test_accumulation_and_mixed_precision_are_traced(tmp_path):
     assert vol.loc["reduce_scatter", "message_D"] == pytest.approx(1.0)  # once, the last micro-batch's
     assert vol.loc["total", "ring_D"] == pytest.approx(5 * (N - 1) / N)
     assert any("Mixed precision" in line for line in comm_honesty_lines(trace))
+    said = [line for line in comm_honesty_lines(trace) if line.startswith("A step here is 2 micro-batches")]
+    assert len(said) == 1 and "reduced 1.00 times a step" in said[0] and "4.00 D of parameters gathered" in said[0]
 
 
 def test_a_loss_that_runs_its_own_backward_inside_forward_is_backward(tmp_path):
