@@ -230,6 +230,7 @@ def _sharded_summary(trace, as_json: bool) -> int:
         compute_sharded_steps,
         compute_stage_comparison,
         compute_unit_table,
+        stage_differences,
     )
 
     steps = compute_sharded_steps(trace)
@@ -238,6 +239,7 @@ def _sharded_summary(trace, as_json: bool) -> int:
     units, stages, volume = compute_unit_table(trace), compute_stage_comparison(trace), compute_comm_volume(trace)
     sh = trace.shards
     buckets = compute_bucket_table(trace)
+    notes = stage_differences(trace)  # why the model states differ from the ZeRO model's
     framework = "DeepSpeed" if sh.framework == "deepspeed" else "FSDP2"
     if as_json:
         out = {"path": str(trace.path), "source": trace.source, "kind": "sharded", "framework": sh.framework,
@@ -245,7 +247,8 @@ def _sharded_summary(trace, as_json: bool) -> int:
                "unfinished": trace.unfinished, "world_size": trace.world_size, "stage": sh.stage,
                "stage_reason": sh.stage_reason, "ranks": _by_rank(med),
                "units": [_json_safe(r) for r in units.astype(object).to_dict("records")],
-               "model_states": stages.to_dict("records"), "comm_volume": volume.to_dict("records"),
+               "model_states": stages.to_dict("records"), "model_state_notes": notes,
+               "comm_volume": volume.to_dict("records"),
                "comm_D_bytes": volume.attrs["D_bytes"], "comm": comm_honesty_lines(trace)}
         print(json.dumps(out, indent=1, default=lambda v: None if v != v else float(v)))
         return 0
@@ -267,6 +270,8 @@ def _sharded_summary(trace, as_json: bool) -> int:
     print("model states (bytes) beside ZeRO stages 0-3:")
     print(stages[["row", "params_bytes", "grads_bytes", "optimizer_state_bytes", "model_state_bytes",
                   "measured/predicted"]].round(3).to_string(index=False))
+    for line in notes:
+        print(f"  {line}")
     for line in comm_honesty_lines(trace):
         print(line)
     return 0

@@ -264,6 +264,10 @@ def test_parameters_zero3_keeps_whole_are_predicted_from_stage_2_and_measured_at
     for got in measured["persistent_bytes"]:
         assert abs(got / predicted - 1) <= 0.05, (got, predicted)
         assert got / (predicted - 4 * kept) - 1 > 0.05  # a prediction without them: off by more
+    # summary says so, in words and in --json
+    said = json.loads(run_cli("summary", str(three), "--json").stdout)["model_state_notes"]
+    assert any("at stage 3 DeepSpeed keeps 18,952 elements of parameters" in line for line in said), said
+    assert "at stage 3 DeepSpeed keeps 18,952" in run_cli("summary", str(three)).stdout
     # stage 0 partitions nothing: the ZeRO model's K x P of optimizer state, not the partition's
     from ddpscope.viz.sharded.deepspeed_states import precision
     from ddpscope.viz.zero.model import model_state_bytes
