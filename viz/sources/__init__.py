@@ -69,7 +69,7 @@ def readable_kind(path: str | Path) -> str:
     if kind is None and path.is_dir():
         why = _untraced_reason(path)
         if why:
-            raise TraceError(f"{path} was run but not traced: {why}")
+            raise TraceError(f"{path} {why}")
         raise TraceError(f"{path} holds no readable ddpscope run (run.json + rank-<r>.json) and no profiler "
                          "traces (*.json, *.json.gz)")
     return kind or fmt.KIND_DDP
@@ -82,12 +82,17 @@ def load_training_trace(path: str | Path, events_for=None) -> RunTrace:
 
 
 def _untraced_reason(path: Path) -> str | None:
-    """Why a run folder holds no trace, as its run.json says (``status`` untraced: the
-    launcher's one line), or None."""
+    """Why a run folder holds no trace, as its run.json says: ``status`` untraced (the
+    launcher's one line), or failed before any rank wrote a step (the job's error); None
+    otherwise."""
     try:
         run = read_json_file(path / fmt.RUN_FILE, "run metadata")
     except (TraceError, OSError):
         return None
-    if not isinstance(run, dict) or run.get("status") != fmt.UNTRACED:
+    if not isinstance(run, dict):
         return None
-    return str(run.get("error") or "nothing was traced")
+    if run.get("status") == fmt.UNTRACED:
+        return f"was run but not traced: {run.get('error') or 'nothing was traced'}"
+    if run.get("status") == fmt.FAILED and run.get("error"):
+        return f"failed before any step was traced: {run['error']}"
+    return None

@@ -342,6 +342,23 @@ def test_a_script_without_ddp_runs_and_says_nothing_was_traced(tmp_path):
     assert summary.returncode == 2 and summary.stderr.strip() == f"ddpscope summary: error: {out} was run but not traced: {why}"
 
 
+def test_a_script_that_fails_before_any_step_leaves_a_folder_that_says_why(tmp_path):
+    """A script that dies before it builds a model (Accelerate's DeepSpeed on CPU: a batch
+    check): ``summary`` says it failed and with what, in one line, not that the folder
+    holds no run."""
+    script = tmp_path / "dies.py"
+    script.write_text("raise ValueError('train_batch_size is not micro_batch x accumulation x world size')\n")
+    out = tmp_path / "run"
+    proc = run_cli("run", "--nproc", "2", "--out", str(out), "--", str(script))
+    assert proc.returncode != 0
+    assert json.loads((out / "run.json").read_text())["status"] == "failed"
+    summary = run_cli("summary", str(out))
+    lines = summary.stderr.strip().splitlines()
+    assert summary.returncode == 2 and len(lines) == 1, summary.stderr
+    assert f"{out} failed before any step was traced: rank " in lines[0]
+    assert "ValueError: train_batch_size is not micro_batch x accumulation x world size" in lines[0]
+
+
 @pytest.mark.breadth  # FSDP2 scripts under `ddpscope run`: tests/tracer/capture/sharded/
 def test_an_fsdp2_script_is_traced_and_still_runs(tmp_path):
     proc, out, _ = trace_script(tmp_path, str(WORKERS / "fsdp_train.py"))
