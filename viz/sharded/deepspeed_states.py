@@ -99,16 +99,16 @@ def predict_states(trace, stage: int, measured: pd.DataFrame | None = None) -> d
     sh = trace.shards
     n = trace.world_size
     params = float(sh.units["numel"].sum())
-    pred = model_state_bytes(params, n, stage, precision(trace))
+    prec = precision(trace)
+    pred = model_state_bytes(params, n, stage, prec)
     measured = measured_states(trace) if measured is None else measured
     if len(measured) and measured["master_bytes"].iloc[0] > 0:
         part = float(measured["master_bytes"].iloc[0]) / 4  # elements in this rank's padded partition
-        prec = precision(trace)
         pred = {"params_bytes": prec.param * (params if stage < 3 else part),
                 "grads_bytes": prec.grad * (params if stage < 2 else part),
                 "optimizer_state_bytes": prec.k * (params if stage < 1 else part)}
     if stage == 3:  # the parameters DeepSpeed keeps whole there
-        pred["params_bytes"] += precision(trace).param * persistent_numel(trace)
+        pred["params_bytes"] += prec.param * persistent_numel(trace)
     pred["model_state_bytes"] = sum(pred.values())
     pred["persistent_bytes"] = pred["params_bytes"] + pred["optimizer_state_bytes"]
     return pred

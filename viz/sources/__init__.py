@@ -67,7 +67,7 @@ def readable_kind(path: str | Path) -> str:
     if kind == MIXED:
         raise TraceError(f"{path.name} mixes ddpscope rank files and profiler traces; put them in separate folders")
     if kind is None and path.is_dir():
-        why = _untraced_reason(path)
+        why = _why_no_trace(path)
         if why:
             raise TraceError(f"{path} {why}")
         raise TraceError(f"{path} holds no readable ddpscope run (run.json + rank-<r>.json) and no profiler "
@@ -81,7 +81,7 @@ def load_training_trace(path: str | Path, events_for=None) -> RunTrace:
     return load_kineto(path) if readable_kind(path) == KINETO else load_run(path, events_for=events_for)
 
 
-def _untraced_reason(path: Path) -> str | None:
+def _why_no_trace(path: Path) -> str | None:
     """Why a run folder holds no trace, as its run.json says: ``status`` untraced (the
     launcher's one line), or failed before any rank wrote a step (the job's error); None
     otherwise."""
