@@ -146,6 +146,7 @@ def run_model(name: str, args, torch, dist, device) -> dict:
                 times[m].append(got[m] / args.window)
             ratios.append(got["traced"] / got["untraced"])
         pieces = where_the_time_goes(tracer, lambda: window("traced", 1), 50)
+        stamp_us = stamp_cost(tracer.clock)
         # the untraced copy catches up on the steps the pieces took, then both must match
         window("untraced", done["traced"] - done["untraced"])
         sync()
@@ -156,7 +157,19 @@ def run_model(name: str, args, torch, dist, device) -> dict:
         tracer.__exit__(None, None, None)
         shutil.rmtree(tmp, ignore_errors=True)
     return {"ratios": ratios, "times": times, "pieces": pieces, "same": same, "note": note,
-            "steps": done["traced"], "capture": "compiled" if note is None else "python"}
+            "steps": done["traced"], "capture": "compiled" if note is None else "python", "stamp_us": stamp_us,
+            "ring_stamps": getattr(tracer.clock, "ring_stamps", 0)}
+
+
+def stamp_cost(clock) -> float:
+    """µs a ``clock.stamp()`` (median of 200, between steps): on CUDA with the compiled
+    capture, a slot of its C++ ring; else a ``torch.cuda.Event`` (or the host clock)."""
+    times = []
+    for _ in range(200):
+        t0 = time.perf_counter_ns()
+        clock.stamp()
+        times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times) / 1e3
 
 
 def main() -> int:
@@ -206,6 +219,9 @@ def main() -> int:
                   f"traced {1e3 * statistics.median(r['times']['traced']):.3f}")
             print(f"  traced / untraced: {med:.4f} (95 % CI {lo:.4f}-{hi:.4f}); goal <= 1.02: {verdict}")
             print(f"  parameters bit-identical to the untraced copy's: {r['same']}")
+            if device.type == "cuda":
+                print(f"  the clock's stamp: {r['stamp_us']:.1f} µs a call ({r['ring_stamps']} stamps from the "
+                      f"compiled capture's ring of events; 0: every stamp a torch.cuda.Event)")
             print(f"  where the traced step's host time goes (µs a step, 50 steps timed in place; "
                   f"{sum(r['pieces'].values()):.0f} µs in all):")
             for piece, us in sorted(r["pieces"].items(), key=lambda kv: -kv[1]):

@@ -34,6 +34,13 @@ the code, not yet confirmed on a GPU.)
 recorder asks ``done``); only when ``lag_steps`` steps are waiting is the oldest resolved
 anyway, blocking on its own events (``Event.synchronize``), never on the device.
 
+**Stamps in C++.** With the compiled capture on a device, stamps come from its ring of
+preallocated events (``DeviceStamps``, ``use_stamps``): recorded in C++ on the model's
+device's current stream, on the shared anchors, resolved in one call. A ``torch.cuda.Event``
+per stamp (made, recorded and destroyed from Python) cost the training thread ~10 µs a stamp
+with the GPU idle and several times that inside a launch-bound step. A stamp is then
+``(None, slot)``; a full ring (slots not read yet) and a pinned stream fall back to events.
+
 Where stamps are recorded (see ddp/step_hooks.py and ddp/comm_hook.py): compute-side
 stamps on the current stream of the model's device on the thread that stamps (the
 compute stream); a bucket's completion inside the all-reduce future's ``then`` callback,
@@ -91,8 +98,14 @@ class CudaEventClock:
         # its model on cuda:k while the current device is cuda:0.
         self._current = current_stream or (lambda: torch.cuda.current_stream(device))
         self._stream = self._current  # where stamp() records (pin_stream fixes it)
+        self._pinned = False
         self._idle = idle_stream if idle_stream is not None else torch.cuda.Stream(device=device)
-        self.blocked = 0  # stamps resolve() had to wait for (Event.synchronize); tests read it
+        self._blocked = 0  # events resolve() had to wait for (Event.synchronize)
+        # the compiled capture's DeviceStamps: _ring resolves its slots, _ring_stamp (None when
+        # pinned or given back) hands them out
+        self._ring: Any = None
+        self._ring_live = False  # stamp_current may take a slot
+        self._ring_stamp: Any = None  # stamp may take a slot
         self._sinks: list[AnchorSink] = []
         # (event, host µs, rate, bracket half-width µs) per anchor; anchor k is self._anchors[k - self._first]
         self._anchors: deque[list] = deque(maxlen=self.ANCHORS_KEPT)
@@ -164,10 +177,37 @@ class CudaEventClock:
     def pin_stream(self, stream: Any) -> None:
         """``stamp()`` records on ``stream`` (the compute stream) whichever stream is current
         when a hook stamps: FSDP2 runs its collectives, and so our hooks around them, inside
-        its own streams, which run ahead of compute."""
+        its own streams, which run ahead of compute. (The ring records on the current stream:
+        pinned stamps are events.)"""
         self._stream = lambda: stream
+        self._pinned = True
+        self._ring_stamp = None
+
+    def use_stamps(self, ring: Any) -> None:
+        """Stamps from ``ring`` (``DeviceStamps``: ``stamp() -> slot`` on the device's current
+        stream and this clock's anchors, ``query(slot)``, ``resolve(slots) -> host ns``, 0
+        unknown) from now on; None: events again (its stamps taken so far still resolve)."""
+        if ring is not None:
+            self._ring = ring
+        self._ring_live = ring is not None
+        self._ring_stamp = None if self._pinned else ring
+
+    @property
+    def blocked(self) -> int:
+        """Stamps ``resolve()`` had to wait for (their own event, never the device)."""
+        return self._blocked + (self._ring.blocked if self._ring is not None else 0)
+
+    @property
+    def ring_stamps(self) -> int:
+        """Stamps handed out by the ring so far (0: every stamp was an event)."""
+        return self._ring.issued if self._ring is not None else 0
 
     def stamp(self) -> Any:
+        ring = self._ring_stamp
+        if ring is not None:
+            slot = ring.stamp()  # C++: a preallocated event on the device's current stream
+            if slot >= 0:
+                return (None, slot)
         ev = self._new_event()
         ev.record(self._stream())  # the model's device's current (or pinned) stream; no sync
         return (ev, self._count - 1)  # measured from the newest anchor
@@ -175,30 +215,42 @@ class CudaEventClock:
     def stamp_current(self) -> Any:
         """A stamp on the stream current now (a collective's own stream, or a future's
         callback stream that waits for its work); no sync."""
+        if self._ring_live:
+            slot = self._ring.stamp()  # the ring records on the current stream, pinned or not
+            if slot >= 0:
+                return (None, slot)
         ev = self._new_event()
         ev.record(self._current())
         return (ev, self._count - 1)
 
     def done(self, stamp: Any) -> bool:
         """The stamp's work has completed (resolving it will not block); no sync."""
-        return stamp is None or isinstance(stamp, (int, float)) or stamp[0].query()
+        if stamp is None or isinstance(stamp, (int, float)):
+            return True
+        ev, k = stamp
+        return self._ring.query(k) if ev is None else ev.query()
 
     def resolve(self, stamps: Sequence[Any]) -> list[float | None]:
         """Host µs of each stamp (``None`` stays ``None``; host µs pass through). A stamp not
         done yet is waited for on its own event; the device is never synchronised."""
-        out = [self._resolve_one(s) for s in stamps]
+        slots = [s[1] for s in stamps if type(s) is tuple and s[0] is None]
+        ring_ns = iter(self._ring.resolve(slots) if slots else ())  # one C++ call for the ring's
+        out = [self._resolve_one(s, ring_ns) for s in stamps]
         if self._host.host_us() - self._anchors[-1][1] >= self.REANCHOR_S * 1e6:
             self.reanchor()  # between steps: the next stamps are measured from a fresh anchor
         return out
 
-    def _resolve_one(self, stamp: Any) -> float | None:
+    def _resolve_one(self, stamp: Any, ring_ns: Any) -> float | None:
         if stamp is None:
             return None
         if isinstance(stamp, (int, float)):
             return float(stamp)
         ev, k = stamp
+        if ev is None:  # a ring slot: host ns (the anchors' host times: skew included), 0 unknown
+            ns = next(ring_ns)
+            return ns / 1000.0 if ns else None
         if not ev.query():
             ev.synchronize()  # CPU-GPU sync on this one event: a step resolved before its end
-            self.blocked += 1
+            self._blocked += 1
         anchor, host, rate, _ = self._anchors[max(k - self._first, 0)]
         return round(host + anchor.elapsed_time(ev) * 1000.0 * rate, 3)  # ms -> µs, at ns resolution

@@ -257,3 +257,97 @@ def test_stamps_and_anchors_use_the_models_device_not_the_current_one(monkeypatc
     clock._host = gpu
     clock.stamp()
     assert asked == [("anchor stream", torch.device("cuda", 1)), torch.device("cuda", 1)]
+
+
+class FakeRing:
+    """The compiled capture's ``DeviceStamps`` on the stand-in device, as ``timed_group.cpp``
+    does it: an anchor sink (a try on the idle stream before each of the clock's, the winner
+    committed with its host ns and rate), and a ring of events recorded on the current
+    stream, each measured from the newest anchor, resolved in one call to host ns."""
+
+    def __init__(self, gpu: FakeGpu, slots: int = 4):
+        self.gpu, self.slots = gpu, slots
+        self.tries, self.anchors = {}, []  # [event, host_ns, rate]
+        self.events: dict[int, tuple] = {}  # slot -> (event, anchor index)
+        self.issued = self.released = self.blocked = self.resolve_calls = 0
+
+    def candidate(self, index, stream):
+        ev = self.gpu.event()
+        ev.record(stream)
+        self.tries[index] = ev
+
+    def commit(self, index, host_ns, rate):
+        if self.anchors:
+            self.anchors[-1][2] = rate
+        self.anchors.append([self.tries[index], host_ns, rate])
+
+    def stamp(self) -> int:
+        slot = self.issued
+        self.issued += 1
+        if slot - self.released >= self.slots:
+            return -1
+        ev = self.gpu.event()
+        ev.record(self.gpu.compute)
+        self.events[slot] = (ev, len(self.anchors) - 1)
+        return slot
+
+    def query(self, slot) -> bool:
+        return self.events[slot][0].query()
+
+    def resolve(self, slots) -> list[int]:
+        self.resolve_calls += 1
+        out = []
+        for slot in slots:
+            ev, k = self.events[slot]
+            if not ev.query():
+                self.blocked += 1
+                ev.synchronize()
+            anchor, host_ns, rate = self.anchors[k]
+            out.append(host_ns + round(anchor.elapsed_time(ev) * 1e6 * rate))
+            self.released = max(self.released, slot + 1)
+        return out
+
+
+def test_stamps_from_the_compiled_rings_events_resolve_as_the_clocks_own_in_one_call(no_device_sync):
+    """With the compiled capture's ring (``use_stamps``), a stamp is a slot of a preallocated
+    event on the same anchors: it resolves to the time an event stamp gets (within 1 µs,
+    across re-anchoring and drift), every slot of a resolve in one call; a step waits for
+    it without a sync (``done`` asks the ring); a full ring and a pinned stream fall back to
+    events, and stamps taken before the ring is given back still resolve."""
+    gpu = FakeGpu(drift=15e-6)
+    clock = gpu.clock()
+    ring = FakeRing(gpu, slots=4)
+    clock.share_anchors(ring)
+    clock.use_stamps(ring)
+    worst = 0.0
+    for second in range(40):
+        gpu.now += 1_000_000.0
+        a, b = clock.stamp(), clock.stamp_current()
+        assert a[0] is None and b[0] is None  # ring slots, not events
+        event = (clock._new_event(), clock._count - 1)
+        event[0].record(gpu.compute)
+        calls = ring.resolve_calls
+        ta, tb, te = clock.resolve([a, b, event])
+        assert ring.resolve_calls == calls + 1  # both slots in one call
+        worst = max(worst, abs(ta - te), abs(tb - te))
+    assert worst <= 1.0 and clock._count > 10  # re-anchored on the way, the drift taken out
+    # a step's end stamp on the ring: not done until the GPU gets there, and nothing syncs
+    gpu.compute.busy_until = gpu.now + 30_000.0
+    end, event = clock.stamp(), (clock._new_event(), clock._count - 1)
+    event[0].record(gpu.compute)
+    assert not clock.done(end) and steps_to_keep(clock, [end]) == 1 and clock.blocked == 0
+    gpu.now += 31_000.0
+    assert clock.done(end)
+    t_end, t_event = clock.resolve([end, event])
+    assert t_end == pytest.approx(t_event, abs=1.0) and t_end - (gpu.now - 31_000.0) > 29_000.0
+    # more stamps held than the ring has slots: the rest are events, and all resolve
+    held = [clock.stamp() for _ in range(6)]
+    assert sum(s[0] is None for s in held) == 4 and all(t is not None for t in clock.resolve(held))
+    # FSDP2 pins the compute stream: stamp() is an event there, stamp_current() a slot
+    clock.pin_stream(gpu.compute)
+    assert clock.stamp()[0] is not None and clock.stamp_current()[0] is None
+    # the ring given back (tracing stopped): events again; a slot taken before still resolves
+    kept = clock.stamp_current()
+    clock.use_stamps(None)
+    assert clock.stamp_current()[0] is not None and clock.resolve([kept])[0] is not None
+    assert gpu.event_syncs == 0 and clock.blocked == 0 and clock.ring_stamps == ring.issued

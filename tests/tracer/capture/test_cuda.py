@@ -94,6 +94,8 @@ def test_one_rank_nccl(tmp_path):
     check_buckets(trace, profile, timed=bool(timed))
     check_memory(trace, reports)
     check_ready_times(trace)
+    if trace.ranks[0]["capture_path"] == "compiled":  # the clock's stamps from the C++ ring, not Python events
+        assert trace.ranks[0]["clock_ring_stamps"] >= 6 * 5, trace.ranks[0].get("clock_ring_stamps")
     b = trace.buckets
     assert (b["num_params"] > 0).all()  # the layout read without copying the buckets on the GPU
     # NCCL timed each bucket's collective itself (its collectives timing, turned on by the tracer)

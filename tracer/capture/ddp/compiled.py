@@ -22,7 +22,8 @@ clock's anchor tries, and the winner's host time is committed to both), so bucke
 compute lanes share one mapping onto the host clock. The C++ ready hooks then record an
 event per gradient too, from a ring, on those anchors: ``take_ready`` hands the step its
 gradients with their times still None, and ``settle`` fills them in once the step is
-resolved (its end event done: reading them waits for nothing).
+resolved (its end event done: reading them waits for nothing). The clock's own stamps
+(forward, backward, optimizer) come from a C++ ring on the same anchors too (``DeviceStamps``).
 NOT exercised by CI (no GPU there): tests/tracer/capture/test_cuda.py runs it where a GPU is.
 """
 
@@ -106,8 +107,12 @@ class CompiledBuckets:
         elif (first := assigned_layout(self.ddp, self.recorder.params)) is not None:
             self._params[first[1]] = first[0]  # on a device, read without copying every bucket
         self.ready = self.ext.ReadyTimes(self.recorder.params, group=self.group if self.device is not None else None)
-        if self.device is not None and hasattr(self.recorder.clock, "share_anchors"):
-            self.recorder.clock.share_anchors(self)  # one anchor for the bucket and compute lanes
+        clock = self.recorder.clock
+        if self.device is not None and hasattr(clock, "share_anchors"):
+            clock.share_anchors(self)  # one anchor for the bucket and compute lanes
+            # the clock's own stamps from a C++ ring of events on those anchors, not a
+            # torch.cuda.Event each (cuda_clock.py: "Stamps in C++")
+            clock.use_stamps(self.ext.DeviceStamps(self.group))
         self.ddp.reducer._update_process_group(self.group)
         self.attached = True
         return self
@@ -142,6 +147,8 @@ class CompiledBuckets:
             self.ready.remove()
             self.ready = None
         self._ready_slots = []
+        if hasattr(self.recorder.clock, "use_stamps"):
+            self.recorder.clock.use_stamps(None)  # events again; the ring's stamps still resolve
 
     def progress(self) -> tuple[int, int]:
         """``(launched, done)`` all-reduces of the open step (read by the live file's thread)."""

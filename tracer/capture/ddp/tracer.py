@@ -309,7 +309,10 @@ class DDPTracer:
         lost = self._writer.error is not None  # said once when it happened
         try:
             self._writer.close(status=status, error=error, clock_offset=self._meta["clock_offset"],
-                               steps=self._recorder.steps_written if self._recorder else 0)
+                               steps=self._recorder.steps_written if self._recorder else 0,
+                               # CUDA: stamps from the compiled capture's ring, not torch.cuda.Events
+                               **({"clock_ring_stamps": self.clock.ring_stamps} if hasattr(self.clock, "ring_stamps")
+                                  else {}))
         except OSError:
             if self._live is not None:  # the launcher reads it: this rank's trace is not whole
                 self._live.rewrite(fmt.FAILED)

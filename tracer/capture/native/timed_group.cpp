@@ -530,6 +530,106 @@ class ReadyTimes {
   std::vector<std::pair<NodePtr, uintptr_t>> keys_;
 };
 
+// The CUDA clock's compute-side stamps (cuda_clock.py: forward, backward, optimizer, step
+// ends), from a ring of preallocated timing events recorded on the calling thread's current
+// stream of the group's device, on the group's anchors. A torch.cuda.Event per stamp, made,
+// recorded and destroyed from Python, cost the training thread ~10 µs a stamp with the GPU
+// idle and several times that in a launch-bound step on an H200 host. stamp() hands out a
+// slot (in order; -1 when every slot still waits to be read: the clock then makes an event),
+// query(slot) says whether it completed (no sync), resolve(slots) gives host ns once it has.
+// A slot is reused only after a resolve() released it; a stamp kept across more than `ring`
+// newer ones (never, at a few dozen a step, resolved within a few steps) reads 0, not a reused
+// event's time.
+class DeviceStamps {
+ public:
+  DeviceStamps(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int64_t ring) {
+    auto& timed = as_timed_(group);
+    device_ = timed.device();
+    anchors_ = timed.anchors();
+    TORCH_CHECK(device_ && anchors_, "device stamps need a device group");
+    ring_ = 1;
+    while (ring_ < std::max<int64_t>(ring, 64)) {
+      ring_ *= 2;
+    }
+    events_.reserve(ring_);
+    for (int64_t i = 0; i < ring_; ++i) {
+      events_.emplace_back(device_->type(), c10::EventFlag::BACKEND_DEFAULT);  // made by the first record
+    }
+    event_anchor_.assign(ring_, 0);
+  }
+
+  int64_t stamp() {
+    const int64_t id = issued_.fetch_add(1, std::memory_order_relaxed);
+    if (id - released_.load(std::memory_order_acquire) >= ring_) {
+      return -1;
+    }
+    const int64_t k = id & (ring_ - 1);
+    event_anchor_[k] = anchors_->newest();
+    c10::impl::VirtualGuardImpl impl(device_->type());
+    events_[k].record(impl.getStream(*device_));  // no sync: an event on the stream
+    return id;
+  }
+
+  bool query(int64_t slot) const {
+    return !readable(slot) || events_[slot & (ring_ - 1)].query();
+  }
+
+  // Host ns of each slot (0: -1, or a slot no longer readable), in the order given; slots up to
+  // the largest given are released for reuse. Waits only for an event not completed yet (this
+  // event, never the device: counted in `blocked`).
+  std::vector<int64_t> resolve(const std::vector<int64_t>& slots) {
+    std::vector<int64_t> out;
+    out.reserve(slots.size());
+    int64_t last = -1;
+    for (const int64_t slot : slots) {
+      if (!readable(slot)) {
+        out.push_back(0);
+        continue;
+      }
+      const c10::Event& event = events_[slot & (ring_ - 1)];
+      if (!event.query()) {
+        blocked_.fetch_add(1, std::memory_order_relaxed);
+      }
+      out.push_back(anchors_->host_ns(event, event_anchor_[slot & (ring_ - 1)]));
+      last = std::max(last, slot);
+    }
+    if (last >= released_.load(std::memory_order_relaxed)) {
+      released_.store(last + 1, std::memory_order_release);
+    }
+    return out;
+  }
+
+  int64_t issued() const {
+    return issued_.load(std::memory_order_relaxed);
+  }
+
+  int64_t blocked() const {
+    return blocked_.load(std::memory_order_relaxed);
+  }
+
+ private:
+  static TimedGroup& as_timed_(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+    auto* timed = dynamic_cast<TimedGroup*>(group.get());
+    TORCH_CHECK(timed != nullptr, "not a ddpscope TimedGroup");
+    return *timed;
+  }
+
+  // recorded, and not overwritten since (its slot reused by a stamp `ring` later)
+  bool readable(int64_t slot) const {
+    const int64_t issued = issued_.load(std::memory_order_relaxed);
+    return slot >= 0 && slot < issued && issued - slot <= ring_;
+  }
+
+  std::optional<c10::Device> device_;
+  std::shared_ptr<Anchors> anchors_;
+  int64_t ring_ = 0;  // a power of two
+  std::vector<c10::Event> events_;
+  std::vector<int64_t> event_anchor_;  // the newest anchor when each slot was recorded
+  std::atomic<int64_t> issued_{0};
+  std::atomic<int64_t> released_{0};
+  std::atomic<int64_t> blocked_{0};
+};
+
 // The distinct bytes that parameters' gradients hold (each (data pointer, size) region
 // once, as memory.distinct_bytes counts them), read in C++ each step: a Python loop over
 // every parameter's .grad costs ~1 µs a parameter on the cold caches after a step. -1 when
@@ -641,6 +741,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("on_device", &ReadyTimes::on_device)
       .def("remove", &ReadyTimes::remove);
+  py::class_<DeviceStamps, std::shared_ptr<DeviceStamps>>(m, "DeviceStamps")
+      .def(py::init<const c10::intrusive_ptr<c10d::ProcessGroup>&, int64_t>(), py::arg("group"),
+           py::arg("ring") = 4096, "the CUDA clock's stamps on a device group's anchors (see DeviceStamps)")
+      .def("stamp", &DeviceStamps::stamp, "a slot, its event recorded on the device's current stream; -1: ring full")
+      .def("query", &DeviceStamps::query, py::arg("slot"), "completed (or not readable); no sync")
+      .def("resolve", &DeviceStamps::resolve, py::arg("slots"), py::call_guard<py::gil_scoped_release>(),
+           "host ns per slot (0: unknown), on the group's anchors")
+      .def_property_readonly("issued", &DeviceStamps::issued)
+      .def_property_readonly("blocked", &DeviceStamps::blocked);
   py::class_<GradBytes, std::shared_ptr<GradBytes>>(m, "GradBytes")
       .def(py::init<std::vector<at::Tensor>>(), py::arg("params"))
       .def("__call__", &GradBytes::operator(), "distinct bytes of the gradients now, or -1: count them in Python");
