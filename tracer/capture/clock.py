@@ -58,9 +58,10 @@ class Clock(Protocol):
     def done(self, stamp: Any) -> bool:
         """The stamp's work has completed: resolving it will not block (never syncs)."""
 
-    def resolve(self, stamps: Sequence[Any]) -> list[float | None]:
+    def resolve(self, stamps: Sequence[Any], known_done: bool = False) -> list[float | None]:
         """Turn stamps into host-clock µs (``None`` stays ``None``); never synchronises
-        the device (CUDA: waits only for a stamp's own event that has not completed)."""
+        the device (CUDA: waits only for a stamp's own event that has not completed;
+        ``known_done``: a later stamp on their stream has, so none is queried first)."""
 
 
 class CpuClock:
@@ -84,7 +85,7 @@ class CpuClock:
     def done(self, stamp: Any) -> bool:
         return True
 
-    def resolve(self, stamps: Sequence[Any]) -> list[float | None]:
+    def resolve(self, stamps: Sequence[Any], known_done: bool = False) -> list[float | None]:
         return [None if s is None else float(s) for s in stamps]
 
 

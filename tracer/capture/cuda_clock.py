@@ -230,11 +230,13 @@ class CudaEventClock:
         ev, k = stamp
         return self._ring.query(k) if ev is None else ev.query()
 
-    def resolve(self, stamps: Sequence[Any]) -> list[float | None]:
+    def resolve(self, stamps: Sequence[Any], known_done: bool = False) -> list[float | None]:
         """Host µs of each stamp (``None`` stays ``None``; host µs pass through). A stamp not
-        done yet is waited for on its own event; the device is never synchronised."""
+        done yet is waited for on its own event; the device is never synchronised.
+        ``known_done``: a later stamp on their stream has completed (the ring then reads
+        each slot without a query first: a driver call a stamp)."""
         slots = [s[1] for s in stamps if type(s) is tuple and s[0] is None]
-        ring_ns = iter(self._ring.resolve(slots) if slots else ())  # one C++ call for the ring's
+        ring_ns = iter(self._ring.resolve(slots, known_done) if slots else ())  # one C++ call for the ring's
         out = [self._resolve_one(s, ring_ns) for s in stamps]
         if self._host.host_us() - self._anchors[-1][1] >= self.REANCHOR_S * 1e6:
             self.reanchor()  # between steps: the next stamps are measured from a fresh anchor

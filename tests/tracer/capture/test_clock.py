@@ -106,10 +106,13 @@ def test_cuda_clock_maps_events_onto_the_host_clock(no_device_sync):
     assert gpu.event_syncs == 0 and clock.blocked == 0
 
 
-def test_a_step_is_resolved_when_its_end_event_completes_never_by_syncing_the_device(no_device_sync):
+@pytest.mark.parametrize("stamps", ["events", "ring"])
+def test_a_step_is_resolved_when_its_end_event_completes_never_by_syncing_the_device(no_device_sync, stamps):
     """The GPU runs 30 ms behind the CPU: steps wait (nothing emitted, nothing blocks) until
     their end events complete; only when more than ``lag_steps`` wait is the oldest
-    resolved, blocking on its own events (``Event.synchronize``), not the device."""
+    resolved, blocking on its own events (``Event.synchronize``), not the device. With the
+    compiled capture's ring, a step whose end is done is read without a query per stamp
+    (``known_done``), and one resolved before its end is not."""
     import json
 
     import msgspec
@@ -118,6 +121,11 @@ def test_a_step_is_resolved_when_its_end_event_completes_never_by_syncing_the_de
 
     gpu = FakeGpu()
     clock = gpu.clock()
+    ring = None
+    if stamps == "ring":
+        ring = FakeRing(gpu, slots=64)
+        clock.share_anchors(ring)
+        clock.use_stamps(ring)
     lin = torch.nn.Linear(4, 2)
     out: list[list[dict]] = []
     rec = StepRecorder(clock=clock, rank=0, param_names=["weight", "bias"], params=list(lin.parameters()),
@@ -148,6 +156,8 @@ def test_a_step_is_resolved_when_its_end_event_completes_never_by_syncing_the_de
     forwards = [e for events in out for e in events if e["ph"] == "X" and e["cat"] == "forward"]
     # where the device ran them: the first forward ends 30 ms late, the next ones queue behind it
     assert [f["dur"] for f in forwards] == pytest.approx([31_000, 1000, 1000, 1000], abs=2.0)
+    if ring is not None:
+        assert ring.issued > 0 and ring.known_done == [False, True] and ring.wrongly_known_done == 0
 
 
 def test_float32_rounding_and_drift_are_bounded_by_reanchoring_over_an_hour(no_device_sync):
@@ -269,7 +279,8 @@ class FakeRing:
         self.gpu, self.slots = gpu, slots
         self.tries, self.anchors = {}, []  # [event, host_ns, rate]
         self.events: dict[int, tuple] = {}  # slot -> (event, anchor index)
-        self.issued = self.released = self.blocked = self.resolve_calls = 0
+        self.issued = self.released = self.blocked = self.resolve_calls = self.wrongly_known_done = 0
+        self.known_done: list[bool] = []  # per resolve call
 
     def candidate(self, index, stream):
         ev = self.gpu.event()
@@ -294,13 +305,15 @@ class FakeRing:
     def query(self, slot) -> bool:
         return self.events[slot][0].query()
 
-    def resolve(self, slots) -> list[int]:
+    def resolve(self, slots, known_done=False) -> list[int]:
         self.resolve_calls += 1
+        self.known_done.append(known_done)
         out = []
         for slot in slots:
             ev, k = self.events[slot]
-            if not ev.query():
+            if not ev.query():  # C++: queried first, or (known_done) elapsedTime throws: it waits either way
                 self.blocked += 1
+                self.wrongly_known_done += known_done
                 ev.synchronize()
             anchor, host_ns, rate = self.anchors[k]
             out.append(host_ns + round(anchor.elapsed_time(ev) * 1e6 * rate))

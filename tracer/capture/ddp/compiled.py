@@ -177,11 +177,12 @@ class CompiledBuckets:
         self.lag.fill(device)
         return records
 
-    def settle(self, steps) -> None:
+    def settle(self, steps, known_done: bool = False) -> None:
         """Before ``steps`` are resolved: if the last take's buckets (still waiting for their
         device times) are among them, read those now (at the end of tracing; it waits for
         their events if need be: a CPU-GPU sync, once); their gradients' device times too
-        (the recorder resolves a step once its end event is done: no wait)."""
+        (the recorder resolves a step once its end event is done: no wait; ``known_done``:
+        it saw that, so no event is queried first)."""
         if self.group is not None and self.lag.holds_any_of(steps):
             self.lag.fill(self.ext.settle(self.group))
         if self._ready_slots and self.ready is not None:
@@ -191,7 +192,7 @@ class CompiledBuckets:
                     keep.append((step, first, slots))
                     continue
                 grads = step.grads
-                for j, ns in enumerate(self.ready.resolve(slots, self.skew_ns), start=first):
+                for j, ns in enumerate(self.ready.resolve(slots, self.skew_ns, known_done), start=first):
                     param, _, k = grads[j]
                     grads[j] = (param, ns / 1e3 if ns else None, k)
             self._ready_slots = keep

@@ -274,10 +274,13 @@ class StepRecorder:
         if count <= 0:
             return
         ready, self.pending = self.pending[:count], self.pending[count:]
+        # CUDA: the newest end done, so every event of these steps on the compute stream is
+        # (one query, not one per event; not done: resolved anyway, each waited for if need be)
+        known_done = self.clock.resolves and self.clock.done(ready[-1].end)
         if self.bucket_source is not None:  # device times of buckets still waiting for them
-            self.bucket_source.settle(ready)
+            self.bucket_source.settle(ready, known_done)
         if self.clock.resolves:  # stamps are device events: µs now, one batch (completed: no sync)
-            _resolve_in_place(ready, self.clock.resolve)
+            _resolve_in_place(ready, lambda stamps: self.clock.resolve(stamps, known_done))
         nccl = [[self._nccl_us(b) for b in s.buckets] for s in ready] if self.nccl_kernel_timing else None
         layout_changed = False
         for s in ready:

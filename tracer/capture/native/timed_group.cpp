@@ -44,6 +44,7 @@
 // reporting it unfinished (done = 0); the GIL is released only while it waits.
 
 #include <torch/extension.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -151,15 +152,34 @@ struct Anchors {
   }
 
   // An event's time on the host clock, measured from anchor `anchor` (the newest when it was
-  // recorded; one dropped from the ring is replaced by the oldest kept).
-  int64_t host_ns(const c10::Event& event, int64_t anchor) const {
-    if (!event.query()) {
+  // recorded; one dropped from the ring is replaced by the oldest kept). `known_done`: the
+  // caller saw a later event on its stream complete, so no query first (a driver call per
+  // event, on the training thread); one that had not completed after all (recorded on
+  // another stream) throws in elapsedTime, and is waited for then. Returns whether it waited.
+  int64_t host_ns(const c10::Event& event, int64_t anchor, bool known_done = false, bool* waited = nullptr) const {
+    if (!known_done && !event.query()) {
       event.synchronize();  // this event only: work still running when it is read (rare)
+      if (waited) *waited = true;
     }
     const int64_t n = count.load(std::memory_order_acquire);
     anchor = std::min(std::max(anchor, std::max<int64_t>(0, n - kAnchors)), n - 1);
     const int64_t slot = anchor % kAnchors;
-    const double ms = events[slot]->elapsedTime(event);
+    double ms = 0.0;
+    // elapsedTime sets the event's device and sets it back, but not when it throws: the guard does
+    std::optional<c10::DeviceGuard> guard;
+    if (known_done) {
+      guard.emplace(event.device());
+    }
+    try {
+      ms = events[slot]->elapsedTime(event);
+    } catch (const c10::Error&) {
+      if (!known_done) {
+        throw;
+      }
+      event.synchronize();  // not completed after all: this event only
+      if (waited) *waited = true;
+      ms = events[slot]->elapsedTime(event);
+    }
     return ns[slot] + static_cast<int64_t>(std::llround(ms * 1e6 * rate[slot]));  // ms -> ns
   }
 
@@ -471,8 +491,9 @@ class ReadyTimes {
 
   // Host ns (+ skew_ns) of each slot (0 for -1), in the order given; slots up to the largest
   // given are released for reuse. It waits only for an event not completed yet (this event:
-  // never the device); the recorder calls it once the step's own end event has completed.
-  std::vector<int64_t> resolve(const std::vector<int64_t>& slots, int64_t skew_ns) {
+  // never the device); the recorder calls it once the step's own end event has completed
+  // (`known_done`: then no query per event) or when it must resolve the step anyway.
+  std::vector<int64_t> resolve(const std::vector<int64_t>& slots, int64_t skew_ns, bool known_done) {
     TORCH_CHECK(device_, "resolve is for device ready times");
     std::vector<int64_t> out;
     out.reserve(slots.size());
@@ -483,7 +504,7 @@ class ReadyTimes {
         continue;
       }
       const int64_t k = slot & (ring_ - 1);
-      out.push_back(anchors_->host_ns(events_[k], event_anchor_[k]) + skew_ns);
+      out.push_back(anchors_->host_ns(events_[k], event_anchor_[k], known_done) + skew_ns);
       last = std::max(last, slot);
     }
     if (last >= released_.load(std::memory_order_relaxed)) {
@@ -576,8 +597,8 @@ class DeviceStamps {
 
   // Host ns of each slot (0: -1, or a slot no longer readable), in the order given; slots up to
   // the largest given are released for reuse. Waits only for an event not completed yet (this
-  // event, never the device: counted in `blocked`).
-  std::vector<int64_t> resolve(const std::vector<int64_t>& slots) {
+  // event, never the device: counted in `blocked`); `known_done`: see Anchors::host_ns.
+  std::vector<int64_t> resolve(const std::vector<int64_t>& slots, bool known_done) {
     std::vector<int64_t> out;
     out.reserve(slots.size());
     int64_t last = -1;
@@ -586,11 +607,12 @@ class DeviceStamps {
         out.push_back(0);
         continue;
       }
-      const c10::Event& event = events_[slot & (ring_ - 1)];
-      if (!event.query()) {
+      bool waited = false;
+      out.push_back(anchors_->host_ns(events_[slot & (ring_ - 1)], event_anchor_[slot & (ring_ - 1)], known_done,
+                                      &waited));
+      if (waited) {
         blocked_.fetch_add(1, std::memory_order_relaxed);
       }
-      out.push_back(anchors_->host_ns(event, event_anchor_[slot & (ring_ - 1)]));
       last = std::max(last, slot);
     }
     if (last >= released_.load(std::memory_order_relaxed)) {
@@ -737,7 +759,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "group: a device group (wrap(..., device)): each gradient also gets a device event on its anchors")
       .def("take", &ReadyTimes::take, py::arg("pass_index"), py::arg("skew_ns") = 0)
       .def("take_device", &ReadyTimes::take_device, py::arg("pass_index"))
-      .def("resolve", &ReadyTimes::resolve, py::arg("slots"), py::arg("skew_ns") = 0,
+      .def("resolve", &ReadyTimes::resolve, py::arg("slots"), py::arg("skew_ns") = 0, py::arg("known_done") = false,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("on_device", &ReadyTimes::on_device)
       .def("remove", &ReadyTimes::remove);
@@ -746,7 +768,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("ring") = 4096, "the CUDA clock's stamps on a device group's anchors (see DeviceStamps)")
       .def("stamp", &DeviceStamps::stamp, "a slot, its event recorded on the device's current stream; -1: ring full")
       .def("query", &DeviceStamps::query, py::arg("slot"), "completed (or not readable); no sync")
-      .def("resolve", &DeviceStamps::resolve, py::arg("slots"), py::call_guard<py::gil_scoped_release>(),
+      .def("resolve", &DeviceStamps::resolve, py::arg("slots"), py::arg("known_done") = false,
+           py::call_guard<py::gil_scoped_release>(),
            "host ns per slot (0: unknown), on the group's anchors")
       .def_property_readonly("issued", &DeviceStamps::issued)
       .def_property_readonly("blocked", &DeviceStamps::blocked);

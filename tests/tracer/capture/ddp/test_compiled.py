@@ -238,7 +238,7 @@ def test_device_ready_times_reach_their_step_when_it_is_resolved_and_not_before(
             out, self.stamped = [(p, s, k) for p, s in self.stamped], []
             return out
 
-        def resolve(self, slots, skew_ns):
+        def resolve(self, slots, skew_ns, known_done=False):
             self.resolved.append(list(slots))
             return [0 if s < 0 else 1000 * (s + 1) + skew_ns for s in slots]
 
