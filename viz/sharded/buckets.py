@@ -1,7 +1,10 @@
 """DeepSpeed's gradient buckets, one row each, from a sharded trace's collectives: ZeRO
 reduces gradients in buckets of ``reduce_bucket_size`` elements (an all-reduce at stages
-1-2, a reduce-scatter at stage 3), numbered in the order a step reduces them. FSDP2's
-traces have no buckets (its reductions are per unit): the table is empty for them."""
+1-2, a reduce-scatter at stage 3), numbered in the order a micro-batch reduces them: with
+gradient accumulation DeepSpeed reduces the same buckets again in each micro-batch it
+reduces in (every one at stage 2), so bucket k is one row, reduced ``micro_batches`` times
+a step. FSDP2's traces have no buckets (its reductions are per unit): the table is empty
+for them."""
 
 from __future__ import annotations
 
@@ -9,16 +12,16 @@ import pandas as pd
 
 from ddpscope.viz.sharded.metrics import _real_steps, with_exposed
 
-BUCKET_COLUMNS = ["bucket", "collective", "unit", "first_param", "last_param", "params", "calls", "bytes", "ms",
-                  "exposed_ms", "start_ms"]
+BUCKET_COLUMNS = ["bucket", "collective", "unit", "first_param", "last_param", "params", "micro_batches", "calls",
+                  "bytes", "ms", "exposed_ms", "start_ms"]
 
 
 def compute_bucket_table(trace) -> pd.DataFrame:
     """One row per bucket number: the unit and parameters it held (its first and last,
-    how many), the collective, per step its calls (a bucket larger than DeepSpeed's
-    chunk is sent in several), bytes (the message: the whole bucket), ms and exposed ms,
-    and when it started after its step did (``start_ms``); medians over ranks and
-    non-warm-up steps."""
+    how many), the collective, per step the micro-batches that reduced it, its calls (a
+    bucket larger than DeepSpeed's chunk is sent in several; once per such micro-batch),
+    bytes (the message: the whole bucket, each time), ms and exposed ms, and when it first
+    started after its step did (``start_ms``); medians over ranks and non-warm-up steps."""
     colls = with_exposed(trace)
     colls = colls[colls["bucket"].notna() & colls["step"].isin(_real_steps(trace))]
     if colls.empty:
@@ -26,12 +29,15 @@ def compute_bucket_table(trace) -> pd.DataFrame:
     starts = trace.steps.set_index(["rank", "step"])["start_us"]
     colls = colls.assign(start_ms=[(s - starts.get((r, k), s)) / 1e3 for r, k, s in
                                    zip(colls["rank"], colls["step"], colls["start_us"])])
+    colls = colls.assign(micro=colls["micro"].fillna(0))
     per_step = colls.groupby(["bucket", "rank", "step"]).agg(
         collective=("collective", "first"), unit=("name", "first"), first_param=("first_param", "first"),
-        last_param=("last_param", "first"), params=("bucket_params", "first"), calls=("bytes", "size"),
+        last_param=("last_param", "first"), params=("bucket_params", "first"), micro_batches=("micro", "nunique"),
+        calls=("bytes", "size"),
         bytes=("bytes", "sum"), ms=("ms", "sum"), exposed_ms=("exposed_ms", "sum"), start_ms=("start_ms", "min"))
     text = per_step.groupby("bucket")[["collective", "unit", "first_param", "last_param"]].first()
-    numbers = per_step.groupby("bucket")[["params", "calls", "bytes", "ms", "exposed_ms", "start_ms"]].median()
+    numbers = per_step.groupby("bucket")[["params", "micro_batches", "calls", "bytes", "ms", "exposed_ms",
+                                          "start_ms"]].median()
     out = text.join(numbers).reset_index()
     out["bucket"] = out["bucket"].astype(int)
     return out[BUCKET_COLUMNS]

@@ -34,7 +34,7 @@ UNIT_COLUMNS = ["unit", "name", "numel", "sharded_bytes", "unsharded_bytes", "re
                 "shard_size", "replicate_size"]
 SEGMENT_COLUMNS = ["rank", "step", "unit", "name", "phase", "start_us", "end_us"]
 COLL_COLUMNS = ["rank", "step", "unit", "name", "collective", "phase", "bytes", "prefetch", "sent_as", "start_us",
-                "end_us", "issued_by", "bucket", "bucket_params", "first_param", "last_param"]
+                "end_us", "issued_by", "bucket", "micro", "bucket_params", "first_param", "last_param"]
 MEMORY_COLUMNS = ["rank", "step", "ts_us", "unit", "name", "phase", "at", *fmt.MEMORY_CATEGORIES, "total_bytes"]
 
 
@@ -124,6 +124,8 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
                               "sent_as": a.get("sent_as") if isinstance(a.get("sent_as"), str) else None,
                               "issued_by": a.get("zero") if isinstance(a.get("zero"), str) else None,
                               "bucket": bucket if isinstance(bucket, int) and not isinstance(bucket, bool) else None,
+                              # the micro-batch a bucket was reduced in (numbered in it); 0 in traces before it
+                              "micro": _micro(a.get("micro")) if "bucket" in a else None,
                               "bucket_params": _count(a.get("params", 0)) if "bucket" in a else None,
                               "first_param": a.get("first_param") if isinstance(a.get("first_param"), str) else None,
                               "last_param": a.get("last_param") if isinstance(a.get("last_param"), str) else None})
@@ -143,6 +145,14 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
 
 
 _TEXT = ("name", "phase", "at", "collective", "sent_as", "issued_by", "first_param", "last_param")
+
+
+def _micro(value) -> int:
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 10**6:
+        raise ValueError(f"a bucket's micro-batch {value!r} is not a count")
+    return value
 
 
 def _frame(rows: list[dict], columns: list[str], order: list[str]) -> pd.DataFrame:

@@ -75,9 +75,12 @@ def nbytes(value: Any) -> int:
         return 0
 
 
-def bucket_args(index: int, params: int, first: str, last: str) -> dict:
-    """A gradient bucket's event args, made when its step is emitted."""
-    return {"zero": GRAD_BUCKET, "bucket": index, "params": params, "first_param": first, "last_param": last}
+def bucket_args(index: int, params: int, first: str, last: str, micro: int = 0) -> dict:
+    """A gradient bucket's event args, made when its step is emitted: ``index``, its number
+    in micro-batch ``micro``'s reductions (with gradient accumulation DeepSpeed reduces the
+    same buckets again in each micro-batch it reduces in)."""
+    return {"zero": GRAD_BUCKET, "bucket": index, "micro": micro, "params": params, "first_param": first,
+            "last_param": last}
 
 
 _BUCKET = object()  # the head of a bucket mark
@@ -89,6 +92,14 @@ def bucket_mark(first: Any, last: Any, count: int) -> tuple:
     entries as DeepSpeed lists them, and how many. Nothing more is read while the bucket
     reduces: its unit, names and number in the step are found when the step is emitted."""
     return (_BUCKET, first, last, count)
+
+
+def micro_at(step: ShardedStep, t: float) -> int:
+    """The micro-batch (pass) of ``step`` running at ``t`` (µs): the latest begun by then."""
+    for k in range(len(step.passes) - 1, 0, -1):
+        if step.passes[k].forward[0] <= t:
+            return k
+    return 0
 
 
 def phase_at(step: ShardedStep, t: float) -> str:
@@ -192,7 +203,7 @@ class CommTap:
     def expand(self, step: ShardedStep) -> None:
         """The step's ``raw`` collectives (``(start_ns, end_ns, kind, method, bytes, issuer)``,
         the short path's) as records and holes in compute, all collectives in start order,
-        each bucket's numbered in the step and named."""
+        each bucket's numbered in its micro-batch and named."""
         if step.raw:
             skew, timed = self.skew_ns, self.recorder.comm_timed
             for start, end, kind, method, size, issuer in step.raw:
@@ -205,21 +216,26 @@ class CommTap:
             step.raw = []
             step.colls.sort(key=_start)
         found: dict[int, tuple[int, dict]] = {}  # id(mark) -> (unit, args): a bucket's collectives share it
+        per_micro: dict[int, int] = {}  # micro-batch -> buckets numbered in it so far
+        many = len(step.passes) > 1
         for c in step.colls:
             mark = c.extra.pop(_MARK, None) if c.extra else None
             if mark is not None:
                 if id(mark) not in found:
-                    found[id(mark)] = self._bucket(mark, len(found))
+                    micro = micro_at(step, c.start) if many else 0
+                    per_micro[micro] = per_micro.get(micro, -1) + 1
+                    found[id(mark)] = self._bucket(mark, per_micro[micro], micro)
                 c.unit, args = found[id(mark)]
                 c.extra = {**args, **c.extra}
 
-    def _bucket(self, mark: tuple, index: int) -> tuple[int, dict]:
-        """(unit, event args) of the bucket ``mark``, the ``index``-th reduced in its step."""
+    def _bucket(self, mark: tuple, index: int, micro: int = 0) -> tuple[int, dict]:
+        """(unit, event args) of the bucket ``mark``, the ``index``-th reduced in micro-batch
+        ``micro`` of its step."""
         _, first, last, count = mark
         first, last = self.param_of(first), self.param_of(last)
         names = self.names
         return (self.unit_of.get(id(first), -1),
-                bucket_args(index, count, names.get(id(first), "?"), names.get(id(last), "?")))
+                bucket_args(index, count, names.get(id(first), "?"), names.get(id(last), "?"), micro))
 
     def where(self) -> tuple[int, str, str | None]:
         """The recorder's ``where`` with the short path's issuer in it resolved (its unit,

@@ -164,6 +164,17 @@ def test_bf16_with_overlap_comm_and_accumulation_reduces_every_micro_batch(tmp_p
     buckets = colls[colls["issued_by"] == "grad_bucket"]
     numel = checks(report)[0]["numel"]
     assert buckets.groupby(["rank", "step"])["bytes"].sum().eq(2 * 2 * numel).all()
+    # numbered in each micro-batch: the same buckets, 0..n-1, reduced once in each
+    per_micro = buckets.groupby(["rank", "step", "micro"])
+    assert set(buckets["micro"]) == {0, 1} and per_micro["bytes"].sum().eq(2 * numel).all()
+    assert all(sorted(b["bucket"]) == list(range(len(b))) for _, b in per_micro)
+    firsts = buckets.sort_values("start_us").groupby(["rank", "step", "micro"])["first_param"].apply(tuple)
+    assert firsts.groupby(level=[0, 1]).nunique().eq(1).all()  # the same parameters in both
+    from ddpscope.viz.sharded.buckets import compute_bucket_table
+
+    table = compute_bucket_table(trace)  # a row per bucket, reduced twice a step: not one per reduction
+    assert len(table) == buckets.groupby(["rank", "step", "micro"]).size().max()
+    assert table["micro_batches"].eq(2).all() and table["bytes"].sum() == 2 * 2 * numel
     from ddpscope.viz.sharded.metrics import comm_honesty_lines
 
     said = [line for line in comm_honesty_lines(trace) if line.startswith("A step here is 2 micro-batches")]
