@@ -40,4 +40,7 @@ def compute_bucket_table(trace) -> pd.DataFrame:
                                           "start_ms"]].median()
     out = text.join(numbers).reset_index()
     out["bucket"] = out["bucket"].astype(int)
+    for col in ("params", "micro_batches", "calls", "bytes"):  # counts: whole unless ranks or steps differ
+        if (out[col] % 1 == 0).all():
+            out[col] = out[col].astype(int)
     return out[BUCKET_COLUMNS]
