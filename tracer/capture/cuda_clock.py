@@ -101,11 +101,12 @@ class CudaEventClock:
         self._pinned = False
         self._idle = idle_stream if idle_stream is not None else torch.cuda.Stream(device=device)
         self._blocked = 0  # events resolve() had to wait for (Event.synchronize)
-        # the compiled capture's DeviceStamps: _ring resolves its slots, _ring_stamp (None when
-        # pinned or given back) hands them out
+        # the compiled capture's DeviceStamps: _ring resolves its slots (kept once given back);
+        # _ring_current (None once given back) hands them to stamp_current, _ring_stamp (None
+        # also when pinned) to stamp
         self._ring: Any = None
-        self._ring_live = False  # stamp_current may take a slot
-        self._ring_stamp: Any = None  # stamp may take a slot
+        self._ring_current: Any = None
+        self._ring_stamp: Any = None
         self._sinks: list[AnchorSink] = []
         # (event, host µs, rate, bracket half-width µs) per anchor; anchor k is self._anchors[k - self._first]
         self._anchors: deque[list] = deque(maxlen=self.ANCHORS_KEPT)
@@ -189,7 +190,7 @@ class CudaEventClock:
         unknown) from now on; None: events again (its stamps taken so far still resolve)."""
         if ring is not None:
             self._ring = ring
-        self._ring_live = ring is not None
+        self._ring_current = ring
         self._ring_stamp = None if self._pinned else ring
 
     @property
@@ -215,8 +216,9 @@ class CudaEventClock:
     def stamp_current(self) -> Any:
         """A stamp on the stream current now (a collective's own stream, or a future's
         callback stream that waits for its work); no sync."""
-        if self._ring_live:
-            slot = self._ring.stamp()  # the ring records on the current stream, pinned or not
+        ring = self._ring_current
+        if ring is not None:
+            slot = ring.stamp()  # the ring records on the current stream, pinned or not
             if slot >= 0:
                 return (None, slot)
         ev = self._new_event()

@@ -29,7 +29,6 @@ def compute_bucket_table(trace) -> pd.DataFrame:
     starts = trace.steps.set_index(["rank", "step"])["start_us"]
     colls = colls.assign(start_ms=[(s - starts.get((r, k), s)) / 1e3 for r, k, s in
                                    zip(colls["rank"], colls["step"], colls["start_us"])])
-    colls = colls.assign(micro=colls["micro"].fillna(0))
     per_step = colls.groupby(["bucket", "rank", "step"]).agg(
         collective=("collective", "first"), unit=("name", "first"), first_param=("first_param", "first"),
         last_param=("last_param", "first"), params=("bucket_params", "first"), micro_batches=("micro", "nunique"),

@@ -125,7 +125,7 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
                               "issued_by": a.get("zero") if isinstance(a.get("zero"), str) else None,
                               "bucket": bucket if isinstance(bucket, int) and not isinstance(bucket, bool) else None,
                               # the micro-batch a bucket was reduced in (numbered in it); 0 in traces before it
-                              "micro": _micro(a.get("micro")) if "bucket" in a else None,
+                              "micro": _count(a.get("micro", 0)) if "bucket" in a else None,
                               "bucket_params": _count(a.get("params", 0)) if "bucket" in a else None,
                               "first_param": a.get("first_param") if isinstance(a.get("first_param"), str) else None,
                               "last_param": a.get("last_param") if isinstance(a.get("last_param"), str) else None})
@@ -146,13 +146,6 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
 
 _TEXT = ("name", "phase", "at", "collective", "sent_as", "issued_by", "first_param", "last_param")
 
-
-def _micro(value) -> int:
-    if value is None:
-        return 0
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 10**6:
-        raise ValueError(f"a bucket's micro-batch {value!r} is not a count")
-    return value
 
 
 def _frame(rows: list[dict], columns: list[str], order: list[str]) -> pd.DataFrame:

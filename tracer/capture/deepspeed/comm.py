@@ -109,10 +109,10 @@ def phase_at(step: ShardedStep, t: float) -> str:
     opt = step.optimizer
     if opt is not None and opt[0] is not None and t >= opt[0]:
         return "optimizer"
-    for p in reversed(step.passes):
-        if p.forward[0] <= t:
-            return BACKWARD if p.backward_start is not None and t >= p.backward_start else FORWARD
-    return FORWARD
+    if not step.passes:
+        return FORWARD
+    p = step.passes[micro_at(step, t)]  # before the first pass began: its backward has not either
+    return BACKWARD if p.backward_start is not None and t >= p.backward_start else FORWARD
 
 
 def _start(coll: Coll) -> Any:
@@ -217,12 +217,11 @@ class CommTap:
             step.colls.sort(key=_start)
         found: dict[int, tuple[int, dict]] = {}  # id(mark) -> (unit, args): a bucket's collectives share it
         per_micro: dict[int, int] = {}  # micro-batch -> buckets numbered in it so far
-        many = len(step.passes) > 1
         for c in step.colls:
             mark = c.extra.pop(_MARK, None) if c.extra else None
             if mark is not None:
                 if id(mark) not in found:
-                    micro = micro_at(step, c.start) if many else 0
+                    micro = micro_at(step, c.start)
                     per_micro[micro] = per_micro.get(micro, -1) + 1
                     found[id(mark)] = self._bucket(mark, per_micro[micro], micro)
                 c.unit, args = found[id(mark)]

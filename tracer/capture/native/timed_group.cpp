@@ -385,6 +385,12 @@ class TimedGroup : public c10d::ProcessGroup {
   std::shared_ptr<Anchors> anchors_;  // device groups only
 };
 
+TimedGroup& as_timed(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  auto* timed = dynamic_cast<TimedGroup*>(group.get());
+  TORCH_CHECK(timed != nullptr, "not a ddpscope TimedGroup");
+  return *timed;
+}
+
 // (parameter index, CLOCK_MONOTONIC ns) per accumulated gradient, in order; on a device
 // group, also a timing-enabled event per gradient, recorded on the autograd thread's current
 // stream of the device (the stream the accumulation ran on), from a ring of `ring` events
@@ -398,10 +404,9 @@ class ReadyTimes {
              const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& group)
       : records_(new Stamp[capacity]), capacity_(capacity) {
     if (group) {
-      auto* timed = dynamic_cast<TimedGroup*>(group->get());
-      TORCH_CHECK(timed != nullptr, "not a ddpscope TimedGroup");
-      device_ = timed->device();
-      anchors_ = timed->anchors();
+      TimedGroup& timed = as_timed(*group);
+      device_ = timed.device();
+      anchors_ = timed.anchors();
       TORCH_CHECK(device_ && anchors_, "device ready times need a device group");
       // enough for a few steps of gradient accumulation on every parameter; events are
       // created lazily by their first record
@@ -564,7 +569,7 @@ class ReadyTimes {
 class DeviceStamps {
  public:
   DeviceStamps(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int64_t ring) {
-    auto& timed = as_timed_(group);
+    TimedGroup& timed = as_timed(group);
     device_ = timed.device();
     anchors_ = timed.anchors();
     TORCH_CHECK(device_ && anchors_, "device stamps need a device group");
@@ -630,12 +635,6 @@ class DeviceStamps {
   }
 
  private:
-  static TimedGroup& as_timed_(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
-    auto* timed = dynamic_cast<TimedGroup*>(group.get());
-    TORCH_CHECK(timed != nullptr, "not a ddpscope TimedGroup");
-    return *timed;
-  }
-
   // recorded, and not overwritten since (its slot reused by a stamp `ring` later)
   bool readable(int64_t slot) const {
     const int64_t issued = issued_.load(std::memory_order_relaxed);
@@ -690,12 +689,6 @@ class GradBytes {
  private:
   std::vector<at::Tensor> params_;
 };
-
-TimedGroup& as_timed(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
-  auto* timed = dynamic_cast<TimedGroup*>(group.get());
-  TORCH_CHECK(timed != nullptr, "not a ddpscope TimedGroup");
-  return *timed;
-}
 
 }  // namespace
 
