@@ -437,7 +437,7 @@ def test_each_device_type_keeps_its_own_backend_behind_the_wrapper(built):
 
 
 LAYOUTS = """
-import json, sys, torch, torch.distributed as dist
+import json, os, sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpscope.tracer.capture.ddp.compiled import assigned_layout, rebuilt_layout
 from ddpscope.tracer.capture.ddp.reducer import reducer_params
@@ -462,10 +462,14 @@ out["other_sizes"] = rebuilt_layout(ddp, tuple(sizes[:-1]))
 if dist.get_rank() == 0:
     print(json.dumps(out))
 # The reducer holds the group: drop it before destroying the group, or gloo's threads may be torn
-# down at interpreter exit (a rare "terminate called without an active exception", seen once in CI).
+# down at interpreter exit (a rare "terminate called without an active exception", seen in CI twice,
+# the second time after this drop): the script's result is printed, so it leaves without Python's
+# teardown of gloo's threads.
 dist.barrier()
 del ddp
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
 """
 
 
