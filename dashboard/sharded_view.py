@@ -32,6 +32,13 @@ MIB = 2**20
 RESHARD_CHOICES = {"true (ZeRO-3)": "true", "false (ZeRO-2)": "false"}
 
 
+def size_unit(sizes: pd.DataFrame) -> tuple[str, int]:
+    """KiB where every size in ``sizes`` (bytes) is under 1 MiB, else MiB: a small bucket
+    or unit (a norm's parameters, Hugging Face's "auto" buckets) reads in KiB, not 0.0 MiB."""
+    largest = sizes.max(numeric_only=True).max() if len(sizes) else 0
+    return ("MiB", MIB) if largest >= MIB else ("KiB", 1024)
+
+
 def render_sharded_timeline(trace) -> None:
     sh = trace.shards
     run = trace.run
@@ -60,15 +67,18 @@ def render_sharded_timeline(trace) -> None:
                "training thread, so all of it is exposed; on NCCL they run on their own streams.")
     st.subheader("Per unit, per step (medians over ranks and non-warm-up steps)")
     table = compute_unit_table(trace)
-    for col in ("sharded_bytes", "unsharded_bytes", "all_gather_bytes", "reduce_scatter_bytes"):
-        table[col.replace("bytes", "MiB")] = table.pop(col) / MIB
+    cols = ["sharded_bytes", "unsharded_bytes", "all_gather_bytes", "reduce_scatter_bytes"]
+    unit, scale = size_unit(table[cols])
+    for col in cols:
+        table[col.replace("bytes", unit)] = table.pop(col) / scale
     show_table(table.round(3), key="sharded_units")
     if deepspeed:
         st.caption(UNTIMED_UNITS)
     buckets = compute_bucket_table(trace)
     if len(buckets):
         st.subheader("Gradient buckets (DeepSpeed; per step, medians over ranks and non-warm-up steps)")
-        show_table(buckets.assign(MiB=buckets.pop("bytes") / MIB).round(3), key="sharded_buckets")
+        unit, scale = size_unit(buckets[["bytes"]])
+        show_table(buckets.assign(**{unit: buckets.pop("bytes") / scale}).round(3), key="sharded_buckets")
     with st.expander("Every step"):
         show_table(compute_sharded_steps(trace).round(2), key="sharded_per_step")
     st.subheader("What was sent")

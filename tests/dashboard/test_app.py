@@ -1158,6 +1158,9 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     assert spec["layout"]["title"]["text"].startswith("DeepSpeed, ZeRO stage 2")
     buckets = next(d.value for d in at.dataframe if "first_param" in d.value.columns)
     assert list(buckets["bucket"]) == [0, 1, 2] and set(buckets["collective"]) == {"all_reduce"}
+    # buckets of 20,000 fp32 elements (a parameter larger than that is a bucket of its own: 256 KiB)
+    # read in KiB, not 0.0xx MiB
+    assert "MiB" not in buckets.columns and 1 < buckets["KiB"].min() <= buckets["KiB"].max() < 1024
     assert any("3D x (N-1)/N for a step that reduces once" in m.value for m in at.markdown)
     _page(at, "What-if")
     assert any("sharded run (DeepSpeed)" in i.value and "ZeRO stage" in i.value for i in at.info)
