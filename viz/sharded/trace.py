@@ -147,7 +147,6 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
 _TEXT = ("name", "phase", "at", "collective", "sent_as", "issued_by", "first_param", "last_param")
 
 
-
 def _frame(rows: list[dict], columns: list[str], order: list[str]) -> pd.DataFrame:
     if not rows:
         return pd.DataFrame({c: pd.Series(dtype="object" if c in _TEXT else "float64") for c in columns})
