@@ -13,7 +13,7 @@ FSDP2 model, ~120 ms): 6 layers of 1024 (6.4 M parameters), 120-175 ms steps, bu
 DeepSpeed's own default, 500,000,000 elements, makes this model one bucket. ``--stress``
 is the short-step stress: 4 layers of 256, buckets of 50,000 elements, 15-38 ms steps
 with a collective every ~1.5 ms, where the tracer's fixed cost per step and per
-collective (a few hundred µs, ~10 µs) is 3-10 times the share it is at the default
+collective (a few hundred µs, ~10 µs) is 4-10 times the share it is at the default
 scale. Needs DeepSpeed (``pip install deepspeed==0.19.8``); its first run builds a small
 C++ op (~100 s).
 
