@@ -199,9 +199,11 @@ def exclusive_timer(spent: dict[str, int]):
     return timed
 
 
-def where_the_time_goes(tracer, run_step, steps: int) -> dict[str, float]:
+def where_the_time_goes(tracer, run_step, steps: int, extra: dict[str, tuple] | None = None) -> dict[str, float]:
     """µs a step per piece of ``PIECES``, over ``steps`` steps of ``tracer``'s model
-    (``run_step``), after the interleaved rounds (so the wrapping never touches them)."""
+    (``run_step``), after the interleaved rounds (so the wrapping never touches them).
+    ``extra``: further pieces, label -> ``(object, method name)`` pairs (taken out of the
+    pieces that call them: timing is exclusive)."""
     rec, writer = tracer._recorder, tracer._writer
     spent: dict[str, int] = {}
     timed = exclusive_timer(spent)
@@ -209,12 +211,15 @@ def where_the_time_goes(tracer, run_step, steps: int) -> dict[str, float]:
         for name in names:
             owner = writer if name == "add" else rec.step_events if name == "events" else rec
             setattr(owner, name, timed(label, getattr(owner, name), materialize=name == "events"))
+    for label, methods in (extra or {}).items():
+        for owner, name in methods:
+            setattr(owner, name, timed(label, getattr(owner, name)))
     for _ in range(3):
         run_step()
     spent.clear()
     for _ in range(steps):
         run_step()
-    return {label: spent.get(label, 0) / steps / 1e3 for label in PIECES}
+    return {label: spent.get(label, 0) / steps / 1e3 for label in (*PIECES, *(extra or {}))}
 
 
 def ratios(times: dict[str, list[float]], boot: int = 2000, seed: int = 0) -> dict[str, tuple[float, float, float]]:
