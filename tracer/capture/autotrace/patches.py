@@ -17,7 +17,6 @@ FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"  # FullyShar
 FSDP2_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"  # FSDPState._lazy_init: traced
 
 
-
 def _patch_ddp(session: Session, module) -> None:
     session.times_us.setdefault("torch_imported", now_us())
     ddp_cls = module.DistributedDataParallel
@@ -83,6 +82,7 @@ def _patch_destroy(session: Session) -> None:
         except TypeError:  # torch's own error, as the script would have had it
             return original(*args, **kwargs)
         if group is None or group is c10d.GroupMember.WORLD:
+            session.world_destroyed = True
             exc = sys.exc_info()[1]  # inside a finally while an exception unwinds: a failed run
             session.finish(None if exc is None or isinstance(exc, SystemExit) and not exc.code
                            else f"{type(exc).__name__}: {exc}")

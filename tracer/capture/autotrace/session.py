@@ -39,6 +39,7 @@ class Session:
         # when this rank's script started (the bootstrap ran), torch's DDP was importable,
         # and the traced model was built: µs on the host monotonic clock (the trace's)
         self.times_us: dict[str, float] = {"bootstrap": now_us()}
+        self.world_destroyed = False  # the script destroyed its default process group (patches.py)
         self._lock = threading.Lock()
 
     # -- what the patches call ------------------------------------------------------
@@ -228,6 +229,8 @@ class Session:
     # -- the end --------------------------------------------------------------------
     def finish(self, error: str | None = None) -> None:
         """Close the trace once (never raises: the script's own ending comes first)."""
+        if self.tracer is None and not self.extra and not self.notes:
+            self._say_why_nothing_was_built()
         with self._lock:
             tracer, self.tracer = self.tracer, None
             profiler, self.profiler = self.profiler, None
@@ -241,11 +244,44 @@ class Session:
             except Exception as e:  # noqa: BLE001
                 say(f"could not finish the trace: {type(e).__name__}: {e}")
 
-    def note(self, text: str) -> None:
-        """Say something once on stderr (rank 0) and keep it in run.json's notes."""
+    def _say_why_nothing_was_built(self) -> None:
+        """At the end of a rank of a job of several that traced nothing and said nothing:
+        what is likely (rank 0 says it, and the launcher then says it instead of "no DDP
+        model was built"): a script that never made a process group trained each rank
+        alone; Accelerate, on a machine without accelerators, makes the group but wraps
+        no model in DDP (it sees one process) unless told ``ACCELERATE_USE_CPU``."""
+        import sys
+
+        try:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            return
+        if world < 2 or rank() != 0:
+            return
+        dist, torch = sys.modules.get("torch.distributed"), sys.modules.get("torch")
+        said = []
+        try:
+            if not self.world_destroyed and not (dist is not None and dist.is_available() and dist.is_initialized()):
+                said.append(f"the script never initialised a process group (torch.distributed.init_process_group): "
+                            f"each of the {world} ranks trained alone, so nothing was traced")
+            if "accelerate" in sys.modules and torch is not None and not torch.cuda.is_available() and \
+                    os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "y", "yes", "t", "true", "on"):
+                said.append("Accelerate wraps no model in DDP on a machine without accelerators unless "
+                            "ACCELERATE_USE_CPU=1 is in the environment (what `accelerate launch --cpu` sets) or "
+                            f"the script passes Accelerator(cpu=True): each of the {world} ranks trained alone; "
+                            "rerun with it set")
+        except RuntimeError:
+            return
+        if said:  # the launcher's last line says it (it reads the notes of a run that traced nothing)
+            self.note("; ".join(said), echo=False)
+
+    def note(self, text: str, echo: bool = True) -> None:
+        """Say something once on stderr (rank 0) and keep it in run.json's notes
+        (``echo=False``: only kept there; the launcher says it when the job ends)."""
         self.notes.append(text)
         if rank() == 0:
-            say(text)
+            if echo:
+                say(text)
             try:
                 update_run_json(self.config.out, {"notes": self.notes})
             except OSError:

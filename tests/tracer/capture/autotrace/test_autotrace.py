@@ -342,6 +342,47 @@ def test_a_script_without_ddp_runs_and_says_nothing_was_traced(tmp_path):
     assert summary.returncode == 2 and summary.stderr.strip() == f"ddpscope summary: error: {out} was run but not traced: {why}"
 
 
+# A user's Accelerate script as its docs write it: no cpu=True (on a GPU machine it needs none)
+ACCELERATE_AS_WRITTEN = """
+import torch
+from accelerate import Accelerator
+accelerator = Accelerator()
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = accelerator.prepare(model, opt)
+for _ in range(3):
+    accelerator.backward(model(torch.randn(4, 8)).square().mean())
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("case", ["no process group", "accelerate without ACCELERATE_USE_CPU", "accelerate with it"])
+def test_a_job_whose_ranks_trained_alone_says_why_in_its_last_line(tmp_path, case):
+    """Several ranks, no DDP model: where each rank trained alone, the last line says why
+    (no process group; Accelerate on a CPU machine seeing one process), not only that no
+    DDP model was built; where Accelerate is told, the model is traced."""
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nm = torch.nn.Linear(4, 4)\nm(torch.randn(2, 4)).sum().backward()\n"
+                      if case == "no process group" else ACCELERATE_AS_WRITTEN)
+    out = tmp_path / "run"
+    env = {"ACCELERATE_USE_CPU": "1"} if case == "accelerate with it" else {"ACCELERATE_USE_CPU": "false"}
+    proc = run_cli("run", "--nproc", "2", "--out", str(out), "--", str(script), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads((out / "run.json").read_text())
+    if case == "accelerate with it":
+        assert run["status"] == "complete" and load_run(out).steps.groupby("rank").size().to_dict() == {0: 3, 1: 3}
+        return
+    why = {"no process group": "the script never initialised a process group (torch.distributed.init_process_group): "
+                               "each of the 2 ranks trained alone, so nothing was traced",
+           "accelerate without ACCELERATE_USE_CPU": "Accelerate wraps no model in DDP on a machine without "
+                                                    "accelerators unless ACCELERATE_USE_CPU=1 is in the environment"}[case]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ddpscope run: {why}"), proc.stderr[-3000:]
+    assert proc.stderr.count(why) == 1  # said once, by the launcher
+    assert run["status"] == "untraced" and run["error"].startswith(why)
+
+
 def test_a_script_that_fails_before_any_step_leaves_a_folder_that_says_why(tmp_path):
     """A script that dies before it builds a model (Accelerate's DeepSpeed on CPU: a batch
     check): ``summary`` says it failed and with what, in one line, not that the folder
