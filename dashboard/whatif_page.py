@@ -57,9 +57,10 @@ def cap_sweep(path: str, stamp: float, caps: tuple[float, ...], world_size: int 
     if world_size is None:  # this run's step-to-step noise; a projection's is not this run's
         best["noise_ms"] = gain_noise_ms(trace)
         sweep = mark_within_noise(sweep, best["noise_ms"])
+    note = sweep.attrs.get("note")  # a torch.compile'd model: caps it refuses are left out
     table = pd.DataFrame(sweep)
     table.attrs = {}  # the predicted traces stay out of the cache
-    return table, best, list(model.notes)
+    return table, best, list(model.notes) + ([note] if note else [])
 
 
 @st.cache_data(show_spinner=False, max_entries=16)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from ddpscope.tracer.launch.hangs import Hang, HangWatch, read_positions
+from ddpscope.tracer.launch.known_failures import known_cause
 from ddpscope.tracer.launch.procfs import alive, descendants
 
 # A rank that failed only because a peer died says so; it is not the root cause.
@@ -365,6 +366,8 @@ def explain_failure(cfg: LaunchConfig, result: LaunchResult, exits: dict[int, in
                               f"{'their' if len(others) > 1 else 'its'} own")
         if result.consequences:
             result.reason += f" (then {len(result.consequences)} other rank{'s' if len(result.consequences) > 1 else ''} failed)"
+        if (cause := known_cause(result.how)) is not None:
+            result.reason += f" ({cause})"
     logs = list(cfg.log_dir.glob(f"*/attempt_*/{root - base}/stderr.log"))
     if logs:
         result.stderr_tail = _tail(logs[0])

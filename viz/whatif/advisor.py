@@ -42,6 +42,7 @@ from ddpscope.viz.whatif.layout import (
     first_layout,
     is_cap_list,
     rebuilds,
+    runnable,
 )
 from ddpscope.viz.whatif.model import WhatIfModel, fit_model, step_inputs, usable_steps
 from ddpscope.viz.whatif.simulate import predict_run, ready_order, simulate_step, traced_cap
@@ -195,7 +196,7 @@ class _Search:
     """Candidates replayed on a few steps; layouts remembered so none is simulated twice."""
 
     def __init__(self, trace: RunTrace, model: WhatIfModel) -> None:
-        run = trace.run
+        run = self.run = trace.run
         self.sizes = [int(b) for b in run["param_bytes"]]
         self.dtypes = run.get("param_dtypes") or ["float32"] * len(self.sizes)
         self.order = ready_order(trace)
@@ -253,6 +254,8 @@ class _Search:
         return float(np.median(vals)) / 1e3
 
     def add(self, kind: str, cap: Cap, layout: list[list[int]] | None = None) -> float:
+        if kind != "traced" and not runnable(self.run, cap):  # torch.compile'd: no cap under 1 MiB
+            return math.inf
         layout = layout if layout is not None else self.layout(cap)
         ms = self.step_ms(layout)
         self.rows.append({"kind": kind, "setting": cap, "label": setting_text(cap), "buckets": len(layout),

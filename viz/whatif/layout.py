@@ -72,6 +72,29 @@ def cap_label(cap: Cap) -> str:
     return ",".join(f"{float(c):g}" for c in cap) if is_cap_list(cap) else f"{float(cap):g}"
 
 
+def smallest_cap_bytes(run: dict) -> int:
+    """The smallest ``bucket_bytes_cap`` (bytes) the run's model accepts: DDP's default
+    first bucket, 1 MiB, where torch.compile's DDPOptimizer splits its graphs at buckets
+    (run.json ``torch_compile``): it refuses a smaller one at the first forward; else 0."""
+    return DEFAULT_FIRST_BUCKET_BYTES if (run.get("torch_compile") or {}).get("optimize_ddp") == "ddp_optimizer" else 0
+
+
+def runnable(run: dict, cap: Cap) -> bool:
+    """The run's model can be given ``cap``: its ``bucket_bytes_cap`` (the cap; a list's
+    largest entry; DDP's default 25 MiB) is at least ``smallest_cap_bytes``."""
+    largest = DEFAULT_CAP_MB if cap is None else max(map(float, cap)) if is_cap_list(cap) else float(cap)
+    return int(largest * MIB) >= smallest_cap_bytes(run)
+
+
+def compile_note(run: dict) -> str | None:
+    """What the search leaves out for a ``torch.compile``'d model, or None."""
+    if not smallest_cap_bytes(run):
+        return None
+    return ("the model is torch.compile'd: its DDPOptimizer refuses a bucket cap under 1 MiB (the largest entry of a "
+            "bucket_cap_mb_list included), so none is offered; it also splits the compiled graph at the buckets, so "
+            "another cap moves when gradients become ready, which these predictions take as traced")
+
+
 def rebuilds(run: dict) -> bool:
     """DDP rebuilds its buckets in gradient-ready order after its first iteration (the
     run's flags, from run.json): unless it looks for unused parameters in a dynamic graph."""

@@ -72,7 +72,8 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
                                 "candidates": [{"kind": r.kind, "setting": r.label, "buckets": int(r.buckets),
                                                 "step_ms": float(r.step_ms), "within_noise": bool(r.within_noise)}
                                                for r in top.itertuples()],
-                                "model_notes": list(model.notes)}), indent=1, default=float))
+                                "model_notes": list(model.notes),
+                                "notes": [n for n in (sweep.attrs.get("note"),) if n]}), indent=1, default=float))
         return 0, (trace, advice)
     print(f"{trace.path}  ranks={trace.world_size}  traced at {setting_text(advice.traced)}  "
           "(predicted medians over steps and ranks, ms)")
@@ -83,6 +84,8 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
               "step-to-step noise, two medians)")
     for note in model.notes:
         print(f"  model: {note}")
+    if sweep.attrs.get("note"):
+        print(f"  note: {sweep.attrs['note']}")
     if read_calibration(trace.path) is None:
         print(f"  hint: `ddpscope calibrate {path}` measures all-reduce times and contention on these ranks; "
               "without it they are fitted to this trace's buckets alone")

@@ -8,7 +8,7 @@ import pandas as pd
 
 from ddpscope.viz.ddp.overlap import compute_step_breakdown
 from ddpscope.viz.trace import RunTrace
-from ddpscope.viz.whatif.layout import cap_label, is_cap_list
+from ddpscope.viz.whatif.layout import cap_label, compile_note, is_cap_list, runnable
 from ddpscope.viz.whatif.model import WhatIfModel, fit_model
 from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 
@@ -32,12 +32,15 @@ def compute_cap_sweep(trace: RunTrace, caps=DEFAULT_CAPS, model: WhatIfModel | N
     communication (ms), overlap %; ``traced`` marks the trace's own setting, replayed
     (added when not among ``caps``; DDP's default, 25 MiB with a 1 MiB first bucket, is a
     row of its own beside an explicit 25). ``df.attrs``: ``predictions`` (RunTrace per
-    row) and ``model``. Caps must be > 0. ``fitted``: see ``predict_run``."""
+    row) and ``model``. Caps must be > 0; those the model cannot be given are left out
+    (``layout.runnable``: a torch.compile'd model takes none under 1 MiB), and
+    ``df.attrs["note"]`` says so. ``fitted``: see ``predict_run``."""
     model = model or fit_model(trace)
     own = traced_cap(trace)
     label = float(trace.run.get("bucket_cap_mb") or 25.0) if own is None or is_cap_list(own) else own
     settings = {(float(c), float(c)) for c in caps} | {(label, own)}
     settings |= {(max(map(float, c)), tuple(map(float, c))) for c in lists}
+    settings = {s for s in settings if s[1] == own or runnable(trace.run, s[1])}  # torch.compile: >= 1 MiB
     rows, preds = [], []
     for shown, cap in sorted(settings, key=lambda s: (s[0], s[1] is not None, is_cap_list(s[1]), str(s[1]))):
         pred = predict_run(trace, cap, model, fitted)
@@ -49,6 +52,7 @@ def compute_cap_sweep(trace: RunTrace, caps=DEFAULT_CAPS, model: WhatIfModel | N
     df = pd.DataFrame(rows)
     df.attrs["predictions"] = preds
     df.attrs["model"] = model
+    df.attrs["note"] = compile_note(trace.run)
     return df
 
 

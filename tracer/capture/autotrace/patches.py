@@ -44,18 +44,19 @@ def _patch_ddp(session: Session, module) -> None:
                                    else None}
         except (TypeError, ValueError):  # not a list of numbers: DDP says so below
             session.script_caps = {}
-        if cap is not None:
-            if isinstance(script_cap, (int, float)) and script_cap != cap:  # anything else: DDP's to judge
-                session.note(f"the script's bucket_cap_mb {script_cap:g} is replaced by --bucket-cap-mb {cap:g}")
-            bound.arguments["bucket_cap_mb"] = cap
+        use_cap, use_caps = _feasible_override(session, bound.arguments.get("module"), cap, caps)
+        if use_cap is not None:
+            if isinstance(script_cap, (int, float)) and script_cap != use_cap:  # anything else: DDP's to judge
+                session.note(f"the script's bucket_cap_mb {script_cap:g} is replaced by --bucket-cap-mb {use_cap:g}")
+            bound.arguments["bucket_cap_mb"] = use_cap
             if bound.arguments.get("bucket_cap_mb_list"):
                 bound.arguments["bucket_cap_mb_list"] = None  # it would win over bucket_cap_mb
-                session.note(f"the script's bucket_cap_mb_list is replaced by --bucket-cap-mb {cap:g}")
-        elif caps is not None:  # it wins over the script's bucket_cap_mb (the largest becomes the cap)
-            bound.arguments["bucket_cap_mb_list"] = list(caps)
+                session.note(f"the script's bucket_cap_mb_list is replaced by --bucket-cap-mb {use_cap:g}")
+        elif use_caps is not None:  # it wins over the script's bucket_cap_mb (the largest becomes the cap)
+            bound.arguments["bucket_cap_mb_list"] = list(use_caps)
         original(*bound.args, **bound.kwargs)  # DDP's errors reach the script as they are
         try:
-            session.on_ddp_built(self, script_cap, cap is not None or caps is not None)
+            session.on_ddp_built(self, script_cap, use_cap is not None or use_caps is not None)
         except Exception as e:  # noqa: BLE001 - training goes on, untraced
             session.note(f"tracing could not start ({type(e).__name__}: {e}); the script runs untraced")
         return None
@@ -63,6 +64,26 @@ def _patch_ddp(session: Session, module) -> None:
     __init__._ddpscope = True
     ddp_cls.__init__ = __init__
     _patch_destroy(session)
+
+
+def _feasible_override(session: Session, module, cap, caps):
+    """``(cap, caps)`` to apply: none where the module is ``torch.compile``'d inside and the
+    cap asked for (the largest of a list) is under the 1 MiB torch.compile's DDPOptimizer
+    requires (it would fail the job at its first forward); said once, the script's caps
+    stay. (``torch.compile(DDP(model))`` compiles after this: it fails as it would
+    without ddpscope, and the launcher's last line says why.)"""
+    if cap is None and caps is None or module is None:
+        return cap, caps
+    from ddpscope.tracer.capture.ddp.run_facts import DDP_OPTIMIZER_MIN_CAP_BYTES, compiled_inside, ddp_optimizer_mode
+
+    largest = cap if cap is not None else max(caps)
+    if int(largest * 2**20) >= DDP_OPTIMIZER_MIN_CAP_BYTES or ddp_optimizer_mode() != "ddp_optimizer" \
+            or not compiled_inside(module):
+        return cap, caps
+    asked = f"--bucket-cap-mb {cap:g}" if cap is not None else f"--bucket-cap-mb-list {','.join(f'{c:g}' for c in caps)}"
+    session.note(f"{asked} is not applied: the model is torch.compile'd, and torch.compile's DDPOptimizer refuses "
+                 f"a bucket cap under 1 MiB (its first bucket); the script's own bucket caps stay")
+    return None, None
 
 
 def _patch_destroy(session: Session) -> None:

@@ -5,6 +5,7 @@ conditions a rank ran under (threads, cores, priority)."""
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -24,10 +25,55 @@ def ddp_facts(ddp: DDP) -> dict:
         "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
         "static_graph": bool(ddp.static_graph),
         "find_unused_parameters": bool(ddp.find_unused_parameters),
+        "torch_compile": torch_compile_facts(ddp),
         # a calibration binds its ranks to cores as the run's were (contention differs)
         "ranks_bound_to_cores": _bound_to_cores(),
         "conditions": rank_conditions(),
     }
+
+
+#: torch.compile's DDPOptimizer (``torch._dynamo.backends.distributed``) splits the compiled
+#: graph at DDP's bucket boundaries and refuses a bucket_bytes_cap under its first bucket,
+#: DDP's default 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``): an AssertionError at the first
+#: forward. DDP's bucket_bytes_cap is bucket_cap_mb, or the largest of bucket_cap_mb_list.
+DDP_OPTIMIZER_MIN_CAP_BYTES = 2**20
+
+
+def compiled_inside(ddp_module: torch.nn.Module) -> bool:
+    """The module, or one of its submodules, is ``torch.compile``'d (an ``OptimizedModule``):
+    compiled frames run inside DDP's forward, where DDPOptimizer splits them."""
+    dynamo = sys.modules.get("torch._dynamo")
+    optimized = getattr(getattr(dynamo, "eval_frame", None), "OptimizedModule", None)
+    return optimized is not None and any(isinstance(m, optimized) for m in ddp_module.modules())
+
+
+def ddp_optimizer_mode() -> str | None:
+    """How torch.compile treats DDP models here (``torch._dynamo.config.optimize_ddp``:
+    "ddp_optimizer", torch's default, splits graphs at buckets), or None when torch.compile
+    was never imported (nothing of it runs)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    try:
+        return None if dynamo is None else str(dynamo.utils.get_optimize_ddp_mode())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def torch_compile_facts(ddp: DDP) -> dict | None:
+    """Whether torch.compile runs in this process: ``{"graphs", "inside", "optimize_ddp"}``
+    (graphs compiled so far, in the whole process; the DDP module holds a compiled module;
+    ``ddp_optimizer_mode``), or None when neither (read at the start of tracing and again at
+    its end, so ``torch.compile(DDP(model))``, compiled at its first forward, is seen too)."""
+    mode = ddp_optimizer_mode()
+    if mode is None:
+        return None
+    try:
+        from torch._dynamo.utils import counters
+
+        graphs = int(counters["stats"]["unique_graphs"])
+    except (ImportError, KeyError, TypeError, ValueError):
+        graphs = 0
+    inside = compiled_inside(ddp.module)
+    return {"graphs": graphs, "inside": inside, "optimize_ddp": mode} if graphs or inside else None
 
 
 def rank_conditions() -> dict:
