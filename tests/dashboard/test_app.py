@@ -778,6 +778,23 @@ def test_run_at_the_predicted_cap_puts_the_real_run_on_the_curve(app, tmp_path):
     assert list(vs["run"]) == ["predicted at 4 MiB", f"run: {runs[0].name} (measured)"]
 
 
+def test_whatif_offers_a_torch_compiled_model_no_cap_its_ddp_optimizer_refuses(app, tmp_path):
+    """A run whose run.json says torch.compile's DDPOptimizer splits its graphs (the fact
+    set here on a sample; tests/tracer/capture/autotrace/test_torch_compile.py records it
+    from a real compiled run): no cap under 1 MiB on the curve, and the page says why."""
+    compiled = tmp_path / "runs" / "compiled"
+    shutil.copytree(SAMPLES / "gpt-2rank-cap1mb", compiled)
+    run = json.loads((compiled / "run.json").read_text())
+    run["torch_compile"] = {"graphs": 2, "inside": True, "optimize_ddp": "ddp_optimizer"}
+    (compiled / "run.json").write_text(json.dumps(run))
+    _page(app, "What-if")
+    app.sidebar.selectbox(key="trace").set_value("run: compiled").run()
+    assert not app.exception
+    xs = {x for t in _predict_chart(app)["data"] if t["name"] == "step (predicted)" for x in t["x"]}
+    assert min(xs) == 1.0 and 0.25 not in xs and 0.5 not in xs
+    assert any("DDPOptimizer refuses a bucket cap under 1 MiB" in c.value for c in app.caption)
+
+
 def test_whatif_page_gives_one_number_per_setting_and_shades_the_noise(app):
     """The curve's table and the advisor's candidates come from one replay: each uniform
     cap's step is the same in both; the caps whose steps cannot be told apart from the
