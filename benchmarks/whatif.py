@@ -1,10 +1,12 @@
 """What-if accuracy: predictions from one trace against real reruns at each cap.
 
-    python -m benchmarks.whatif [--steps 20] [--rounds 2] [--models gpt,mlp,wide] [--no-calibrate]
+    python -m benchmarks.whatif [--steps 20] [--rounds 2] [--models gpt,mlp,wide,compiled] [--no-calibrate]
                                 [--link loopback|1gbit|200mbit|...] [--smoke]
 
 For each model (the demo GPT and MLP, and ``wide``: a script with a few large
-parameters, an 8192-row embedding and 2048-wide layers, written below as a user would),
+parameters, an 8192-row embedding and 2048-wide layers, written below as a user would;
+``compiled``, not run by default: six 256-wide MLP blocks ``torch.compile``'d and wrapped
+in DDP as nanoGPT does, predicted at the caps of 1 MiB and more that it takes),
 in each of ``--rounds`` rounds: trace it at its script's own bucket_cap_mb (DDP's
 default), predict caps 0.25, 1, 4, 16, 64 and 256 MiB from that trace, then run each
 for real. ``ddpscope calibrate`` runs once, on the first round's trace (its file is
@@ -67,6 +69,39 @@ WIDE_SCRIPT = textwrap.dedent('''
     dist.destroy_process_group()
 ''')
 
+# nanoGPT's way: the model compiled, then wrapped; torch.compile's DDPOptimizer splits its graph
+# at DDP's buckets, so a cap also moves when gradients become ready (the what-if keeps them)
+COMPILED_SCRIPT = textwrap.dedent('''
+    import argparse
+    import torch, torch.distributed as dist, torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.ln, self.fc, self.proj = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return x + self.proj(nn.functional.gelu(self.fc(self.ln(x))))
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(torch.compile(nn.Sequential(*[Block(256) for _ in range(6)], nn.Linear(256, 256))))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for step in range(args.steps):
+        model(torch.randn(256, 256, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dist.destroy_process_group()
+''')
+SCRIPTS = {"wide": WIDE_SCRIPT, "compiled": COMPILED_SCRIPT}  # the models that are scripts, not demos
+# what a model cannot be given: a torch.compile'd one no cap under 1 MiB (DDPOptimizer refuses it)
+SMALLEST_CAP = {"compiled": 1.0}
+
 
 def ddpscope(*args: str) -> None:
     cmd = [sys.executable, "-m", "ddpscope.cli", *args]
@@ -75,11 +110,12 @@ def ddpscope(*args: str) -> None:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
 
 
-def trace(model: str, out: Path, cap: float | None, steps: int, script: Path, link: str = "loopback") -> float:
+def trace(model: str, out: Path, cap: float | None, steps: int, work: Path, link: str = "loopback") -> float:
     t0 = time.perf_counter()
     capflag = [] if cap is None else ["--bucket-cap-mb", repr(cap)]
     where = ["--nproc", "2"] if link == "loopback" else ["--emulate-nodes", "2", "--nproc", "1", "--link", link]
-    if model == "wide":
+    if model in SCRIPTS:
+        script = work / f"{model}_train.py"
         ddpscope("run", *where, *capflag, "--out", str(out), "--", str(script), "--steps", str(steps))
     else:
         ddpscope("run", *where, "--demo", model, "--steps", str(steps), *capflag, "--out", str(out))
@@ -105,24 +141,25 @@ def main() -> None:
                         "of 1 rank over it (root: network namespaces)")
     p.add_argument("--smoke", action="store_true", help="the MLP, 2 caps, 4 steps, one round, no calibration")
     args = p.parse_args()
-    caps = CAPS
+    all_caps = CAPS
     if args.smoke:
-        args.steps, args.rounds, args.models, args.no_calibrate, caps = 4, 1, "mlp", True, (1.0, 64.0)
+        args.steps, args.rounds, args.models, args.no_calibrate, all_caps = 4, 1, "mlp", True, (1.0, 64.0)
     from ddpscope.viz.trace import load_run
     from ddpscope.viz.whatif.model import fit_model
     from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 
     work = Path(tempfile.mkdtemp(prefix="ddpscope-whatif-"))
-    script = work / "wide_train.py"
-    script.write_text(WIDE_SCRIPT)
+    for name, text in SCRIPTS.items():
+        (work / f"{name}_train.py").write_text(text)
     summary = []
     for model in args.models.split(","):
         cal, cal_s, notes = None, 0.0, []
+        caps = tuple(c for c in all_caps if c >= SMALLEST_CAP.get(model, 0.0))
         rows: dict[object, list[tuple]] = {c: [] for c in ("replay", *caps)}  # (pred, meas, drift) per round
         predict_s = run_s = 0.0
         for rnd in range(args.rounds):
             base = work / f"{model}-r{rnd}-base"
-            trace(model, base, None, args.steps, script, args.link)
+            trace(model, base, None, args.steps, work, args.link)
             if rnd == 0 and not args.no_calibrate:
                 t0 = time.perf_counter()
                 ddpscope("calibrate", str(base))
@@ -139,7 +176,7 @@ def main() -> None:
             notes = list(m.notes)
             for cap in caps:
                 out = work / f"{model}-r{rnd}-{cap:g}"
-                run_s += trace(model, out, cap, args.steps, script, args.link)
+                run_s += trace(model, out, cap, args.steps, work, args.link)
                 real = medians(load_run(out))
                 rows[cap].append((preds[cap], real, real[2] / traced[2]))  # forward: the machine's speed
         print(f"\n== {model} over {args.link}: traced at its script's own cap ({len(t.run['bucket_layout'])} buckets), "

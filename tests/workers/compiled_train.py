@@ -1,7 +1,7 @@
 """A DDP script with ``torch.compile`` as nanoGPT writes it (no ddpscope code): the model
 compiled, then wrapped (``--outer``: ``torch.compile(DDP(model))``, as Accelerate's dynamo
-plugin does), AdamW, a few steps on gloo. Writes ``rank<r>.json`` (its parameters' SHA-256)
-to ``--report``."""
+plugin does), AdamW, a few steps on gloo. Writes ``rank<r>.json`` (its parameters' SHA-256
+and what torch.compile made: its graphs and the calls captured in them) to ``--report``."""
 
 from __future__ import annotations
 
@@ -42,8 +42,11 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     os.makedirs(args.report, exist_ok=True)
+    from torch._dynamo.utils import counters  # what torch.compile made of the script: the same traced or not
+
+    compiled = {k: int(v) for k, v in counters["stats"].items()}
     with open(os.path.join(args.report, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({"params_sha256": digest}, f)
+        json.dump({"params_sha256": digest, "compiled": compiled}, f)
     dist.destroy_process_group()
 
 

@@ -26,6 +26,11 @@ def sha(report, rank: int) -> str:
     return json.loads((report / f"rank{rank}.json").read_text())["params_sha256"]
 
 
+def compiled(report, rank: int) -> dict:
+    """What torch.compile made of the script on ``rank``: ``unique_graphs``, ``calls_captured``."""
+    return json.loads((report / f"rank{rank}.json").read_text())["compiled"]
+
+
 def test_a_compiled_model_keeps_its_caps_where_the_asked_one_would_fail_and_the_whatif_offers_none(tmp_path):
     proc, out, report = trace_script(tmp_path, SCRIPT, ddpscope=("--bucket-cap-mb", "0.5"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -36,6 +41,7 @@ def test_a_compiled_model_keeps_its_caps_where_the_asked_one_would_fail_and_the_
     assert run["torch_compile"]["graphs"] >= 1
     plain = untraced(tmp_path, SCRIPT)
     assert [sha(report, r) for r in (0, 1)] == [sha(plain, r) for r in (0, 1)]  # traced, bit-identical
+    assert [compiled(report, r) for r in (0, 1)] == [compiled(plain, r) for r in (0, 1)]  # the same graphs
     trace = load_run(out)
     sweep = compute_cap_sweep(trace, (0.25, 0.5, 1.0, 4.0), lists=[(0.25, 0.5)])
     assert set(sweep["bucket_cap_mb"]) == {1.0, 4.0, 25.0} and sweep["bucket_cap_mb_list"].isna().all()
@@ -56,9 +62,17 @@ def test_torch_compile_of_ddp_under_a_refused_cap_fails_saying_what_to_change(tm
     assert f"({REFUSED}, its first bucket: give DDP a bucket_cap_mb" in line
 
 
-def test_torch_compile_of_ddp_is_recorded_once_it_compiled(tmp_path):
-    proc, out, _ = trace_script(tmp_path, SCRIPT, "--outer")
+def test_torch_compile_of_ddp_is_recorded_once_it_compiled_and_compiles_as_untraced(tmp_path):
+    """Compiling DDP itself, dynamo meets ddpscope's hooks on the DDP module: it cannot trace
+    them (they read clocks), so they run as they are, outside every graph; the graphs and
+    the calls captured in them are the untraced run's (a torch whose dynamo traced a hook
+    into a graph would fail here), the parameters bit-identical."""
+    proc, out, report = trace_script(tmp_path, SCRIPT, "--outer")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    compiled = json.loads((out / "run.json").read_text())["torch_compile"]
-    assert compiled["inside"] is False and compiled["graphs"] >= 1 and compiled["optimize_ddp"] == "ddp_optimizer"
+    plain = untraced(tmp_path, SCRIPT, "--outer")
+    assert [compiled(report, r) for r in (0, 1)] == [compiled(plain, r) for r in (0, 1)]
+    assert compiled(plain, 0)["unique_graphs"] >= 1 and compiled(plain, 0)["calls_captured"] >= 1
+    assert [sha(report, r) for r in (0, 1)] == [sha(plain, r) for r in (0, 1)]
+    fact = json.loads((out / "run.json").read_text())["torch_compile"]
+    assert fact["inside"] is False and fact["graphs"] >= 1 and fact["optimize_ddp"] == "ddp_optimizer"
     assert load_run(out).steps.groupby("rank").size().to_dict() == {0: 4, 1: 4}
