@@ -32,28 +32,17 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.viz.ddp.compare import median_interval
-from ddpscope.viz.trace import RunTrace, TraceError
-from ddpscope.viz.whatif.layout import (
-    MIB,
-    Cap,
-    assign_buckets,
-    bucket_limits,
-    cap_label,
-    first_layout,
-    is_cap_list,
-    rebuilds,
-    runnable,
-)
-from ddpscope.viz.whatif.model import WhatIfModel, fit_model, step_inputs, usable_steps
-from ddpscope.viz.whatif.simulate import predict_run, ready_order, simulate_step, traced_cap
+from ddpscope.viz.trace import RunTrace
+from ddpscope.viz.whatif.layout import MIB, Cap, cap_label, is_cap_list
+from ddpscope.viz.whatif.model import WhatIfModel, fit_model, usable_steps
+from ddpscope.viz.whatif.search import LayoutSearch
+from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, MIN_GAIN, _medians
 
 #: a simpler setting this close to the best (fraction of its step) is recommended instead
 SIMPLER = 0.005
 #: growing lists: first limits, growth factors and largest limits searched (MiB)
 FIRSTS, GROWTHS, LARGEST = (0.25, 0.5, 1.0, 2.0, 4.0), (2.0, 4.0), (8.0, 25.0, 64.0, 256.0)
-#: steps replayed per candidate while searching (evenly spaced); the winners replay all
-SEARCH_STEPS = 8
 #: layouts the local search may replay
 LOCAL_BUDGET = 400
 _KINDS = {"traced": 0, "uniform": 1, "growing list": 2, "per-bucket list": 3}  # simplest first
@@ -192,77 +181,6 @@ def unused_parameters(trace: RunTrace) -> list[str]:
     return [names[i] for i in sorted(missing)]
 
 
-class _Search:
-    """Candidates replayed on a few steps; layouts remembered so none is simulated twice."""
-
-    def __init__(self, trace: RunTrace, model: WhatIfModel) -> None:
-        run = self.run = trace.run
-        self.sizes = [int(b) for b in run["param_bytes"]]
-        self.dtypes = run.get("param_dtypes") or ["float32"] * len(self.sizes)
-        self.order = ready_order(trace)
-        self.rebuilds = rebuilds(run)  # False: DDP keeps its first layout, in registration order
-        self.model = model
-        inputs = step_inputs(trace, model)
-        if not inputs:
-            raise TraceError(f"{trace.path.name}: no step to replay")
-        pick = np.unique(np.linspace(0, len(inputs) - 1, min(SEARCH_STEPS, len(inputs))).round().astype(int))
-        self.inputs = [inputs[i] for i in pick]  # what the search compares layouts on
-        self.all_inputs = inputs  # what a candidate's step is: every step, as the sweep's table
-        m = trace.steps.set_index(["rank", "step"])
-        self.measured = {k: (float(row["end_us"] - row["start_us"]), float(row.get("sync_end_us", np.nan)))
-                         for k, row in m.iterrows()}
-        self.seen: dict[tuple, float] = {}
-        self.full: dict[tuple, float] = {}
-        self.rows: list[dict] = []
-
-    def rebuilding(self) -> "_Search":
-        """A fresh search of the same steps (inputs, model, measured times) as if DDP
-        rebuilt its buckets in gradient-ready order (``find_unused_parameters=False``)."""
-        other = object.__new__(_Search)
-        other.__dict__.update(self.__dict__, rebuilds=True, seen={}, full={}, rows=[])
-        return other
-
-    def layout(self, cap: Cap) -> list[list[int]]:
-        if not self.rebuilds:
-            return first_layout(self.sizes, self.dtypes, bucket_limits(cap))
-        return assign_buckets(self.sizes, self.dtypes, self.order, bucket_limits(cap))
-
-    def step_ms(self, layout: list[list[int]]) -> float:
-        """The median step (ms) of ``layout`` replayed on the search's steps."""
-        key = tuple(map(tuple, layout))
-        if key not in self.seen:
-            self.seen[key] = self._replay(layout, self.inputs)
-        return self.seen[key]
-
-    def full_ms(self, layout: list[list[int]]) -> float:
-        """The median step (ms) of ``layout`` replayed on every step: the number the sweep's
-        table (``predict_run``, then ``compute_step_breakdown``) gives the same layout."""
-        key = tuple(map(tuple, layout))
-        if key not in self.full:
-            self.full[key] = self._replay(layout, self.all_inputs)
-        return self.full[key]
-
-    def _replay(self, layout: list[list[int]], inputs: list) -> float:
-        nbytes = [float(sum(self.sizes[p] for p in b)) for b in layout]
-        vals = []
-        for inp in inputs:
-            sim = simulate_step(inp, layout, nbytes, self.model)
-            for r, res in sim["ranks"].items():
-                step_us, sync_end = self.measured[(r, inp.step)]
-                # as predict_run: the step moves by what its sync end moves
-                vals.append(step_us + (res["sync_end"] - sync_end if math.isfinite(sync_end) else 0.0))
-        return float(np.median(vals)) / 1e3
-
-    def add(self, kind: str, cap: Cap, layout: list[list[int]] | None = None) -> float:
-        if kind != "traced" and not runnable(self.run, cap):  # torch.compile'd: no cap under 1 MiB
-            return math.inf
-        layout = layout if layout is not None else self.layout(cap)
-        ms = self.step_ms(layout)
-        self.rows.append({"kind": kind, "setting": cap, "label": setting_text(cap), "buckets": len(layout),
-                          "step_ms": ms, "layout": layout})
-        return ms
-
-
 def growing_lists() -> list[tuple[float, ...]]:
     """``(first, first x growth, ..., largest)`` for every first, growth and largest."""
     out = []
@@ -290,7 +208,7 @@ def _roundest(lo: int, hi: float) -> float:
     raise ValueError("no limit fits")  # not reached for integer byte sizes
 
 
-def list_for_layout(search: _Search, layout: list[list[int]]) -> tuple[float, ...] | None:
+def list_for_layout(search: LayoutSearch, layout: list[list[int]]) -> tuple[float, ...] | None:
     """The shortest, roundest ``bucket_cap_mb_list`` under which DDP's bucketing builds
     ``layout`` (buckets of consecutive parameters in ready order, one dtype); None when
     none does."""
@@ -328,7 +246,7 @@ def _neighbours(cuts: tuple[int, ...], n: int, sizes_in_order: list[int]) -> lis
     return sorted(out)
 
 
-def _local_search(search: _Search, start: list[list[int]], budget: int) -> None:
+def _local_search(search: LayoutSearch, start: list[list[int]], budget: int) -> None:
     """Best-improvement moves from ``start`` until none helps or ``budget`` layouts are
     replayed; every layout that a list can build is added as a candidate."""
     order = search.order
@@ -366,7 +284,7 @@ def advise(trace: RunTrace, model: WhatIfModel | None = None, *, caps=DEFAULT_CA
     search may replay (0: none; default ``LOCAL_BUDGET``)."""
     model = model or fit_model(trace)
     local_budget = LOCAL_BUDGET if local_budget is None else local_budget
-    search = _Search(trace, model)
+    search = LayoutSearch(trace, model)
     noise = gain_noise_ms(trace)
     advice = _advise(trace, search, noise, caps, lists, local_budget)
     if not search.rebuilds and not unused_parameters(trace):  # the flag looks for parameters that are never unused
@@ -379,7 +297,7 @@ def advise(trace: RunTrace, model: WhatIfModel | None = None, *, caps=DEFAULT_CA
     return advice
 
 
-def _advise(trace: RunTrace, search: _Search, noise: float, caps, lists, local_budget: int) -> Advice:
+def _advise(trace: RunTrace, search: LayoutSearch, noise: float, caps, lists, local_budget: int) -> Advice:
     """``advise``'s search and choice on ``search`` (its steps replayed), ``noise`` (ms)
     the run's own; no flag-off prediction."""
     model = search.model
@@ -396,15 +314,17 @@ def _advise(trace: RunTrace, search: _Search, noise: float, caps, lists, local_b
                 "static_graph=True) DDP would rebuild them in gradient-ready order")
     for c in [*growing_lists(), *[tuple(map(float, x)) for x in lists]] if search.rebuilds else []:
         search.add("growing list", c)
-    if single_dtype and local_budget > 0 and search.rebuilds:
+    # torch.compile'd: DDPOptimizer splits at the largest limit, not at a list's buckets (compiled.py)
+    if single_dtype and local_budget > 0 and search.rebuilds and not search.compiled:
         top = min(search.rows, key=lambda r: r["step_ms"])
         _local_search(search, search.layout(top["setting"]), local_budget)
     table = pd.DataFrame(search.rows)
     table["setting"] = pd.Series([r["setting"] for r in search.rows], dtype=object)  # None (DDP's default) stays None
+    table["label"] = [setting_text(c) for c in table["setting"]]
     # the search compared layouts on a few steps; every candidate's step is its replay on all
     # of them, the sweep's number for the same setting (one replay, one number)
     table["search_ms"] = table["step_ms"]
-    table["step_ms"] = [search.full_ms(layout) for layout in table.pop("layout")]
+    table["step_ms"] = [search.full_ms(layout, cap) for layout, cap in zip(table.pop("layout"), table["setting"])]
     kinds = table["kind"].value_counts().to_dict()
     # no change, then a uniform cap, then the shortest list; then the fewest buckets
     table["simplicity"] = [(_KINDS[k], len(s) if is_cap_list(s) else 0, n)

@@ -91,8 +91,10 @@ def compile_note(run: dict) -> str | None:
     if not smallest_cap_bytes(run):
         return None
     return ("the model is torch.compile'd: its DDPOptimizer refuses a bucket cap under 1 MiB (the largest entry of a "
-            "bucket_cap_mb_list included), so none is offered; it also splits the compiled graph at the buckets, so "
-            "another cap moves when gradients become ready, which these predictions take as traced")
+            "bucket_cap_mb_list included), so none is offered; it splits the compiled graph where the cap closes a "
+            "bucket, so a cap also moves when gradients become ready: each prediction moves them so, backward's time "
+            "taken in proportion to the parameters' bytes; per-bucket lists are not searched (it splits at a list's "
+            "largest entry, not at its buckets)")
 
 
 def rebuilds(run: dict) -> bool:

@@ -45,6 +45,7 @@ from ddpscope.viz.whatif.layout import (
     first_layout,
     is_cap_list,
     rebuilds,
+    smallest_cap_bytes,
 )
 from ddpscope.viz.whatif.model import StepInputs, WhatIfModel, fit_model, step_inputs
 
@@ -54,13 +55,19 @@ _EPS = 1e-6
 def ready_order(trace: RunTrace) -> list[int]:
     """Parameters in the order DDP's rebuild sees their gradients: rank 0's first traced
     backward (every parameter that has a gradient; any missing go last, in reverse
-    registration order, as DDP's initial buckets have them)."""
+    registration order, as DDP's initial buckets have them); a torch.compile'd model's in
+    the order of DDPOptimizer's pieces (``compiled.graph_order``)."""
     n = len(trace.run.get("param_bytes") or [])
     g = trace.grads
     first = g[(g["rank"] == g["rank"].min())]
     first = first[first["step"] == first["step"].min()]
     first = first[first["micro"] == first["micro"].min()].sort_values("ready_us", kind="stable")
     seen = [int(p) for p in dict.fromkeys(first["param"]) if 0 <= int(p) < n]
+    if smallest_cap_bytes(trace.run):  # torch.compile'd: inside a piece the order is not the graph's
+        from ddpscope.viz.whatif.compiled import graph_order
+
+        ready = dict(zip(first["param"].astype(int), first["ready_us"].astype(float)))
+        seen = [p for p in graph_order(ready, trace.run) if 0 <= p < n]
     rest = [p for p in reversed(range(n)) if p not in set(seen)]
     return seen + rest
 
@@ -223,6 +230,10 @@ def predict_run(trace: RunTrace, cap_mb: Cap, model: WhatIfModel | None = None,
     inputs = trace.cache.get(key) or trace.cache.setdefault(key, step_inputs(trace, reader))
     if not inputs:
         raise TraceError(f"{trace.path.name}: no step to replay")
+    if smallest_cap_bytes(trace.run):  # torch.compile's DDPOptimizer: the cap moves when gradients are ready
+        from ddpscope.viz.whatif.compiled import at_cap
+
+        inputs = at_cap(inputs, trace.run, cap_mb)
     measured = trace.steps.set_index(["rank", "step"])
     rows: dict[str, list] = {"steps": [], "passes": [], "buckets": [], "grads": []}
     keep = set()

@@ -13,7 +13,8 @@ import pytest
 from ddpscope.tracer.launch.rerun import rerun_settings
 from ddpscope.viz.trace import load_run
 from ddpscope.viz.whatif.ab import compute_ab_steps, compute_bucket_ab, compute_bucket_timing, make_ab_timeline_figure
-from ddpscope.viz.whatif.advisor import _Search, advise, list_for_layout, setting_text, step_noise_ms
+from ddpscope.viz.whatif.advisor import advise, list_for_layout, setting_text, step_noise_ms
+from ddpscope.viz.whatif.search import LayoutSearch
 from ddpscope.viz.whatif.simulate import predict_run
 from tests.conftest import SAMPLES, run_cli
 from tests.viz.whatif.test_whatif import MIB, model, synthetic
@@ -24,7 +25,7 @@ def test_a_written_list_builds_exactly_its_layout_with_ddps_bucketing():
     each, put through DDP's ``compute_bucket_assignment_by_size``, gives that partition."""
     rng = np.random.default_rng(1)
     t = synthetic()
-    search = _Search(t, model())
+    search = LayoutSearch(t, model())
     for _ in range(300):
         n = int(rng.integers(1, 30))
         search.sizes = [int(x) * 4 for x in rng.integers(1, 2**20, n)]
