@@ -16,6 +16,9 @@ from ddpscope.tracer.capture.autotrace.step_limit import end_job
 from ddpscope.tracer.progress import emit_progress, say
 from ddpscope.tracer.writer import update_run_json
 
+#: the pid of the process whose session set it (see ``Session.rank_process``)
+SESSION_PID_ENV = "DDPSCOPE_SESSION_PID"
+
 
 def _model_folder(k: int, ddp) -> str:
     """The run folder of the job's DDP model ``k`` (1 for the second built), relative to
@@ -40,6 +43,11 @@ class Session:
         # and the traced model was built: µs on the host monotonic clock (the trace's)
         self.times_us: dict[str, float] = {"bootstrap": now_us()}
         self.world_destroyed = False  # the script destroyed its default process group (patches.py)
+        # A process the rank's script starts (an inductor compile worker, a data loader) inherits
+        # its environment, and with it a session of its own: not the rank (what it would say of
+        # the rank's job, it says of itself)
+        self.rank_process = os.environ.get(SESSION_PID_ENV, str(os.getpid())) == str(os.getpid())
+        os.environ[SESSION_PID_ENV] = str(os.getpid())
         self._lock = threading.Lock()
 
     # -- what the patches call ------------------------------------------------------
@@ -256,7 +264,8 @@ class Session:
             world = int(os.environ.get("WORLD_SIZE", "1"))
         except ValueError:
             return
-        if world < 2 or rank() != 0:
+        # (a rank's script may spawn the ranks that train, as mp.spawn does: they trace themselves)
+        if world < 2 or rank() != 0 or not self.rank_process or any(Path(self.config.out).glob("rank-*.json")):
             return
         dist, torch = sys.modules.get("torch.distributed"), sys.modules.get("torch")
         said = []
