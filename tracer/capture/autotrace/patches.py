@@ -67,22 +67,27 @@ def _patch_ddp(session: Session, module) -> None:
 
 
 def _feasible_override(session: Session, module, cap, caps):
-    """``(cap, caps)`` to apply: none where the module is ``torch.compile``'d inside and the
-    cap asked for (the largest of a list) is under the 1 MiB torch.compile's DDPOptimizer
-    requires (it would fail the job at its first forward); said once, the script's caps
-    stay. (``torch.compile(DDP(model))`` compiles after this: it fails as it would
-    without ddpscope, and the launcher's last line says why.)"""
+    """``(cap, caps)`` to apply, or none where DDP would refuse them and fail the job: a
+    ``bucket_cap_mb_list`` under compiled autograd's Python reducer (DDP's assertion at
+    its construction), a cap (a list's largest entry) under the 1 MiB that torch.compile's
+    DDPOptimizer requires of a model compiled inside DDP (at the first forward). Said once;
+    the script's caps stay. (``torch.compile(DDP(model))`` compiles after this: it fails as
+    it would without ddpscope, and the launcher's last line says why.)"""
     if cap is None and caps is None or module is None:
         return cap, caps
     from ddpscope.tracer.capture.ddp.run_facts import DDP_OPTIMIZER_MIN_CAP_BYTES, compiled_inside, ddp_optimizer_mode
 
-    largest = cap if cap is not None else max(caps)
-    if int(largest * 2**20) >= DDP_OPTIMIZER_MIN_CAP_BYTES or ddp_optimizer_mode() != "ddp_optimizer" \
-            or not compiled_inside(module):
-        return cap, caps
     asked = f"--bucket-cap-mb {cap:g}" if cap is not None else f"--bucket-cap-mb-list {','.join(f'{c:g}' for c in caps)}"
-    session.note(f"{asked} is not applied: the model is torch.compile'd, and torch.compile's DDPOptimizer refuses "
-                 f"a bucket cap under 1 MiB (its first bucket); the script's own bucket caps stay")
+    mode = ddp_optimizer_mode()
+    if caps is not None and mode == "python_reducer":
+        why = "DDP under compiled autograd's Python reducer (optimize_ddp='python_reducer') takes no bucket_cap_mb_list"
+    elif mode == "ddp_optimizer" and int((cap if cap is not None else max(caps)) * 2**20) < DDP_OPTIMIZER_MIN_CAP_BYTES \
+            and compiled_inside(module):
+        why = "the model is torch.compile'd, and torch.compile's DDPOptimizer refuses a bucket cap under 1 MiB " \
+              "(its first bucket)"
+    else:
+        return cap, caps
+    session.note(f"{asked} is not applied: {why}; the script's own bucket caps stay")
     return None, None
 
 

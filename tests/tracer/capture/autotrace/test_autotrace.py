@@ -383,28 +383,46 @@ def test_a_job_whose_ranks_trained_alone_says_why_in_its_last_line(tmp_path, cas
     assert run["status"] == "untraced" and run["error"].startswith(why)
 
 
+# DDP under compiled autograd's Python reducer (untraceable), a Python subprocess each step
+PYTHON_REDUCER = ("import subprocess, sys, torch, torch.distributed as dist, torch._dynamo\n"
+                  "torch._dynamo.config.optimize_ddp = 'python_reducer'\n"
+                  "dist.init_process_group('gloo')\n"
+                  "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))\n"
+                  "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                  "for _ in range(3):\n"
+                  "    m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
+                  "    subprocess.run([sys.executable, '-c', 'import torch.distributed'], check=True)\n"
+                  "dist.destroy_process_group()\n")
+REDUCER_WHY = "DDP runs under compiled autograd's Python reducer"
+
+
 def test_a_python_process_the_script_starts_speaks_for_itself_not_for_the_rank(tmp_path):
     """A process a rank's script starts (inductor's compile workers, a data loader) inherits
     the rank's environment, and with it a capture session: it has no process group and no
     model, and it is not the rank. A job that could not be traced (DDP under the Python
     reducer) keeps the rank's own reason, not the subprocess's idea of the job."""
     script = tmp_path / "train.py"
-    script.write_text("import subprocess, sys, torch, torch.distributed as dist, torch._dynamo\n"
-                      "torch._dynamo.config.optimize_ddp = 'python_reducer'\n"
-                      "dist.init_process_group('gloo')\n"
-                      "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))\n"
-                      "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
-                      "for _ in range(3):\n"
-                      "    m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
-                      "    subprocess.run([sys.executable, '-c', 'import torch.distributed'], check=True)\n"
-                      "dist.destroy_process_group()\n")
+    script.write_text(PYTHON_REDUCER)
     out = tmp_path / "run"
     proc = run_cli("run", "--nproc", "2", "--out", str(out), "--", str(script))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    why = "DDP runs under compiled autograd's Python reducer"
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"ddpscope run: {why}"), proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"ddpscope run: {REDUCER_WHY}"), proc.stderr[-2000:]
     notes = json.loads((out / "run.json").read_text())["notes"]
-    assert len(notes) == 1 and notes[0].startswith(why) and "trained alone" not in proc.stderr
+    assert len(notes) == 1 and notes[0].startswith(REDUCER_WHY) and "trained alone" not in proc.stderr
+
+
+def test_a_bucket_cap_list_ddp_would_refuse_is_not_applied_and_the_job_runs(tmp_path):
+    """DDP asserts at its construction that the Python reducer takes no bucket_cap_mb_list:
+    ddpscope's override would end the job there; it is said not applied, the script's stay."""
+    script = tmp_path / "train.py"
+    script.write_text(PYTHON_REDUCER)
+    out = tmp_path / "run"
+    proc = run_cli("run", "--nproc", "2", "--bucket-cap-mb-list", "1,4", "--out", str(out), "--", str(script))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = json.loads((out / "run.json").read_text())["notes"]
+    assert notes[0] == ("--bucket-cap-mb-list 1,4 is not applied: DDP under compiled autograd's Python reducer "
+                        "(optimize_ddp='python_reducer') takes no bucket_cap_mb_list; the script's own bucket caps stay")
+    assert notes[1].startswith(REDUCER_WHY)
 
 
 def test_a_script_that_fails_before_any_step_leaves_a_folder_that_says_why(tmp_path):
