@@ -69,7 +69,8 @@ def piece_count(run: dict) -> int:
     ``bucket_bytes_cap``; only the count is taken, as the order can differ (tied weights)."""
     sizes = [int(b) for b in run["param_bytes"]]
     names = run.get("param_names") or [f"param{i}" for i in range(len(sizes))]
-    cap = int(run.get("bucket_cap_bytes") or DEFAULT_CAP_MB * MIB)
+    cap = run.get("bucket_cap_bytes")
+    cap = int(cap) if isinstance(cap, (int, float)) and cap > 0 else int(DEFAULT_CAP_MB * MIB)
     return len(_pieces(list(reversed(range(len(sizes)))), sizes, names, cap))
 
 

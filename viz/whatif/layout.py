@@ -76,7 +76,9 @@ def smallest_cap_bytes(run: dict) -> int:
     """The smallest ``bucket_bytes_cap`` (bytes) the run's model accepts: DDP's default
     first bucket, 1 MiB, where torch.compile's DDPOptimizer splits its graphs at buckets
     (run.json ``torch_compile``): it refuses a smaller one at the first forward; else 0."""
-    return DEFAULT_FIRST_BUCKET_BYTES if (run.get("torch_compile") or {}).get("optimize_ddp") == "ddp_optimizer" else 0
+    compiled = run.get("torch_compile")
+    return DEFAULT_FIRST_BUCKET_BYTES if isinstance(compiled, dict) and compiled.get("optimize_ddp") == "ddp_optimizer" \
+        else 0
 
 
 def runnable(run: dict, cap: Cap) -> bool:

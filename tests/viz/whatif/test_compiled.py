@@ -51,3 +51,13 @@ def test_a_smaller_cap_splits_the_later_piece_by_bytes_and_never_splits_a_module
 def test_ddp_optimizer_splits_at_a_lists_largest_limit():
     assert graph_cap_bytes((0.25, 1.0, 4.0)) == 4 * MIB and graph_cap_bytes(None) == 25 * MIB
     assert ready(at_cap([traced_step()], RUN, (0.5, 1.0))) == ready(at_cap([traced_step()], RUN, 1.0))
+
+
+def test_a_run_json_that_says_nothing_usable_of_the_compile_is_an_eager_run():
+    from ddpscope.viz.whatif.layout import runnable, smallest_cap_bytes
+
+    for odd in ("yes", ["ddp_optimizer"], {"optimize_ddp": "python_reducer"}, None, {}):
+        assert smallest_cap_bytes({"torch_compile": odd}) == 0 and runnable({"torch_compile": odd}, 0.25)
+    assert smallest_cap_bytes(RUN) == MIB and not runnable(RUN, 0.5) and runnable(RUN, (0.25, 1.0))
+    odd_cap = {**RUN, "bucket_cap_bytes": "lots"}  # DDP's default then
+    assert ready(at_cap([traced_step()], odd_cap, 1.0)) == ready(at_cap([traced_step()], RUN, 1.0))
