@@ -29,6 +29,7 @@ from ddpscope.tracer.launch.rerun import rerun_settings
 from ddpscope.tracer.launch.runner import file_sha256
 from ddpscope.tracer.options import DEMO_MODELS
 from ddpscope.viz.trace import TraceError
+from ddpscope.viz.whatif.layout import runnable
 
 CAP_OPTIONS = [0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 5.0, 8.0, 10.0, 16.0, 25.0, 32.0, 50.0, 64.0, 100.0, 250.0, 500.0]  # MiB
 
@@ -97,8 +98,9 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
             st.warning(f"{source['path']} changed since this trace was taken: the rerun runs the file as it is now.")
     run = trace.run
     cap_now = float(run.get("bucket_cap_mb") or 25.0)
+    options = [c for c in CAP_OPTIONS if runnable(run, c)]  # a torch.compile'd model takes none under 1 MiB
     if st.session_state.get("rerun_for") != str(path):  # a new trace: start from its own settings
-        st.session_state.update(rerun_for=str(path), run_cap=min(CAP_OPTIONS, key=lambda c: abs(c - cap_now)),
+        st.session_state.update(rerun_for=str(path), run_cap=min(options, key=lambda c: abs(c - cap_now)),
                                 run_steps=int(min(max(run.get("steps") or 10, 3), 50)),
                                 run_nproc=int(min(max(source["nproc"], 1), 4)))
     what = {"demo": source["demo"]} if "demo" in source else {"script": source["script"], "cwd": source["cwd"]}
@@ -130,13 +132,16 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
     default = st.toggle("DDP's default buckets (25 MiB, the first bucket 1 MiB): no bucket_cap_mb passed",
                         key="run_cap_default")
     c = st.columns(3)
-    cap = c[0].select_slider("bucket_cap_mb (MiB, log scale; every bucket, the first too)", options=CAP_OPTIONS,
+    cap = c[0].select_slider("bucket_cap_mb (MiB, log scale; every bucket, the first too)", options=options,
                              key="run_cap", disabled=default)
     steps = c[1].slider("steps", 3, 50, key="run_steps")
     nproc = c[2].slider("world size", 1, 4, key="run_nproc")
     caps = st.text_input("or a size per bucket: bucket_cap_mb_list (MiB, in bucket order, the last repeats)",
                          key="run_cap_list", placeholder="e.g. 1,8,25 (empty: the cap above)",
                          disabled=default).strip()
+    if options != CAP_OPTIONS:
+        st.caption("The model is torch.compile'd: its DDPOptimizer refuses a bucket cap under 1 MiB (of a "
+                   "bucket_cap_mb_list, its largest entry), so the caps start at 1 MiB.")
     emulation = lab_controls("run")
     if blocked:
         st.info(f"Rerun is off: {blocked}.")

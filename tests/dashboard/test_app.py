@@ -778,7 +778,7 @@ def test_run_at_the_predicted_cap_puts_the_real_run_on_the_curve(app, tmp_path):
     assert list(vs["run"]) == ["predicted at 4 MiB", f"run: {runs[0].name} (measured)"]
 
 
-def test_whatif_offers_a_torch_compiled_model_no_cap_its_ddp_optimizer_refuses(app, tmp_path):
+def test_whatif_and_run_offer_a_torch_compiled_model_no_cap_its_ddp_optimizer_refuses(app, tmp_path):
     """A run whose run.json says torch.compile's DDPOptimizer splits its graphs (the fact
     set here on a sample; tests/tracer/capture/autotrace/test_torch_compile.py records it
     from a real compiled run): no cap under 1 MiB on the curve, and the page says why."""
@@ -793,6 +793,10 @@ def test_whatif_offers_a_torch_compiled_model_no_cap_its_ddp_optimizer_refuses(a
     xs = {x for t in _predict_chart(app)["data"] if t["name"] == "step (predicted)" for x in t["x"]}
     assert min(xs) == 1.0 and 0.25 not in xs and 0.5 not in xs
     assert any("DDPOptimizer refuses a bucket cap under 1 MiB" in c.value for c in app.caption)
+    _page(app, "Run")  # its rerun offers none either
+    assert not app.exception
+    assert [float(o) for o in app.select_slider(key="run_cap").options][:2] == [1.0, 2.0]
+    assert any("torch.compile'd" in c.value and "start at 1 MiB" in c.value for c in app.caption)
 
 
 def test_whatif_page_gives_one_number_per_setting_and_shades_the_noise(app):
