@@ -274,7 +274,8 @@ class Session:
                 said.append(f"the script never initialised a process group (torch.distributed.init_process_group): "
                             f"each of the {world} ranks trained alone, so nothing was traced")
             if "accelerate" in sys.modules and torch is not None and not torch.cuda.is_available() and \
-                    os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "y", "yes", "t", "true", "on"):
+                    os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "y", "yes", "t", "true", "on") \
+                    and _accelerate_saw_one_process():
                 said.append("Accelerate wraps no model in DDP on a machine without accelerators unless "
                             "ACCELERATE_USE_CPU=1 is in the environment (what `accelerate launch --cpu` sets) or "
                             f"the script passes Accelerator(cpu=True): each of the {world} ranks trained alone; "
@@ -321,6 +322,19 @@ def untraceable(ddp) -> str | None:
     if getattr(ddp, "reducer", None) is None:
         return "this DDP model has no reducer"
     return None
+
+
+def _accelerate_saw_one_process() -> bool:
+    """Accelerate's state, where it made one, says it runs one process (its
+    ``distributed_type`` is ``NO``); True where it cannot be read (never raises)."""
+    import sys
+
+    try:
+        shared = sys.modules["accelerate.state"].PartialState._shared_state
+        kind = shared.get("distributed_type", "NO")
+        return getattr(kind, "value", kind) == "NO"
+    except Exception:  # noqa: BLE001 - another Accelerate: say it as before
+        return True
 
 
 def now_us() -> float:

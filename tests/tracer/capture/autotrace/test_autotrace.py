@@ -357,14 +357,17 @@ for _ in range(3):
 """
 
 
-@pytest.mark.parametrize("case", ["no process group", "accelerate without ACCELERATE_USE_CPU", "accelerate with it"])
+@pytest.mark.parametrize("case", ["no process group", "accelerate without ACCELERATE_USE_CPU", "accelerate with it",
+                                  "accelerate distributed, no model"])
 def test_a_job_whose_ranks_trained_alone_says_why_in_its_last_line(tmp_path, case):
     """Several ranks, no DDP model: where each rank trained alone, the last line says why
     (no process group; Accelerate on a CPU machine seeing one process), not only that no
     DDP model was built; where Accelerate is told, the model is traced."""
     script = tmp_path / "train.py"
     script.write_text("import torch\nm = torch.nn.Linear(4, 4)\nm(torch.randn(2, 4)).sum().backward()\n"
-                      if case == "no process group" else ACCELERATE_AS_WRITTEN)
+                      if case == "no process group" else
+                      "from accelerate import Accelerator\nAccelerator(cpu=True).wait_for_everyone()\n"
+                      if case == "accelerate distributed, no model" else ACCELERATE_AS_WRITTEN)
     out = tmp_path / "run"
     env = {"ACCELERATE_USE_CPU": "1"} if case == "accelerate with it" else {"ACCELERATE_USE_CPU": "false"}
     proc = run_cli("run", "--nproc", "2", "--out", str(out), "--", str(script), env=env)
@@ -372,6 +375,10 @@ def test_a_job_whose_ranks_trained_alone_says_why_in_its_last_line(tmp_path, cas
     run = json.loads((out / "run.json").read_text())
     if case == "accelerate with it":
         assert run["status"] == "complete" and load_run(out).steps.groupby("rank").size().to_dict() == {0: 3, 1: 3}
+        return
+    if case == "accelerate distributed, no model":  # Accelerate ran distributed: nothing to explain but that
+        assert proc.stderr.strip().splitlines()[-1] == ("ddpscope run: no DistributedDataParallel, FSDP2 or DeepSpeed "
+                                                        "model was built; nothing was traced")
         return
     why = {"no process group": "the script never initialised a process group (torch.distributed.init_process_group): "
                                "each of the 2 ranks trained alone, so nothing was traced",
