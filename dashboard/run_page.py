@@ -27,7 +27,7 @@ from ddpscope.dashboard.timeline_page import show_comparison
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.tracer.launch.rerun import rerun_settings
 from ddpscope.tracer.launch.runner import file_sha256
-from ddpscope.tracer.options import DEMO_MODELS
+from ddpscope.tracer.options import DEMO_MODELS, mib_list
 from ddpscope.viz.trace import TraceError
 from ddpscope.viz.whatif.layout import runnable
 
@@ -149,6 +149,9 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
     def settings() -> dict:
         as_default = widget_now("run_cap_default", default)
         chosen = "" if as_default else widget_now("run_cap_list", caps).strip()
+        if chosen and options != CAP_OPTIONS and _largest(chosen) < 1.0:  # what DDPOptimizer would fail on
+            raise ValueError(f"bucket_cap_mb_list {chosen}: the model is torch.compile'd, and its DDPOptimizer "
+                             "refuses a list whose largest entry is under 1 MiB")
         return dict(nproc=widget_now("run_nproc", nproc), steps=widget_now("run_steps", steps), source=path,
                     bucket_cap_mb=None if chosen or as_default else widget_now("run_cap", cap),
                     bucket_cap_mb_list=chosen or None, **emulation(), **what)
@@ -156,6 +159,15 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
     label = ("Rerun with DDP's default buckets" if default else
              f"Rerun with bucket_cap_mb_list = {caps}" if caps else f"Rerun with bucket_cap_mb = {cap:g}")
     job_button(label, "run_button", jobs.start, settings, disabled=busy or bool(blocked), type="primary")
+
+
+def _largest(caps: str) -> float:
+    """The largest entry of a typed bucket_cap_mb_list (inf when it does not parse: the
+    run's own check says what is wrong with it)."""
+    try:
+        return max(mib_list(caps), default=float("inf"))
+    except ValueError:
+        return float("inf")
 
 
 def _new_command(jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:

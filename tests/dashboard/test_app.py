@@ -797,6 +797,12 @@ def test_whatif_and_run_offer_a_torch_compiled_model_no_cap_its_ddp_optimizer_re
     assert not app.exception
     assert [float(o) for o in app.select_slider(key="run_cap").options][:2] == [1.0, 2.0]
     assert any("torch.compile'd" in c.value and "start at 1 MiB" in c.value for c in app.caption)
+    app.toggle(key="run_cap_default").set_value(False).run()
+    app.text_input(key="run_cap_list").set_value("0.25,0.5").run()
+    app.button(key="run_button").click().run()  # refused on the page, nothing started
+    assert not app.exception
+    assert any("largest entry is under 1 MiB" in e.value for e in app.error)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["compiled"]
 
 
 def test_whatif_page_gives_one_number_per_setting_and_shades_the_noise(app):
