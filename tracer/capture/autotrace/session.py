@@ -46,8 +46,9 @@ class Session:
         # A process the rank's script starts (an inductor compile worker, a data loader) inherits
         # its environment, and with it a session of its own: not the rank (what it would say of
         # the rank's job, it says of itself)
-        self.rank_process = os.environ.get(SESSION_PID_ENV, str(os.getpid())) == str(os.getpid())
-        os.environ[SESSION_PID_ENV] = str(os.getpid())
+        self.pid = os.getpid()  # a process forked from the rank has this session too, and another pid
+        self.rank_process = os.environ.get(SESSION_PID_ENV, str(self.pid)) == str(self.pid)
+        os.environ[SESSION_PID_ENV] = str(self.pid)
         self._lock = threading.Lock()
 
     # -- what the patches call ------------------------------------------------------
@@ -265,7 +266,8 @@ class Session:
         except ValueError:
             return
         # (a rank's script may spawn the ranks that train, as mp.spawn does: they trace themselves)
-        if world < 2 or rank() != 0 or not self.rank_process or any(Path(self.config.out).glob("rank-*.json")):
+        if world < 2 or rank() != 0 or not self.rank_process or os.getpid() != self.pid \
+                or any(Path(self.config.out).glob("rank-*.json")):
             return
         dist, torch = sys.modules.get("torch.distributed"), sys.modules.get("torch")
         said = []
