@@ -143,14 +143,18 @@ def _summary(path: str, as_json: bool) -> int:
             out["not_buckets"] = [_json_safe(r) for r in own.to_dict("records")]
         if models:
             out["models"] = models
+        if isinstance(trace.run.get("torch_compile"), dict):
+            out["torch_compile"] = trace.run["torch_compile"]
         if hta is not None:
             out.update(ranks_present=trace.run["ranks_present"], hta=_by_rank(hta), clock=trace.run["clock"],
                        notes=trace.run["notes"])
         print(json.dumps(out, indent=1, default=float))
         return 0
     if hta is None:
+        compiled = trace.run.get("torch_compile")
+        compiled = f"  torch.compile'd (optimize_ddp={compiled.get('optimize_ddp')})" if isinstance(compiled, dict) else ""
         print(f"{trace.path}  status={trace.status}  ranks={trace.world_size}  "
-              f"bucket_cap_mb={_mib(trace.run.get('bucket_cap_mb'))}  (medians over non-warm-up steps, ms)")
+              f"bucket_cap_mb={_mib(trace.run.get('bucket_cap_mb'))}{compiled}  (medians over non-warm-up steps, ms)")
         if trace.unfinished:
             print(f"{trace.status}: {trace.unfinished}")
     else:

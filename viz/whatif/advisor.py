@@ -14,6 +14,8 @@ Searched, every candidate replayed by the what-if simulator on the trace's own s
 Where DDP never rebuilds its buckets (``find_unused_parameters=True`` in a dynamic graph)
 its layout is cut in registration order from the first registered parameter, not in
 gradient-ready order: only uniform caps are searched there, and ``Advice.note`` says why.
+A ``torch.compile``'d model is offered no cap under 1 MiB and no per-bucket list (its
+DDPOptimizer refuses the one, splits at a list's largest entry: ``search.py``).
 
 A simpler setting (a uniform cap, then a shorter list) within ``SIMPLER`` of the best
 is preferred: the model is not that exact. The gain is the predicted step at the traced

@@ -14,7 +14,7 @@ from ddpscope.viz.trace import load_run
 from ddpscope.viz.whatif.advisor import advise
 from ddpscope.viz.whatif.layout import runnable
 from ddpscope.viz.whatif.sweep import compute_cap_sweep
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 from tests.tracer.capture.autotrace.test_autotrace import trace_script, untraced
 
 pytestmark = pytest.mark.ddp
@@ -39,6 +39,9 @@ def test_a_compiled_model_keeps_its_caps_where_the_asked_one_would_fail_and_the_
     assert run["bucket_cap_mb"] == 25.0 and run["bucket_cap_bytes"] == 25 * 2**20  # the script's (DDP's default)
     assert run["torch_compile"]["inside"] is True and run["torch_compile"]["optimize_ddp"] == "ddp_optimizer"
     assert run["torch_compile"]["graphs"] >= 1
+    summary = run_cli("summary", str(out))  # the run says it was compiled, as run.json does
+    assert summary.returncode == 0 and "bucket_cap_mb=25  torch.compile'd (optimize_ddp=ddp_optimizer)" in summary.stdout
+    assert json.loads(run_cli("summary", str(out), "--json").stdout)["torch_compile"] == run["torch_compile"]
     plain = untraced(tmp_path, SCRIPT)
     assert [sha(report, r) for r in (0, 1)] == [sha(plain, r) for r in (0, 1)]  # traced, bit-identical
     assert [compiled(report, r) for r in (0, 1)] == [compiled(plain, r) for r in (0, 1)]  # the same graphs
