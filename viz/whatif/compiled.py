@@ -29,15 +29,8 @@ import dataclasses
 
 import numpy as np
 
-from ddpscope.viz.whatif.layout import DEFAULT_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB, Cap, is_cap_list
+from ddpscope.viz.whatif.layout import DEFAULT_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB, Cap, cap_bytes
 from ddpscope.viz.whatif.model import RankStep, StepInputs
-
-
-def graph_cap_bytes(cap: Cap) -> int:
-    """DDP's ``bucket_bytes_cap`` for ``cap``, the one DDPOptimizer splits at: the cap, a
-    list's largest entry, or DDP's default 25 MiB (None)."""
-    largest = DEFAULT_CAP_MB if cap is None else max(map(float, cap)) if is_cap_list(cap) else float(cap)
-    return int(largest * MIB)
 
 
 def _module(name: str) -> str:
@@ -114,6 +107,6 @@ def at_cap(inputs: list[StepInputs], run: dict, cap: Cap) -> list[StepInputs]:
     gradient-ready work as DDPOptimizer's pieces at ``cap`` would give it (see the module)."""
     sizes = [int(b) for b in run["param_bytes"]]
     names = run.get("param_names") or [f"param{i}" for i in range(len(sizes))]
-    cap_bytes, count = graph_cap_bytes(cap), piece_count(run)
-    return [StepInputs(step=inp.step, ranks={r: _rank_at_cap(rs, sizes, names, cap_bytes, count)
+    limit, count = cap_bytes(cap), piece_count(run)
+    return [StepInputs(step=inp.step, ranks={r: _rank_at_cap(rs, sizes, names, limit, count)
                                              for r, rs in inp.ranks.items()}) for inp in inputs]

@@ -81,11 +81,16 @@ def smallest_cap_bytes(run: dict) -> int:
         else 0
 
 
-def runnable(run: dict, cap: Cap) -> bool:
-    """The run's model can be given ``cap``: its ``bucket_bytes_cap`` (the cap; a list's
-    largest entry; DDP's default 25 MiB) is at least ``smallest_cap_bytes``."""
+def cap_bytes(cap: Cap) -> int:
+    """DDP's ``bucket_bytes_cap`` for ``cap`` (the one torch.compile's DDPOptimizer splits
+    at): the cap, a list's largest entry, or DDP's default 25 MiB (None)."""
     largest = DEFAULT_CAP_MB if cap is None else max(map(float, cap)) if is_cap_list(cap) else float(cap)
-    return int(largest * MIB) >= smallest_cap_bytes(run)
+    return int(largest * MIB)
+
+
+def runnable(run: dict, cap: Cap) -> bool:
+    """The run's model can be given ``cap``: its ``cap_bytes`` is at least ``smallest_cap_bytes``."""
+    return cap_bytes(cap) >= smallest_cap_bytes(run)
 
 
 def compile_note(run: dict) -> str | None:

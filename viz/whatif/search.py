@@ -16,11 +16,12 @@ import math
 import numpy as np
 
 from ddpscope.viz.trace import RunTrace, TraceError
-from ddpscope.viz.whatif.compiled import at_cap, graph_cap_bytes
+from ddpscope.viz.whatif.compiled import at_cap
 from ddpscope.viz.whatif.layout import (
     Cap,
     assign_buckets,
     bucket_limits,
+    cap_bytes,
     first_layout,
     rebuilds,
     runnable,
@@ -73,7 +74,7 @@ class LayoutSearch:
 
     def _key(self, layout: list[list[int]], cap: Cap) -> tuple:
         key = tuple(map(tuple, layout))
-        return (key, graph_cap_bytes(cap)) if self.compiled else key
+        return (key, cap_bytes(cap)) if self.compiled else key
 
     def step_ms(self, layout: list[list[int]], cap: Cap = None) -> float:
         """The median step (ms) of ``layout`` replayed on the search's steps (``cap``: the
@@ -95,7 +96,7 @@ class LayoutSearch:
         steps = self.all_inputs if every else self.inputs
         if not self.compiled:
             return steps
-        key = (every, graph_cap_bytes(cap))
+        key = (every, cap_bytes(cap))
         if key not in self._at_cap:
             self._at_cap[key] = at_cap(steps, self.run, cap)
         return self._at_cap[key]

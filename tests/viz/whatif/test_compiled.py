@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddpscope.viz.whatif.compiled import at_cap, graph_cap_bytes
+from ddpscope.viz.whatif.compiled import at_cap
+from ddpscope.viz.whatif.layout import cap_bytes
 from ddpscope.viz.whatif.model import RankStep, StepInputs
 
 MIB = 2**20
@@ -49,7 +50,7 @@ def test_a_smaller_cap_splits_the_later_piece_by_bytes_and_never_splits_a_module
 
 
 def test_ddp_optimizer_splits_at_a_lists_largest_limit():
-    assert graph_cap_bytes((0.25, 1.0, 4.0)) == 4 * MIB and graph_cap_bytes(None) == 25 * MIB
+    assert cap_bytes((0.25, 1.0, 4.0)) == 4 * MIB and cap_bytes(None) == 25 * MIB
     assert ready(at_cap([traced_step()], RUN, (0.5, 1.0))) == ready(at_cap([traced_step()], RUN, 1.0))
 
 

@@ -5,6 +5,7 @@ after each step, and the end (the trace closed once, whatever ends the script)."
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -259,8 +260,6 @@ class Session:
         model was built"): a script that never made a process group trained each rank
         alone; Accelerate, on a machine without accelerators, makes the group but wraps
         no model in DDP (it sees one process) unless told ``ACCELERATE_USE_CPU``."""
-        import sys
-
         try:
             world = int(os.environ.get("WORLD_SIZE", "1"))
         except ValueError:
@@ -329,8 +328,6 @@ def untraceable(ddp) -> str | None:
 def _accelerate_saw_one_process() -> bool:
     """Accelerate's state, where it made one, says it runs one process (its
     ``distributed_type`` is ``NO``); True where it cannot be read (never raises)."""
-    import sys
-
     try:
         shared = sys.modules["accelerate.state"].PartialState._shared_state
         kind = shared.get("distributed_type", "NO")
