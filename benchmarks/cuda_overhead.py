@@ -1,15 +1,18 @@
 """Tracing overhead on a GPU: traced against untraced step time, one rank on NCCL.
 
     python -m benchmarks.cuda_overhead [--seconds 240] [--models launch,compute] [--window 20]
-                                       [--report-s 60] [--record FILE] [--device cpu] [--smoke]
+                                       [--report-s 60] [--record FILE] [--grad-marks-every 10]
+                                       [--device cpu] [--smoke]
 
 One process, one rank (NCCL, world size 1; ``--device cpu`` runs it on gloo, to try the
 script where there is no GPU). For each model, two identical copies, each in its own DDP on
 its own process group (the tracer turns NCCL's collective timing on for its group alone),
 one traced by the full tracer as ``ddpscope run`` uses it (compiled capture, writing its
 file), the other not. Both train on the same batches, so their parameters must end
-bit-identical (printed). They run in alternating *windows* of ``--window`` steps, the order
-swapped every round; a window is timed from a device synchronize to a device synchronize
+bit-identical (printed). A third copy is traced with ``--grad-marks-every N`` (10; 1: no
+third copy): gradient-ready marks on the first steps and every Nth only, the cut left for a
+launch-bound model (docs/cuda.md). They run in *windows* of ``--window`` steps, each copy
+first in turn, round by round; a window is timed from a device synchronize to a device synchronize
 (the benchmark's own, between windows, never inside a step), so inside it the CPU runs ahead
 of the GPU as in training, and a window's time is what the device took. Ratio per round:
 traced window over untraced window (paired: slow drifts of the machine cancel); printed, the
@@ -111,15 +114,16 @@ def run_model(name: str, args, torch, dist, device) -> dict:
     base = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
                                  for _ in range(layers)]).to(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    modes = ("untraced", "traced", *(("sparse",) if args.grad_marks_every > 1 else ()))
     copies = {}
-    for mode in ("untraced", "traced"):
+    for mode in modes:
         ddp = DDP(copy.deepcopy(base), process_group=dist.new_group(backend=backend),
                   device_ids=[device.index] if device.type == "cuda" else None)
         copies[mode] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4, foreach=True))
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [torch.randn(batch, width, device=device, generator=gen) for _ in range(8)]
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    done = {"untraced": 0, "traced": 0}
+    done = dict.fromkeys(modes, 0)
 
     def window(mode: str, steps: int) -> float:
         ddp, opt = copies[mode]
@@ -135,44 +139,53 @@ def run_model(name: str, args, torch, dist, device) -> dict:
         return time.perf_counter() - t0
 
     tmp = tempfile.mkdtemp(prefix="ddpscope-cuda-overhead-")
-    ddp, opt = copies["traced"]
-    tracer = DDPTracer(ddp, opt, out_dir=Path(tmp) / name, capture="compiled")
-    tracer.__enter__()
+    tracers = {m: DDPTracer(*copies[m], out_dir=Path(tmp) / f"{name}-{m}", capture="compiled",
+                            grad_marks_every=args.grad_marks_every if m == "sparse" else 1) for m in modes[1:]}
+    tracer = tracers["traced"]
+    entered = []
     try:
-        for mode in ("untraced", "traced"):
+        for t in tracers.values():
+            t.__enter__()
+            entered.append(t)
+        for mode in modes:
             window(mode, 10)  # warm-up: DDP's bucket rebuild, the allocator, cuBLAS
-        ratios, times = [], {"untraced": [], "traced": []}
+        ratios, times = {m: [] for m in modes[1:]}, {m: [] for m in modes}
         begin = time.monotonic()
-        end, report, reported = begin + args.seconds, begin + args.report_s, 0
+        end, report, reported, rounds = begin + args.seconds, begin + args.report_s, 0, 0
         record = open(args.record, "a") if args.record else None  # noqa: SIM115 - closed below
         try:
             while time.monotonic() < end:
-                order = ("untraced", "traced") if len(ratios) % 2 == 0 else ("traced", "untraced")
+                order = modes[rounds % len(modes):] + modes[:rounds % len(modes)]  # each mode first in turn
                 got = {m: window(m, args.window) for m in order}
                 for m in got:
                     times[m].append(got[m] / args.window)
-                ratios.append(got["traced"] / got["untraced"])
+                for m in ratios:
+                    ratios[m].append(got[m] / got["untraced"])
                 if record is not None:  # a run cut short keeps its rounds
-                    record.write(json.dumps({"model": name, "round": len(ratios) - 1, "window": args.window,
+                    record.write(json.dumps({"model": name, "round": rounds, "window": args.window,
                                              **{f"{m}_s": got[m] for m in got}}) + "\n")
                     record.flush()
+                rounds += 1
                 if time.monotonic() >= report:  # does the overhead move as the run goes on?
-                    print(f"  {name}: {time.monotonic() - begin:5.0f} s, rounds {reported}-{len(ratios) - 1}: "
-                          f"traced / untraced {statistics.median(ratios[reported:]):.4f}", flush=True)
-                    reported, report = len(ratios), report + args.report_s
+                    print(f"  {name}: {time.monotonic() - begin:5.0f} s, rounds {reported}-{rounds - 1}: " + ", ".join(
+                        f"{m} / untraced {statistics.median(r[reported:]):.4f}" for m, r in ratios.items()),
+                        flush=True)
+                    reported, report = rounds, report + args.report_s
         finally:
             if record is not None:
                 record.close()
         pieces = where_the_time_goes(tracer, lambda: window("traced", 1), 50, extra=closing_pieces(tracer))
         stamp_us = stamp_cost(tracer.clock)
-        # the untraced copy catches up on the steps the pieces took, then both must match
-        window("untraced", done["traced"] - done["untraced"])
+        # the other copies catch up on the steps the pieces took, then all must match
+        for m in modes:
+            window(m, done["traced"] - done[m])
         sync()
-        same = all(torch.equal(a, b) for a, b in zip(copies["traced"][0].parameters(),
-                                                     copies["untraced"][0].parameters()))
+        same = all(all(torch.equal(a, b) for a, b in zip(copies[m][0].parameters(), copies["untraced"][0].parameters()))
+                   for m in modes[1:])
         note = tracer.capture_note
     finally:
-        tracer.__exit__(None, None, None)
+        for t in reversed(entered):
+            t.__exit__(None, None, None)
         shutil.rmtree(tmp, ignore_errors=True)
     return {"ratios": ratios, "times": times, "pieces": pieces, "same": same, "note": note,
             "steps": done["traced"], "capture": "compiled" if note is None else "python", "stamp_us": stamp_us,
@@ -214,6 +227,8 @@ def main() -> int:
     p.add_argument("--report-s", type=float, default=60.0,
                    help="print the median ratio of the rounds of each such interval as the run goes (seconds)")
     p.add_argument("--record", default="", help="append each round's window times here (JSON Lines) as it ends")
+    p.add_argument("--grad-marks-every", type=int, default=10,
+                   help="a third copy traced with this --grad-marks-every, side by side (1: none)")
     p.add_argument("--smoke", action="store_true", help="3 s a model (on the CPU where there is no GPU)")
     args = p.parse_args()
     models = args.models.split(",")
@@ -245,15 +260,16 @@ def main() -> int:
         print(f"{name_of}, torch {torch.__version__}; windows of {args.window} steps, {args.seconds:g} s a model")
         for name in models:
             r = run_model(name, args, torch, dist, device)
-            med, lo, hi = median_ci(r["ratios"])
-            verdict = "met" if hi <= 1.02 else "NOT met"
             layers, width, batch = r["shape"]
             print(f"\nmodel={name} ({layers} x Linear({width}), batch {batch}; capture {r['capture']}"
                   f"{'' if r['note'] is None else ': ' + r['note']})")
-            print(f"  {len(r['ratios'])} rounds, {r['steps']} traced steps; ms a step (median of windows): "
-                  f"untraced {1e3 * statistics.median(r['times']['untraced']):.3f}, "
-                  f"traced {1e3 * statistics.median(r['times']['traced']):.3f}")
-            print(f"  traced / untraced: {med:.4f} (95 % CI {lo:.4f}-{hi:.4f}); goal <= 1.02: {verdict}")
+            print(f"  {len(r['ratios']['traced'])} rounds, {r['steps']} traced steps; ms a step (median of windows): "
+                  + ", ".join(f"{m} {1e3 * statistics.median(t):.3f}" for m, t in r["times"].items()))
+            for m, ratios in r["ratios"].items():
+                med, lo, hi = median_ci(ratios)
+                label = "traced" if m == "traced" else f"traced, marks every {args.grad_marks_every}th step"
+                print(f"  {label} / untraced: {med:.4f} (95 % CI {lo:.4f}-{hi:.4f}); goal <= 1.02: "
+                      f"{'met' if hi <= 1.02 else 'NOT met'}")
             print(f"  parameters bit-identical to the untraced copy's: {r['same']}")
             if device.type == "cuda":
                 print(f"  the clock's stamp: {r['stamp_us']:.1f} µs a call ({r['ring_stamps']} stamps from the "

@@ -145,6 +145,8 @@ def _summary(path: str, as_json: bool) -> int:
             out["models"] = models
         if isinstance(trace.run.get("torch_compile"), dict):
             out["torch_compile"] = trace.run["torch_compile"]
+        if isinstance(trace.run.get("grad_marks_every"), int):
+            out["grad_marks_every"] = trace.run["grad_marks_every"]
         if hta is not None:
             out.update(ranks_present=trace.run["ranks_present"], hta=_by_rank(hta), clock=trace.run["clock"],
                        notes=trace.run["notes"])
@@ -153,8 +155,11 @@ def _summary(path: str, as_json: bool) -> int:
     if hta is None:
         compiled = trace.run.get("torch_compile")
         compiled = f"  torch.compile'd (optimize_ddp={compiled.get('optimize_ddp')})" if isinstance(compiled, dict) else ""
+        every = trace.run.get("grad_marks_every")
+        marks = f"  gradient marks every {every}th step" if isinstance(every, int) and every > 1 else ""
         print(f"{trace.path}  status={trace.status}  ranks={trace.world_size}  "
-              f"bucket_cap_mb={_mib(trace.run.get('bucket_cap_mb'))}{compiled}  (medians over non-warm-up steps, ms)")
+              f"bucket_cap_mb={_mib(trace.run.get('bucket_cap_mb'))}{compiled}{marks}  "
+              "(medians over non-warm-up steps, ms)")
         if trace.unfinished:
             print(f"{trace.status}: {trace.unfinished}")
     else:

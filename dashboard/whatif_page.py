@@ -30,8 +30,9 @@ from ddpscope.viz.trace import TraceError
 from ddpscope.viz.whatif.advisor import gain_noise_ms, mark_within_noise
 from ddpscope.viz.whatif.figures import make_cap_sweep_figure
 from ddpscope.viz.whatif.layout import cap_label, is_cap_list
-from ddpscope.viz.whatif.model import fit_model, regime
+from ddpscope.viz.whatif.model import fit_model
 from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model
+from ddpscope.viz.whatif.report import regime
 from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, compute_measured_points, recommend_cap
 

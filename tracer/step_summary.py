@@ -41,7 +41,8 @@ COMM_FIELDS = ("num_buckets", "bucket_bytes", "first_launch_us", "last_done_us",
 def summarize_steps(events: Iterable) -> list[dict]:
     """One row per step of ``events`` (the complete events of whole steps, as the
     tracer writes them; anything else, such as gradient marks, is skipped), sorted by
-    step. A row: step, warmup, incomplete, start_us, end_us, micro_batches, forward_us
+    step. A row: step, warmup, incomplete, grad_marks (False: a step traced without a
+    gradient-ready mark per parameter, ``--grad-marks-every``), start_us, end_us, micro_batches, forward_us
     and backward_us (compute summed over the step's passes), the syncing pass's (the one
     whose backward launched the all-reduces; the last pass if none synced)
     forward/backward/sync start and end, optimizer start and end, ZeRO-1's param_sync
@@ -79,7 +80,7 @@ def summarize_steps(events: Iterable) -> list[dict]:
         elif cat == fmt.CAT_STEP:
             row = steps.setdefault(step, {"step": step})
             row.update(start_us=ts, end_us=te, warmup=bool(args.get("warmup", False)),
-                       incomplete=bool(args.get("incomplete", False)))
+                       incomplete=bool(args.get("incomplete", False)), grad_marks=bool(args.get("grad_marks", True)))
             if isinstance(args.get("memory"), dict):
                 row["memory"] = args["memory"]
         elif cat in _PHASES:

@@ -46,7 +46,8 @@ class RunTrace:
       gradients: it ran outside ``no_sync()``), forward_start_us, forward_end_us,
       backward_start_us, backward_end_us, sync_start_us, sync_end_us, compute_end_us
       (backward compute's end: its last gradient; the span may run on, waiting)
-    - ``steps``: rank, step, warmup, incomplete, start_us, end_us, micro_batches,
+    - ``steps``: rank, step, warmup, incomplete, grad_marks (the step has a gradient-ready
+      mark per parameter in ``grads``; False under ``--grad-marks-every``), start_us, end_us, micro_batches,
       forward_us and backward_us (compute summed over the step's passes), and the
       *syncing* pass's (the one whose backward launched the all-reduces; the last pass
       if none synced) forward_start_us, forward_end_us, backward_start_us,
@@ -278,8 +279,9 @@ def _step_tables(rows: list[dict], metas: dict[int, dict]) -> tuple[pd.DataFrame
     memory = frame_of([{"rank": r, "step": s, **_byte_counts(m)} for r, s, m in memory.itertuples(index=False)],
                       ["rank", "step"], ["rank", "step"])
     ints = {"rank", "step", "micro_batches", "num_buckets", "bucket_bytes"}
-    steps = df[STEP_COLUMNS].astype({c: bool if c in ("warmup", "incomplete") else "int64" if c in ints else float
-                                     for c in STEP_COLUMNS})
+    df["grad_marks"] = df["grad_marks"].fillna(True)  # a summary from before --grad-marks-every: every step
+    steps = df[STEP_COLUMNS].astype({c: bool if c in ("warmup", "incomplete", "grad_marks") else "int64" if c in ints
+                                     else float for c in STEP_COLUMNS})
     return steps.sort_values(["rank", "step"], kind="stable").reset_index(drop=True), memory
 
 
@@ -322,7 +324,7 @@ def fill_comm_columns(steps: pd.DataFrame, buckets: pd.DataFrame, passes: pd.Dat
 # Every table has its columns whatever the trace held (a trace without backward spans
 # has NaN backward times, not a table without the column); see ``RunTrace``.
 _SPAN_COLUMNS = [f"{phase}_{end}_us" for phase in ("forward", "backward", "sync") for end in ("start", "end")]
-STEP_COLUMNS = ["rank", "step", "warmup", "incomplete", "start_us", "end_us", "micro_batches", "forward_us",
+STEP_COLUMNS = ["rank", "step", "warmup", "incomplete", "grad_marks", "start_us", "end_us", "micro_batches", "forward_us",
                 "backward_us", *_SPAN_COLUMNS, "compute_end_us", "optimizer_start_us", "optimizer_end_us",
                 "param_sync_start_us", "param_sync_end_us", "param_sync_bytes", "param_sync_own_bytes", "ddp_own_start_us", "ddp_own_end_us",
                 "ddp_own_bytes", "buffer_sync_start_us", "buffer_sync_end_us", "buffer_sync_bytes",
@@ -331,7 +333,7 @@ PASS_COLUMNS = ["rank", "step", "micro", "sync", *_SPAN_COLUMNS, "compute_end_us
 BUCKET_COLUMNS = ["rank", "step", "bucket", "bytes", "num_params", "params", "launch_us", "done_us", "incomplete"]
 GRAD_COLUMNS = ["rank", "step", "micro", "param", "name", "ready_us"]
 _INT_COLUMNS = {"rank", "step", "micro", "bucket", "bytes", "num_params", "param", "micro_batches"}
-_BOOL_COLUMNS = {"warmup", "incomplete", "sync"}
+_BOOL_COLUMNS = {"warmup", "incomplete", "grad_marks", "sync"}
 #: the per-event tables of a rank (what ``events_for`` leaves out): name -> (sort order, columns)
 EVENT_TABLES = {"buckets": (["rank", "step", "bucket"], BUCKET_COLUMNS),
                 "grads": (["rank", "step", "ready_us"], GRAD_COLUMNS),

@@ -46,6 +46,8 @@ def main() -> None:
     p.add_argument("--compare-untraced", action="store_true")
     p.add_argument("--step-boundary", choices=("auto", "explicit"), default="auto")
     p.add_argument("--no-optimizer-hooks", action="store_true", help="do not give the tracer the optimizer")
+    p.add_argument("--grad-marks-every", type=int, default=1)
+    p.add_argument("--capture", default="compiled")
     args = p.parse_args()
     # Each rank on its own cores, as the demo job does: on a 2-core machine the ranks'
     # threads would otherwise preempt each other for milliseconds at random, between the
@@ -69,8 +71,14 @@ def main() -> None:
         gc.collect()
         gc.freeze()  # as the demo job does: short GC pauses, fewer late timestamps
         logging, allreduce_err = [], 0.0
+        stamped: dict[int, list[int]] = {}  # per step, the parameters whose gradient the tracer stamped
+
+        def on_step(record) -> None:
+            stamped[record.step] = [param for param, _, _ in record.grads]
+
         with DDPTracer(ddp, None if args.no_optimizer_hooks else opt, out_dir=out / "trace",
-                       step_boundary=args.step_boundary) as tracer:
+                       step_boundary=args.step_boundary, grad_marks_every=args.grad_marks_every,
+                       capture=args.capture, on_step=on_step) as tracer:
             for step in range(args.steps):
                 x = torch.randn(64, args.width, generator=gen)
                 y = torch.randn(64, 8, generator=gen)
@@ -102,7 +110,7 @@ def main() -> None:
         result = {
             "rank": rank, "world_size": world, "logging": logging,
             "rebuilt_per_bucket_param_indices": ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices"),
-            "allreduce_max_abs_err": allreduce_err,
+            "allreduce_max_abs_err": allreduce_err, "stamped": stamped,
         }
         if args.compare_untraced:
             torch.set_grad_enabled(False)

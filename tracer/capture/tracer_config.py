@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpscope.tracer.options import CAPTURES
+from ddpscope.tracer.options import CAPTURES, GRAD_MARKS_EVERY, MAX_STEPS
 
 
 @dataclass(kw_only=True)
@@ -27,6 +27,11 @@ class TracerConfig:
         not built, said once; a device other than CPU or CUDA; a script's own Python comm
         hook; recorded in the metadata either way) or ``"python"``.
     capture_note: why the launcher chose ``"python"`` (recorded in the metadata).
+    grad_marks_every: a gradient-ready mark per parameter on the first
+        ``recorder.GRAD_MARKS_FIRST_STEPS`` steps, then on every Nth step (1: every
+        step). The other steps keep every span and their backward's compute end (the
+        gradient ready last in the latest marked step is still stamped): a launch-bound
+        GPU model pays a device event per parameter per step for the marks.
     """
 
     out_dir: Path | str
@@ -38,6 +43,7 @@ class TracerConfig:
     run_meta: dict = field(default_factory=dict)
     capture: str = "compiled"
     capture_note: str | None = None
+    grad_marks_every: int = GRAD_MARKS_EVERY.default
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -53,3 +59,7 @@ class TracerConfig:
             raise ValueError(f"flush_interval_s must be in 0..60 seconds, got {self.flush_interval_s}")
         if not 0 <= self.memory_interval_s <= 3600:
             raise ValueError(f"memory_interval_s must be in 0..3600 seconds, got {self.memory_interval_s}")
+        n = self.grad_marks_every
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_STEPS:
+            raise ValueError(f"{GRAD_MARKS_EVERY.flag} (grad_marks_every) must be a whole number in 1..{MAX_STEPS}, "
+                             f"got {n!r}")

@@ -117,7 +117,8 @@ class JobManager:
               source: Path | None = None, reshard_after_forward: str | None = None,
               forward_prefetch: int | None = None, backward_prefetch: int | None = None,
               zero_stage: int | None = None,
-              emulate_nodes: int | None = None, link: str | None = None, facts: dict | None = None) -> Job | None:
+              emulate_nodes: int | None = None, link: str | None = None, facts: dict | None = None,
+              grad_marks_every: int = 1) -> Job | None:
         """Start a traced training run (``demo``, or ``script`` run in ``cwd``); None if a
         job is already going. ``ValueError`` (naming the setting) on bad settings, before
         anything starts. ``bucket_cap_mb_list``: per-bucket limits (MiB) instead of
@@ -126,14 +127,15 @@ class JobManager:
         ``zero_stage``: DeepSpeed's ZeRO stage overriding the script's config.
         ``emulate_nodes``, ``link``: that many nodes of ``nproc`` ranks, over links of that
         rate (``tracer/launch/lab.py``). ``facts``: added to the run's ``run.json`` when it
-        ends (what the What-if page predicted for it)."""
+        ends (what the What-if page predicted for it). ``grad_marks_every``: as ``ddpscope run
+        --grad-marks-every`` (a rerun keeps the run's)."""
         def make(out: Path) -> RunConfig:
             return RunConfig(out=out, demo=demo, script=list(script or []), cwd=cwd or Path.cwd(), nproc=nproc,
                              bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=bucket_cap_mb_list, steps=steps,
                              timeout_s=timeout_s,
                              reshard_after_forward=reshard_after_forward, forward_prefetch=forward_prefetch,
                              backward_prefetch=backward_prefetch, zero_stage=zero_stage,
-                             emulate_nodes=emulate_nodes, link=link)
+                             emulate_nodes=emulate_nodes, link=link, grad_marks_every=grad_marks_every)
 
         return self._start(make, "ddp", steps, source, facts)
 

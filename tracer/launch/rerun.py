@@ -1,6 +1,6 @@
 """A traced run again, with another bucket setting: what ``run.json`` says it was (the
 demo or the script, its folder, ranks, steps, emulated nodes and link, capture path),
-as ``RunConfig`` settings. Torch-free.
+and how often it marked gradients, as ``RunConfig`` settings. Torch-free.
 
 Used by ``ddpscope whatif RUN --apply`` and the What-if page's "apply" button.
 """
@@ -35,6 +35,8 @@ def rerun_settings(run: dict) -> dict:
         out.update(emulate_nodes=emulation["nodes"], link=emulation["link"])
     if run.get("capture_path_requested") in ("python", "compiled"):
         out["capture"] = run["capture_path_requested"]
+    if whole_number(run.get("grad_marks_every")):  # a rerun compares like with like
+        out["grad_marks_every"] = run["grad_marks_every"]
     script = run.get("script")
     if run.get("demo") in DEMO_MODELS or (not isinstance(script, dict) and run.get("model") in DEMO_MODELS):
         return {**out, "demo": run.get("demo") or run["model"]}

@@ -72,6 +72,7 @@ class RunConfig:
     forward_prefetch: int | None = o.FORWARD_PREFETCH.field()
     backward_prefetch: int | None = o.BACKWARD_PREFETCH.field()
     zero_stage: int | None = o.ZERO_STAGE.field()
+    grad_marks_every: int = o.GRAD_MARKS_EVERY.field()
     cwd: Path | str = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
@@ -162,7 +163,7 @@ class RunConfig:
                                 bucket_cap_mb_list=self.bucket_cap_mb_list, steps=self.steps,
                                 profile_steps=self.profile_steps if self.profile else None,
                                 capture="python" if capture_note else self.capture, capture_note=capture_note,
-                                **self.sharding)
+                                grad_marks_every=self.grad_marks_every, **self.sharding)
         return LaunchConfig(target=self.program, args=self.program_args, module=self.module, cwd=self.cwd,
                             nproc=self.nproc, nnodes=self.nnodes, node_rank=self.node_rank,
                             rdzv_endpoint=self.rdzv_endpoint, log_dir=self.out / fmt.node_logs(self.node_rank, self.nnodes),
@@ -180,7 +181,7 @@ class RunConfig:
                        "sha256": file_sha256(path), "cwd": str(self.cwd)},
             "nproc_per_node": self.nproc, "nnodes": self.nnodes,
             "bucket_cap_mb_requested": self.bucket_cap_mb, "bucket_cap_mb_list_requested": self.bucket_cap_mb_list,
-            "steps_requested": self.steps,
+            "steps_requested": self.steps, "grad_marks_every": self.grad_marks_every,
             "profile_steps": self.profile_steps if self.profile else None, "capture_path_requested": self.capture,
             "sharding_requested": self.sharding,
         }
@@ -198,6 +199,8 @@ class RunConfig:
             cmd += ["--profile", "--profile-steps", str(self.profile_steps)]
         if self.capture != o.CAPTURE.default:
             cmd += ["--capture", self.capture]
+        if self.grad_marks_every != o.GRAD_MARKS_EVERY.default:
+            cmd += [o.GRAD_MARKS_EVERY.flag, str(self.grad_marks_every)]
         for flag, value in ((o.RESHARD_AFTER_FORWARD.flag, self.reshard_after_forward),
                             (o.FORWARD_PREFETCH.flag, self.forward_prefetch),
                             (o.BACKWARD_PREFETCH.flag, self.backward_prefetch),

@@ -128,7 +128,7 @@ def load_kineto(path: str | Path) -> RunTrace:
                  "base_time_ns": f.base_time_ns, "hta_rounds": f.hta_rounds, "devices": f.devices}
              for r, f in by_rank.items()}
     return RunTrace(path=path, run=run, ranks=ranks,
-                    steps=frame_of(steps.to_dict("records"), ["rank", "step"], STEP_COLUMNS),
+                    steps=frame_of(steps.assign(grad_marks=False).to_dict("records"), ["rank", "step"], STEP_COLUMNS),
                     buckets=buckets, grads=frame_of([], [], GRAD_COLUMNS), memory=frame_of([], [], ["rank", "step"]),
                     passes=frame_of([], [], PASS_COLUMNS), kernels=kernels, source=KIND)
 

@@ -115,13 +115,17 @@ def check_predictable(trace: RunTrace) -> None:
         raise TraceError(f"{trace.path.name} has no parameter sizes in run.json (an unfinished or too old run)")
     if len(trace.buckets) == 0 or len(trace.grads) == 0:
         raise TraceError(f"{trace.path.name} has no traced all-reduce or gradient: nothing to predict from")
-    if not len(usable_steps(trace)):
+    steps = usable_steps(trace)
+    if not len(steps):
         raise TraceError(f"{trace.path.name} has no finished step after DDP's bucket rebuild on every rank: "
                          "trace more steps")
+    if not trace.steps[trace.steps["step"].isin(steps)].get("grad_marks", pd.Series([True])).astype(bool).any():
+        raise TraceError(f"{trace.path.name} has no such step with gradient marks (--grad-marks-every "
+                         f"{trace.run.get('grad_marks_every')}): trace more steps, or mark more often")
 
 
 def usable_steps(trace: RunTrace) -> list[int]:
-    """Steps finished, past warm-up, and with a backward on every rank."""
+    """Steps finished, past warm-up, and with a backward on every rank (replayed: those with marks)."""
     s = trace.steps
     if not len(s) or "backward_start_us" not in s:
         return []
@@ -249,30 +253,13 @@ def fit_model(trace: RunTrace, calibration: Calibration | None | str = "auto") -
                        launch_us=launch_delay_us(trace), notes=tuple(notes), steal_max_us_per_mib=bound)
 
 
-def regime(trace: RunTrace) -> str:
-    """Which regime the run was in, in a sentence: what bounds its communication, and
-    whether communication competes with compute for the cores."""
-    run = trace.run
-    emu = run.get("emulation") if isinstance(run.get("emulation"), dict) else None
-    device = str(run.get("device") or "cpu")
-    cores = ("gloo's threads share the CPU cores with autograd, so overlapping communication costs compute"
-             if device == "cpu" else "NCCL runs beside the compute on its own stream")
-    if emu:
-        where = f"{emu.get('nodes')} emulated nodes, each over a {emu.get('link')} link (bandwidth-bound)"
-    elif _nodes(run) > 1:
-        where = f"{run.get('nnodes')} nodes: all-reduces cross the network"
-    else:
-        where = "one machine (loopback): communication is nearly free and bucket sizes matter little"
-    return f"Regime: {where}; {cores}."
-
-
 def across_nodes(trace: RunTrace) -> bool:
     """Whether the run's ranks span nodes (real or emulated): their all-reduces cross a link."""
     run = trace.run
-    return _nodes(run) > 1 or isinstance(run.get("emulation"), dict)
+    return nodes(run) > 1 or isinstance(run.get("emulation"), dict)
 
 
-def _nodes(run: dict) -> int:
+def nodes(run: dict) -> int:
     """run.json's ``nnodes`` (1 when absent or not a whole number)."""
     n = run.get("nnodes")
     return n if isinstance(n, int) and not isinstance(n, bool) else 1

@@ -15,10 +15,27 @@ from ddpscope.tracer.format import RUN_FILE
 from ddpscope.viz.trace import RunTrace, TraceError, load_run
 from ddpscope.viz.whatif.advisor import SIMPLER, Advice, advise, flag_off_text, mark_within_noise, setting_text
 from ddpscope.viz.whatif.layout import cap_label, is_cap_list
-from ddpscope.viz.whatif.model import regime
+from ddpscope.viz.whatif.model import nodes
 
 _SWEEP_COLS = ["bucket_cap_mb", "bucket_cap_mb_list", "first_bucket_mb", "buckets", "step_ms", "exposed_ms",
                "comm_ms", "backward_ms", "overlap_pct", "traced", "within_noise"]
+
+
+def regime(trace: RunTrace) -> str:
+    """Which regime the run was in, in a sentence: what bounds its communication, and
+    whether communication competes with compute for the cores."""
+    run = trace.run
+    emu = run.get("emulation") if isinstance(run.get("emulation"), dict) else None
+    device = str(run.get("device") or "cpu")
+    cores = ("gloo's threads share the CPU cores with autograd, so overlapping communication costs compute"
+             if device == "cpu" else "NCCL runs beside the compute on its own stream")
+    if emu:
+        where = f"{emu.get('nodes')} emulated nodes, each over a {emu.get('link')} link (bandwidth-bound)"
+    elif nodes(run) > 1:
+        where = f"{run.get('nnodes')} nodes: all-reduces cross the network"
+    else:
+        where = "one machine (loopback): communication is nearly free and bucket sizes matter little"
+    return f"Regime: {where}; {cores}."
 
 
 def _safe(v):

@@ -76,6 +76,8 @@ def test_no_cap_given_records_what_ddp_used(tmp_path):
     (["--bucket-cap-mb-list", "1,0"], "--bucket-cap-mb-list must each be > 0"),
     (["--bucket-cap-mb-list", ","], "--bucket-cap-mb-list must name 1 to"),
     (["--bucket-cap-mb-list", "1,4", "--bucket-cap-mb", "2"], "give --bucket-cap-mb or --bucket-cap-mb-list, not both"),
+    (["--grad-marks-every", "0"], "--grad-marks-every must be in 1..100000"),
+    (["--grad-marks-every", "2.5"], "invalid int value"),
 ])
 def test_bad_arguments_exit_2_with_one_line_and_write_nothing(tmp_path, args, message):
     assert_refused("run", ["--demo", "mlp", *args], message, tmp_path / "never")

@@ -4,13 +4,16 @@ bucketing), its recommendations on traces with known answers, the noise rule, th
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 
 import numpy as np
 import pytest
 
+from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.tracer.launch.rerun import rerun_settings
+from ddpscope.tracer.launch.runner import RunConfig
 from ddpscope.viz.trace import load_run
 from ddpscope.viz.whatif.ab import compute_ab_steps, compute_bucket_ab, compute_bucket_timing, make_ab_timeline_figure
 from ddpscope.viz.whatif.advisor import advise, list_for_layout, setting_text, step_noise_ms
@@ -194,6 +197,12 @@ def test_rerun_settings_follow_run_json():
     base = {"kind": "ddp", "nproc_per_node": 2, "world_size": 4, "nnodes": 2, "steps_requested": 20,
             "demo": "mlp", "emulation": {"nodes": 2, "link": "200mbit"}}
     assert rerun_settings(base) == {"nproc": 2, "steps": 20, "emulate_nodes": 2, "link": "200mbit", "demo": "mlp"}
+    marked = rerun_settings({**base, "grad_marks_every": 4})  # a rerun marks gradients as the run did
+    assert marked["grad_marks_every"] == 4
+    inspect.signature(JobManager.start).bind(None, bucket_cap_mb=None, **marked)  # the page's rerun takes them ...
+    assert RunConfig(out="/tmp/never-made", **marked).grad_marks_every == 4  # ... and so does whatif --apply
+    for bad in (0, -2, "4", True, 2.5):
+        assert "grad_marks_every" not in rerun_settings({**base, "grad_marks_every": bad})
     with pytest.raises(ValueError, match="fsdp2 run"):
         rerun_settings({**base, "kind": "fsdp2"})
     with pytest.raises(ValueError, match="folder .* is gone"):

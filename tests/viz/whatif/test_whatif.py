@@ -17,8 +17,9 @@ from ddpscope.viz.ddp.overlap import compute_step_breakdown
 from ddpscope.viz.trace import RunTrace, TraceError, load_run
 from ddpscope.viz.whatif.cost import AllReduceCost, Calibration, fit_line, read_calibration
 from ddpscope.viz.whatif.layout import assign_buckets, assign_buckets_python, bucket_limits, cap_limits
-from ddpscope.viz.whatif.model import WhatIfModel, check_predictable, fit_model, regime
+from ddpscope.viz.whatif.model import WhatIfModel, check_predictable, fit_model
 from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model, ring_cost
+from ddpscope.viz.whatif.report import regime
 from ddpscope.viz.whatif.simulate import predict_layout, predict_run, traced_cap
 from ddpscope.viz.whatif.sweep import compute_cap_sweep, recommend_cap
 from tests.conftest import ROOT, SAMPLES, run_cli

@@ -13,6 +13,7 @@ from ddpscope.tracer.options import (
     BUCKET_CAP_MB_LIST,
     CAPTURE,
     FORWARD_PREFETCH,
+    GRAD_MARKS_EVERY,
     OUT,
     RESHARD_AFTER_FORWARD,
     STEPS,
@@ -38,6 +39,7 @@ class CaptureConfig:
     reshard_after_forward, forward_prefetch, backward_prefetch: FSDP2 settings overriding
     the script's (``sharded/settings.py``; None keeps the script's).
     zero_stage: DeepSpeed's ZeRO stage overriding the script's config (``deepspeed/config_override.py``).
+    grad_marks_every: DDP's gradient-ready marks on the first steps, then every Nth (``TracerConfig``).
     """
 
     out: str = OUT.field()
@@ -53,6 +55,7 @@ class CaptureConfig:
     forward_prefetch: int | None = FORWARD_PREFETCH.field()
     backward_prefetch: int | None = BACKWARD_PREFETCH.field()
     zero_stage: int | None = ZERO_STAGE.field()
+    grad_marks_every: int = GRAD_MARKS_EVERY.field()
 
     def __post_init__(self) -> None:
         check_fields(self)

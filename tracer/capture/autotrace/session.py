@@ -71,7 +71,9 @@ class Session:
         facts = {"capture_times_us": self.times_us, **self._ddp_facts(script_cap, overridden), "notes": self.notes}
         tracer = DDPTracer(ddp, "auto", TracerConfig(out_dir=self.config.out, run_meta=facts,
                                                            capture=self.config.capture,
-                                                           capture_note=self.config.capture_note), on_step=self.on_step)
+                                                           capture_note=self.config.capture_note,
+                                                           grad_marks_every=self.config.grad_marks_every),
+                            on_step=self.on_step)
         why = tracer.start()  # never raises: says why it could not
         if why is not None:
             self.note(why)
@@ -113,7 +115,8 @@ class Session:
         facts = {**self._ddp_facts(script_cap, overridden), "model_index": k, "model_of": "../..",
                  "notes": [f"model {k} of this job ({name}); the job's run folder is ../.."]}
         tracer = DDPTracer(ddp, "auto", TracerConfig(out_dir=out, run_meta=facts, capture=self.config.capture,
-                                                     capture_note=self.config.capture_note))
+                                                     capture_note=self.config.capture_note,
+                                                     grad_marks_every=self.config.grad_marks_every))
         why = tracer.start()  # never raises (a collective inside: every rank starts it alike)
         if why is not None:
             self.note(f"DDP model {k} ({name}): {why}")

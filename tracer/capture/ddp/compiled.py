@@ -168,6 +168,12 @@ class CompiledBuckets:
             self._ready_slots.append((step, len(step.grads), [slot for _, slot, _ in taken]))
             step.grads.extend((param, None, kk) for param, _, kk in taken)
 
+    def stamp_only(self, param: int | None) -> None:
+        """From the next gradient on, the C++ hooks stamp only ``param``'s (None: every
+        parameter's): a step without gradient marks (``recorder._marks``). Between steps."""
+        if self.ready is not None:
+            self.ready.set_only(-1 if param is None else param)
+
     def take_pending(self) -> list[tuple[int, int, int]]:
         """The host records since the last take; the device times of the take before go
         to the buckets waiting for them."""

@@ -3,11 +3,12 @@
 One span per step, per pass (forward, backward, the wait for DDP's all-reduces), for
 the optimizer, per bucket all-reduce (on its own lane), for ZeRO-1's parameter
 broadcasts (on theirs, inside the optimizer's span) and for DDP's own collectives that
-are not buckets (the unused-parameter map's all-reduce, on theirs), a gradient-ready mark per
-parameter and a memory counter on measured steps. It runs on the training thread for
-every step, so it is written for speed: plain loops and literals, the marks (most of a
-step's events) as msgspec structs, no rounding of times that are µs at ns resolution
-(``clock.py``), names made once per bucket layout.
+are not buckets (the unused-parameter map's all-reduce, on theirs), a gradient-ready mark
+per parameter (on the steps that mark them: ``recorder._marks``) and a memory counter on
+measured steps. It runs on the training thread for every step, so it is written for
+speed: plain loops and literals, the marks (most of a step's events) as msgspec structs,
+no rounding of times that are µs at ns resolution (``clock.py``), names made once per
+bucket layout.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class StepEvents:
             flags["memory"] = s.memory
         if s.incomplete:
             flags["incomplete"] = True
+        if not s.grad_marks:  # its one gradient stamp gives backward's compute end, no mark
+            flags["grad_marks"] = False
         ev = [span(fmt.CAT_STEP, f"step {step}", start, end, flags, inside=False)]
         many = len(passes) > 1
         last_grad: dict[int, float] = {}  # per pass: where its backward ended if not recorded
@@ -128,8 +131,9 @@ class StepEvents:
                             **({"launch_only": True} if o.launch_only else {})},
                            tid=fmt.TID_DDP_OWN, inside=False))
         names, n_names = self.param_names, len(self.param_names)
-        ev += [GradReady(names[i] if 0 <= i < n_names else f"param[{i}]", pid, t, _GradArgs(step, i, k))
-               for i, t, k in grads if t is not None]
+        if s.grad_marks:
+            ev += [GradReady(names[i] if 0 <= i < n_names else f"param[{i}]", pid, t, _GradArgs(step, i, k))
+                   for i, t, k in grads if t is not None]
         for n, (b, launch, done) in enumerate(buckets):
             if b.index not in self.buckets_seen:
                 self.buckets_seen.add(b.index)

@@ -21,6 +21,10 @@ from ddpscope.tracer.capture.ddp.events import StepEvents
 from ddpscope.tracer.capture.ddp.records import BucketRecord, OwnCollective, ParamSync, PassRecord, StepRecord
 from ddpscope.tracer.capture.memory import MeasuredSteps, MemoryMeter
 
+#: steps with a gradient-ready mark per parameter whatever ``grad_marks_every`` says: DDP's
+#: first iteration and its rebuilt layout's first steps, which the what-if replays
+GRAD_MARKS_FIRST_STEPS = 5
+
 
 class StepRecorder:
     """Collects steps; hands their Chrome trace events on with ``emit(events, layouts_or_None)``."""
@@ -39,8 +43,10 @@ class StepRecorder:
         on_close: Callable[[StepRecord], None] | None = None,
         memory_interval_s: float = 1.0,
         offset_us: float = 0.0,
+        grad_marks_every: int = 1,
     ) -> None:
-        """``offset_us``: add it to this rank's host clock (µs) for rank 0's (``offsets.py``)."""
+        """``offset_us``: add it to this rank's host clock (µs) for rank 0's (``offsets.py``);
+        ``grad_marks_every``: see ``_marks``."""
         self.clock = clock
         self.rank = rank
         self.param_names = param_names
@@ -69,6 +75,9 @@ class StepRecorder:
         self.memory = MemoryMeter(params)
         self.measure = self.memory  # at close of a measured step (benchmarks/overhead.py times it apart)
         self._measured = MeasuredSteps(clock, memory_interval_s, offset_us)
+        self.grad_marks_every = grad_marks_every
+        self._last_grad: int | None = None  # the gradient ready last in the latest marked step
+        self._only_set: int | None = None  # what the compiled capture's hooks were last told to stamp
 
     # -- hooks ------------------------------------------------------------------
     def on_forward_start(self, sync: bool = True) -> None:
@@ -82,6 +91,7 @@ class StepRecorder:
             cur = None
         if cur is None:
             cur = self.current = StepRecord(step=self.next_step, start=now, measure_memory=self._measure_memory_now())
+            self._marks(cur)
             self.next_step += 1
         elif cur.optimizer is not None and cur.optimizer[1] is None:
             cur.optimizer = None  # a forward inside optimizer.step(closure): not the update
@@ -96,6 +106,18 @@ class StepRecorder:
             return False
         self.memory.start_step()  # CUDA: the allocator's peak now, to tell whether the step sets a new one
         return True
+
+    def _marks(self, cur: StepRecord) -> None:
+        """Whether the step beginning now marks every gradient: the first
+        ``GRAD_MARKS_FIRST_STEPS``, then every ``grad_marks_every``-th (the same steps on every
+        rank). One that does not stamps only the gradient ready last in the latest marked step,
+        where its backward's compute ends (every gradient stamped while that is unknown)."""
+        n = self.grad_marks_every
+        cur.grad_marks = n <= 1 or cur.step < GRAD_MARKS_FIRST_STEPS or cur.step % n == 0
+        cur.only_grad = None if cur.grad_marks else self._last_grad
+        if self.bucket_source is not None and cur.only_grad != self._only_set:
+            self._only_set = cur.only_grad
+            self.bucket_source.stamp_only(cur.only_grad)  # C++ hooks: no stamp, no event for the others
 
     def on_forward_end(self, warmup: bool) -> None:
         cur = self.current
@@ -124,13 +146,13 @@ class StepRecorder:
         cur = self.current
         if cur is None or not cur.passes:
             return
-        now = self.clock.stamp()
         if not cur.first_grad_seen:
             cur.first_grad_seen = True
             # Runs when the autograd engine finishes this backward, *before* DDP's own
             # end-of-backward callback (queued later), which waits for all buckets.
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-        cur.grads.append((index, now, active_index(cur)))
+        if cur.only_grad is None or index == cur.only_grad:  # a step without marks: one stamp (_marks)
+            cur.grads.append((index, self.clock.stamp(), active_index(cur)))
 
     def _active_pass(self) -> PassRecord | None:
         cur = self.current
@@ -255,6 +277,9 @@ class StepRecorder:
         self.current = None
         cur.end = now
         self._take_buckets(cur)
+        if cur.grad_marks and cur.grads:  # in stamp order: the syncing pass's last is where compute ends
+            k = max((i for i, p in enumerate(cur.passes) if p.sync), default=len(cur.passes) - 1)
+            self._last_grad = next((p for p, _, kk in reversed(cur.grads) if kk == k), cur.grads[-1][0])
         if cur.measure_memory:
             self._measure(cur)
         self.pending.append(cur)

@@ -81,3 +81,5 @@ class StepRecord:
     incomplete: bool = False
     first_grad_seen: bool = False
     measure_memory: bool = False  # this step's memory is measured (at close; on CUDA its own peak window)
+    grad_marks: bool = True  # a gradient-ready mark per parameter (recorder.GRAD_MARKS_FIRST_STEPS)
+    only_grad: int | None = None  # a step without marks: the one parameter whose gradient is stamped

@@ -182,6 +182,7 @@ class DDPTracer:
             "bucket_layouts": [], "steps": 0,
             "step_boundary": cfg.step_boundary, "torch_version": str(torch.__version__),
             "capture_path": "python" if ext is None else "compiled", "capture_path_note": self.capture_note,
+            "grad_marks_every": cfg.grad_marks_every,
         }
         self._writer = open_rank_trace(
             cfg.out_dir, self.rank, self.world_size, self._meta, header_events(self.rank, hosts[self.rank]),
@@ -196,6 +197,7 @@ class DDPTracer:
             optimizer=None if self.optimizer == "auto" else self.optimizer, step_boundary=cfg.step_boundary,
             emit=self._emit, nccl_kernel_timing=nccl_timing, on_close=self._on_step,
             memory_interval_s=cfg.memory_interval_s, offset_us=self.offsets_start[self.rank].offset_us,
+            grad_marks_every=cfg.grad_marks_every,
         )
         comm_state.keep_work = nccl_timing
         comm_state.recorder, comm_state.guard = self._recorder, self._guard
@@ -390,6 +392,7 @@ class DDPTracer:
             },
             "steps": self._recorder.steps_written if self._recorder else 0,
             "capture_path": self._meta["capture_path"], "capture_path_note": self._meta["capture_path_note"],
+            "grad_marks_every": self.config.grad_marks_every,
             "ranks": [fmt.rank_file(r) for r in range(self.world_size)],
             "sharding": _zero_stage(self._recorder.optimizer if self._recorder else None),
             **self.config.run_meta,

@@ -443,6 +443,10 @@ class ReadyTimes {
   }
 
   void stamp(int64_t param) {
+    const int64_t only = only_.load(std::memory_order_relaxed);
+    if (only >= 0 && param != only) {
+      return;  // a step without gradient marks: only its last gradient is stamped (set_only)
+    }
     const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
     if (i >= capacity_) {
       return;
@@ -522,6 +526,13 @@ class ReadyTimes {
     return device_.has_value();
   }
 
+  // From the next gradient on, stamp only parameter `param` (-1: every parameter). Set between
+  // steps by the recorder: a step without gradient marks keeps one, the gradient that was
+  // ready last, for where its backward's compute ended (no event for the others on a device).
+  void set_only(int64_t param) {
+    only_.store(param, std::memory_order_relaxed);
+  }
+
  private:
   struct Stamp {
     std::atomic<int64_t> param{0};
@@ -542,6 +553,7 @@ class ReadyTimes {
   std::unique_ptr<Stamp[]> records_;
   const int64_t capacity_;
   std::atomic<int64_t> next_{0};
+  std::atomic<int64_t> only_{-1};  // set_only
   // device ready times: the group's device and anchors, a ring of events
   std::optional<c10::Device> device_;
   std::shared_ptr<Anchors> anchors_;
@@ -755,6 +767,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("resolve", &ReadyTimes::resolve, py::arg("slots"), py::arg("skew_ns") = 0, py::arg("known_done") = false,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("on_device", &ReadyTimes::on_device)
+      .def("set_only", &ReadyTimes::set_only, py::arg("param"),
+           "stamp only this parameter's gradient from now on (-1: every parameter's)")
       .def("remove", &ReadyTimes::remove);
   py::class_<DeviceStamps, std::shared_ptr<DeviceStamps>>(m, "DeviceStamps")
       .def(py::init<const c10::intrusive_ptr<c10d::ProcessGroup>&, int64_t>(), py::arg("group"),
