@@ -156,7 +156,7 @@ def _summary(path: str, as_json: bool) -> int:
         compiled = trace.run.get("torch_compile")
         compiled = f"  torch.compile'd (optimize_ddp={compiled.get('optimize_ddp')})" if isinstance(compiled, dict) else ""
         every = trace.run.get("grad_marks_every")
-        marks = f"  gradient marks every {every}th step" if isinstance(every, int) and every > 1 else ""
+        marks = f"  gradient marks on 1 step in {every}" if isinstance(every, int) and every > 1 else ""
         print(f"{trace.path}  status={trace.status}  ranks={trace.world_size}  "
               f"bucket_cap_mb={_mib(trace.run.get('bucket_cap_mb'))}{compiled}{marks}  "
               "(medians over non-warm-up steps, ms)")

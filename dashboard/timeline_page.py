@@ -61,8 +61,8 @@ def render_timeline(path: Path, trace) -> None:
     st.plotly_chart(make_timeline_figure(shown, steps=range(lo, hi + 1), ranks=ranks or default_ranks(trace)),
                     key="timeline")
     if (every := run.get("grad_marks_every")) and isinstance(every, int) and every > 1:
-        st.caption(f"Traced with --grad-marks-every {every}: gradient-ready marks on steps 0-4 and every "
-                   f"{every}th step after; the other steps have every span but no marks.")
+        st.caption(f"Traced with --grad-marks-every {every}: gradient-ready marks on steps 0-4, then on 1 step "
+                   f"in {every}; the other steps have every span but no marks.")
     if profile_folder(trace) is not None:
         with st.expander("torch.profiler on the same run (ddpscope run --profile), side by side"):
             show_profile_beside(shown, range(lo, hi + 1), ranks)

@@ -181,7 +181,7 @@ class RunConfig:
                        "sha256": file_sha256(path), "cwd": str(self.cwd)},
             "nproc_per_node": self.nproc, "nnodes": self.nnodes,
             "bucket_cap_mb_requested": self.bucket_cap_mb, "bucket_cap_mb_list_requested": self.bucket_cap_mb_list,
-            "steps_requested": self.steps, "grad_marks_every": self.grad_marks_every,
+            "steps_requested": self.steps,
             "profile_steps": self.profile_steps if self.profile else None, "capture_path_requested": self.capture,
             "sharding_requested": self.sharding,
         }

@@ -186,6 +186,8 @@ class Session:
                  "steps_requested": cfg.steps, "notes": self.notes}
         if cfg.bucket_cap_mb is not None or cfg.bucket_cap_mb_list is not None:
             self.note("--bucket-cap-mb(-list) applies to DDP; this script shards with FSDP2, which has no buckets")
+        if cfg.grad_marks_every > 1:
+            self.note("--grad-marks-every applies to DDP; an FSDP2 trace has no gradient-ready marks to thin")
         tracer = FSDPTracer(root, root_state, TracerConfig(out_dir=cfg.out, capture="python"), on_step=self.on_step,
                             run_meta=facts)
         why = tracer.start()  # never raises: says why it could not
@@ -214,6 +216,8 @@ class Session:
                       f"({facts['engine']}) is not traced")
             return
         what = f"DeepSpeed ZeRO stage {facts['zero_stage']} ({facts['engine']}, {facts['dtype']})"
+        if self.config.grad_marks_every > 1:
+            self.note("--grad-marks-every applies to DDP; a DeepSpeed trace has no gradient-ready marks to thin")
         features = untraced_features(engine, facts)
         why = f"{', '.join(features)} in use: ddpscope does not trace it" if features else None
         if why is None:

@@ -119,9 +119,11 @@ def test_communication_volume_says_what_gloo_sent_and_what_a_ring_would(zero3):
 
 def test_rerun_with_reshard_false_is_stage_2_as_predicted(zero3, tmp_path):
     _, out, _ = zero3
-    proc, out2, _ = trace_script(tmp_path, SCRIPT, "--steps", "4", ddpscope=("--reshard-after-forward", "false"))
+    proc, out2, _ = trace_script(tmp_path, SCRIPT, "--steps", "4", ddpscope=("--reshard-after-forward", "false",
+                                                                          "--grad-marks-every", "4"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = load_run(out), load_run(out2)
+    assert any("--grad-marks-every applies to DDP" in n for n in second.run["notes"])  # a DDP flag: said, not used
     assert second.shards.stage == 2
     assert not second.shards.units[~second.shards.units["root"]]["reshard_after_forward"].any()
     bwd = second.shards.colls[(second.shards.colls["collective"] == "all_gather")
