@@ -19,6 +19,8 @@ The modes add the tracer's pieces one at a time:
   memory accounting and no file: its events are built and dropped;
 - ``+memory``: and the per-step memory accounting;
 - ``full``: the tracer as ``ddpscope run`` uses it, writing its file;
+- ``sparse``: ``full`` with ``--grad-marks-every 10`` (gradient-ready marks on the first
+  steps and 1 step in 10: the others build, encode and write none);
 - ``python``: the full tracer on the Python hooks (``--capture python``), for comparison.
 
 Each mode's ratio is the median over rounds of its step time over the same round's
@@ -44,7 +46,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 RESULT_PREFIX = "overhead-result "
-MODES = ("untraced", "buckets", "+ready", "+spans", "+memory", "full", "python")
+MODES = ("untraced", "buckets", "+ready", "+spans", "+memory", "full", "sparse", "python")
+SPARSE_EVERY = 10  # the "sparse" mode's --grad-marks-every
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -101,7 +104,8 @@ def worker(args: argparse.Namespace) -> None:
                     after_step.pop(mode)
                 return off
             tracer = tracers[mode] = DDPTracer(ddp, opts[i], out_dir=out / mode / str(block),
-                                               capture="python" if mode == "python" else "compiled")
+                                               capture="python" if mode == "python" else "compiled",
+                                               grad_marks_every=SPARSE_EVERY if mode == "sparse" else 1)
             tracer.__enter__()
             assert tracer.capture_note is None or mode == "python", tracer.capture_note
             if mode in ("+spans", "+memory"):  # their events are built, then dropped: no file

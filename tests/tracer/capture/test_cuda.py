@@ -25,11 +25,13 @@ from tests.conftest import ROOT, run_cli  # noqa: E402
 WORKER = ROOT / "tests" / "workers" / "cuda_train.py"
 
 
-def traced(tmp_path: Path, nproc: int, backend: str, *script_args: str, profile: bool = True):
+def traced(tmp_path: Path, nproc: int, backend: str, *script_args: str, profile: bool = True, steps: int = 6,
+           ddpscope: tuple[str, ...] = ()):
     out, report = tmp_path / f"{backend}{nproc}", tmp_path / f"report-{backend}{nproc}"
-    proc = run_cli("run", "--nproc", str(nproc), "--steps", "6", *(["--profile", "--profile-steps", "4"] if profile else []),
-                   "--out", str(out), "--", str(WORKER), "--backend", backend, "--report", str(report), "--steps", "8",
-                   *script_args, timeout=600)
+    proc = run_cli("run", "--nproc", str(nproc), "--steps", str(steps),
+                   *(["--profile", "--profile-steps", "4"] if profile else []), *ddpscope,
+                   "--out", str(out), "--", str(WORKER), "--backend", backend, "--report", str(report),
+                   "--steps", str(steps + 2), *script_args, timeout=600)
     assert proc.returncode == 0, proc.stderr
     trace = load_run(out)
     reports = {r: json.loads(Path(f"{report}.{r}.json").read_text()) for r in range(nproc)} \
@@ -126,6 +128,24 @@ def test_no_device_sync_inside_traced_steps_and_the_scripts_peak_stays_its_own(t
     mem = trace.memory
     assert (mem["device_total_bytes"] > mem["device_free_bytes"]).all()
     assert (mem["reserved_bytes"] >= mem["allocated_bytes"]).all()
+
+
+def test_steps_without_gradient_marks_record_one_event_and_never_sync(tmp_path):
+    """``--grad-marks-every 3`` on NCCL, in sync debug mode "error" from step 2: the steps
+    without marks (5, 7, 8) have none in the trace, their backward keeps its compute end
+    (the one gradient event their C++ hooks recorded), the marked ones every gradient's
+    device time; nothing synchronises inside a step."""
+    trace, _, _ = traced(tmp_path, 1, "nccl", "--sync-debug-from", "2", profile=False, steps=10,
+                         ddpscope=("--grad-marks-every", "3"))
+    meta = trace.ranks[0]
+    assert meta["status"] == "complete" and meta["steps"] == 10, meta
+    steps = trace.steps.set_index("step")
+    assert sorted(steps.index[~steps["grad_marks"]]) == [5, 7, 8]
+    assert set(trace.grads["step"]) == {0, 1, 2, 3, 4, 6, 9}
+    check_ready_times(trace)  # every parameter on each marked step, inside its backward
+    assert steps["compute_end_us"].notna().all(), steps["compute_end_us"]
+    assert (steps["compute_end_us"] <= steps["backward_end_us"] + 5.0).all()
+    assert (steps["compute_end_us"] >= steps["backward_start_us"] - 5.0).all()
 
 
 def test_the_clock_stays_within_the_hosts_bracket_over_time(tmp_path):
