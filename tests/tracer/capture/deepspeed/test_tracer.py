@@ -206,9 +206,11 @@ def test_bucket_cap_mb_sets_the_buckets_a_step_reduces(tmp_path):
     65,536-element weight alone); ``--bucket-cap-mb 1`` (262,144 fp32 elements) holds
     every gradient in one."""
     proc, out, report = trace_script(tmp_path, WORKER, "--stage", "2", "--steps", "2",
-                                     ddpscope=("--bucket-cap-mb", "1"), env=ENV)
+                                     ddpscope=("--bucket-cap-mb", "1", "--grad-marks-every", "2"), env=ENV)
     assert proc.returncode == 0, proc.stderr
     assert checks(report)[0]["reduce_bucket_size"] == 2**18
+    notes = json.loads((out / "run.json").read_text())["notes"]
+    assert any("--grad-marks-every applies to DDP" in n for n in notes)  # a DDP flag: said, not used
     colls = _load(out).shards.colls
     buckets = colls[colls["issued_by"] == "grad_bucket"]
     assert buckets.groupby(["rank", "step"])["bucket"].nunique().eq(1).all()
