@@ -391,34 +391,114 @@ TimedGroup& as_timed(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
   return *timed;
 }
 
+// A ring of preallocated timing events on a device group's anchors (ReadyTimes keeps one for
+// the gradients, DeviceStamps one for the CUDA clock's stamps). record() hands out slots in
+// order, each an event recorded on the calling thread's current stream of the group's device
+// (no sync: read a step or more later) and tied to the newest anchor; resolve(slots) gives
+// their host times once their work has completed. A slot is reused only after a resolve()
+// released it (every slot up to the largest it was given), so a record() that finds the ring
+// full gets -1 rather than overwrite an event still to be read; a slot left behind by such a
+// release and then handed out again reads 0 (`readable`), never the newer event's time.
+// Events are created lazily by their first record.
+class EventRing {
+ public:
+  EventRing(TimedGroup& timed, int64_t at_least) {
+    device_ = timed.device();
+    anchors_ = timed.anchors();
+    TORCH_CHECK(device_ && anchors_, "device events need a device group");
+    ring_ = 1;
+    while (ring_ < at_least) {
+      ring_ *= 2;
+    }
+    events_.reserve(ring_);
+    for (int64_t i = 0; i < ring_; ++i) {
+      events_.emplace_back(device_->type(), c10::EventFlag::BACKEND_DEFAULT);
+    }
+    event_anchor_.assign(ring_, 0);
+  }
+
+  int64_t record() {
+    const int64_t id = issued_.fetch_add(1, std::memory_order_relaxed);
+    if (id - released_.load(std::memory_order_acquire) >= ring_) {
+      return -1;
+    }
+    const int64_t k = id & (ring_ - 1);
+    event_anchor_[k] = anchors_->newest();
+    c10::impl::VirtualGuardImpl impl(device_->type());
+    events_[k].record(impl.getStream(*device_));  // no sync: an event on the stream
+    return id;
+  }
+
+  bool query(int64_t slot) const {
+    return !readable(slot) || events_[slot & (ring_ - 1)].query();
+  }
+
+  // Host ns (+ skew_ns) of each slot (0: -1, or a slot no longer readable), in the order given;
+  // slots up to the largest given are released for reuse. Waits only for an event not completed
+  // yet (this event, never the device: counted in `blocked`); `known_done`: see Anchors::host_ns.
+  std::vector<int64_t> resolve(const std::vector<int64_t>& slots, int64_t skew_ns, bool known_done) {
+    std::vector<int64_t> out;
+    out.reserve(slots.size());
+    int64_t last = -1;
+    for (const int64_t slot : slots) {
+      if (!readable(slot)) {
+        out.push_back(0);
+        continue;
+      }
+      const int64_t k = slot & (ring_ - 1);
+      bool waited = false;
+      out.push_back(anchors_->host_ns(events_[k], event_anchor_[k], known_done, &waited) + skew_ns);
+      if (waited) {
+        blocked_.fetch_add(1, std::memory_order_relaxed);
+      }
+      last = std::max(last, slot);
+    }
+    if (last >= released_.load(std::memory_order_relaxed)) {
+      released_.store(last + 1, std::memory_order_release);
+    }
+    return out;
+  }
+
+  int64_t issued() const {
+    return issued_.load(std::memory_order_relaxed);
+  }
+
+  int64_t blocked() const {
+    return blocked_.load(std::memory_order_relaxed);
+  }
+
+ private:
+  // recorded, and not overwritten since (its slot reused by a record `ring` later)
+  bool readable(int64_t slot) const {
+    const int64_t issued = issued_.load(std::memory_order_relaxed);
+    return slot >= 0 && slot < issued && issued - slot <= ring_;
+  }
+
+  std::optional<c10::Device> device_;
+  std::shared_ptr<Anchors> anchors_;
+  int64_t ring_ = 0;  // a power of two
+  std::vector<c10::Event> events_;
+  std::vector<int64_t> event_anchor_;  // the newest anchor when each slot was recorded
+  std::atomic<int64_t> issued_{0};  // slots handed out (failed tries included)
+  std::atomic<int64_t> released_{0};  // slots below this were resolved
+  std::atomic<int64_t> blocked_{0};  // resolved slots that had to be waited for
+};
+
 // (parameter index, CLOCK_MONOTONIC ns) per accumulated gradient, in order; on a device
-// group, also a timing-enabled event per gradient, recorded on the autograd thread's current
-// stream of the device (the stream the accumulation ran on), from a ring of `ring` events
-// handed out in order: take_device() gives (parameter, slot, pass) and resolve(slots), once
-// the step's work has completed, their host times on the group's anchors. A slot is reused
-// only after resolve() released it; a gradient that finds the ring full gets no device time
-// (slot -1) rather than overwrite one still to be read.
+// group, also a timing-enabled event per gradient from an EventRing, recorded on the autograd
+// thread's current stream of the device (the stream the accumulation ran on): take_device()
+// gives (parameter, slot, pass) and resolve(slots), once the step's work has completed, their
+// host times on the group's anchors (a gradient that found the ring full: slot -1, no device
+// time).
 class ReadyTimes {
  public:
   ReadyTimes(const std::vector<at::Tensor>& params, int64_t capacity,
              const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& group)
       : records_(new Stamp[capacity]), capacity_(capacity) {
     if (group) {
-      TimedGroup& timed = as_timed(*group);
-      device_ = timed.device();
-      anchors_ = timed.anchors();
-      TORCH_CHECK(device_ && anchors_, "device ready times need a device group");
-      // enough for a few steps of gradient accumulation on every parameter; events are
-      // created lazily by their first record
-      ring_ = 1;
-      while (ring_ < std::max<int64_t>(1024, 32 * static_cast<int64_t>(params.size()))) {
-        ring_ *= 2;
-      }
-      events_.reserve(ring_);
-      for (int64_t i = 0; i < ring_; ++i) {
-        events_.emplace_back(device_->type(), c10::EventFlag::BACKEND_DEFAULT);
-      }
-      event_anchor_.assign(ring_, 0);
+      // enough for a few steps of gradient accumulation on every parameter
+      ring_ = std::make_unique<EventRing>(as_timed(*group),
+                                          std::max<int64_t>(1024, 32 * static_cast<int64_t>(params.size())));
     }
     for (size_t i = 0; i < params.size(); ++i) {
       auto node = torch::autograd::impl::grad_accumulator(params[i]);
@@ -453,18 +533,7 @@ class ReadyTimes {
     }
     Stamp& rec = records_[i];
     rec.param.store(param, std::memory_order_relaxed);
-    int64_t slot = -1;
-    if (device_) {
-      const int64_t id = issued_.fetch_add(1, std::memory_order_relaxed);
-      if (id - released_.load(std::memory_order_acquire) < ring_) {
-        slot = id;
-        const int64_t k = slot & (ring_ - 1);
-        event_anchor_[k] = anchors_->newest();
-        c10::impl::VirtualGuardImpl impl(device_->type());
-        events_[k].record(impl.getStream(*device_));  // no sync: an event on the stream, read a step later
-      }
-    }
-    rec.slot.store(slot, std::memory_order_relaxed);
+    rec.slot.store(ring_ ? ring_->record() : -1, std::memory_order_relaxed);  // read a step later
     rec.ns.store(monotonic_ns(), std::memory_order_release);
   }
 
@@ -498,32 +567,16 @@ class ReadyTimes {
     return out;
   }
 
-  // Host ns (+ skew_ns) of each slot (0 for -1), in the order given; slots up to the largest
-  // given are released for reuse. It waits only for an event not completed yet (this event:
-  // never the device); the recorder calls it once the step's own end event has completed
+  // Host ns (+ skew_ns) of each slot (0: -1 or no longer readable), in the order given (see
+  // EventRing::resolve): the recorder calls it once the step's own end event has completed
   // (`known_done`: then no query per event) or when it must resolve the step anyway.
   std::vector<int64_t> resolve(const std::vector<int64_t>& slots, int64_t skew_ns, bool known_done) {
-    TORCH_CHECK(device_, "resolve is for device ready times");
-    std::vector<int64_t> out;
-    out.reserve(slots.size());
-    int64_t last = -1;
-    for (const int64_t slot : slots) {
-      if (slot < 0 || slot >= issued_.load(std::memory_order_relaxed)) {
-        out.push_back(0);
-        continue;
-      }
-      const int64_t k = slot & (ring_ - 1);
-      out.push_back(anchors_->host_ns(events_[k], event_anchor_[k], known_done) + skew_ns);
-      last = std::max(last, slot);
-    }
-    if (last >= released_.load(std::memory_order_relaxed)) {
-      released_.store(last + 1, std::memory_order_release);
-    }
-    return out;
+    TORCH_CHECK(ring_, "resolve is for device ready times");
+    return ring_->resolve(slots, skew_ns, known_done);
   }
 
   bool on_device() const {
-    return device_.has_value();
+    return ring_ != nullptr;
   }
 
   // From the next gradient on, stamp only parameter `param` (-1: every parameter). Set between
@@ -554,14 +607,7 @@ class ReadyTimes {
   const int64_t capacity_;
   std::atomic<int64_t> next_{0};
   std::atomic<int64_t> only_{-1};  // set_only
-  // device ready times: the group's device and anchors, a ring of events
-  std::optional<c10::Device> device_;
-  std::shared_ptr<Anchors> anchors_;
-  int64_t ring_ = 0;  // a power of two
-  std::vector<c10::Event> events_;
-  std::vector<int64_t> event_anchor_;  // the newest anchor when each slot was recorded
-  std::atomic<int64_t> issued_{0};  // slots handed out (the autograd thread)
-  std::atomic<int64_t> released_{0};  // slots below this were resolved (training thread)
+  std::unique_ptr<EventRing> ring_;  // device ready times (a device group), else null
   // what grad_accumulator hands out: std::shared_ptr<Node> up to torch 2.12 (seen failing to
   // build against 2.11 on a GPU machine), c10::intrusive_ptr<Node> in 2.13
   using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
@@ -569,98 +615,39 @@ class ReadyTimes {
 };
 
 // The CUDA clock's compute-side stamps (cuda_clock.py: forward, backward, optimizer, step
-// ends), from a ring of preallocated timing events recorded on the calling thread's current
-// stream of the group's device, on the group's anchors. A torch.cuda.Event per stamp, made,
-// recorded and destroyed from Python, cost the training thread ~10 µs a stamp with the GPU
-// idle and several times that in a launch-bound step on an H200 host. stamp() hands out a
-// slot (in order; -1 when every slot still waits to be read: the clock then makes an event),
-// query(slot) says whether it completed (no sync), resolve(slots) gives host ns once it has.
-// A slot is reused only after a resolve() released it; a stamp kept across more than `ring`
-// newer ones (never, at a few dozen a step, resolved within a few steps) reads 0, not a reused
-// event's time.
+// ends), from an EventRing recorded on the calling thread's current stream of the group's
+// device, on the group's anchors. A torch.cuda.Event per stamp, made, recorded and destroyed
+// from Python, cost the training thread ~10 µs a stamp with the GPU idle and several times
+// that in a launch-bound step on an H200 host. stamp() hands out a slot (-1 when every slot
+// still waits to be read: the clock then makes an event), query(slot) says whether it
+// completed (no sync), resolve(slots) gives host ns once it has.
 class DeviceStamps {
  public:
-  DeviceStamps(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int64_t ring) {
-    TimedGroup& timed = as_timed(group);
-    device_ = timed.device();
-    anchors_ = timed.anchors();
-    TORCH_CHECK(device_ && anchors_, "device stamps need a device group");
-    ring_ = 1;
-    while (ring_ < std::max<int64_t>(ring, 64)) {
-      ring_ *= 2;
-    }
-    events_.reserve(ring_);
-    for (int64_t i = 0; i < ring_; ++i) {
-      events_.emplace_back(device_->type(), c10::EventFlag::BACKEND_DEFAULT);  // made by the first record
-    }
-    event_anchor_.assign(ring_, 0);
-  }
+  DeviceStamps(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int64_t ring)
+      : ring_(as_timed(group), std::max<int64_t>(ring, 64)) {}
 
   int64_t stamp() {
-    const int64_t id = issued_.fetch_add(1, std::memory_order_relaxed);
-    if (id - released_.load(std::memory_order_acquire) >= ring_) {
-      return -1;
-    }
-    const int64_t k = id & (ring_ - 1);
-    event_anchor_[k] = anchors_->newest();
-    c10::impl::VirtualGuardImpl impl(device_->type());
-    events_[k].record(impl.getStream(*device_));  // no sync: an event on the stream
-    return id;
+    return ring_.record();
   }
 
   bool query(int64_t slot) const {
-    return !readable(slot) || events_[slot & (ring_ - 1)].query();
+    return ring_.query(slot);
   }
 
-  // Host ns of each slot (0: -1, or a slot no longer readable), in the order given; slots up to
-  // the largest given are released for reuse. Waits only for an event not completed yet (this
-  // event, never the device: counted in `blocked`); `known_done`: see Anchors::host_ns.
   std::vector<int64_t> resolve(const std::vector<int64_t>& slots, bool known_done) {
-    std::vector<int64_t> out;
-    out.reserve(slots.size());
-    int64_t last = -1;
-    for (const int64_t slot : slots) {
-      if (!readable(slot)) {
-        out.push_back(0);
-        continue;
-      }
-      bool waited = false;
-      out.push_back(anchors_->host_ns(events_[slot & (ring_ - 1)], event_anchor_[slot & (ring_ - 1)], known_done,
-                                      &waited));
-      if (waited) {
-        blocked_.fetch_add(1, std::memory_order_relaxed);
-      }
-      last = std::max(last, slot);
-    }
-    if (last >= released_.load(std::memory_order_relaxed)) {
-      released_.store(last + 1, std::memory_order_release);
-    }
-    return out;
+    return ring_.resolve(slots, 0, known_done);
   }
 
   int64_t issued() const {
-    return issued_.load(std::memory_order_relaxed);
+    return ring_.issued();
   }
 
   int64_t blocked() const {
-    return blocked_.load(std::memory_order_relaxed);
+    return ring_.blocked();
   }
 
  private:
-  // recorded, and not overwritten since (its slot reused by a stamp `ring` later)
-  bool readable(int64_t slot) const {
-    const int64_t issued = issued_.load(std::memory_order_relaxed);
-    return slot >= 0 && slot < issued && issued - slot <= ring_;
-  }
-
-  std::optional<c10::Device> device_;
-  std::shared_ptr<Anchors> anchors_;
-  int64_t ring_ = 0;  // a power of two
-  std::vector<c10::Event> events_;
-  std::vector<int64_t> event_anchor_;  // the newest anchor when each slot was recorded
-  std::atomic<int64_t> issued_{0};
-  std::atomic<int64_t> released_{0};
-  std::atomic<int64_t> blocked_{0};
+  EventRing ring_;
 };
 
 // The distinct bytes that parameters' gradients hold (each (data pointer, size) region
