@@ -169,8 +169,8 @@ CAPTURE = Option("--capture", "how all-reduces and gradient-ready times are take
 GRAD_MARKS_EVERY = Option(
     "--grad-marks-every", "DDP runs: a gradient-ready mark per parameter on the first 5 steps and then on every Nth "
     "step only (the others keep their step, pass, bucket and optimizer spans and where backward compute ended): "
-    "fewer events a step, for a launch-bound GPU model where one device event per parameter is most of the "
-    "tracer's cost; the what-if replays the marked steps (default 1: every step)", 1, int, in_range(1, MAX_STEPS),
+    "fewer events a step, for a launch-bound GPU model, where a device event per parameter per step is a large part "
+    "of the tracer's cost; the what-if replays the marked steps (default 1: every step)", 1, int, in_range(1, MAX_STEPS),
     metavar="N")
 VERBOSE = Option("--verbose", "show every rank's output, each line marked with its rank (default: rank 0's output "
                  "as it comes; every rank's is kept in RUN/logs/)", False, action="store_true")
