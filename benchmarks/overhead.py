@@ -1,6 +1,6 @@
 """Tracing overhead, piece by piece: the tracer's cost per training step, with 95 % intervals.
 
-    python -m benchmarks.overhead [--models gpt,mlp] [--caps 1,25] [--rounds 150] [--smoke]
+    python -m benchmarks.overhead [--models gpt,mlp,launch] [--caps 1,25] [--rounds 150] [--smoke]
 
 For each model and bucket_cap_mb, one real 2-rank DDP job (torchrun, gloo on CPU, each
 rank bound to its core as the demo is). Every rank builds one identical copy of the
@@ -50,6 +50,20 @@ MODES = ("untraced", "buckets", "+ready", "+spans", "+memory", "full", "sparse",
 SPARSE_EVERY = 10  # the "sparse" mode's --grad-marks-every
 
 
+def launch_bound_model(torch):
+    """``launch``: 24 ``Linear(64)`` + GELU layers, batch 8 (``cuda_overhead.py``'s
+    launch-bound model at its CPU width): ~2 ms steps of 48 tiny gradients, where the
+    tracer's cost per step and per gradient shows instead of hiding in the compute."""
+    class LaunchBound(torch.nn.Sequential):
+        def batch(self, gen):
+            return torch.randn(8, 64, generator=gen), torch.randn(8, 64, generator=gen)
+
+        def loss(self, out, target):
+            return torch.nn.functional.mse_loss(out, target)
+
+    return LaunchBound(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(24)])
+
+
 def worker(args: argparse.Namespace) -> None:
     import time
 
@@ -71,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
     try:
         rank = dist.get_rank()
         torch.manual_seed(0)
-        base = build_model(args.model)
+        base = launch_bound_model(torch) if args.model == "launch" else build_model(args.model)
         # one model copy per mode; the copies of the compiled modes rotate between modes
         # block by block (below): each copy sits in its own memory, which alone can make
         # one copy's steps 1-2 % slower than another's, whatever traces it
@@ -305,7 +319,7 @@ def run_one(model: str, cap: float, args: argparse.Namespace) -> dict | None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="gpt,mlp")
+    p.add_argument("--models", default="gpt,mlp", help="gpt, mlp (the demo's) and launch (launch_bound_model)")
     p.add_argument("--caps", default="1,25", help="bucket_cap_mb values (MiB), comma-separated")
     p.add_argument("--rounds", type=int, default=150)
     p.add_argument("--pieces-steps", type=int, default=50,
