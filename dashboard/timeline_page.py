@@ -10,6 +10,7 @@ import streamlit as st
 from ddpscope.dashboard.common import first_real_step, load_events, load_trace, merged_trace_bytes, show_table, stamp_of
 from ddpscope.dashboard.rank_overview_view import default_ranks, render_rank_overview
 from ddpscope.dashboard.sharded_view import render_sharded_timeline, show_sharded_comparison
+from ddpscope.tracer.options import GRAD_MARKS_FIRST_STEPS
 from ddpscope.viz.ddp.buckets import compute_bucket_table
 from ddpscope.viz.ddp.compare import compute_run_comparison, differences_text, median_step
 from ddpscope.viz.ddp.gantt import make_timeline_figure
@@ -61,8 +62,9 @@ def render_timeline(path: Path, trace) -> None:
     st.plotly_chart(make_timeline_figure(shown, steps=range(lo, hi + 1), ranks=ranks or default_ranks(trace)),
                     key="timeline")
     if (every := run.get("grad_marks_every")) and isinstance(every, int) and every > 1:
-        st.caption(f"Traced with --grad-marks-every {every}: gradient-ready marks on steps 0-4, then on 1 step "
-                   f"in {every}; the other steps have every span but no marks.")
+        st.caption(f"Traced with --grad-marks-every {every}: gradient-ready marks on steps 0-"
+                   f"{GRAD_MARKS_FIRST_STEPS - 1}, then on 1 step in {every}; the other steps have every span but "
+                   "no marks.")
     if profile_folder(trace) is not None:
         with st.expander("torch.profiler on the same run (ddpscope run --profile), side by side"):
             show_profile_beside(shown, range(lo, hi + 1), ranks)

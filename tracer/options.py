@@ -166,12 +166,15 @@ CAPTURE = Option("--capture", "how all-reduces and gradient-ready times are take
                  "reducer, built once per torch version before the ranks start; the python hooks where it cannot be "
                  "had: no compiler, a device other than CPU or CUDA, a script's own Python comm hook) or python (DDP communication hook and gradient "
                  "hooks)", "compiled", str, one_of(CAPTURES))
+#: steps with a gradient-ready mark per parameter whatever --grad-marks-every says: DDP's first
+#: iteration and its rebuilt layout's first steps, which the what-if replays (tracer/capture/ddp/recorder.py)
+GRAD_MARKS_FIRST_STEPS = 5
 GRAD_MARKS_EVERY = Option(
-    "--grad-marks-every", "DDP runs: a gradient-ready mark per parameter on the first 5 steps and then on every Nth "
-    "step only (the others keep their step, pass, bucket and optimizer spans and where backward compute ended): "
-    "fewer events a step, for a launch-bound GPU model, where a device event per parameter per step is a large part "
-    "of the tracer's cost; the what-if replays the marked steps (default 1: every step)", 1, int, in_range(1, MAX_STEPS),
-    metavar="N")
+    "--grad-marks-every", f"DDP runs: a gradient-ready mark per parameter on the first {GRAD_MARKS_FIRST_STEPS} "
+    "steps and then on every Nth step only (the others keep their step, pass, bucket and optimizer spans and where "
+    "backward compute ended): fewer events a step, for a launch-bound GPU model, where a device event per parameter "
+    "per step is a large part of the tracer's cost; the what-if replays the marked steps (default 1: every step)",
+    1, int, in_range(1, MAX_STEPS), metavar="N")
 VERBOSE = Option("--verbose", "show every rank's output, each line marked with its rank (default: rank 0's output "
                  "as it comes; every rank's is kept in RUN/logs/)", False, action="store_true")
 QUIET = Option("--quiet", "show ddpscope's own lines only (progress, notes), none of the script's output", False,

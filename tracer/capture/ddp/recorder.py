@@ -20,10 +20,7 @@ from ddpscope.tracer.capture.clock import Clock, steps_to_keep
 from ddpscope.tracer.capture.ddp.events import StepEvents
 from ddpscope.tracer.capture.ddp.records import BucketRecord, OwnCollective, ParamSync, PassRecord, StepRecord
 from ddpscope.tracer.capture.memory import MeasuredSteps, MemoryMeter
-
-#: steps with a gradient-ready mark per parameter whatever ``grad_marks_every`` says: DDP's
-#: first iteration and its rebuilt layout's first steps, which the what-if replays
-GRAD_MARKS_FIRST_STEPS = 5
+from ddpscope.tracer.options import GRAD_MARKS_FIRST_STEPS
 
 
 class StepRecorder:
