@@ -113,7 +113,7 @@ def flag_off_text(advice: Advice) -> str:
         raise ValueError("the advice has no flag-off prediction")
     beyond = "more than" if abs(off.gain_ms) > advice.noise_ms else "inside"
     than = f"{abs(off.gain_ms):.1f} ms {'faster' if off.gain_ms >= 0 else 'slower'} than now"
-    return (f"every parameter had its gradient in every step, so {off.flag} would do: DDP would then rebuild its "
+    return (f"every parameter had its gradient in every traced step, so {off.flag} would do: DDP would then rebuild its "
             f"buckets in gradient-ready order; predicted {off.step_ms:.1f} ms a step at {setting_text(off.setting)} "
             f"({than}, {beyond} the noise ±{advice.noise_ms:.1f} ms; the unused-parameter map's all-reduce would go "
             "too, not counted)")
