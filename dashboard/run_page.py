@@ -149,7 +149,7 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
     def settings() -> dict:
         as_default = widget_now("run_cap_default", default)
         chosen = "" if as_default else widget_now("run_cap_list", caps).strip()
-        if chosen and options != CAP_OPTIONS and _largest(chosen) < 1.0:  # what DDPOptimizer would fail on
+        if chosen and not _runnable_list(run, chosen):  # what DDPOptimizer would fail on
             raise ValueError(f"bucket_cap_mb_list {chosen}: the model is torch.compile'd, and its DDPOptimizer "
                              "refuses a list whose largest entry is under 1 MiB")
         return dict(nproc=widget_now("run_nproc", nproc), steps=widget_now("run_steps", steps), source=path,
@@ -161,13 +161,13 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
     job_button(label, "run_button", jobs.start, settings, disabled=busy or bool(blocked), type="primary")
 
 
-def _largest(caps: str) -> float:
-    """The largest entry of a typed bucket_cap_mb_list (inf when it does not parse: the
-    run's own check says what is wrong with it)."""
+def _runnable_list(run: dict, caps: str) -> bool:
+    """The run's model can be given the typed bucket_cap_mb_list (``layout.runnable``); True
+    when it does not parse: the run's own check says what is wrong with it."""
     try:
-        return max(mib_list(caps), default=float("inf"))
+        return runnable(run, mib_list(caps))
     except ValueError:
-        return float("inf")
+        return True
 
 
 def _new_command(jobs: JobManager, busy: bool, policy: CommandPolicy) -> None:

@@ -285,6 +285,14 @@ def _step_tables(rows: list[dict], metas: dict[int, dict]) -> tuple[pd.DataFrame
     return steps.sort_values(["rank", "step"], kind="stable").reset_index(drop=True), memory
 
 
+def has_marks(steps: pd.DataFrame) -> pd.Series:
+    """Per row of ``steps``: the step has a gradient-ready mark per parameter (False: traced
+    under ``--grad-marks-every`` without them; a table without the column, or NaN: True)."""
+    if "grad_marks" not in steps:
+        return pd.Series(True, index=steps.index)
+    return steps["grad_marks"].fillna(True).astype(bool)
+
+
 def compute_end(df: pd.DataFrame) -> pd.Series:
     """Backward compute's end per row (steps or passes): ``compute_end_us`` (the last
     gradient), else, where a trace does not say it, the backward span's end."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpscope.tracer.options import CAPTURES, GRAD_MARKS_EVERY, MAX_STEPS
+from ddpscope.tracer.options import CAPTURES, GRAD_MARKS_EVERY
 
 
 @dataclass(kw_only=True)
@@ -59,7 +59,7 @@ class TracerConfig:
             raise ValueError(f"flush_interval_s must be in 0..60 seconds, got {self.flush_interval_s}")
         if not 0 <= self.memory_interval_s <= 3600:
             raise ValueError(f"memory_interval_s must be in 0..3600 seconds, got {self.memory_interval_s}")
-        n = self.grad_marks_every
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_STEPS:
-            raise ValueError(f"{GRAD_MARKS_EVERY.flag} (grad_marks_every) must be a whole number in 1..{MAX_STEPS}, "
-                             f"got {n!r}")
+        if isinstance(self.grad_marks_every, bool) or not isinstance(self.grad_marks_every, int):
+            raise ValueError(f"{GRAD_MARKS_EVERY.flag} (grad_marks_every) must be a whole number, "
+                             f"got {self.grad_marks_every!r}")
+        GRAD_MARKS_EVERY.validate(self.grad_marks_every)

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.viz.ddp.compare import median_interval
-from ddpscope.viz.trace import RunTrace
+from ddpscope.viz.trace import RunTrace, has_marks
 from ddpscope.viz.whatif.layout import MIB, Cap, cap_label, is_cap_list
 from ddpscope.viz.whatif.model import WhatIfModel, fit_model, usable_steps
 from ddpscope.viz.whatif.search import LayoutSearch
@@ -174,8 +174,7 @@ def unused_parameters(trace: RunTrace) -> list[str]:
     ``find_unused_parameters=True`` is for. Empty: every one had it in every step."""
     names = trace.run.get("param_names") or [str(i) for i in range(len(trace.run.get("param_bytes") or []))]
     steps = trace.steps[~trace.steps["warmup"].astype(bool)] if len(trace.steps) else trace.steps
-    if len(steps) and "grad_marks" in steps:  # a step traced without its marks tells nothing here
-        steps = steps[steps["grad_marks"].fillna(True).astype(bool)]
+    steps = steps[has_marks(steps)]  # a step traced without its marks tells nothing here
     if not len(steps) or not len(trace.grads):
         return list(names)  # nothing to tell by: the flag may be needed
     got = trace.grads.groupby(["rank", "step"])["param"].agg(set).to_dict()

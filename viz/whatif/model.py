@@ -48,7 +48,7 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.viz.intervals import covered, merge_intervals
-from ddpscope.viz.trace import RunTrace, TraceError
+from ddpscope.viz.trace import RunTrace, TraceError, has_marks
 from ddpscope.viz.whatif.cost import AllReduceCost, Calibration, fit_line, read_calibration
 
 #: all-reduces one process group runs at once: gloo's two worker threads, NCCL's one stream
@@ -119,7 +119,7 @@ def check_predictable(trace: RunTrace) -> None:
     if not len(steps):
         raise TraceError(f"{trace.path.name} has no finished step after DDP's bucket rebuild on every rank: "
                          "trace more steps")
-    if not trace.steps[trace.steps["step"].isin(steps)].get("grad_marks", pd.Series([True])).astype(bool).any():
+    if not has_marks(trace.steps[trace.steps["step"].isin(steps)]).any():
         raise TraceError(f"{trace.path.name} has no such step with gradient marks (--grad-marks-every "
                          f"{trace.run.get('grad_marks_every')}): trace more steps, or mark more often")
 

@@ -74,7 +74,6 @@ class StepRecorder:
         self._measured = MeasuredSteps(clock, memory_interval_s, offset_us)
         self.grad_marks_every = grad_marks_every
         self._last_grad: int | None = None  # the gradient ready last in the latest marked step
-        self._only_set: int | None = None  # what the compiled capture's hooks were last told to stamp
 
     # -- hooks ------------------------------------------------------------------
     def on_forward_start(self, sync: bool = True) -> None:
@@ -112,8 +111,7 @@ class StepRecorder:
         n = self.grad_marks_every
         cur.grad_marks = n <= 1 or cur.step < GRAD_MARKS_FIRST_STEPS or cur.step % n == 0
         cur.only_grad = None if cur.grad_marks else self._last_grad
-        if self.bucket_source is not None and cur.only_grad != self._only_set:
-            self._only_set = cur.only_grad
+        if self.bucket_source is not None and n > 1:
             self.bucket_source.stamp_only(cur.only_grad)  # C++ hooks: no stamp, no event for the others
 
     def on_forward_end(self, warmup: bool) -> None:
@@ -274,7 +272,7 @@ class StepRecorder:
         self.current = None
         cur.end = now
         self._take_buckets(cur)
-        if cur.grad_marks and cur.grads:  # in stamp order: the syncing pass's last is where compute ends
+        if self.grad_marks_every > 1 and cur.grad_marks and cur.grads:  # in stamp order: the syncing pass's last is where compute ends
             k = max((i for i, p in enumerate(cur.passes) if p.sync), default=len(cur.passes) - 1)
             self._last_grad = next((p for p, _, kk in reversed(cur.grads) if kk == k), cur.grads[-1][0])
         if cur.measure_memory:
