@@ -112,6 +112,7 @@ class CudaEventClock:
         self._anchors: deque[list] = deque(maxlen=self.ANCHORS_KEPT)
         self._first = 0
         self._count = 0
+        self._drift_from_us: float | None = None  # host µs of the first anchor whose rate was measured
         self.reanchor()
 
     # -- anchors --------------------------------------------------------------------
@@ -164,7 +165,21 @@ class CudaEventClock:
             return last
         device_us = base_ev.elapsed_time(ev) * 1000.0
         measured = span_us / device_us if device_us > 0 else 1.0
-        return measured if abs(measured - 1.0) <= self.MAX_DRIFT else last
+        if abs(measured - 1.0) > self.MAX_DRIFT:
+            return last
+        if self._drift_from_us is None:
+            self._drift_from_us = host
+        return measured
+
+    def facts(self) -> dict:
+        """What a rank's metadata says of this clock at the end: anchors taken; the device
+        clock's drift against the host's (ppm, + when it runs fast; None: no baseline was
+        long enough to tell) and the host µs from which stamps were read at a measured rate;
+        stamps ``resolve`` had to wait for; stamps from the compiled capture's ring."""
+        rate = self._anchors[-1][2]
+        return {"clock_anchors": self._count, "clock_blocked": self.blocked, "clock_ring_stamps": self.ring_stamps,
+                "clock_drift_ppm": None if self._drift_from_us is None else round((1.0 / rate - 1.0) * 1e6, 3),
+                "clock_drift_from_us": self._drift_from_us}
 
     @property
     def anchor_host_us(self) -> float:

@@ -234,15 +234,25 @@ def test_the_drift_is_measured_over_a_long_baseline_and_shared_not_read_off_nois
             gpu.now += 1_000_000.0
             clock.resolve([clock.stamp()])
         rates = [a[2] for a in clock._anchors]
-        return rates, committed
+        return rates, committed, clock.facts()
 
-    rates, committed = run(1000.0, 60)
+    rates, committed, facts = run(1000.0, 60)
     assert all(abs(r - 1.0) <= 2e-5 for r in rates), rates  # never a noise-made "drift" of 1e-4 or more
     # the rate the clock uses from each anchor on is the one the sink was told with the next
     # anchor (the newest: with itself): one rate for both sets of events
     assert len(committed) >= len(rates) - 1 and rates[:-1] == committed[-(len(rates) - 1):] and rates[-1] == committed[-1]
-    tight, _ = run(0.0, 60)
+    # what the rank's metadata says: the drift, once measured, and from when; anchors taken
+    assert facts["clock_anchors"] == len(rates) == 2 + 60 // CudaEventClock.REANCHOR_S  # at start, when shared, each 2 s
+    if facts["clock_drift_ppm"] is not None:
+        assert abs(facts["clock_drift_ppm"] - 10.0) <= 20.0
+    tight, _, facts = run(0.0, 60)
     assert tight[-1] == pytest.approx(1.0 / (1.0 + 10e-6), abs=1e-7)  # host µs per device µs: the device runs fast
+    assert facts["clock_drift_ppm"] == pytest.approx(10.0, abs=0.1)
+    assert 1e6 <= facts["clock_drift_from_us"] - 5e6 <= 3e6  # measured from the first anchor >= 1 s after the first
+    _, _, facts = run(0.0, 0)
+    assert facts["clock_drift_ppm"] is None and facts["clock_drift_from_us"] is None  # no baseline yet: not claimed
+    assert facts["clock_blocked"] == 0 and facts["clock_ring_stamps"] == 0
+
 
 
 def test_stamps_and_anchors_use_the_models_device_not_the_current_one(monkeypatch):

@@ -154,13 +154,13 @@ class DDPTracer:
             raise RuntimeError("DDPTracer needs an initialized process group (dist.init_process_group)")
         cfg = self.config
         names, params = reducer_params(self.model)
-        device = params[0].device if params else torch.device("cpu")
+        device = self._timing_device(params)
         ext, self.capture_note = self._compiled_extension(device)
         # First, before any collective: a hook registered earlier cannot be wrapped.
         comm_state = attach_comm_hook(self.model, register=ext is None)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.backend = dist.get_backend(self.model.process_group)
-        self.clock = make_clock(device)
+        self.clock = self._make_clock(device)
         # The tracer's own gloo group: host clocks are compared on the host (beside NCCL
         # too), and its short timeout bounds how long a rank waits for a peer that died.
         self._cpu_group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=cfg.sync_timeout_s))
@@ -219,6 +219,14 @@ class DDPTracer:
         except OSError:
             self._live = None
         return self
+
+    # The device whose events time the run, and its clock: the model's (the host's on CPU).
+    # tests/standin_device replaces both to run the device path where there is no GPU.
+    def _timing_device(self, params: list[torch.nn.Parameter]) -> torch.device:
+        return params[0].device if params else torch.device("cpu")
+
+    def _make_clock(self, device: torch.device):
+        return make_clock(device)
 
     def _compiled_extension(self, device: torch.device):
         """``(extension, None)`` for the compiled capture, or ``(None, why not)``; the
@@ -312,9 +320,7 @@ class DDPTracer:
         try:
             self._writer.close(status=status, error=error, clock_offset=self._meta["clock_offset"],
                                steps=self._recorder.steps_written if self._recorder else 0,
-                               # CUDA: stamps from the compiled capture's ring, not torch.cuda.Events
-                               **({"clock_ring_stamps": self.clock.ring_stamps} if hasattr(self.clock, "ring_stamps")
-                                  else {}))
+                               **(self.clock.facts() if hasattr(self.clock, "facts") else {}))  # CUDA: anchors, drift
         except OSError:
             if self._live is not None:  # the launcher reads it: this rank's trace is not whole
                 self._live.rewrite(fmt.FAILED)

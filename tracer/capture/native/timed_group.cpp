@@ -418,10 +418,15 @@ class EventRing {
   }
 
   int64_t record() {
-    const int64_t id = issued_.fetch_add(1, std::memory_order_relaxed);
-    if (id - released_.load(std::memory_order_acquire) >= ring_) {
-      return -1;
-    }
+    // A try that finds the ring full takes no slot: one that did (a fetch_add) pushed the
+    // oldest slot still to be read out of `readable`, and its time was lost (the stand-in
+    // device's test, tests/tracer/capture/test_device_path.py, found it).
+    int64_t id = issued_.load(std::memory_order_relaxed);
+    do {
+      if (id - released_.load(std::memory_order_acquire) >= ring_) {
+        return -1;
+      }
+    } while (!issued_.compare_exchange_weak(id, id + 1, std::memory_order_relaxed));
     const int64_t k = id & (ring_ - 1);
     event_anchor_[k] = anchors_->newest();
     c10::impl::VirtualGuardImpl impl(device_->type());
@@ -479,7 +484,7 @@ class EventRing {
   int64_t ring_ = 0;  // a power of two
   std::vector<c10::Event> events_;
   std::vector<int64_t> event_anchor_;  // the newest anchor when each slot was recorded
-  std::atomic<int64_t> issued_{0};  // slots handed out (failed tries included)
+  std::atomic<int64_t> issued_{0};  // slots handed out (a try that found the ring full takes none)
   std::atomic<int64_t> released_{0};  // slots below this were resolved
   std::atomic<int64_t> blocked_{0};  // resolved slots that had to be waited for
 };

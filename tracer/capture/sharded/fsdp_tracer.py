@@ -111,9 +111,7 @@ class FSDPTracer:
         device = self.units[0].group.device
         self.stage, self.stage_reason = zero_stage(self.units)  # run.json has them from its first writing
         self.sent_as = "all_reduce" if dist.get_backend() == "gloo" else None  # gloo has no reduce-scatter
-        clock = make_clock(device)
-        if device.type == "cuda":  # every cut on the compute stream (FSDP2 calls its collectives in its own streams)
-            clock.pin_stream(torch.cuda.current_stream(device))
+        clock = self._make_clock(device)
         self._open_files(device, clock, fsdp_units.signature(self.units),
                          fsdp_units.meta_params(self.model)[:3], [u.facts() for u in self.units])
         names = [u.name for u in self.units]
@@ -134,6 +132,14 @@ class FSDPTracer:
             self._live = None
         if torch.is_grad_enabled():  # started inside the root's first forward: that is step 0
             self.recorder.on_forward_start(bool(getattr(self.units[0].group, "reduce_grads", True)))
+
+    def _make_clock(self, device: torch.device):
+        """The clock for the units' device (tests/standin_device replaces it to run the device
+        path where there is no GPU)."""
+        clock = make_clock(device)
+        if device.type == "cuda":  # every cut on the compute stream (FSDP2 calls its collectives in its own streams)
+            clock.pin_stream(torch.cuda.current_stream(device))
+        return clock
 
     def _open_files(self, device, clock, signature, meta_params: list[str], unit_facts: list[dict]) -> None:
         """What every sharded tracer does first (FSDP2's, DeepSpeed's): the clock, a gloo
@@ -220,7 +226,8 @@ class FSDPTracer:
             self._meta["clock_offset"]["end"] = offsets_end[self.rank].to_json()
         steps = self.recorder.steps_written if self.recorder else 0
         try:
-            self._writer.close(status=status, error=error, clock_offset=self._meta["clock_offset"], steps=steps)
+            self._writer.close(status=status, error=error, clock_offset=self._meta["clock_offset"], steps=steps,
+                               **(self.clock.facts() if hasattr(self.clock, "facts") else {}))  # CUDA: anchors, drift
         except OSError:
             if not failed:
                 raise
