@@ -42,6 +42,8 @@ def main() -> None:
     p.add_argument("--sleep-ms", type=float, default=0.0, help="host time between steps")
     p.add_argument("--untraced", action="store_true", help="no tracer: the control")
     p.add_argument("--fsdp2", action="store_true", help="fully_shard each layer and the root, not DDP")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches a step (DDP's no_sync on all but the last)")
+    p.add_argument("--find-unused", action="store_true", help="DDP(find_unused_parameters=True)")
     args = p.parse_args()
     dev = standin_device.load()
     dev.configure(drift_ppm=args.drift_ppm, offset_ns=round(args.offset_s * 1e9))
@@ -60,12 +62,12 @@ def main() -> None:
             fully_shard(m)
         ddp, ref = model, plain
     else:
-        ddp = DDP(model, bucket_cap_mb=0.3)
-        ref = DDP(plain, bucket_cap_mb=0.3)
+        ddp = DDP(model, bucket_cap_mb=0.3, find_unused_parameters=args.find_unused)
+        ref = DDP(plain, bucket_cap_mb=0.3, find_unused_parameters=args.find_unused)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(rank)
-    batches = [torch.randn(32, 256, generator=gen) for _ in range(args.steps)]
+    batches = [[torch.randn(32, 256, generator=gen) for _ in range(args.accumulate)] for _ in range(args.steps)]
     tracer_class = standin_device.make_tracer_class()
     brackets, recorded = [], []
     if args.untraced:
@@ -76,9 +78,9 @@ def main() -> None:
         tracer = tracer_class(ddp, opt, out_dir=out, capture=args.capture, grad_marks_every=args.grad_marks_every)
     with tracer as tracer:
         before = dev.counters()
-        for x in batches:
+        for micro in batches:
             r0, t0 = dev.recorded(0), time.perf_counter_ns()
-            ddp(x).square().mean().backward()
+            train_step(ddp, micro)
             opt.step()
             brackets.append((t0, time.perf_counter_ns()))
             recorded.append(dev.recorded(0) - r0)
@@ -87,8 +89,8 @@ def main() -> None:
                 time.sleep(args.sleep_ms / 1e3)
         during = {k: v - before[k] for k, v in dev.counters().items()}
         note = tracer.capture_note
-    for x in batches:
-        ref(x).square().mean().backward()
+    for micro in batches:
+        train_step(ref, micro)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
     same = all(torch.equal(getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b))  # FSDP2: the shards
@@ -102,6 +104,14 @@ def main() -> None:
     del ddp, ref, opt, ref_opt
     gc.collect()
     dist.destroy_process_group()
+
+
+def train_step(model: nn.Module, micro: list[torch.Tensor]) -> None:
+    """Forward and backward of each micro-batch; DDP reduces the gradients on the last."""
+    for k, x in enumerate(micro):
+        last = k == len(micro) - 1
+        with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
+            model(x).square().mean().backward()
 
 
 @contextlib.contextmanager

@@ -175,7 +175,7 @@ class CudaEventClock:
         """What a rank's metadata says of this clock at the end: anchors taken; the device
         clock's drift against the host's (ppm, + when it runs fast; None: no baseline was
         long enough to tell) and the host µs from which stamps were read at a measured rate;
-        stamps ``resolve`` had to wait for; stamps from the compiled capture's ring."""
+        events that had to be waited for (``blocked``); stamps from the compiled capture's ring."""
         rate = self._anchors[-1][2]
         return {"clock_anchors": self._count, "clock_blocked": self.blocked, "clock_ring_stamps": self.ring_stamps,
                 "clock_drift_ppm": None if self._drift_from_us is None else round((1.0 / rate - 1.0) * 1e6, 3),
@@ -210,7 +210,9 @@ class CudaEventClock:
 
     @property
     def blocked(self) -> int:
-        """Stamps ``resolve()`` had to wait for (their own event, never the device)."""
+        """Events read before they completed, each waited for (that event, never the device):
+        the clock's own, and with the compiled capture's rings every event read on their
+        anchors (its stamps, the gradients', the buckets')."""
         return self._blocked + (self._ring.blocked if self._ring is not None else 0)
 
     @property

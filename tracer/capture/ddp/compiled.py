@@ -15,8 +15,10 @@ times (C++ post hooks put in front of DDP's on each parameter's AccumulateGrad n
 
 On CUDA (NCCL, or gloo with CUDA tensors) the host clock is wrong for a collective (an
 NCCL future completes when the kernel is enqueued): the wrapper also records CUDA events
-and hands their times over one take later (``DeviceLag``), when that step's work has
-long completed, so nothing synchronises inside a step; they are measured from the CUDA
+whose times are read when their step is resolved (``settle``; ``DeviceLag`` holds the
+records until then), its end done on the device, so nothing synchronises inside a step
+and the host may run steps ahead (only a take that finds all of the wrapper's banks
+waiting reads the oldest at once, waiting for its events); they are measured from the CUDA
 clock's own anchors (``cuda_clock.py``: the wrapper records an event beside each of the
 clock's anchor tries, and the winner's host time is committed to both), so bucket and
 compute lanes share one mapping onto the host clock. The C++ ready hooks then record an
@@ -24,12 +26,14 @@ event per gradient too, from a ring, on those anchors: ``take_ready`` hands the 
 gradients with their times still None, and ``settle`` fills them in once the step is
 resolved (its end event done: reading them waits for nothing). The clock's own stamps
 (forward, backward, optimizer) come from a C++ ring on the same anchors too (``DeviceStamps``).
-NOT exercised by CI (no GPU there): tests/tracer/capture/test_cuda.py runs it where a GPU is.
+CI runs it on a stand-in device (tests/tracer/capture/test_device_path.py);
+tests/tracer/capture/test_cuda.py runs it where a GPU is.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import deque
 from typing import Any
 
 import torch
@@ -53,30 +57,36 @@ def load_extension() -> tuple[Any, str | None]:
 
 
 class DeviceLag:
-    """Device times arrive one take late: the records of the last take (``BucketRecord``s
-    and ``OwnCollective``s, in the order they were launched) wait here for them (their
-    ``launch``/``done`` stay None until then)."""
+    """Takes whose device times are not read yet, oldest first, as the wrapper holds them:
+    each take's records (``BucketRecord``s and ``OwnCollective``s, in launch order; their
+    ``launch``/``done`` stay None until then) and the step they belong to."""
 
     def __init__(self) -> None:
-        self.waiting: list = []  # the last take's records, one per all-reduce
-        self.step = None  # the step they belong to
+        self.waiting: deque[tuple[Any, list]] = deque()
 
-    def hand_over(self, step, buckets: list) -> None:
-        self.step, self.waiting = step, buckets
+    def hand_over(self, step, records: list) -> None:
+        self.waiting.append((step, records))
 
-    def fill(self, device: list[tuple[int, int, int]]) -> None:
-        """``device``: (launch_ns, done_ns, kernel_ns) per all-reduce of the last take, 0 if
+    def fill_oldest(self, device: list[tuple[int, int, int]]) -> None:
+        """``device``: (launch_ns, done_ns, kernel_ns) per all-reduce of the oldest take, 0 if
         unknown (kernel_ns: the backend's own timing of it, NCCL's with its timing on)."""
-        for b, (launch, done, kernel) in zip(self.waiting, device):
+        if not device or not self.waiting:
+            return
+        _, records = self.waiting.popleft()
+        for b, (launch, done, kernel) in zip(records, device):
             b.launch = launch / 1e3 if launch else None
             b.done = done / 1e3 if done else None
             if kernel and isinstance(b, BucketRecord):
                 b.kernel_us = kernel / 1e3
-        if device:
-            self.step, self.waiting = None, []
 
-    def holds_any_of(self, steps) -> bool:
-        return bool(self.waiting) and any(s is self.step for s in steps)
+    def through(self, steps) -> int:
+        """How many of the oldest takes to read so that every take of ``steps`` is read (the
+        takes before theirs are of older steps, read first: the wrapper reads in order)."""
+        last = 0
+        for n, (step, _) in enumerate(self.waiting, start=1):
+            if any(step is s for s in steps):
+                last = n
+        return last
 
 
 class CompiledBuckets:
@@ -138,6 +148,11 @@ class CompiledBuckets:
         if self.attached:
             self.attached = False
             self.take_pending()
+            while self.lag.waiting:  # their device times, before the group goes (waits for them if need be)
+                before = len(self.lag.waiting)
+                self.lag.fill_oldest(self.ext.settle(self.group))
+                if len(self.lag.waiting) == before:
+                    break
             self.ddp.reducer._update_process_group(self.original)
             # Hold the real group no longer than the reducer does: a group that outlives
             # destroy_process_group is torn down while Python finalizes (see the tracer's
@@ -179,18 +194,19 @@ class CompiledBuckets:
         to the buckets waiting for them."""
         if self.group is None:
             return []
-        records, device = self.ext.take(self.group, 10_000)
-        self.lag.fill(device)
+        records, oldest = self.ext.take(self.group, 10_000)
+        self.lag.fill_oldest(oldest)  # every bank waited: the oldest take was read now
         return records
 
     def settle(self, steps, known_done: bool = False) -> None:
-        """Before ``steps`` are resolved: if the last take's buckets (still waiting for their
-        device times) are among them, read those now (at the end of tracing; it waits for
-        their events if need be: a CPU-GPU sync, once); their gradients' device times too
-        (the recorder resolves a step once its end event is done: no wait; ``known_done``:
-        it saw that, so no event is queried first)."""
-        if self.group is not None and self.lag.holds_any_of(steps):
-            self.lag.fill(self.ext.settle(self.group))
+        """Before ``steps`` are resolved: the device times of their all-reduces (and of any
+        older take not read yet) and of their gradients. The recorder resolves a step once its
+        end event is done, so nothing is waited for (``known_done``: it saw that, so no
+        event is queried first); else (a step resolved anyway, the end of tracing) each
+        event not completed is waited for, that event only."""
+        if self.group is not None:
+            for _ in range(self.lag.through(steps)):
+                self.lag.fill_oldest(self.ext.settle(self.group, known_done))
         if self._ready_slots and self.ready is not None:
             keep = []
             for step, first, slots in self._ready_slots:

@@ -17,8 +17,8 @@
 // the call (the collective's stream waits for that stream, so the collective cannot start
 // before it), and "done", recorded in the future's callback, which c10::ivalue::Future runs
 // on a stream made to wait for the collective's work, so the event completes when the
-// collective does. Both are read one take() late, when that step's work has completed: no
-// CPU-GPU synchronisation inside a step. They map onto the host clock through *anchors*:
+// collective does. Both are read when the recorder resolves their step (settle()), its work
+// completed: no CPU-GPU synchronisation inside a step. They map onto the host clock through *anchors*:
 // events whose host times are known. The first is taken at wrap() (after waiting for the
 // current stream, before training); after that the Python clock (cuda_clock.py) shares its
 // own: at each of its tries it has this group record a candidate event on its idle anchor
@@ -35,9 +35,14 @@
 // (a Python hook and a torch.cuda.Event per gradient, resolved in Python, cost the
 // training thread tens of µs each on a GPU host).
 //
-// Records go into a preallocated array (no allocation on the hot path) of two banks: the
-// one being filled, and the one last taken, whose device events are read at the next
-// take() (or settle()). Completion callbacks hold the records too, so one that runs after
+// Records go into a preallocated array (no allocation on the hot path) of banks, one per
+// take(): the one being filled and, on a device group, those taken whose device events are
+// still to be read: settle() reads the oldest, when the recorder resolves its step (its end
+// done on the device: nothing to wait for). Only a take() that finds every bank waiting
+// reads the oldest at once, waiting for its events if need be: the host may run
+// kDeviceBanks - 1 takes ahead of the device before a bucket's times make it wait (reading
+// them at the next take, as this did with two banks, made it wait whenever the device was a
+// step behind; the stand-in device's test found it). Completion callbacks hold the records too, so one that runs after
 // the wrapper is gone (dropped when tracing stops) writes into live memory. The reducer
 // waits on the same future before backward ends, but our callback may run a moment after
 // that wait returns: take() waits for a record's completion at most `wait_us` before
@@ -55,6 +60,7 @@
 #include <cmath>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -89,11 +95,14 @@ using DeviceRecords = std::vector<std::tuple<int64_t, int64_t, int64_t>>;
 
 // What the records and their callbacks share (outlives the wrapper while a callback may run).
 struct Records {
-  Records(int64_t capacity, std::optional<c10::Device> device) : capacity(capacity), host(2 * capacity), device(device) {
+  static constexpr int kDeviceBanks = 8;  // takes (steps' syncing passes) whose device times may wait
+
+  Records(int64_t capacity, std::optional<c10::Device> device)
+      : capacity(capacity), banks(device ? kDeviceBanks : 2), host(banks * capacity), device(device) {
     if (device) {
-      works.resize(2 * capacity);
-      events.reserve(4 * capacity);  // 2 banks x capacity x {launch, done}; made lazily by record()
-      for (int64_t i = 0; i < 4 * capacity; ++i) {
+      works.resize(banks * capacity);
+      events.reserve(2 * banks * capacity);  // banks x capacity x {launch, done}; made lazily by record()
+      for (int64_t i = 0; i < 2 * banks * capacity; ++i) {
         events.emplace_back(device->type(), c10::EventFlag::BACKEND_DEFAULT);
       }
     }
@@ -113,6 +122,7 @@ struct Records {
   }
 
   const int64_t capacity;
+  const int banks;
   std::vector<Record> host;
   const std::optional<c10::Device> device;
   std::vector<c10::Event> events;
@@ -155,11 +165,12 @@ struct Anchors {
   // recorded; one dropped from the ring is replaced by the oldest kept). `known_done`: the
   // caller saw a later event on its stream complete, so no query first (a driver call per
   // event, on the training thread); one that had not completed after all (recorded on
-  // another stream) throws in elapsedTime, and is waited for then. Returns whether it waited.
-  int64_t host_ns(const c10::Event& event, int64_t anchor, bool known_done = false, bool* waited = nullptr) const {
+  // another stream) throws in elapsedTime, and is waited for then. Every wait is counted
+  // (`waits`: the buckets', the gradients' and the clock's stamps' on these anchors).
+  int64_t host_ns(const c10::Event& event, int64_t anchor, bool known_done = false) const {
     if (!known_done && !event.query()) {
       event.synchronize();  // this event only: work still running when it is read (rare)
-      if (waited) *waited = true;
+      waits.fetch_add(1, std::memory_order_relaxed);
     }
     const int64_t n = count.load(std::memory_order_acquire);
     anchor = std::min(std::max(anchor, std::max<int64_t>(0, n - kAnchors)), n - 1);
@@ -177,7 +188,7 @@ struct Anchors {
         throw;
       }
       event.synchronize();  // not completed after all: this event only
-      if (waited) *waited = true;
+      waits.fetch_add(1, std::memory_order_relaxed);
       ms = events[slot]->elapsedTime(event);
     }
     return ns[slot] + static_cast<int64_t>(std::llround(ms * 1e6 * rate[slot]));  // ms -> ns
@@ -188,6 +199,7 @@ struct Anchors {
   std::vector<double> rate;  // host ns per device ns from each anchor to the next
   std::vector<std::unique_ptr<c10::Event>> candidates;
   std::atomic<int64_t> count{0};
+  mutable std::atomic<int64_t> waits{0};  // events read before they completed, waited for (that event only)
 };
 
 class TimedGroup : public c10d::ProcessGroup {
@@ -319,32 +331,44 @@ class TimedGroup : public c10d::ProcessGroup {
       out.emplace_back(rec.launch_ns.load(std::memory_order_acquire), rec.done_ns.load(std::memory_order_acquire),
                        rec.bytes.load(std::memory_order_relaxed), rec.floating.load(std::memory_order_relaxed));
     }
-    DeviceRecords previous = settle();
-    taken_bank_ = bank;
-    taken_n_ = n;
-    bank_.store(1 - bank, std::memory_order_relaxed);
+    DeviceRecords oldest;
+    if (records_->device) {
+      waiting_.emplace_back(bank, n);
+      if (static_cast<int>(waiting_.size()) == records_->banks) {  // the next bank to fill still waits
+        oldest = settle(false);  // its events are waited for if need be: the device is that far behind
+      }
+    }
+    bank_.store((bank + 1) % records_->banks, std::memory_order_relaxed);
     next_.store(0, std::memory_order_release);
-    return {out, previous};
+    return {out, oldest};
   }
 
-  // The device times of the last take()'s all-reduces, if not read yet (at the end of
-  // tracing; it synchronises on their events if they have not completed: CPU-GPU sync).
-  DeviceRecords settle() {
+  // The device times of the oldest take() whose device times were not read yet (empty: none):
+  // when its step is resolved. Waits for an event that has not completed (that event only);
+  // `known_done`: the caller saw a later event on the compute stream complete, so none is
+  // queried first (one that had not completed after all is waited for: Anchors::host_ns).
+  DeviceRecords settle(bool known_done) {
     DeviceRecords out;
-    if (!records_->device || taken_n_ == 0) {
+    if (!records_->device || waiting_.empty()) {
       return out;
     }
-    out.reserve(taken_n_);
-    for (int64_t i = 0; i < taken_n_; ++i) {
-      const Record& rec = records_->at(taken_bank_, i);
+    const auto [bank, n] = waiting_.front();
+    waiting_.pop_front();
+    out.reserve(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const Record& rec = records_->at(bank, i);
       const bool done = rec.done_ns.load(std::memory_order_acquire) != 0;
       const int64_t anchor = rec.anchor.load(std::memory_order_relaxed);
-      out.emplace_back(anchors_->host_ns(records_->launch_event(taken_bank_, i), anchor),
-                       done ? anchors_->host_ns(records_->done_event(taken_bank_, i), anchor) : 0,
-                       done ? kernel_ns(taken_bank_ * records_->capacity + i) : 0);
+      out.emplace_back(anchors_->host_ns(records_->launch_event(bank, i), anchor, known_done),
+                       done ? anchors_->host_ns(records_->done_event(bank, i), anchor, known_done) : 0,
+                       done ? kernel_ns(bank * records_->capacity + i) : 0);
     }
-    taken_n_ = 0;
     return out;
+  }
+
+  // Takes whose device times were not read yet.
+  int64_t waiting() const {
+    return static_cast<int64_t>(waiting_.size());
   }
 
   void set_kernel_timing(bool on) {
@@ -380,8 +404,7 @@ class TimedGroup : public c10d::ProcessGroup {
   std::shared_ptr<Records> records_;
   std::atomic<int> bank_{0};
   std::atomic<int64_t> next_{0};
-  int taken_bank_ = 0;  // the bank the last take() handed over, and how many records it held
-  int64_t taken_n_ = 0;
+  std::deque<std::pair<int, int64_t>> waiting_;  // (bank, records) of takes not read on the device, oldest first
   std::shared_ptr<Anchors> anchors_;  // device groups only
 };
 
@@ -451,11 +474,7 @@ class EventRing {
         continue;
       }
       const int64_t k = slot & (ring_ - 1);
-      bool waited = false;
-      out.push_back(anchors_->host_ns(events_[k], event_anchor_[k], known_done, &waited) + skew_ns);
-      if (waited) {
-        blocked_.fetch_add(1, std::memory_order_relaxed);
-      }
+      out.push_back(anchors_->host_ns(events_[k], event_anchor_[k], known_done) + skew_ns);
       last = std::max(last, slot);
     }
     if (last >= released_.load(std::memory_order_relaxed)) {
@@ -468,8 +487,10 @@ class EventRing {
     return issued_.load(std::memory_order_relaxed);
   }
 
+  // Events read on these anchors that had to be waited for: this ring's, and the group's
+  // other rings' and buckets'.
   int64_t blocked() const {
-    return blocked_.load(std::memory_order_relaxed);
+    return anchors_->waits.load(std::memory_order_relaxed);
   }
 
  private:
@@ -486,7 +507,6 @@ class EventRing {
   std::vector<int64_t> event_anchor_;  // the newest anchor when each slot was recorded
   std::atomic<int64_t> issued_{0};  // slots handed out (a try that found the ring full takes none)
   std::atomic<int64_t> released_{0};  // slots below this were resolved
-  std::atomic<int64_t> blocked_{0};  // resolved slots that had to be waited for
 };
 
 // (parameter index, CLOCK_MONOTONIC ns) per accumulated gradient, in order; on a device
@@ -720,11 +740,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("group"), py::arg("wait_us") = 10000,
       "([(launch_ns, done_ns, bytes, floating)] since the last take (done 0: not completed within wait_us; "
       "floating False: not a gradient bucket), "
-      "[(launch_ns, done_ns, kernel_ns)] on the device for the take before)");
+      "[(launch_ns, done_ns, kernel_ns)] on the device for the oldest take not read yet, read now because "
+      "every bank waits (else empty: settle() reads it))");
   m.def(
-      "settle", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).settle(); },
-      py::arg("group"), py::call_guard<py::gil_scoped_release>(),
-      "the device times of the last take's all-reduces, if not handed over yet");
+      "settle",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, bool known_done) { return as_timed(g).settle(known_done); },
+      py::arg("group"), py::arg("known_done") = false, py::call_guard<py::gil_scoped_release>(),
+      "the device times of the oldest take's all-reduces not handed over yet (empty: none)");
+  m.def(
+      "waiting", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).waiting(); },
+      py::arg("group"), "takes whose device times were not read yet");
   m.def(
       "kernel_timing", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, bool on) { as_timed(g).set_kernel_timing(on); },
       py::arg("group"), py::arg("on"),

@@ -196,26 +196,32 @@ def test_without_a_compiler_the_python_hook_times_the_run_and_says_so(tmp_path):
     assert processes_mentioning(str(out)) == []
 
 
-def test_device_times_reach_the_buckets_of_the_take_before_and_settle_at_the_end():
-    """On CUDA the wrapper hands each take's device times over at the next take (no sync
-    inside a step). Plain bookkeeping: no GPU needed, nothing faked."""
+def test_device_times_wait_per_take_oldest_first_until_their_step_is_resolved():
+    """On a device the wrapper keeps each take's device times until its step is resolved
+    (several steps may wait: the host runs ahead of the device), and reads them oldest
+    first. Plain bookkeeping: no GPU needed, nothing faked (the stand-in device's test runs
+    it for real: tests/tracer/capture/test_device_path.py)."""
     from ddpscope.tracer.capture.ddp.compiled import DeviceLag
     from ddpscope.tracer.capture.ddp.records import BucketRecord
 
     lag = DeviceLag()
-    step3, step4 = object(), object()
+    step3, step4, step5 = object(), object(), object()
     b3 = [BucketRecord(index=k, nbytes=8, params=(k,), launch=None) for k in range(2)]
-    lag.hand_over(step3, b3)
-    assert lag.holds_any_of([step4, step3]) and not lag.holds_any_of([step4])
-    lag.fill([])  # a take with nothing of the device's (CPU, or nothing new): still waiting
-    assert lag.holds_any_of([step3])
-    lag.fill([(2_000_000, 2_500_000, 400_000), (2_100_000, 0, 0)])  # ns; 0: its completion never came
-    assert [(b.launch, b.done, b.kernel_us) for b in b3] == [(2000.0, 2500.0, 400.0), (2100.0, None, None)]
-    assert not lag.holds_any_of([step3])
     b4 = [BucketRecord(index=0, nbytes=8, params=(0,), launch=None)]
+    b4_second_pass = [BucketRecord(index=0, nbytes=8, params=(0,), launch=None)]
+    lag.hand_over(step3, b3)
     lag.hand_over(step4, b4)
-    lag.fill([(3_000_000, 3_200_000, 0)])  # the backend did not time it: no kernel time
-    assert (b4[0].launch, b4[0].done, b4[0].kernel_us) == (3000.0, 3200.0, None) and b3[0].launch == 2000.0
+    lag.hand_over(step4, b4_second_pass)  # two syncing passes in one step: two takes
+    # resolving step 4 reads step 3's take first (the wrapper reads in order), then both of its own
+    assert lag.through([step4]) == 3 and lag.through([step3]) == 1 and lag.through([step5]) == 0
+    lag.fill_oldest([])  # nothing read (no device times): still waiting
+    assert lag.through([step3]) == 1
+    lag.fill_oldest([(2_000_000, 2_500_000, 400_000), (2_100_000, 0, 0)])  # ns; 0: its completion never came
+    assert [(b.launch, b.done, b.kernel_us) for b in b3] == [(2000.0, 2500.0, 400.0), (2100.0, None, None)]
+    assert lag.through([step3]) == 0 and lag.through([step4]) == 2
+    lag.fill_oldest([(3_000_000, 3_200_000, 0)])  # the backend did not time it: no kernel time
+    assert (b4[0].launch, b4[0].done, b4[0].kernel_us) == (3000.0, 3200.0, None) and b4_second_pass[0].launch is None
+    assert lag.through([step4]) == 1
 
 
 def test_device_ready_times_reach_their_step_when_it_is_resolved_and_not_before():
