@@ -148,6 +148,21 @@ def test_steps_without_gradient_marks_record_one_event_and_never_sync(tmp_path):
     assert (steps["compute_end_us"] >= steps["backward_start_us"] - 5.0).all()
 
 
+def test_the_host_runs_ahead_of_a_busy_device_while_traced(tmp_path):
+    """A GPU kept busy 20 ms a step (a sleeping kernel: no host time): untraced, the host
+    launches step N while the device still runs step N-1. Traced, it must still: the tracer
+    reads a step's events when the step is resolved, two steps later, and waits for nothing
+    sooner (reading the buckets' events at the next take made the host wait for the previous
+    step every step; tests/tracer/capture/test_device_path.py shows that on a stand-in)."""
+    trace, _, reports = traced(tmp_path, 1, "nccl", "--gpu-sleep-ms", "20", "--sync-debug-from", "2",
+                               profile=False, steps=12)
+    meta = trace.ranks[0]
+    assert meta["status"] == "complete" and meta["capture_path"] == capture_path_expected(), meta
+    rows = [r for r in reports[0] if r["step"] >= 3]
+    assert sum(r["previous_running"] for r in rows) >= len(rows) - 1, rows  # ran ahead every step
+    check_ready_times(trace)
+
+
 def test_the_clock_stays_within_the_hosts_bracket_over_time(tmp_path):
     """The CUDA clock against the host clock for 30 s: events on an idle stream, each
     bracketed by host reads (before the record, when ``query()`` first says done), resolve
