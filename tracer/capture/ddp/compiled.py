@@ -213,10 +213,9 @@ class CompiledBuckets:
                 if not any(step is s for s in steps):
                     keep.append((step, first, slots))
                     continue
-                grads = step.grads
-                for j, ns in enumerate(self.ready.resolve(slots, self.skew_ns, known_done), start=first):
-                    param, _, k = grads[j]
-                    grads[j] = (param, ns / 1e3 if ns else None, k)
+                grads, end = step.grads, first + len(slots)
+                grads[first:end] = [(param, ns / 1e3 if ns else None, k) for (param, _, k), ns in
+                                    zip(grads[first:end], self.ready.resolve(slots, self.skew_ns, known_done))]
             self._ready_slots = keep
 
     def take(self, step, pass_index: int) -> None:

@@ -344,19 +344,24 @@ def _synced(step: StepRecord) -> bool:
 
 
 def _resolve_in_place(steps: list[StepRecord], resolve: Callable[[list], list]) -> None:
-    """Every stamp of ``steps`` turned into µs by one ``resolve`` call (no device sync)."""
+    """Every stamp of ``steps`` turned into µs by one ``resolve`` call (no device sync).
+    Gradients whose times are µs already (the compiled capture's, read from its ring by
+    ``settle``: most of a step's stamps) are left as they are."""
     stamps: list[Any] = []
+    stamped = []  # per step: its gradients hold stamps (the Python hooks' events), not µs
     for s in steps:
         stamps += [s.start, s.end]
         stamps += [s.optimizer[0], s.optimizer[1]] if s.optimizer else [None, None]
         stamps += [s.param_sync.start, s.param_sync.end] if s.param_sync else [None, None]
         for p in s.passes:
             stamps += [*p.forward, p.backward_start, p.backward_end, p.sync_end]
-        stamps += [t for _, t, _ in s.grads]
+        stamped.append(any(type(t) is tuple for _, t, _ in s.grads))  # a device stamp is a tuple (clock.py)
+        if stamped[-1]:
+            stamps += [t for _, t, _ in s.grads]
         for b in (*s.buckets, *s.own):
             stamps += [b.launch, b.done]
     times = iter(resolve(stamps))
-    for s in steps:
+    for s, grads_stamped in zip(steps, stamped):
         s.start, s.end = next(times), next(times)
         opt = [next(times), next(times)]
         s.optimizer = opt if s.optimizer else None
@@ -366,7 +371,8 @@ def _resolve_in_place(steps: list[StepRecord], resolve: Callable[[list], list]) 
         for p in s.passes:
             p.forward = [next(times), next(times)]
             p.backward_start, p.backward_end, p.sync_end = next(times), next(times), next(times)
-        s.grads = [(i, next(times), k) for i, _, k in s.grads]
+        if grads_stamped:
+            s.grads = [(i, next(times), k) for i, _, k in s.grads]
         for b in (*s.buckets, *s.own):
             b.launch, b.done = next(times), next(times)
 
