@@ -95,7 +95,9 @@ def main() -> None:
         ref_opt.zero_grad(set_to_none=True)
     same = all(torch.equal(getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b))  # FSDP2: the shards
                for a, b in zip(ddp.parameters(), ref.parameters()))
-    (out / f"rank-{rank}.host.json").write_text(json.dumps({
+    # DDP's own word on its buckets after the rebuild (an instrument apart from the tracer's)
+    rebuilt = None if args.fsdp2 else ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
+    (out / f"rank-{rank}.host.json").write_text(json.dumps({"rebuilt_per_bucket_param_indices": rebuilt,
         "brackets_ns": brackets, "recorded": recorded, "during": during, "capture_note": note, "same_as_untraced": same,
         "lag_ms": args.lag_ms}))
     # DDP models alive at destroy_process_group: torch 2.13's gloo then aborts at exit about one

@@ -198,6 +198,9 @@ def _check_structure(host: dict, meta: dict, events: list[dict], steps: int, mar
     assert meta["device"] == standin_device.DEVICE and meta["clock"] == "cuda-event" and meta["status"] == "complete"
     assert host["same_as_untraced"], "tracing changed the training"
     assert host["during"]["device_syncs"] == 0 and host["during"]["stream_syncs"] == 0
+    # the buckets read on the device path (DDP's logging data, the ready order): DDP's own layout
+    ddp_layout = [[int(i) for i in b.split()] for b in host["rebuilt_per_bucket_param_indices"].split(",")]
+    assert meta["bucket_layouts"][-1]["buckets"] == ddp_layout and len(ddp_layout) == 3
     spans = {cat: _by_step(events, cat) for cat in (fmt.CAT_STEP, fmt.CAT_FORWARD, fmt.CAT_BACKWARD,
                                                      fmt.CAT_OPTIMIZER, fmt.CAT_GRAD, fmt.CAT_ALLREDUCE)}
     assert sorted(spans[fmt.CAT_STEP]) == list(range(steps))
