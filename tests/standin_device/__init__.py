@@ -67,14 +67,30 @@ def new_stream():
     return torch.Stream(device=torch.device(DEVICE))
 
 
+def make_clock(pinned: bool = False):
+    """``CudaEventClock`` on the stand-in: its ``torch.Event``s, its current stream, a new
+    idle stream for the anchors; ``pinned``: stamps on stream 0 (the compute stream), as the
+    FSDP2 tracer pins CUDA's."""
+    import torch
+
+    from ddpscope.tracer.capture.clock import CpuClock
+    from ddpscope.tracer.capture.cuda_clock import CudaEventClock
+
+    device = torch.device(DEVICE)
+    clock = CudaEventClock(host_clock=CpuClock(), device=device,
+                           event_factory=lambda: torch.Event(device=device, enable_timing=True),
+                           current_stream=stream, idle_stream=new_stream())
+    if pinned:
+        clock.pin_stream(stream(0))
+    return clock
+
+
 def make_tracer_class():
     """``StandInTracer``: ``DDPTracer`` with the stand-in as its timing device (a class made
     on demand: importing this package must not import ddpscope's tracer)."""
     import torch
 
     from ddpscope.tracer import DDPTracer
-    from ddpscope.tracer.capture.clock import CpuClock
-    from ddpscope.tracer.capture.cuda_clock import CudaEventClock
     from ddpscope.tracer.capture.ddp.compiled import load_extension
 
     load()
@@ -84,10 +100,8 @@ def make_tracer_class():
         def _timing_device(self, params):
             return device
 
-        def _make_clock(self, device):
-            return CudaEventClock(host_clock=CpuClock(), device=device,
-                                  event_factory=lambda: torch.Event(device=device, enable_timing=True),
-                                  current_stream=stream, idle_stream=new_stream())
+        def _make_clock(self, _device):
+            return make_clock()
 
         def _compiled_extension(self, device):
             if self.config.capture == "python":
@@ -100,21 +114,12 @@ def make_tracer_class():
 def make_fsdp_tracer_class():
     """``StandInFSDPTracer``: the FSDP2 tracer with its clock on the stand-in, pinned to the
     stand-in's stream 0 (the compute stream, as the real one pins CUDA's current stream)."""
-    import torch
-
-    from ddpscope.tracer.capture.clock import CpuClock
-    from ddpscope.tracer.capture.cuda_clock import CudaEventClock
     from ddpscope.tracer.capture.sharded.fsdp_tracer import FSDPTracer
 
     load()
-    device = torch.device(DEVICE)
 
     class StandInFSDPTracer(FSDPTracer):
         def _make_clock(self, _device):
-            clock = CudaEventClock(host_clock=CpuClock(), device=device,
-                                   event_factory=lambda: torch.Event(device=device, enable_timing=True),
-                                   current_stream=stream, idle_stream=new_stream())
-            clock.pin_stream(stream(0))
-            return clock
+            return make_clock(pinned=True)
 
     return StandInFSDPTracer

@@ -63,6 +63,9 @@ class Clock(Protocol):
         the device (CUDA: waits only for a stamp's own event that has not completed;
         ``known_done``: a later stamp on their stream has, so none is queried first)."""
 
+    def facts(self) -> dict:
+        """What a rank's metadata says of the clock at the end (CUDA: anchors, drift, waits)."""
+
 
 class CpuClock:
     """Host monotonic clock (``time.perf_counter_ns``, CLOCK_MONOTONIC on Linux)."""
@@ -87,6 +90,9 @@ class CpuClock:
 
     def resolve(self, stamps: Sequence[Any], known_done: bool = False) -> list[float | None]:
         return [None if s is None else float(s) for s in stamps]
+
+    def facts(self) -> dict:
+        return {}
 
 
 def period_of(host_us: float, offset_us: float, interval_us: float) -> int:

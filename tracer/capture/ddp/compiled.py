@@ -148,11 +148,8 @@ class CompiledBuckets:
         if self.attached:
             self.attached = False
             self.take_pending()
-            while self.lag.waiting:  # their device times, before the group goes (waits for them if need be)
-                before = len(self.lag.waiting)
+            for _ in range(len(self.lag.waiting)):  # their device times, before the group goes (waited for if need be)
                 self.lag.fill_oldest(self.ext.settle(self.group))
-                if len(self.lag.waiting) == before:
-                    break
             self.ddp.reducer._update_process_group(self.original)
             # Hold the real group no longer than the reducer does: a group that outlives
             # destroy_process_group is torn down while Python finalizes (see the tracer's

@@ -320,7 +320,7 @@ class DDPTracer:
         try:
             self._writer.close(status=status, error=error, clock_offset=self._meta["clock_offset"],
                                steps=self._recorder.steps_written if self._recorder else 0,
-                               **(self.clock.facts() if hasattr(self.clock, "facts") else {}))  # CUDA: anchors, drift
+                               **self.clock.facts())  # CUDA: anchors, drift, waits
         except OSError:
             if self._live is not None:  # the launcher reads it: this rank's trace is not whole
                 self._live.rewrite(fmt.FAILED)

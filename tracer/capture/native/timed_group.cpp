@@ -366,10 +366,6 @@ class TimedGroup : public c10d::ProcessGroup {
     return out;
   }
 
-  // Takes whose device times were not read yet.
-  int64_t waiting() const {
-    return static_cast<int64_t>(waiting_.size());
-  }
 
   void set_kernel_timing(bool on) {
     records_->kernel_timing.store(on && records_->device.has_value(), std::memory_order_relaxed);
@@ -747,9 +743,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, bool known_done) { return as_timed(g).settle(known_done); },
       py::arg("group"), py::arg("known_done") = false, py::call_guard<py::gil_scoped_release>(),
       "the device times of the oldest take's all-reduces not handed over yet (empty: none)");
-  m.def(
-      "waiting", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g) { return as_timed(g).waiting(); },
-      py::arg("group"), "takes whose device times were not read yet");
   m.def(
       "kernel_timing", [](const c10::intrusive_ptr<c10d::ProcessGroup>& g, bool on) { as_timed(g).set_kernel_timing(on); },
       py::arg("group"), py::arg("on"),

@@ -227,7 +227,7 @@ class FSDPTracer:
         steps = self.recorder.steps_written if self.recorder else 0
         try:
             self._writer.close(status=status, error=error, clock_offset=self._meta["clock_offset"], steps=steps,
-                               **(self.clock.facts() if hasattr(self.clock, "facts") else {}))  # CUDA: anchors, drift
+                               **self.clock.facts())  # CUDA: anchors, drift, waits
         except OSError:
             if not failed:
                 raise
