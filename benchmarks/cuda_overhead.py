@@ -11,8 +11,11 @@ one traced by the full tracer as ``ddpscope run`` uses it (compiled capture, wri
 file), the other not. Both train on the same batches, so their parameters must end
 bit-identical (printed). A third copy is traced with ``--grad-marks-every N`` (10; 1: no
 third copy): gradient-ready marks on the first steps and every Nth only, the cut left for a
-launch-bound model (docs/cuda.md). They run in *windows* of ``--window`` steps, each copy
-first in turn, round by round; a window is timed from a device synchronize to a device synchronize
+launch-bound model (docs/cuda.md). A fourth copy encodes its steps' events between
+steps, on the training thread (``inline``), where the others build and encode them beside
+the next backward when the host has cores to spare (``tracer/capture/backward_encoder.py``):
+the two side by side say what that buys. They run in *windows* of ``--window`` steps, each
+copy first in turn, round by round; a window is timed from a device synchronize to a device synchronize
 (the benchmark's own, between windows, never inside a step), so inside it the CPU runs ahead
 of the GPU as in training, and a window's time is what the device took. Ratio per round:
 traced window over untraced window (paired: slow drifts of the machine cancel); printed, the
@@ -114,7 +117,7 @@ def run_model(name: str, args, torch, dist, device) -> dict:
     base = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
                                  for _ in range(layers)]).to(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    modes = ("untraced", "traced", *(("sparse",) if args.grad_marks_every > 1 else ()))
+    modes = ("untraced", "traced", *(("sparse",) if args.grad_marks_every > 1 else ()), "inline")
     copies = {}
     for mode in modes:
         ddp = DDP(copy.deepcopy(base), process_group=dist.new_group(backend=backend),
@@ -139,8 +142,12 @@ def run_model(name: str, args, torch, dist, device) -> dict:
         return time.perf_counter() - t0
 
     tmp = tempfile.mkdtemp(prefix="ddpscope-cuda-overhead-")
-    tracers = {m: DDPTracer(*copies[m], out_dir=Path(tmp) / f"{name}-{m}", capture="compiled",
-                            grad_marks_every=args.grad_marks_every if m == "sparse" else 1) for m in modes[1:]}
+    class InlineTracer(DDPTracer):  # steps encoded between steps, on the training thread
+        encode_in_backward = False
+
+    tracers = {m: (InlineTracer if m == "inline" else DDPTracer)(
+        *copies[m], out_dir=Path(tmp) / f"{name}-{m}", capture="compiled",
+        grad_marks_every=args.grad_marks_every if m == "sparse" else 1) for m in modes[1:]}
     tracer = tracers["traced"]
     entered = []
     try:
@@ -267,7 +274,8 @@ def main() -> int:
                   + ", ".join(f"{m} {1e3 * statistics.median(t):.3f}" for m, t in r["times"].items()))
             for m, ratios in r["ratios"].items():
                 med, lo, hi = median_ci(ratios)
-                label = "traced" if m == "traced" else f"traced, marks every {args.grad_marks_every}th step"
+                label = {"traced": "traced", "inline": "traced, steps encoded between steps (before)"}.get(
+                    m, f"traced, marks every {args.grad_marks_every}th step")
                 print(f"  {label} / untraced: {med:.4f} (95 % CI {lo:.4f}-{hi:.4f}); goal <= 1.02: "
                       f"{'met' if hi <= 1.02 else 'NOT met'}")
             print(f"  parameters bit-identical to the untraced copy's: {r['same']}")

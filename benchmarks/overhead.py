@@ -188,19 +188,25 @@ PIECES = {
     "encoding and handing them to the writer": ("add",),
     "rest of closing a step (bucket layout, records)": ("_close",),
 }
+# With the compiled capture a step's events are built and encoded on the tracer's encoder
+# thread while the next backward runs (tracer/capture/backward_encoder.py): not on the
+# training thread, so the two pieces above read 0 there and this one says what it took.
+ENCODER_PIECE = "building and encoding them on the encoder's thread, inside backward (not the training thread's)"
 
 
 def exclusive_timer(spent: dict[str, int]):
     """``timed(label, fn, materialize=False)``: ``fn`` wrapped to add its ns to
-    ``spent[label]``, less the time of the timed pieces it calls (exclusive);
-    ``materialize``: an iterable it returns is built inside the timing (events built
-    here, not in whoever consumes them)."""
+    ``spent[label]``, less the time of the timed pieces it calls on the same thread
+    (exclusive); ``materialize``: an iterable it returns is built inside the timing (events
+    built here, not in whoever consumes them)."""
+    import threading
     import time
 
-    stack: list[int] = []  # the time of the pieces inside the running one, per level
+    local = threading.local()  # per thread: the time of the pieces inside the running one, per level
 
     def timed(label: str, fn, materialize: bool = False):
         def wrapper(*a, **k):
+            stack = local.__dict__.setdefault("stack", [])
             stack.append(0)
             t0 = time.perf_counter_ns()
             try:
@@ -222,13 +228,16 @@ def where_the_time_goes(tracer, run_step, steps: int, extra: dict[str, tuple] | 
     (``run_step``), after the interleaved rounds (so the wrapping never touches them).
     ``extra``: further pieces, label -> ``(object, method name)`` pairs (taken out of the
     pieces that call them: timing is exclusive)."""
-    rec, writer = tracer._recorder, tracer._writer
+    rec, writer, encoder = tracer._recorder, tracer._writer, tracer._encoder
     spent: dict[str, int] = {}
     timed = exclusive_timer(spent)
     for label, names in PIECES.items():
         for name in names:
-            owner = writer if name == "add" else rec.step_events if name == "events" else rec
-            setattr(owner, name, timed(label, getattr(owner, name), materialize=name == "events"))
+            owner = (encoder or writer) if name == "add" else rec.step_events if name == "events" else rec
+            # built where they are consumed: on the encoder's thread when there is one
+            setattr(owner, name, timed(label, getattr(owner, name), materialize=name == "events" and not encoder))
+    if encoder is not None:
+        extra = {**(extra or {}), ENCODER_PIECE: ((encoder, "_work"),)}
     for label, methods in (extra or {}).items():
         for owner, name in methods:
             setattr(owner, name, timed(label, getattr(owner, name)))

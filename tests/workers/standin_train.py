@@ -44,6 +44,8 @@ def main() -> None:
     p.add_argument("--fsdp2", action="store_true", help="fully_shard each layer and the root, not DDP")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches a step (DDP's no_sync on all but the last)")
     p.add_argument("--find-unused", action="store_true", help="DDP(find_unused_parameters=True)")
+    p.add_argument("--fail-building-at", type=int, default=-1,
+                   help="a fault injected: building this step's events raises (on the encoder's thread)")
     args = p.parse_args()
     dev = standin_device.load()
     dev.configure(drift_ppm=args.drift_ppm, offset_ns=round(args.offset_s * 1e9))
@@ -77,6 +79,8 @@ def main() -> None:
     else:
         tracer = tracer_class(ddp, opt, out_dir=out, capture=args.capture, grad_marks_every=args.grad_marks_every)
     with tracer as tracer:
+        if args.fail_building_at >= 0:
+            inject_build_failure(tracer._recorder.step_events, args.fail_building_at)
         before = dev.counters()
         for micro in batches:
             r0, t0 = dev.recorded(0), time.perf_counter_ns()
@@ -97,7 +101,8 @@ def main() -> None:
                for a, b in zip(ddp.parameters(), ref.parameters()))
     # DDP's own word on its buckets after the rebuild (an instrument apart from the tracer's)
     rebuilt = None if args.fsdp2 else ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
-    (out / f"rank-{rank}.host.json").write_text(json.dumps({"rebuilt_per_bucket_param_indices": rebuilt,
+    failure = getattr(tracer, "failure", None)
+    (out / f"rank-{rank}.host.json").write_text(json.dumps({"failure": failure,"rebuilt_per_bucket_param_indices": rebuilt,
         "brackets_ns": brackets, "recorded": recorded, "during": during, "capture_note": note, "same_as_untraced": same,
         "lag_ms": args.lag_ms}))
     # DDP models alive at destroy_process_group: torch 2.13's gloo then aborts at exit about one
@@ -106,6 +111,18 @@ def main() -> None:
     del ddp, ref, opt, ref_opt
     gc.collect()
     dist.destroy_process_group()
+
+
+def inject_build_failure(step_events, at: int) -> None:
+    """Building step ``at``'s events raises, wherever they are built."""
+    build = step_events._events
+
+    def failing(s, nccl):
+        if s.step == at:
+            raise ValueError(f"injected at step {at}")
+        return build(s, nccl)
+
+    step_events._events = failing
 
 
 def train_step(model: nn.Module, micro: list[torch.Tensor]) -> None:

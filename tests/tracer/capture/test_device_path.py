@@ -251,6 +251,10 @@ def test_a_run_timed_on_a_drifting_device_behind_the_host_reads_where_the_device
         assert meta["capture_path"] == capture
         if capture == "compiled":
             assert meta["clock_ring_stamps"] >= 5 * steps  # the clock's stamps came from the C++ ring
+            # the steps' events built and encoded beside the next backward, all but the last few
+            assert meta["encoded_beside_backward"] >= steps // 2 and meta["encoded_between_steps"] <= 3, meta
+        else:  # the Python capture's hooks run in backward: encoded between steps
+            assert "encoded_beside_backward" not in meta
         assert meta["clock_drift_ppm"] == pytest.approx(-300.0, abs=5.0), meta
         assert meta["clock_anchors"] >= 3
         known = meta["clock_drift_from_us"]
@@ -260,6 +264,20 @@ def test_a_run_timed_on_a_drifting_device_behind_the_host_reads_where_the_device
         for start, d_start, d_end in late:
             assert -TOL_US <= d_start and d_end <= TOL_US, (r, start - known, d_start, d_end)
         assert min(d for s, d, _ in offsets if s < known) < -100.0, "the device's drift did not show before it was measured"
+
+
+@pytest.mark.ddp
+def test_a_failure_building_steps_beside_backward_stops_tracing_never_training(tmp_path, built):
+    """Building step 6's events raises on the encoder's thread (a fault injected): the rank
+    stops tracing and says why in its trace, which keeps every step built before, whole;
+    the job ends well and trains as it would untraced."""
+    at = 6
+    ranks = _run(tmp_path, "--steps", "14", "--lag-ms", "3", "--fail-building-at", str(at))
+    for r, (host, meta, events) in ranks.items():
+        assert host["same_as_untraced"], "tracing changed the training"
+        assert meta["status"] == fmt.FAILED and f"ValueError: injected at step {at}" in meta["error"], meta
+        assert host["failure"] == meta["error"] and "training goes on untraced" in meta["error"]
+        assert sorted(_by_step(events, fmt.CAT_STEP)) == list(range(at))
 
 
 @pytest.mark.ddp

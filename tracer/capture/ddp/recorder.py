@@ -74,6 +74,7 @@ class StepRecorder:
         self._measured = MeasuredSteps(clock, memory_interval_s, offset_us)
         self.grad_marks_every = grad_marks_every
         self._last_grad: int | None = None  # the gradient ready last in the latest marked step
+        self.backward_began: Callable[[], None] | None = None  # a backward starts (backward_encoder.py)
 
     # -- hooks ------------------------------------------------------------------
     def on_forward_start(self, sync: bool = True) -> None:
@@ -129,6 +130,8 @@ class StepRecorder:
         p = cur.passes[k]
         if p.backward_start is None:
             p.backward_start = self.clock.stamp()
+            if self.backward_began is not None:
+                self.backward_began()
         if self._synced_pass is not None:  # another syncing backward before: its all-reduces first
             self._take_buckets(cur)
         if self.bucket_source is not None and not cur.first_grad_seen:

@@ -1,6 +1,6 @@
 """What ``run.json`` records of a traced DDP model: the bucket sizes DDP really uses, its
 settings, the script's communication hook, whether the ranks were bound to cores, and the
-conditions a rank ran under (threads, cores, priority)."""
+conditions a rank ran under (threads, cores, priority), and its ZeRO stage."""
 
 from __future__ import annotations
 
@@ -122,3 +122,20 @@ def _comm_hook_name(ddp: DDP) -> str | None:
     if state is None or state.inner is None:
         return None
     return getattr(state.inner[0], "__qualname__", repr(state.inner[0]))
+
+
+def zero_stage(optimizer) -> dict:
+    """DDP's ZeRO stage: 1 when the optimizer is a ``ZeroRedundancyOptimizer`` (its state
+    partitioned; parameters broadcast from their owner after each step), else 0; and the
+    optimizer that keeps the state (ZeRO-1's inner one), for the ZeRO model's K."""
+    zero1 = type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+    inner = getattr(optimizer, "optim", None) if zero1 else optimizer
+    facts = {}
+    if inner is not None:
+        groups = getattr(inner, "param_groups", None) or [{}]
+        facts = {"optimizer": type(inner).__name__, "momentum": bool(groups[0].get("momentum") or 0)}
+    if zero1:
+        return {"framework": "zero1", "stage": 1, "stage_reason": "DDP with ZeroRedundancyOptimizer: optimizer state "
+                "partitioned, gradients all-reduced, parameters broadcast from their owner after the step", **facts}
+    return {"framework": "ddp", "stage": 0, "stage_reason": "DDP: every rank holds every parameter, gradient and "
+            "optimizer state", **facts}

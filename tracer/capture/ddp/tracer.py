@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpscope.tracer import format as fmt
+from ddpscope.tracer.capture.backward_encoder import BackwardEncoder, worth_it
 from ddpscope.tracer.capture.clock import CpuClock, make_clock
 from ddpscope.tracer.capture.ddp.buffer_sync import BufferBroadcastTimer
 from ddpscope.tracer.capture.ddp.collectives import CollectiveTimer
@@ -34,7 +35,7 @@ from ddpscope.tracer.capture.ddp.comm_hook import attach_comm_hook, ddp_register
 from ddpscope.tracer.capture.ddp.compiled import CompiledBuckets, load_extension, usable
 from ddpscope.tracer.capture.ddp.recorder import StepRecorder
 from ddpscope.tracer.capture.ddp.reducer import reducer_params
-from ddpscope.tracer.capture.ddp.run_facts import ddp_facts
+from ddpscope.tracer.capture.ddp.run_facts import ddp_facts, zero_stage
 from ddpscope.tracer.capture.ddp.step_hooks import attach_grad_hooks, attach_hooks
 from ddpscope.tracer.capture.hook_guard import HookGuard, HookHandles
 from ddpscope.tracer.capture.live import LiveFile
@@ -86,6 +87,8 @@ class DDPTracer:
         self._handles = HookHandles()
         self._recorder: StepRecorder | None = None
         self._writer: TraceWriter | None = None
+        self._encoder: BackwardEncoder | None = None  # the compiled capture's: steps encoded in backward
+        self._encoder_facts: dict = {}
         self._comm_state = None
         self._on_step = on_step
         self._live: LiveFile | None = None
@@ -135,6 +138,7 @@ class DDPTracer:
             self._compiled = None
         if self._comm_state is not None:
             self._comm_state.recorder = None
+        self._stop_encoder()
         self._release_cpu_group()
         if self._live is not None:
             self._live.close(fmt.FAILED)
@@ -214,11 +218,20 @@ class DDPTracer:
                                           host_clock=self.clock.kind == CpuClock.kind))
         attach_hooks(self.model, params, self.optimizer, self._recorder, self._handles, self._guard,
                      grad_hooks=self._compiled is None or not self._compiled.ready_in_cpp)
+        encode = worth_it(device.type) if self.encode_in_backward is None else self.encode_in_backward
+        if self._compiled is not None and self._compiled.ready_in_cpp and encode:
+            # no Python hook of ours in backward to wait for the GIL it takes (backward_encoder.py)
+            self._encoder = BackwardEncoder(self._writer)
+            self._recorder.backward_began = self._encoder.backward_began
         try:  # where this rank is, for the launcher's hang watchdog (optional: never fatal)
             self._live = LiveFile(cfg.out_dir, self.rank, self._recorder)
         except OSError:
             self._live = None
         return self
+
+    # Steps built and encoded beside the next backward (backward_encoder.py); None: where
+    # it pays (worth_it). benchmarks/cuda_overhead.py traces a copy with it off, side by side.
+    encode_in_backward: bool | None = None
 
     # The device whose events time the run, and its clock: the model's (the host's on CPU).
     # tests/standin_device replaces both to run the device path where there is no GPU.
@@ -249,6 +262,8 @@ class DDPTracer:
             ready_in_cpp = self._compiled.ready_in_cpp  # else the Python ready hooks are on already
             self._compiled.detach()
             self._compiled = None
+            if (why := self._stop_encoder()) is not None:  # Python hooks in backward from now on
+                self._tracing_failed(why)
             if self._recorder is not None:
                 self._recorder.bucket_source = None
                 if ready_in_cpp:
@@ -304,6 +319,8 @@ class DDPTracer:
                 self._compiled.detach()  # DDP's reducer gets its own process group back
             if self._comm_state is not None:
                 self._comm_state.recorder = None
+        if (why := self._stop_encoder()) is not None and not broken:  # the steps it held are lost
+            self.failure, broken = f"rank {self.rank}: tracing stopped ({why})", True
         status = fmt.FAILED if failed or broken else fmt.COMPLETE
         error = error[:2000] if failed else self.failure
         offsets_end: list[ClockOffset] | None = None
@@ -320,7 +337,7 @@ class DDPTracer:
         try:
             self._writer.close(status=status, error=error, clock_offset=self._meta["clock_offset"],
                                steps=self._recorder.steps_written if self._recorder else 0,
-                               **self.clock.facts())  # CUDA: anchors, drift, waits
+                               **self.clock.facts(), **self._encoder_facts)  # CUDA: anchors, drift, waits
         except OSError:
             if self._live is not None:  # the launcher reads it: this rank's trace is not whole
                 self._live.rewrite(fmt.FAILED)
@@ -348,9 +365,21 @@ class DDPTracer:
         if self._writer.error is not None:  # the trace cannot be written (disk full, folder gone)
             self._stop_recording()
             return
-        self._writer.add(events)
+        (self._writer if self._encoder is None else self._encoder).add(events)
         if layouts is not None:  # rare (DDP rebuilt its buckets): each change appends the metadata once
             self._writer.set_meta(bucket_layouts=[dict(l) for l in layouts])
+
+    def _stop_encoder(self) -> str | None:
+        """Encode the steps the encoder holds here and end its thread; why that failed, or None."""
+        encoder, self._encoder = self._encoder, None
+        if self._recorder is not None:
+            self._recorder.backward_began = None
+        try:
+            return None if encoder is None else encoder.drain()
+        except Exception as e:  # noqa: BLE001 - a bug of ours: the trace ends, training does not
+            return str(e)
+        finally:
+            self._encoder_facts = encoder.facts() if encoder is not None else self._encoder_facts
 
     def _tracing_failed(self, reason: str) -> None:
         """A hook of the tracer's failed (its guard caught the exception, training did not
@@ -400,30 +429,13 @@ class DDPTracer:
             "capture_path": self._meta["capture_path"], "capture_path_note": self._meta["capture_path_note"],
             "grad_marks_every": self.config.grad_marks_every,
             "ranks": [fmt.rank_file(r) for r in range(self.world_size)],
-            "sharding": _zero_stage(self._recorder.optimizer if self._recorder else None),
+            "sharding": zero_stage(self._recorder.optimizer if self._recorder else None),
             **self.config.run_meta,
         })
         run.setdefault("started_at", fmt.started_at())
         if error:
             run["error"] = error
         write_json_atomic(path, run)
-
-
-def _zero_stage(optimizer) -> dict:
-    """DDP's ZeRO stage: 1 when the optimizer is a ``ZeroRedundancyOptimizer`` (its state
-    partitioned; parameters broadcast from their owner after each step), else 0; and the
-    optimizer that keeps the state (ZeRO-1's inner one), for the ZeRO model's K."""
-    zero1 = type(optimizer).__name__ == "ZeroRedundancyOptimizer"
-    inner = getattr(optimizer, "optim", None) if zero1 else optimizer
-    facts = {}
-    if inner is not None:
-        groups = getattr(inner, "param_groups", None) or [{}]
-        facts = {"optimizer": type(inner).__name__, "momentum": bool(groups[0].get("momentum") or 0)}
-    if zero1:
-        return {"framework": "zero1", "stage": 1, "stage_reason": "DDP with ZeroRedundancyOptimizer: optimizer state "
-                "partitioned, gradients all-reduced, parameters broadcast from their owner after the step", **facts}
-    return {"framework": "ddp", "stage": 0, "stage_reason": "DDP: every rank holds every parameter, gradient and "
-            "optimizer state", **facts}
 
 
 def _rank() -> int:
