@@ -281,6 +281,46 @@ def test_a_failure_building_steps_beside_backward_stops_tracing_never_training(t
 
 
 @pytest.mark.ddp
+def test_accumulated_micro_batches_with_unused_parameter_detection_each_sit_where_the_device_ran_them(tmp_path, built):
+    """Three micro-batches a step (DDP's ``no_sync`` on the first two) under
+    ``find_unused_parameters=True`` (DDP's ``_DDPSink``: Python at the start of every
+    backward, beside the encoder): each pass's forward and backward in order inside its
+    step, every gradient inside its own pass's backward, the all-reduces launched in the
+    last (syncing) backward only, DDP's unused-parameter map on its own lane once a step;
+    the steps encoded beside backward; training bit-identical, nothing synchronised."""
+    steps, micro = 12, 3
+    ranks = _run(tmp_path, "--steps", str(steps), "--accumulate", str(micro), "--find-unused", "--lag-ms", "3")
+    for r, (host, meta, events) in ranks.items():
+        assert host["same_as_untraced"] and meta["status"] == fmt.COMPLETE, meta.get("error")
+        assert host["during"]["device_syncs"] == 0 and host["during"]["stream_syncs"] == 0
+        assert meta["encoded_beside_backward"] >= steps // 2, meta
+        spans = {cat: _by_step(events, cat) for cat in (fmt.CAT_STEP, fmt.CAT_FORWARD, fmt.CAT_BACKWARD,
+                                                         fmt.CAT_GRAD, fmt.CAT_ALLREDUCE, fmt.CAT_DDP_OWN)}
+        assert sorted(spans[fmt.CAT_STEP]) == list(range(steps))
+        for s in range(steps):
+            (step,) = spans[fmt.CAT_STEP][s]
+            fwd = sorted(spans[fmt.CAT_FORWARD][s], key=lambda e: e["args"]["micro"])
+            bwd = sorted(spans[fmt.CAT_BACKWARD][s], key=lambda e: e["args"]["micro"])
+            assert [e["args"]["micro"] for e in bwd] == list(range(micro))
+            assert [e["args"]["sync"] for e in bwd] == [False] * (micro - 1) + [True]
+            t = step["ts"]
+            for f, b in zip(fwd, bwd):  # forward k, backward k, forward k+1, ...
+                assert t <= f["ts"] <= f["ts"] + f["dur"] <= b["ts"] + 1e-3, (r, s)
+                t = b["ts"] + b["dur"] - 1e-3
+            assert t <= step["ts"] + step["dur"]
+            grads = spans[fmt.CAT_GRAD][s]
+            assert len(grads) == micro * PARAMS, (r, s)
+            for g in grads:
+                own = bwd[g["args"]["micro"]]
+                assert own["ts"] <= g["ts"] <= own["ts"] + own["dur"] + 1e-3, (r, s, g["args"])
+            last = bwd[-1]
+            buckets = spans[fmt.CAT_ALLREDUCE][s]
+            assert sum(b["args"]["bytes"] for b in buckets) == sum(meta["param_bytes"]), (r, s)
+            assert all(last["ts"] <= b["ts"] for b in buckets), (r, s)
+            assert [o["name"] for o in spans[fmt.CAT_DDP_OWN].get(s, [])] == [fmt.UNUSED_MAP], (r, s)
+
+
+@pytest.mark.ddp
 @pytest.mark.parametrize("capture", ["compiled", "python"])
 def test_a_stream_far_behind_and_sparse_gradient_marks_record_one_gradient_event_per_unmarked_step(tmp_path, built,
                                                                                                  capture):
