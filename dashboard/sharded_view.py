@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from ddpscope.dashboard.common import first_real_step, show_table
+from ddpscope.dashboard.common import first_real_step, load_trace, show_table, stamp_of
 from ddpscope.viz.sharded.buckets import compute_bucket_table
 from ddpscope.viz.sharded.deepspeed_states import measured_states, precision, predict_states
 from ddpscope.viz.sharded.figures import (
@@ -26,6 +26,9 @@ from ddpscope.viz.sharded.metrics import (
     stage_differences,
 )
 from ddpscope.viz.sharded.predict import predict_memory, predict_peak, predict_step_ms
+from ddpscope.viz.sharded.profile_check import compute_sharded_profile_agreement
+from ddpscope.viz.sources.run_profile import profile_folder
+from ddpscope.viz.trace import TraceError
 from ddpscope.viz.units import UNITS
 
 MIB = 2**20
@@ -81,11 +84,35 @@ def render_sharded_timeline(trace) -> None:
         show_table(buckets.assign(**{unit: buckets.pop("bytes") / scale}).round(3), key="sharded_buckets")
     with st.expander("Every step"):
         show_table(compute_sharded_steps(trace).round(2), key="sharded_per_step")
+    if profile_folder(trace) is not None:
+        with st.expander("torch.profiler on the same run (ddpscope run --profile): each collective as both saw it"):
+            show_sharded_profile(trace)
     st.subheader("What was sent")
     for line in comm_honesty_lines(trace):
         st.write(line)
     vol = compute_comm_volume(trace)
     show_table(vol.round(3), key="sharded_volume")
+
+
+def show_sharded_profile(trace) -> None:
+    """Each collective of the profiled steps as the tracer and the profiler saw it."""
+    folder = profile_folder(trace)
+    try:
+        profile = load_trace(str(folder), stamp_of(folder))
+    except TraceError as e:
+        st.error(f"The profiler traces of this run cannot be read: {e}")
+        return
+    table = compute_sharded_profile_agreement(trace, profile)
+    if table.empty:
+        st.info("The profile holds none of the steps this trace has.")
+        return
+    st.caption("Each unit's all-gather and reduce-scatter as the tracer timed it and as the profiler saw it run (its "
+               "times put on the tracer's clock with each rank's sampled offset; matched in order within a step). "
+               "The profiler's bytes are the collective's input: an all-gather's is this rank's shard. "
+               "start_after_ms: how long after the tracer's start it ran; end_before_ms: how long before the "
+               "tracer's end it ended. An empty side: the other did not see it.")
+    show_table(table.drop(columns=["start_us", "end_us", "profile_start_us", "profile_end_us"]).round(3),
+               key="sharded_profile_agreement")
 
 
 def render_sharded_memory(trace, unit: str = "MiB") -> None:

@@ -17,10 +17,11 @@ from ddpscope.viz.ddp.gantt import make_timeline_figure
 from ddpscope.viz.ddp.kernel_gantt import make_kernel_timeline_figure
 from ddpscope.viz.ddp.kernel_overlap import compute_hta_breakdown
 from ddpscope.viz.ddp.overlap import compute_rank_medians, compute_step_breakdown
-from ddpscope.viz.ddp.profile_check import compute_profile_agreement, profile_folder
+from ddpscope.viz.ddp.profile_check import compute_profile_agreement
 from ddpscope.viz.ddp.stages import compute_param_sync
 from ddpscope.viz.ddp.stragglers import compute_straggler_summary, straggler_line
 from ddpscope.viz.lanes import timeline_extent_ms
+from ddpscope.viz.sources.run_profile import profile_folder
 from ddpscope.viz.trace import TraceError
 
 

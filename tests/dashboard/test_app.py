@@ -1096,13 +1096,15 @@ def test_a_missing_or_empty_runs_folder_says_so_and_shows_the_samples(tmp_path, 
 
 @pytest.mark.ddp
 def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, monkeypatch):
-    """A user's FSDP2 run (traced here): the Timeline draws units against all-gather and
-    reduce-scatter lanes, the Memory page opens on it, the Run page predicts a rerun."""
+    """A user's FSDP2 run (traced and profiled here): the Timeline draws units against all-gather and
+    reduce-scatter lanes and sets each collective beside the profiler's, the Memory page opens on it,
+    the Run page predicts a rerun."""
     from tests.tracer.capture.autotrace.test_autotrace import WORKERS, trace_script
 
     runs = tmp_path / "runs"
     runs.mkdir()
-    proc, out, _ = trace_script(runs, str(WORKERS / "fsdp2_train.py"), "--steps", "4", name="fsdp2")
+    proc, out, _ = trace_script(runs, str(WORKERS / "fsdp2_train.py"), "--steps", "4", name="fsdp2",
+                                ddpscope=("--profile", "--profile-steps", "2"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
@@ -1116,6 +1118,9 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     units = next(d.value for d in at.dataframe if "all_gather_ms" in d.value.columns)
     assert list(units["unit"]) == ["(root)", "layers.0", "layers.1", "layers.2", "layers.3"]
     assert any("gloo has no reduce-scatter" in m.value for m in at.markdown)
+    # profiled: each collective beside the profiler's, in the expander (2 steps x 2 ranks x 15)
+    agreement = next(d.value for d in at.dataframe if "start_after_ms" in d.value.columns)
+    assert len(agreement) == 2 * 2 * 15 and agreement["profile_bytes"].notna().all()
     _page(at, "What-if")  # not a dead end: where its own settings are predicted
     assert not at.exception and any("sharded run (FSDP2)" in i.value and "Run page" in i.value for i in at.info)
     _page(at, "Memory (ZeRO)")

@@ -15,32 +15,11 @@ order) is matched to the tracer's k-th bucket (in launch order).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 
-from ddpscope.tracer import format as fmt
-from ddpscope.viz.sources.kineto import load_kineto
-from ddpscope.viz.sources.kineto_file import FILE_RE
-from ddpscope.viz.trace import RunTrace, TraceError, clock_alignment
-
-PROFILE_DIR = fmt.PROFILE_DIR
-
-
-def profile_folder(trace: RunTrace) -> Path | None:
-    """The run's profiler traces (``RUN/profile/``), or None if it was not profiled."""
-    folder = Path(trace.path) / PROFILE_DIR
-    if folder.is_dir() and any(FILE_RE.match(p.name) for p in folder.iterdir()):
-        return folder
-    return None
-
-
-def load_run_profile(trace: RunTrace) -> RunTrace:
-    folder = profile_folder(trace)
-    if folder is None:
-        raise TraceError(f"{trace.path.name} has no profiler traces (trace it with `ddpscope run --profile`)")
-    return load_kineto(folder)
+from ddpscope.viz.sources.run_profile import on_trace_clock, profiled_steps
+from ddpscope.viz.trace import RunTrace
 
 
 def compute_profile_agreement(trace: RunTrace, profile: RunTrace) -> pd.DataFrame:
@@ -55,22 +34,16 @@ def compute_profile_agreement(trace: RunTrace, profile: RunTrace) -> pd.DataFram
     k = profile.kernels
     ar = k[(k["collective"] == "allreduce") & (k["step"] >= 0)]
     for rank, meta in sorted(trace.ranks.items()):
-        prof_meta = meta.get("profile") or {}
-        pmeta = profile.ranks.get(rank)
-        if not prof_meta or pmeta is None:
+        host = on_trace_clock(meta, profile.ranks.get(rank))
+        if host is None:
             continue
-        align = clock_alignment(meta)
-        base_us = (pmeta.get("base_time_ns") or 0) / 1e3
         mine = ar[ar["rank"] == rank]
-        # Unix µs -> this rank's host clock -> rank 0's clock (the trace's)
-        host = lambda t: np.array([align(x) for x in (t + base_us - prof_meta["unix_minus_host_us"])])  # noqa: E731
         start = host(mine["ts_raw"].to_numpy(float))
         end = host(mine["ts_raw"].to_numpy(float) + mine["dur_raw"].to_numpy(float))
         pr = pd.DataFrame({"step": mine["step"].to_numpy(), "start": start, "end": end,
                            "bytes": mine["bytes"].to_numpy(float)}).sort_values(["step", "start"])
         tb = trace.buckets[trace.buckets["rank"] == rank].sort_values(["step", "launch_us"])
-        first = prof_meta.get("first_step", 0)
-        recorded = range(first, first + int(prof_meta.get("steps", 0)))
+        recorded = profiled_steps(meta)
         for step in sorted(set(pr["step"]) | set(tb.loc[tb["step"].isin(recorded), "step"])):
             p, t = pr[pr["step"] == step], tb[tb["step"] == step]
             for i in range(max(len(p), len(t))):

@@ -18,7 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"), pytest.mark.ddp]
 
-from ddpscope.viz.ddp.profile_check import compute_profile_agreement, load_run_profile  # noqa: E402
+from ddpscope.viz.ddp.profile_check import compute_profile_agreement  # noqa: E402
+from ddpscope.viz.sources.run_profile import load_run_profile  # noqa: E402
 from ddpscope.viz.trace import load_run  # noqa: E402
 from tests.conftest import ROOT, run_cli  # noqa: E402
 
@@ -189,6 +190,24 @@ def test_two_ranks_nccl(tmp_path):
     check_memory(trace, reports)
 
 
+def check_units_against_the_profile(trace, all_matched: bool) -> None:
+    """Each unit's all-gather and reduce-scatter against the profile's NCCL kernels on the
+    same run: the input bytes (a shard, or the whole), the kernel inside the span the tracer
+    timed on its stream (it starts after the tracer's start, its end within 50 µs or 2 %
+    of the span before the tracer's). One rank: NCCL copies without a kernel, so only the
+    collectives the profile holds are compared."""
+    from ddpscope.viz.sharded.profile_check import compute_sharded_profile_agreement
+
+    a = compute_sharded_profile_agreement(trace, load_run_profile(trace))
+    both = a.dropna(subset=["start_us", "profile_start_us"])
+    if all_matched:
+        assert len(a) and len(both) == len(a), a
+    assert (both["profile_bytes"] == both["expected_profile_bytes"]).all(), both
+    span_ms = (both["end_us"] - both["start_us"]) / 1e3
+    assert (both["start_after_ms"] >= -0.05).all(), both
+    assert ((both["end_before_ms"] >= -0.05) & (both["end_before_ms"] <= (0.02 * span_ms).clip(lower=0.05))).all(), both
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_fsdp2_on_nccl_is_traced_per_unit_with_cuda_events(tmp_path, nproc):
     """The sharded capture on CUDA: stamps are CUDA events (collectives on FSDP's own
@@ -199,10 +218,11 @@ def test_fsdp2_on_nccl_is_traced_per_unit_with_cuda_events(tmp_path, nproc):
 
     script = str(WORKERS / "fsdp2_train.py")
     out, report = tmp_path / "run", tmp_path / "report"
-    proc = run_cli("run", "--nproc", str(nproc), "--out", str(out), "--", script, "--cuda", "--steps", "4",
-                   "--report", str(report))
+    proc = run_cli("run", "--nproc", str(nproc), "--profile", "--profile-steps", "2", "--out", str(out), "--", script,
+                   "--cuda", "--steps", "4", "--report", str(report))
     assert proc.returncode == 0, proc.stderr[-3000:]
     trace = load_run(out)
+    check_units_against_the_profile(trace, all_matched=nproc > 1)
     assert trace.ranks[0]["clock"] == "cuda-event" and trace.ranks[0]["backend"] == "nccl"
     sh = trace.shards
     assert sh.stage == 3 and sh.reduce_scatter_sent_as is None  # NCCL has a reduce-scatter

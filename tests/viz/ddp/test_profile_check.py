@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ddpscope.viz.ddp.profile_check import compute_profile_agreement, load_run_profile, profile_folder
+from ddpscope.viz.ddp.profile_check import compute_profile_agreement
 from ddpscope.viz.sources import KINETO, folder_kind
+from ddpscope.viz.sources.run_profile import load_run_profile, profile_folder
 from ddpscope.viz.trace import TraceError, load_run
 
 pytestmark = pytest.mark.ddp

@@ -56,8 +56,8 @@ def test_a_profiled_run_keeps_its_profile_folder(tmp_path, top):
     import gzip
     import json
 
-    from ddpscope.viz.ddp.profile_check import profile_folder
     from ddpscope.viz.sources import folder_kind
+    from ddpscope.viz.sources.run_profile import profile_folder
     from tests.viz.sources.test_kineto import gpu_profile
 
     src = SAMPLES / "mlp-2rank-cap1mb"
