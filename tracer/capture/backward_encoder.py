@@ -15,7 +15,7 @@ It needs a core of its own while backward runs. On a GPU, backward is the autogr
 engine's device thread launching kernels while the training thread waits, and a host
 usually has several cores a rank. Training on the CPU, backward's own threads (the
 intra-op pool) take the cores: on the 2-core CI machine, the benchmark model's
-backward got 115-170 µs slower beside the encoder, for 75-83 µs taken off closing the
+backward got 111-169 µs slower beside the encoder, for 75-110 µs taken off closing the
 step (a worker that burnt the same CPU without the GIL slowed it as much; one that slept,
 not: the cores, not the GIL). Hence ``worth_it``: the device path, with cores to spare.
 A Python hook of the script's inside backward waits for the GIL while the encoder holds
