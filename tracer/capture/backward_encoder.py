@@ -13,17 +13,19 @@ built on the training thread) and works the queue when backward begins.
 
 It needs a core of its own while backward runs. On a GPU, backward is the autograd
 engine's device thread launching kernels while the training thread waits, and a host
-usually has several cores a rank. Training on the CPU, backward's own threads (the
-intra-op pool) take the cores: on the 2-core CI machine, the benchmark model's
-backward got 111-169 µs slower beside the encoder, for 75-110 µs taken off closing the
-step (a worker that burnt the same CPU without the GIL slowed it as much; one that slept,
-not: the cores, not the GIL). Hence ``worth_it``: the device path, with cores to spare.
-A Python hook of the script's inside backward waits for the GIL while the encoder holds
-it (at most what encoding those steps takes, as inline); the DDP tracer uses it only with
-the compiled capture (no Python hook of ours runs in backward after the first). Order is kept (one queue, one worker at a time); a script
-with no backward (a queue not worked since the last hand-over) has it worked at once.
-An error while building (ours) is raised on the training thread at the next hand-over,
-where the tracer's hook guard stops tracing as it does for any of its errors.
+usually has several cores a rank. Training on the CPU, the job's own threads (backward,
+the intra-op pool, gloo's) take the cores: on the 2-core CI machine, the benchmark
+model's backward got 111-169 µs slower beside the encoder, for 75-110 µs taken off
+closing the step (a worker that burnt the same CPU without the GIL slowed it as much; one
+that slept, not: the cores, not the GIL). Hence ``worth_it``: the device path, with cores
+to spare. A Python piece of backward (a hook of the script's, DDP's ``_DDPSink``) waits
+for the GIL while the encoder holds it, at most what encoding those steps takes (what it
+cost between steps before); the DDP tracer uses it only with the compiled capture (no
+Python hook of ours runs in backward after the first). Order is kept (one queue, one
+worker at a time); a script with no backward (a queue not worked since the last
+hand-over) has it worked at once. An error while building (ours) is raised on the
+training thread at the next hand-over, where the tracer's hook guard stops tracing as it
+does for any of its errors.
 """
 
 from __future__ import annotations
