@@ -190,12 +190,14 @@ def run_model(name: str, args, torch, dist, device) -> dict:
         same = all(all(torch.equal(a, b) for a, b in zip(copies[m][0].parameters(), copies["untraced"][0].parameters()))
                    for m in modes[1:])
         note = tracer.capture_note
+        beside = tracer._encoder is not None  # backward_encoder.worth_it here
     finally:
         for t in reversed(entered):
             t.__exit__(None, None, None)
         shutil.rmtree(tmp, ignore_errors=True)
     return {"ratios": ratios, "times": times, "pieces": pieces, "same": same, "note": note,
             "steps": done["traced"], "capture": "compiled" if note is None else "python", "stamp_us": stamp_us,
+            "beside": beside,
             "ring_stamps": getattr(tracer.clock, "ring_stamps", 0), "shape": (layers, width, batch)}
 
 
@@ -279,6 +281,8 @@ def main() -> int:
                 print(f"  {label} / untraced: {med:.4f} (95 % CI {lo:.4f}-{hi:.4f}); goal <= 1.02: "
                       f"{'met' if hi <= 1.02 else 'NOT met'}")
             print(f"  parameters bit-identical to the untraced copy's: {r['same']}")
+            print(f"  the traced copies' steps built and encoded beside backward: {r['beside']} "
+                  f"({os.cpu_count()} cores; backward_encoder.worth_it)")
             if device.type == "cuda":
                 print(f"  the clock's stamp: {r['stamp_us']:.1f} µs a call ({r['ring_stamps']} stamps from the "
                       f"compiled capture's ring of events; 0: every stamp a torch.cuda.Event)")
