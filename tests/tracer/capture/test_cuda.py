@@ -194,11 +194,16 @@ def check_units_against_the_profile(trace, all_matched: bool) -> None:
     """Each unit's all-gather and reduce-scatter against the profile's NCCL kernels on the
     same run: the input bytes (a shard, or the whole), the kernel inside the span the tracer
     timed on its stream (it starts after the tracer's start, its end within 50 µs or 2 %
-    of the span before the tracer's). One rank: NCCL copies without a kernel, so only the
-    collectives the profile holds are compared."""
+    of the span before the tracer's). Kernels only: one rank's NCCL copies without a kernel,
+    and the profile then takes the CPU-side ``nccl:`` spans (the enqueue, ahead of the
+    device) as its collectives; so on one GPU only kernels the profile holds are compared."""
+    import dataclasses
+
     from ddpscope.viz.sharded.profile_check import compute_sharded_profile_agreement
 
-    a = compute_sharded_profile_agreement(trace, load_run_profile(trace))
+    profile = load_run_profile(trace)
+    on_device = dataclasses.replace(profile, kernels=profile.kernels[profile.kernels["stream"] >= 0])
+    a = compute_sharded_profile_agreement(trace, on_device)
     both = a.dropna(subset=["start_us", "profile_start_us"])
     if all_matched:
         assert len(a) and len(both) == len(a), a
