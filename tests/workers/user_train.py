@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -204,6 +205,10 @@ def main() -> None:
         dist.barrier()
         del ddp, other, opt
     finally:
+        # ddpscope's --steps ends the script with a SystemExit that skips the teardown above:
+        # the script's references to its DDP models go here too, before their process group
+        model = ddp = other = opt = joined = None  # noqa: F841
+        gc.collect()
         rank = dist.get_rank() if dist.is_initialized() else -1
         dist.destroy_process_group()
     if rank == args.abort_at_exit:  # as torch's gloo sometimes does at interpreter exit (ZeRO-3, DeepSpeed)
