@@ -7,7 +7,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from ddpscope.dashboard.common import first_real_step, load_trace, show_table, stamp_of
+from ddpscope.dashboard.common import first_real_step, show_table
+from ddpscope.dashboard.run_profile import load_run_profile_or_say
 from ddpscope.viz.sharded.buckets import compute_bucket_table
 from ddpscope.viz.sharded.deepspeed_states import measured_states, precision, predict_states
 from ddpscope.viz.sharded.figures import (
@@ -28,7 +29,6 @@ from ddpscope.viz.sharded.metrics import (
 from ddpscope.viz.sharded.predict import predict_memory, predict_peak, predict_step_ms
 from ddpscope.viz.sharded.profile_check import compute_sharded_profile_agreement
 from ddpscope.viz.sources.run_profile import profile_folder
-from ddpscope.viz.trace import TraceError
 from ddpscope.viz.units import UNITS
 
 MIB = 2**20
@@ -96,11 +96,7 @@ def render_sharded_timeline(trace) -> None:
 
 def show_sharded_profile(trace) -> None:
     """Each collective of the profiled steps as the tracer and the profiler saw it."""
-    folder = profile_folder(trace)
-    try:
-        profile = load_trace(str(folder), stamp_of(folder))
-    except TraceError as e:
-        st.error(f"The profiler traces of this run cannot be read: {e}")
+    if (profile := load_run_profile_or_say(trace)) is None:
         return
     table = compute_sharded_profile_agreement(trace, profile)
     if table.empty:

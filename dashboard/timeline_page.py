@@ -9,6 +9,7 @@ import streamlit as st
 
 from ddpscope.dashboard.common import first_real_step, load_events, load_trace, merged_trace_bytes, show_table, stamp_of
 from ddpscope.dashboard.rank_overview_view import default_ranks, render_rank_overview
+from ddpscope.dashboard.run_profile import load_run_profile_or_say
 from ddpscope.dashboard.sharded_view import render_sharded_timeline, show_sharded_comparison
 from ddpscope.tracer.options import GRAD_MARKS_FIRST_STEPS
 from ddpscope.viz.ddp.buckets import compute_bucket_table
@@ -144,11 +145,7 @@ def render_profile(path: Path, trace) -> None:
 def show_profile_beside(trace, steps, ranks) -> None:
     """The profiler's view of the shown steps (ProfilerStep#k is step k) and how its
     all-reduces agree with the tracer's buckets."""
-    folder = profile_folder(trace)
-    try:
-        profile = load_trace(str(folder), stamp_of(folder))
-    except TraceError as e:
-        st.error(f"The profiler traces of this run cannot be read: {e}")
+    if (profile := load_run_profile_or_say(trace)) is None:
         return
     shown = [s for s in steps if s in set(profile.steps["step"])]
     if not shown:

@@ -54,17 +54,14 @@ def compute_sharded_profile_agreement(trace: RunTrace, profile: RunTrace) -> pd.
                            "start": host(raw), "end": host(raw + mine["dur_raw"].to_numpy(float)),
                            "bytes": mine["bytes"].to_numpy(float)})
         steps = profiled_steps(meta)
-        tr = colls[(colls["rank"] == rank) & colls["step"].isin(steps)]
-        for (step, kind), t in tr.groupby(["step", "kind"], sort=True):
-            t = t.sort_values("start_us")
-            p = pr[(pr["step"] == step) & (pr["kind"] == kind)].sort_values("start")
+        ours = dict(list(colls[(colls["rank"] == rank) & colls["step"].isin(steps)].groupby(["step", "kind"])))
+        theirs = dict(list(pr[pr["step"].isin(steps)].groupby(["step", "kind"])))
+        for step, kind in sorted(ours.keys() | theirs.keys()):  # a side may be missing: its rows NaN
+            t = ours[step, kind].sort_values("start_us") if (step, kind) in ours else []
+            p = theirs[step, kind].sort_values("start") if (step, kind) in theirs else []
             for i in range(max(len(t), len(p))):
                 rows.append(_row(rank, int(step), kind, i, t.iloc[i] if i < len(t) else None,
                                  p.iloc[i] if i < len(p) else None, units))
-        for (step, kind), p in pr[pr["step"].isin(steps)].groupby(["step", "kind"], sort=True):
-            if not ((tr["step"] == step) & (tr["kind"] == kind)).any():  # the profiler's alone
-                for i, b in enumerate(p.sort_values("start").itertuples()):
-                    rows.append(_row(rank, int(step), kind, i, None, b._asdict(), units))
     return pd.DataFrame(rows, columns=COLUMNS).sort_values(["rank", "step", "start_us"], ignore_index=True)
 
 
