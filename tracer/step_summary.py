@@ -43,7 +43,8 @@ def summarize_steps(events: Iterable) -> list[dict]:
     tracer writes them; anything else, such as gradient marks, is skipped), sorted by
     step. A row: step, warmup, incomplete, grad_marks (False: a step traced without a
     gradient-ready mark per parameter, ``--grad-marks-every``), start_us, end_us, micro_batches, forward_us
-    and backward_us (compute summed over the step's passes), the syncing pass's (the one
+    and backward_us (compute summed over the step's passes: a backward to its last gradient,
+    ``compute_us``, where the trace says it), the syncing pass's (the one
     whose backward launched the all-reduces; the last pass if none synced)
     forward/backward/sync start and end, optimizer start and end, ZeRO-1's param_sync
     start, end, bytes and own_bytes, DDP's own collectives that are not buckets (the
@@ -113,7 +114,9 @@ def summarize_steps(events: Iterable) -> list[dict]:
         mine = [p for _, p in sorted(passes.get(step, {}).items())]
         row["micro_batches"] = len(mine)
         row["forward_us"] = sum(p["forward"][1] - p["forward"][0] for p in mine if "forward" in p)
-        row["backward_us"] = sum(p["backward"][1] - p["backward"][0] for p in mine if "backward" in p)
+        # compute only: a backward span runs on past its last gradient while DDP's finalize
+        # waits for the all-reduces, which the row counts as exposed communication
+        row["backward_us"] = sum(c[1] - c[0] for c in (p.get("compute", p.get("backward")) for p in mine) if c)
         syncing = [p for p in mine if p["synced"]] or mine
         if syncing:
             for key in ("forward", "backward", "sync"):

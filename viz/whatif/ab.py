@@ -4,9 +4,9 @@ and a diff timeline of one median step.
 
 Per bucket (medians over usable steps and ranks, ms, from the rank's backward start):
 ``launch_ms``, ``flight_ms`` (launch to done) and ``exposed_ms``: the part of the
-rank's wait after its backward that ends with this bucket, i.e. ``done`` less the later
-of the backward's end and every earlier bucket's done (never below 0). A rank's buckets'
-exposed times add up to its wait for communication after backward.
+rank's wait after its backward compute (to its last gradient) that ends with this bucket,
+i.e. ``done`` less the later of that end and every earlier bucket's done (never below 0).
+A rank's buckets' exposed times add up to its step's exposed communication.
 """
 
 from __future__ import annotations
@@ -26,28 +26,35 @@ STEP_ROWS = ("step_ms", "exposed_ms", "comm_ms", "backward_ms")
 BUCKET_FIELDS = ("mib", "launch_ms", "flight_ms", "exposed_ms")
 
 
-def compute_bucket_timing(trace: RunTrace) -> pd.DataFrame:
+def compute_bucket_timing(trace: RunTrace, per_step: bool = False) -> pd.DataFrame:
     """One row per bucket index: ``mib`` and the medians of ``launch_ms``,
-    ``flight_ms`` and ``exposed_ms`` (see the module); ``backward_ms`` and ``step_ms``
-    (the rank's, the same on every row) for drawing."""
+    ``flight_ms`` and ``exposed_ms`` (see the module); ``backward_ms`` (backward compute)
+    and ``step_ms`` (the rank's, the same on every row) for drawing. ``per_step``: a row
+    per rank, step and bucket instead (``rank`` and ``step`` columns), no medians."""
     steps = usable_steps(trace)
     s = trace.steps.set_index(["rank", "step"])
     rows = []
     for (rank, step), g in trace.buckets[trace.buckets["step"].isin(steps)].groupby(["rank", "step"]):
         st = s.loc[(rank, step)]
-        b0, b1 = float(st["backward_start_us"]), float(st["backward_end_us"])
+        # backward compute ends at its last gradient (the span may run on, waiting in DDP's
+        # finalize): the wait after it is the step's exposed communication (viz.trace.compute_end)
+        b0 = float(st["backward_start_us"])
+        b1 = float(st["compute_end_us"]) if pd.notna(st.get("compute_end_us")) else float(st["backward_end_us"])
         g = g.sort_values("bucket")
         done_before = b1
         for row in g.itertuples():
             exposed = max(0.0, float(row.done_us) - done_before)
             done_before = max(done_before, float(row.done_us))
-            rows.append({"bucket": int(row.bucket), "mib": row.bytes / 2**20, "launch_ms": (row.launch_us - b0) / 1e3,
-                         "flight_ms": (row.done_us - row.launch_us) / 1e3, "exposed_ms": exposed / 1e3,
-                         "backward_ms": (b1 - b0) / 1e3, "step_ms": float(st["end_us"] - st["start_us"]) / 1e3})
+            rows.append({"rank": rank, "step": step, "bucket": int(row.bucket), "mib": row.bytes / 2**20,
+                         "launch_ms": (row.launch_us - b0) / 1e3, "flight_ms": (row.done_us - row.launch_us) / 1e3,
+                         "exposed_ms": exposed / 1e3, "backward_ms": (b1 - b0) / 1e3,
+                         "step_ms": float(st["end_us"] - st["start_us"]) / 1e3})
     cols = ["bucket", *BUCKET_FIELDS, "backward_ms", "step_ms"]
+    if per_step:
+        return pd.DataFrame(rows, columns=["rank", "step", *cols])
     if not rows:
         return pd.DataFrame(columns=cols)
-    return pd.DataFrame(rows).groupby("bucket").median().reset_index()[cols]
+    return pd.DataFrame(rows).drop(columns=["rank", "step"]).groupby("bucket").median().reset_index()[cols]
 
 
 def compute_bucket_ab(a: RunTrace, b: RunTrace, names: tuple[str, str] = ("A", "B")) -> pd.DataFrame:

@@ -274,8 +274,11 @@ def _emit_rank_step(rows, m, r, inp: StepInputs, res, sim, layout, bucket_bytes,
     row.update(rank=r, step=inp.step, warmup=False, incomplete=False,
                backward_end_us=res["backward_end"], sync_start_us=res["backward_end"], sync_end_us=res["sync_end"],
                end_us=float(m["end_us"]) + shift)
-    row["backward_us"] = float(m["backward_us"]) - (float(m["backward_end_us"]) - float(m["backward_start_us"])) \
+    # the syncing pass's compute replaced by the prediction's (the others' stay measured)
+    measured_end = float(m["compute_end_us"]) if pd.notna(m.get("compute_end_us")) else float(m["backward_end_us"])
+    row["backward_us"] = float(m["backward_us"]) - (measured_end - float(m["backward_start_us"])) \
         + (res["backward_end"] - rs.b0)
+    row["compute_end_us"] = res["backward_end"]  # the predicted span is compute only
     for k in ("optimizer_start_us", "optimizer_end_us"):
         if k in m.index and pd.notna(m[k]):
             row[k] = float(m[k]) + shift

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.tracer.launch.rerun import rerun_settings
 from ddpscope.tracer.launch.runner import RunConfig
+from ddpscope.viz.ddp.overlap import compute_step_breakdown
 from ddpscope.viz.trace import load_run
 from ddpscope.viz.whatif.ab import compute_ab_steps, compute_bucket_ab, compute_bucket_timing, make_ab_timeline_figure
 from ddpscope.viz.whatif.advisor import advise, list_for_layout, setting_text, step_noise_ms
@@ -191,6 +193,32 @@ def test_a_b_tables_and_the_diff_timeline():
     assert steps.loc["step_ms", "error %"] == 0 and steps.loc["exposed_ms", "B - A measured"] == pytest.approx(-6.0)
     fig = make_ab_timeline_figure({"A": a, "B": b})
     assert {"A: all-reduce", "B: all-reduce", "A: exposed", "B: exposed"} <= {d.name for d in fig.data}
+
+
+def test_the_buckets_exposed_parts_add_up_to_the_steps_exposed_communication():
+    """A backward span that runs on past its last gradient (DDP's finalize waiting for the
+    all-reduces inside autograd, as seen in the wild): each bucket's exposed part is cut
+    at backward compute's end, as the step's exposed communication is, so a step's buckets
+    add up to it, and the backward drawn is compute."""
+    t = synthetic(bucket_of=[0, 0, 1, 1], comm_ms=8.0, finalize_ms=1.0)
+    stretch = {k: getattr(t, k).assign(compute_end_us=getattr(t, k)["backward_end_us"],
+                                       backward_end_us=getattr(t, k)["sync_end_us"]) for k in ("steps", "passes")}
+    t = replace(t, **stretch, cache={})
+    per = compute_bucket_timing(t, per_step=True)
+    sums = per.groupby(["rank", "step"]).agg(exposed_ms=("exposed_ms", "sum"), backward_ms=("backward_ms", "first"))
+    steps = compute_step_breakdown(t).set_index(["rank", "step"]).loc[sums.index]
+    assert len(sums) == 2 * 3 and (steps["exposed_ms"] > 5).all()
+    assert sums["exposed_ms"].to_numpy() == pytest.approx(steps["exposed_ms"].to_numpy())
+    assert (sums["backward_ms"] == 40.0).all()  # compute: the span's 9 ms of waiting is not in it
+    assert compute_bucket_timing(t)["exposed_ms"].sum() == pytest.approx(steps["exposed_ms"].median())
+    # predicted at 1 MiB with a steal (all-reduces beside compute make it longer): the
+    # prediction's backward is its own compute, from its start to its compute end
+    pred = predict_run(t, 1, model(latency_us=4e3, steal_us_per_allreduce=2e3, steal_us_per_mib=1e3))
+    ps = pred.steps.set_index(["rank", "step"])
+    drawn = compute_step_breakdown(pred).set_index(["rank", "step"])["backward_ms"].loc[ps.index]
+    assert ps["compute_end_us"].to_numpy() == pytest.approx(ps["backward_end_us"].to_numpy())
+    assert drawn.to_numpy() == pytest.approx(((ps["compute_end_us"] - ps["backward_start_us"]) / 1e3).to_numpy())
+    assert (drawn > 40.5).all()
 
 
 def test_rerun_settings_follow_run_json():
