@@ -89,7 +89,11 @@ def compute_unit_table(trace) -> pd.DataFrame:
             per_step[f"{kind}_bytes"] = g["bytes"].sum()
             per_step[f"{kind}_ms"] = g["ms"].sum()
             per_step[f"{kind}_exposed_ms"] = g["exposed_ms"].sum()
-        per_step["wait_ms"] = waits[waits["unit"] == u.unit].groupby(["rank", "step"])["ms"].sum()
+        mine_w = waits[waits["unit"] == u.unit]
+        per_step["wait_ms"] = mine_w.groupby(["rank", "step"])["ms"].sum()
+        # its collectives and the waits for them as time (a gather waited for overlaps its
+        # wait; counted once), less what compute covered: the step table's definition
+        per_step["exposed_ms"] = exposed_per_step(colls[colls["unit"] == u.unit], mine_w, segs)
         for phase in ("forward", "backward"):
             s = segs[(segs["unit"] == u.unit) & (segs["phase"] == phase)]
             per_step[f"{phase}_ms"] = s.groupby(["rank", "step"])["ms"].sum()
@@ -97,7 +101,6 @@ def compute_unit_table(trace) -> pd.DataFrame:
             row[key] = float(series.median()) if len(series) else 0.0
         if per_module_untimed and not u.root:  # not measured, not zero
             row["forward_ms"] = row["backward_ms"] = float("nan")
-        row["exposed_ms"] = sum(row[f"{kind}_exposed_ms"] for kind in kinds) + row["wait_ms"]
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -129,24 +132,42 @@ def compute_sharded_steps(trace) -> pd.DataFrame:
     # time, not a sum of spans: async collectives run side by side (ZeRO-3's gathers), and a
     # gather being waited for overlaps its wait; each counts once
     by_step = {k: g for k, g in colls.groupby(key)}
-    seg_by = {k: g for k, g in sh.segments.groupby(key)}
-    wait_by = {k: g for k, g in sh.waits.groupby(key)}
-    empty = pd.DataFrame({"start_us": [], "end_us": []})
-    cols = {f"{kind}_ms": [] for kind in ("all_gather", "reduce_scatter", "all_reduce")} | {"exposed_ms": []}
+    cols = {f"{kind}_ms": [] for kind in ("all_gather", "reduce_scatter", "all_reduce")}
     for k in out[key].itertuples(index=False, name=None):
-        c, w, g = by_step.get(k, empty), wait_by.get(k, empty), seg_by.get(k, empty)
+        c = by_step.get(k, _EMPTY)
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             mine = c[c["collective"] == kind] if len(c) else c
             cols[f"{kind}_ms"].append(_length(merge_intervals(mine["start_us"].to_numpy(float),
                                                               mine["end_us"].to_numpy(float))) / 1e3)
+    for name, values in cols.items():
+        out[name] = values
+    exposed = exposed_per_step(colls, sh.waits, sh.segments)
+    out["exposed_ms"] = exposed.reindex(idx).fillna(0.0).to_numpy() if len(exposed) else 0.0
+    order = ["compute_ms", "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "wait_ms", "peak_bytes", "exposed_ms"]
+    return out[[c for c in out.columns if c not in order] + order].reset_index(drop=True)
+
+
+_EMPTY = pd.DataFrame({"start_us": [], "end_us": []})
+
+
+def exposed_per_step(colls: pd.DataFrame, waits: pd.DataFrame, segments: pd.DataFrame) -> pd.Series:
+    """Exposed communication (ms) per (rank, step) that has ``colls`` or ``waits``: the
+    time either ran (their union: async collectives side by side, a gather beside the wait
+    for it, each counted once) that no compute ``segments`` of that rank and step (every
+    unit's) covered. The steps table's definition; the unit table and the predictions
+    take it on one unit's collectives and waits."""
+    key = ["rank", "step"]
+    c_by = {k: g for k, g in colls.groupby(key)} if len(colls) else {}
+    w_by = {k: g for k, g in waits.groupby(key)} if len(waits) else {}
+    g_by = {k: g for k, g in segments.groupby(key)} if len(segments) else {}
+    out = {}
+    for k in sorted(set(c_by) | set(w_by)):
+        c, w, g = c_by.get(k, _EMPTY), w_by.get(k, _EMPTY), g_by.get(k, _EMPTY)
         comm = merge_intervals(np.r_[c["start_us"].to_numpy(float), w["start_us"].to_numpy(float)],
                                np.r_[c["end_us"].to_numpy(float), w["end_us"].to_numpy(float)])
         busy = merge_intervals(g["start_us"].to_numpy(float), g["end_us"].to_numpy(float))
-        cols["exposed_ms"].append((_length(comm) - intersection(comm, busy)) / 1e3)
-    for name, values in cols.items():
-        out[name] = values
-    order = ["compute_ms", "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "wait_ms", "peak_bytes", "exposed_ms"]
-    return out[[c for c in out.columns if c not in order] + order].reset_index(drop=True)
+        out[k] = (_length(comm) - intersection(comm, busy)) / 1e3
+    return pd.Series(out, dtype=float) if out else pd.Series(dtype=float)
 
 
 def _length(merged: np.ndarray) -> float:

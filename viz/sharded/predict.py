@@ -22,7 +22,13 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ddpscope.viz.sharded.metrics import _real_steps, compute_memory_over_step, compute_sharded_steps, with_exposed
+from ddpscope.viz.sharded.metrics import (
+    _real_steps,
+    compute_memory_over_step,
+    compute_sharded_steps,
+    exposed_per_step,
+    with_exposed,
+)
 
 
 def _reshards(setting: bool | int) -> bool:
@@ -96,6 +102,7 @@ def predict_step_ms(trace, reshard_after_forward: bool | int | None = None) -> p
     colls = with_exposed(trace)
     colls = colls[colls["step"].isin(real) & (colls["collective"] == "all_gather")]
     waits = sh.waits[sh.waits["step"].isin(real)]
+    segs = sh.segments[sh.segments["step"].isin(real)]
     units = sh.units.set_index("unit")
     rows = []
     for rank, mine in steps.groupby("rank"):
@@ -108,10 +115,10 @@ def predict_step_ms(trace, reshard_after_forward: bool | int | None = None) -> p
                 continue
             c = colls[(colls["rank"] == rank) & (colls["unit"] == u)]
             w = waits[(waits["rank"] == rank) & (waits["unit"] == u)]
-            fwd = (c[c["phase"] == "forward"]["exposed_ms"].sum()
-                   + (w[w["phase"] == "forward"]["end_us"] - w[w["phase"] == "forward"]["start_us"]).sum() / 1e3)
-            bwd = (c[c["phase"] == "backward"]["exposed_ms"].sum()
-                   + (w[w["phase"] == "backward"]["end_us"] - w[w["phase"] == "backward"]["start_us"]).sum() / 1e3)
+            g = segs[segs["rank"] == rank]
+            # the gathers and the waits for them as time, less compute (the steps table's exposed)
+            fwd, bwd = (float(exposed_per_step(c[c["phase"] == ph], w[w["phase"] == ph], g).sum())
+                        for ph in ("forward", "backward"))
             # resharding now: a backward all-gather as long as the forward one; kept: it is gone
             delta += (fwd if _reshards(reshard_after_forward) else -bwd) / n_steps
         measured = float(mine["step_ms"].median())

@@ -19,7 +19,9 @@ from ddpscope.viz.sharded.metrics import (
     compute_sharded_steps,
     compute_stage_comparison,
     compute_unit_table,
+    exposed_per_step,
     stage_differences,
+    with_exposed,
 )
 from ddpscope.viz.sharded.predict import predict_peak
 from ddpscope.viz.trace import clock_alignment, load_run
@@ -77,6 +79,14 @@ def test_traced_fsdp2_trains_bit_identically_and_is_cut_per_unit(zero3):
     steps = compute_sharded_steps(trace)
     real = steps[~steps["warmup"]]
     assert (real["compute_ms"] + real["all_gather_ms"] + real["reduce_scatter_ms"] <= real["step_ms"] + 1e-6).all()
+    # one definition of exposed: on gloo no unit's collectives run beside another's, so the
+    # units' exposed parts of a step add up to the step's exposed communication
+    colls = with_exposed(trace)
+    per_unit = [exposed_per_step(colls[colls["unit"] == u], sh.waits[sh.waits["unit"] == u], sh.segments)
+                for u in sh.units["unit"]]
+    by_step = steps.set_index(["rank", "step"])["exposed_ms"]
+    total = sum(per_unit).reindex(by_step.index)
+    assert total.to_numpy() == pytest.approx(by_step.to_numpy(), abs=1e-6) and (by_step > 0).all()
 
 
 def test_memory_by_category_agrees_with_fsdp_mem_tracker_and_the_zero_model(zero3):
