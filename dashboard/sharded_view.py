@@ -213,8 +213,9 @@ STATE_COLUMNS = ["params_bytes", "grads_bytes", "optimizer_state_bytes", "persis
 
 
 def show_sharded_comparison(loaded: dict) -> None:
-    """Runs side by side: step time, exposed communication and peak memory (medians over
-    ranks and non-warm-up steps), then every run's timeline on one time scale."""
+    """Runs side by side: step time and exposed communication (medians over ranks and
+    non-warm-up steps), peak memory (the largest over them), then every run's timeline on
+    one time scale."""
     rows = []
     for label, t in loaded.items():
         if t.shards is None:
@@ -226,7 +227,8 @@ def show_sharded_comparison(loaded: dict) -> None:
         rows.append({"run": label, "framework": t.shards.framework, "stage": t.shards.stage,
                      "reshard_after_forward": (t.run.get("sharding_requested") or {}).get("reshard_after_forward"),
                      "step_ms": real["step_ms"].median(), "exposed_ms": real["exposed_ms"].median(),
-                     "peak_MiB": steps["peak_bytes"].max() / MIB,
+                     # the steps the Run page's prediction replays (the warm-up allocates the optimizer's state)
+                     "peak_MiB": real["peak_bytes"].max() / MIB,
                      "model_states_MiB": states["persistent_bytes"].max() / MIB if states is not None and len(states)
                      else None})
     if not rows:
