@@ -205,17 +205,15 @@ def _summary(path: str, as_json: bool) -> int:
 def _zero1_summary(trace) -> dict | None:
     """A ZeRO-1 run's parameter broadcasts (medians over non-warm-up steps) and its
     communication volume in words; None for plain DDP."""
-    from ddpscope.viz.ddp.stages import compute_param_sync, ddp_comm_lines, ddp_stage
+    from ddpscope.viz.ddp.stages import ddp_comm_lines, ddp_stage, param_sync_medians
 
     if ddp_stage(trace).get("stage") != 1:
         return None
-    sync = compute_param_sync(trace)
-    warm = set(trace.steps.loc[trace.steps["warmup"].astype(bool), "step"])
-    sync = sync[~sync["step"].isin(warm)] if len(sync[~sync["step"].isin(warm)]) else sync
-    if not len(sync):
+    sync = param_sync_medians(trace)
+    if sync is None:
         return None
-    return {"param_sync_ms": float(sync["sync_ms"].median()), "pct_of_step": float(sync["pct_of_step"].median()),
-            "bytes": int(sync["bytes"].median()), "volume": ddp_comm_lines(trace)[1:]}
+    return {"param_sync_ms": sync["sync_ms"], "pct_of_step": sync["pct_of_step"], "bytes": sync["bytes"],
+            "volume": ddp_comm_lines(trace)[1:]}
 
 
 def _by_rank(table) -> dict:

@@ -19,7 +19,7 @@ from ddpscope.viz.ddp.kernel_gantt import make_kernel_timeline_figure
 from ddpscope.viz.ddp.kernel_overlap import compute_hta_breakdown
 from ddpscope.viz.ddp.overlap import compute_rank_medians, compute_step_breakdown
 from ddpscope.viz.ddp.profile_check import compute_profile_agreement
-from ddpscope.viz.ddp.stages import compute_param_sync
+from ddpscope.viz.ddp.stages import compute_param_sync, param_sync_medians
 from ddpscope.viz.ddp.stragglers import compute_straggler_summary, straggler_line
 from ddpscope.viz.lanes import timeline_extent_ms
 from ddpscope.viz.sources.run_profile import profile_folder
@@ -84,10 +84,11 @@ def render_timeline(path: Path, trace) -> None:
     with st.expander("Every step"):
         show_table(compute_step_breakdown(trace, include_warmup=True).round(2), key="per_step")
     sync = compute_param_sync(trace)
-    if len(sync):  # ZeRO-1: the optimizer's broadcasts, on each rank's communication lane
+    med = param_sync_medians(trace)  # non-warm-up steps, as `ddpscope summary` says them
+    if len(sync) and med is not None:  # ZeRO-1: the optimizer's broadcasts, on each rank's communication lane
         st.info(f"ZeRO-1 (ZeroRedundancyOptimizer): after each update every rank broadcasts the parameters it "
-                f"owns; the step waits for all of it: {sync['sync_ms'].median():.2f} ms a step (median, "
-                f"{sync['pct_of_step'].median():.1f} % of the step), {sync['bytes'].median() / 2**20:.3f} MiB. "
+                f"owns; the step waits for all of it: {med['sync_ms']:.2f} ms a step (median over non-warm-up "
+                f"steps, {med['pct_of_step']:.1f} % of the step), {med['bytes'] / 2**20:.3f} MiB. "
                 "The Memory page sets its model states beside ZeRO's stages.")
         with st.expander("Parameter broadcasts per step (ZeRO-1)"):
             show_table(sync.round(3), key="param_sync")

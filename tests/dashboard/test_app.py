@@ -1217,14 +1217,18 @@ def test_a_zero1_run_shows_its_broadcasts_and_its_stage_on_the_memory_page(tmp_p
 
     runs = tmp_path / "runs"
     runs.mkdir()
-    proc, _, _ = trace_script(runs, SETUPS, "zero", "--steps", "4", name="zero1")
+    proc, out, _ = trace_script(runs, SETUPS, "zero", "--steps", "4", name="zero1")
     assert proc.returncode == 0, proc.stderr[-2000:]
     monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
     assert not at.exception and not at.error
     assert at.sidebar.selectbox(key="trace").value == "run: zero1"
     assert "parameter broadcast (ZeRO-1)" in {t["name"] for t in _spec(at)["data"]}
-    assert any("ZeRO-1 (ZeroRedundancyOptimizer)" in i.value for i in at.info)
+    line = next(i.value for i in at.info if "ZeRO-1 (ZeroRedundancyOptimizer)" in i.value)
+    summary = run_cli("summary", "--json", str(out))  # the same steps (warm-up left out), the same numbers
+    assert summary.returncode == 0, summary.stderr
+    said = json.loads(summary.stdout)["zero1"]
+    assert f"{said['param_sync_ms']:.2f} ms a step" in line and f"{said['pct_of_step']:.1f} % of the step" in line
     _page(at, "Memory (ZeRO)")
     titles = [json.dumps(c["layout"].get("title")) for c in _charts(at)]
     assert any("beside ZeRO stages 0-3" in t for t in titles)

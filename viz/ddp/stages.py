@@ -63,6 +63,20 @@ def compute_param_sync(trace) -> pd.DataFrame:
                         columns=cols).reset_index(drop=True)
 
 
+def param_sync_medians(trace) -> dict | None:
+    """ZeRO-1's parameter broadcasts in one line's numbers, the same wherever shown (the
+    Timeline, ``ddpscope summary``): medians over non-warm-up steps (every step where all
+    are warm-up) of ``sync_ms``, ``pct_of_step`` and ``bytes``; None without them."""
+    sync = compute_param_sync(trace)
+    warm = set(trace.steps.loc[trace.steps["warmup"].astype(bool), "step"]) if "warmup" in trace.steps else set()
+    real = sync[~sync["step"].isin(warm)]
+    sync = real if len(real) else sync
+    if not len(sync):
+        return None
+    return {"sync_ms": float(sync["sync_ms"].median()), "pct_of_step": float(sync["pct_of_step"].median()),
+            "bytes": int(sync["bytes"].median())}
+
+
 def _params_and_width(trace) -> tuple[int, float]:
     """(parameters, bytes per parameter as held) of the DDP model."""
     params = int(trace.run.get("model_params") or 0)
