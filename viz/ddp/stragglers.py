@@ -64,8 +64,9 @@ def compute_wait_caused(trace: RunTrace, include_warmup: bool = False) -> pd.Dat
 
 def compute_straggler_summary(trace: RunTrace) -> pd.DataFrame:
     """Per rank, over non-warm-up steps: ``launch_delay_ms``, how late it launched each
-    step's first bucket after the first rank did (median over the steps where it was
-    last; 0 if never): how late it arrives; ``wait_caused_ms``, the median wait it caused
+    step's first bucket after the first rank did (median over its steps: how late it
+    arrives, as ``viz.ddp.rank_overview`` reads it, so the straggler line and the slowest
+    rank line say one number of one rank); ``wait_caused_ms``, the median wait it caused
     per step (at least the launch delay: a late rank's backward can fall further behind);
     the share of buckets it launched last (%), and the median spread of those (ms)."""
     cols = ["rank", "launch_delay_ms", "wait_caused_ms", "last_launch_pct", "spread_ms"]
@@ -78,8 +79,9 @@ def compute_straggler_summary(trace: RunTrace) -> pd.DataFrame:
     out["last_launch_pct"] = 100.0 * out.pop("last") / out.pop("buckets")
     spread = s.groupby("last_rank")["spread_ms"].median()
     out["spread_ms"] = out["rank"].map(spread).fillna(0.0)
-    first = s.loc[s.groupby("step")["first_launch_us"].idxmin()]  # each step's first bucket
-    out["launch_delay_ms"] = out["rank"].map(first.groupby("last_rank")["spread_ms"].median()).fillna(0.0)
+    first = _finished(trace, False).groupby(["rank", "step"])["launch_us"].min()  # each rank's first launch
+    delay = (first - first.groupby(level="step").transform("min")) / 1e3
+    out["launch_delay_ms"] = out["rank"].map(delay.groupby(level="rank").median()).fillna(0.0)
     return out[cols]
 
 

@@ -63,6 +63,11 @@ def test_the_slow_rank_is_found_and_ranked_first_with_its_figures(eight_ranks):
     exposed = overview.groupby("rank")["exposed_ms"].median()
     assert exposed.idxmin() == SLOW  # the others wait for it: it waits least
     assert "slowest rank: 5" in slow_rank_line(slow)
+    # the straggler line, printed beside it, says the same rank's lateness with the same number
+    from ddpscope.viz.ddp.stragglers import compute_straggler_summary
+
+    late = compute_straggler_summary(trace).set_index("rank")["launch_delay_ms"]
+    assert late.loc[SLOW] == pytest.approx(slow.set_index("rank").loc[SLOW, "launch_delay_ms"], abs=1e-6)
 
 
 @pytest.mark.ddp

@@ -38,7 +38,8 @@ def test_the_last_launcher_and_the_wait_it_caused():
     assert w.loc[(1, 1), "wait_caused_ms"] == pytest.approx(0.05)
     s = compute_straggler_summary(t).set_index("rank")
     assert s["wait_caused_ms"].idxmax() == 1 and s.loc[1, "last_launch_pct"] == pytest.approx(50.0)
-    assert s.loc[1, "launch_delay_ms"] == pytest.approx(0.03)  # step 0's first bucket; step 1's was rank 2's
+    # its first launch 30 µs after rank 0's in step 0, with it in step 1: the median of its steps
+    assert s.loc[1, "launch_delay_ms"] == pytest.approx(0.015) and s.loc[2, "launch_delay_ms"] == pytest.approx(0.005)
 
 
 def test_one_rank_has_no_stragglers():
