@@ -34,7 +34,7 @@ from ddpscope.viz.whatif.model import fit_model
 from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model
 from ddpscope.viz.whatif.report import regime
 from ddpscope.viz.whatif.simulate import predict_run, traced_cap
-from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, compute_measured_points, recommend_cap
+from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, MIN_GAIN, compute_cap_sweep, compute_measured_points, recommend_cap
 
 
 @st.cache_data(show_spinner="Fitting the model to the trace...", max_entries=8)
@@ -62,6 +62,23 @@ def cap_sweep(path: str, stamp: float, caps: tuple[float, ...], world_size: int 
     table = pd.DataFrame(sweep)
     table.attrs = {}  # the predicted traces stay out of the cache
     return table, best, list(model.notes) + ([note] if note else [])
+
+
+def sweep_caption(sweep: pd.DataFrame, best: dict, noise: float) -> str:
+    """What the curve says, in the table's numbers: the fastest cap on it, the one marked
+    (the traced cap stays marked unless another beats it by ``MIN_GAIN``), and the caps
+    within this run's noise of the fastest."""
+    fastest = sweep.loc[sweep["step_ms"].idxmin()]
+    text = (f"Of the uniform caps on the curve, {fastest['bucket_cap_mb']:g} MiB is predicted fastest "
+            f"({fastest['step_ms']:.1f} ms a step)")
+    if best["gain_ms"] == 0 and fastest["step_ms"] < best["step_ms"]:
+        text += (f", under {100 * MIN_GAIN:g} % faster than the traced {best['bucket_cap_mb']:g} MiB "
+                 f"({best['step_ms']:.1f} ms), which stays marked best: no cap is worth the change")
+    alike = sweep[sweep["within_noise"]]["bucket_cap_mb"] if "within_noise" in sweep else []
+    if len(alike) > 1:
+        text += (f"; {', '.join(f'{c:g}' for c in sorted(set(alike)))} MiB cannot be told apart from it: their "
+                 f"steps are within this run's noise ({noise:.1f} ms, the shaded band)")
+    return text + ". The advisor below also searches per-bucket layouts; its numbers are this table's."
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
@@ -98,7 +115,9 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
     stamp = stamp_of(path)
     if not trace.all_events:
         st.caption(f"{trace.world_size} ranks: predicted from the events of ranks "
-                   f"{', '.join(map(str, trace.event_ranks))} (rank 0 and the slowest), at the run's world size.")
+                   f"{', '.join(map(str, trace.event_ranks))} (rank 0 and the slowest), at the run's world size; "
+                   "the measured rows and the advisor's traced step are those ranks' too (`ddpscope whatif` reads "
+                   "every rank's events).")
         trace = events_trace(str(path), stamp)
     try:
         sweep, best, notes = cap_sweep(str(path), stamp, tuple(DEFAULT_CAPS))
@@ -111,12 +130,7 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
     points = compute_measured_points(measured)
     noise = best.get("noise_ms", float("nan"))
     st.plotly_chart(make_cap_sweep_figure(sweep, points, best["bucket_cap_mb"], noise_ms=noise), key="predict_curve")
-    alike = sweep[sweep["within_noise"]]["bucket_cap_mb"] if "within_noise" in sweep else []
-    st.caption(f"Of the uniform caps on the curve, {best['bucket_cap_mb']:g} MiB is predicted fastest "
-               f"({best['step_ms']:.1f} ms a step)"
-               + (f"; {', '.join(f'{c:g}' for c in sorted(set(alike)))} MiB cannot be told apart from it: their "
-                  f"steps are within this run's noise ({noise:.1f} ms, the shaded band)" if len(alike) > 1 else "")
-               + ". The advisor below also searches per-bucket layouts; its numbers are this table's.")
+    st.caption(sweep_caption(sweep, best, noise))
     render_advisor(path, stamp, trace, whatif_model(str(path), stamp), jobs, busy, policy)
     with st.expander("Predicted table and how the model was fitted"):
         show_table(sweep.round(2), key="predict_table")

@@ -1250,3 +1250,24 @@ def test_only_the_open_page_computes_and_a_link_opens_any_page(app):
     assert not linked.exception and linked.session_state["page"] == "Memory (ZeRO)"
     assert linked.selectbox(key="zero_trace").value == "sample: zero-gpt-2rank"
     assert not linked.get("download_button")  # the Timeline's Perfetto download: not built
+
+
+def test_the_sweeps_caption_names_the_fastest_cap_and_why_another_stays_marked():
+    """The caption says the table's fastest cap; where it beats the traced cap by under
+    MIN_GAIN, the traced one stays marked best (the figure's marker) and the caption says
+    why, not that the marked cap is the fastest."""
+    import pandas as pd
+
+    from ddpscope.dashboard.whatif_page import sweep_caption
+    from ddpscope.viz.whatif.sweep import recommend_cap
+
+    close = pd.DataFrame({"bucket_cap_mb": [1.0, 25.0, 64.0], "step_ms": [99.0, 100.0, 101.0],
+                          "exposed_ms": [1.0, 2.0, 3.0], "traced": [False, True, False]})
+    best = recommend_cap(close)
+    assert best["bucket_cap_mb"] == 25.0  # 1 % better: not worth a change
+    text = sweep_caption(close, best, float("nan"))
+    assert text.startswith("Of the uniform caps on the curve, 1 MiB is predicted fastest (99.0 ms a step), under 2 % "
+                           "faster than the traced 25 MiB (100.0 ms), which stays marked best")
+    far = close.assign(step_ms=[80.0, 100.0, 101.0])
+    text = sweep_caption(far, recommend_cap(far), float("nan"))
+    assert "1 MiB is predicted fastest (80.0 ms a step)." in text and "stays marked" not in text
