@@ -26,7 +26,7 @@ def test_injected_skew_shifts_the_clock(monkeypatch):
     base = CpuClock().host_us()
     monkeypatch.setenv(SKEW_ENV, "250")
     skewed = CpuClock().host_us()
-    assert 250_000 <= skewed - base < 260_000
+    assert 250_000 <= skewed - base < 350_000  # µs; what lies between the two reads: up to 100 ms off the core
     monkeypatch.setenv(SKEW_ENV, "soon")
     with pytest.raises(ValueError, match=SKEW_ENV):
         CpuClock()
