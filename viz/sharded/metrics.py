@@ -381,6 +381,12 @@ def comm_honesty_lines(trace) -> list[str]:
                        "are kept whole on every rank (beside their partitions) and gathered once, after the step")
         lines.append(f"DeepSpeed gathered {gathered['message_D'].iloc[0]:.2f} D of parameters a step where the ZeRO "
                      f"model counts 2D (forward, then again for backward): {'; '.join(why)}.")
+    devices = sorted({str(m.get("device")) for m in trace.ranks.values() if str(m.get("device", "cpu")) != "cpu"})
+    if sh.framework == "deepspeed" and devices:  # tracer/capture/deepspeed/tracer.py: host times everywhere
+        lines.append(f"On {', '.join(devices)} DeepSpeed's collectives run on its own streams; ddpscope timed them on "
+                     "the host (issued, waited for, seen done), not on the device: a collective's span holds the time "
+                     "it queued behind earlier work, and exposed time is what the host waited for it, not what the "
+                     "compute stream waited.")
     if sh.reduce_scatter_sent_as == "all_reduce":
         lines.append("gloo has no reduce-scatter: PyTorch ran each one as an all-reduce of the whole gradient, "
                      "then kept this rank's shard, so each rank sent 2(N-1)/N of it, not (N-1)/N.")

@@ -10,6 +10,7 @@ untraced. DeepSpeed builds a small C++ op on its first run (~100 s): a marked su
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -179,6 +180,12 @@ def test_bf16_with_overlap_comm_and_accumulation_reduces_every_micro_batch(tmp_p
 
     said = [line for line in comm_honesty_lines(trace) if line.startswith("A step here is 2 micro-batches")]
     assert len(said) == 1 and "reduced 2.00 times a step" in said[0], comm_honesty_lines(trace)
+    # host times: said where the device runs collectives on streams of its own (the same
+    # trace read as if its ranks had been on a GPU), not on the CPU where the host ran them
+    assert not any("timed them on the host" in line for line in comm_honesty_lines(trace))
+    on_gpu = replace(trace, ranks={r: {**m, "device": f"cuda:{r}"} for r, m in trace.ranks.items()}, cache={})
+    assert any(line.startswith("On cuda:0, cuda:1 DeepSpeed's collectives run on its own streams")
+               for line in comm_honesty_lines(on_gpu))
     plain = untraced(tmp_path, *script)
     for r in (0, 1):
         assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
