@@ -376,7 +376,9 @@ def test_a_stream_far_behind_and_sparse_gradient_marks_record_one_gradient_event
         _check_structure(host, meta, events, steps, marked)
         assert meta["clock_blocked"] > 0 and host["during"]["event_syncs"] > 0  # waited for its own events
         waited = [s for s, (a, b) in enumerate(host["brackets_ns"]) if b - a > lag_ms * 1e6 / 2]
-        assert len(waited) <= steps // 3 + 1, waited
+        # one step in three by design (8 here), and a step or two a stall on 2 loaded cores
+        # stretched past 100 ms; waiting every other step (12) fails
+        assert len(waited) <= steps // 3 + 2, waited
         for start, d_start, d_end in _offsets_us(host, events):
             assert -TOL_US <= d_start and d_end <= TOL_US, (r, d_start, d_end)
         recorded = host["recorded"]

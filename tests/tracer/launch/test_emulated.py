@@ -17,11 +17,15 @@ _STOPPED = """
 import signal, sys, time
 signal.signal(signal.SIGTERM, lambda *a: (print("ddpscope ring: run failed: interrupted: the job was stopped",
                                                  file=sys.stderr, flush=True), sys.exit(1)))
+open(sys.argv[1], "w").close()  # its handler is in place: node 1 may fail now
 time.sleep(60)
 """
-# node 1 fails on its own, at once
+# node 1 fails on its own, as soon as node 0 is up (a slow start would die of the signal, -15)
 _FAILS = """
-import sys, time
+import os, sys, time
+deadline = time.monotonic() + 30
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.01)
 time.sleep(0.3)
 print("ddpscope ring: run failed: --out /x is not empty; choose a new folder", file=sys.stderr, flush=True)
 sys.exit(2)
@@ -35,8 +39,9 @@ def _follow(k, proc, lines):
     lines.put(None)  # its stdout: never used here
 
 
-def test_the_node_that_failed_first_is_named_not_the_one_stopped_because_of_it():
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+def test_the_node_that_failed_first_is_named_not_the_one_stopped_because_of_it(tmp_path):
+    ready = str(tmp_path / "node0-ready")
+    procs = [subprocess.Popen([sys.executable, "-c", code, ready], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True) for code in (_STOPPED, _FAILS)]
     lines: queue.Queue = queue.Queue()
     threads = [threading.Thread(target=_follow, args=(k, p, lines), daemon=True) for k, p in enumerate(procs)]

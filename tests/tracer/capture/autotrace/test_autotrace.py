@@ -117,8 +117,9 @@ def test_gradient_accumulation_every_micro_batch_is_its_own_pass(tmp_path):
                 if theirs - ours > max(0.10 * theirs, 1.0):
                     off.append(f"rank {r} step {o['step']} micro {o['micro']} {what}: {ours:.2f} vs {theirs:.2f} ms")
                     preempted.add((r, o["step"]))
-    # a preempted stamp now and then on 2 busy cores (4 of 128 seen): at most 1 in 20 off
-    assert len(off) <= max(3, compared // 20), off
+    # a preempted stamp now and then on 2 busy cores (4 of 128 seen): at most 1 in 10 off (a
+    # wrong span would put most of them off)
+    assert len(off) <= max(3, compared // 10), off
 
     # the step's figures: forward and backward summed over micro-batches, not first-to-last
     bd = compute_step_breakdown(trace).set_index(["rank", "step"])

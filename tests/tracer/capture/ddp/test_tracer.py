@@ -58,7 +58,8 @@ def test_traced_run_matches_ddp_and_keeps_its_semantics(tmp_path, view):
     # Per step and rank, the trace agrees with DDP's runtime logging within 10 % or 2 ms.
     # Our hooks and DDP's timers stamp a few µs apart; when the OS preempts a rank in that
     # gap (2 ranks, their gloo threads and the writers on 2 cores), one figure of one step
-    # differs by that preemption. At most 2 of the 64 comparisons may, and by < 15 ms.
+    # differs by that preemption (by as long as it lasted). At most 2 of the 64 comparisons
+    # may; a wrong definition would put every step of a quantity off.
     ours = compute_ddp_logging_view(trace).set_index(["rank", "step"])
     compared, off = 0, []
     for r, c in checks.items():
@@ -69,7 +70,6 @@ def test_traced_run_matches_ddp_and_keeps_its_semantics(tmp_path, view):
                 theirs_ms, mine_ms = rec[key] / 1e6, ours.loc[(r, rec["step"]), col]
                 if abs(mine_ms - theirs_ms) > max(0.10 * theirs_ms, 2.0):
                     off.append(f"rank {r} step {rec['step']} {key}: trace {mine_ms:.2f} ms vs DDP {theirs_ms:.2f} ms")
-                    assert abs(mine_ms - theirs_ms) < 15.0, off[-1]
             compared += 1
     assert compared >= 2 * 8  # steps 1..8 on both ranks (step 9's figures come after the loop)
     assert len(off) <= 2, off

@@ -196,14 +196,17 @@ def test_a_loss_that_runs_its_own_backward_inside_forward_is_backward(tmp_path):
     over = []
     for a, b in calls:
         inside = head0.assign(us=lambda d: (d["end_us"].clip(upper=b) - d["start_us"].clip(lower=a)).clip(lower=0))
-        forward_us = inside.loc[inside["phase"] == "forward", "us"].sum()
-        if forward_us > 0.05 * (b - a) + 20:
-            over.append((a, b, forward_us))
-        assert inside.loc[inside["phase"] == "backward", "us"].sum() > 0, (a, b, inside)
+        fwd, bwd = (inside[(inside["phase"] == ph) & (inside["us"] > 0)] for ph in ("forward", "backward"))
+        if fwd["us"].sum() > 0.05 * (b - a) + 20:
+            over.append((a, b, fwd["us"].sum()))
+        assert len(bwd), (a, b, inside)
+        # what is booked forward inside the call comes before its backward began, never after
+        assert not len(fwd) or fwd["end_us"].max() <= bwd["start_us"].min() + 1, (a, b, inside)
     # a thread of the tracer's (its writer, its live file) may take the GIL between the
-    # script's clock and the first hook inside backward(): one chunk of the 12 may show it
-    # (75.8 µs of a 792 µs call seen once in CI)
-    assert len(over) <= 1, over
+    # script's clock and the first hook inside backward() (75.8 µs of a 792 µs call seen once
+    # in CI): a few chunks of the 12 may show it; the head's backward booked as forward would
+    # show in every one
+    assert len(over) <= 3, over
 
 
 def test_meta_device_initialisation_is_traced(tmp_path):
