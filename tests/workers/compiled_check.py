@@ -10,6 +10,7 @@ steps, then untraced; the report has each model's records and parameter hashes.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import sys
@@ -100,6 +101,11 @@ def main() -> int:
         (Path(args.out) / f"report-{rank}.json").write_text(json.dumps(report))
         dist.barrier()
     finally:
+        # the DDP models, the tracers and the wrapped groups released before their process
+        # group is destroyed: a gloo group's threads torn down after it, in the interpreter's
+        # exit, aborted a rank once in CI ("terminate called without an active exception")
+        ddp = opt = tracer = wrapper = ready = models = opts = tracers = groups = None  # noqa: F841
+        gc.collect()
         dist.destroy_process_group()
     return 0
 
