@@ -84,8 +84,8 @@ def render_timeline(path: Path, trace) -> None:
     with st.expander("Every step"):
         show_table(compute_step_breakdown(trace, include_warmup=True).round(2), key="per_step")
     sync = compute_param_sync(trace)
-    med = param_sync_medians(trace)  # non-warm-up steps, as `ddpscope summary` says them
-    if len(sync) and med is not None:  # ZeRO-1: the optimizer's broadcasts, on each rank's communication lane
+    med = param_sync_medians(trace, sync)  # non-warm-up steps, as `ddpscope summary` says them
+    if med is not None:  # ZeRO-1: the optimizer's broadcasts, on each rank's communication lane
         st.info(f"ZeRO-1 (ZeroRedundancyOptimizer): after each update every rank broadcasts the parameters it "
                 f"owns; the step waits for all of it: {med['sync_ms']:.2f} ms a step (median over non-warm-up "
                 f"steps, {med['pct_of_step']:.1f} % of the step), {med['bytes'] / 2**20:.3f} MiB. "

@@ -63,11 +63,12 @@ def compute_param_sync(trace) -> pd.DataFrame:
                         columns=cols).reset_index(drop=True)
 
 
-def param_sync_medians(trace) -> dict | None:
+def param_sync_medians(trace, sync: pd.DataFrame | None = None) -> dict | None:
     """ZeRO-1's parameter broadcasts in one line's numbers, the same wherever shown (the
     Timeline, ``ddpscope summary``): medians over non-warm-up steps (every step where all
-    are warm-up) of ``sync_ms``, ``pct_of_step`` and ``bytes``; None without them."""
-    sync = compute_param_sync(trace)
+    are warm-up) of ``sync_ms``, ``pct_of_step`` and ``bytes``; None without them. ``sync``:
+    ``compute_param_sync(trace)`` where the caller has it."""
+    sync = compute_param_sync(trace) if sync is None else sync
     warm = set(trace.steps.loc[trace.steps["warmup"].astype(bool), "step"]) if "warmup" in trace.steps else set()
     real = sync[~sync["step"].isin(warm)]
     sync = real if len(real) else sync

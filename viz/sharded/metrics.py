@@ -77,6 +77,9 @@ def compute_unit_table(trace) -> pd.DataFrame:
     waits = sh.waits[sh.waits["step"].isin(real)].assign(ms=lambda d: (d["end_us"] - d["start_us"]) / 1e3)
     segs = sh.segments[sh.segments["step"].isin(real)].assign(ms=lambda d: (d["end_us"] - d["start_us"]) / 1e3)
     kinds = ("all_gather", "reduce_scatter") + (("all_reduce",) if (colls["collective"] == "all_reduce").any() else ())
+    # its collectives and the waits for them as time (a gather waited for overlaps its wait;
+    # counted once), less what compute covered: the step table's definition, per unit
+    exposed = exposed_per_step(colls, waits, segs, by=("unit",))
     rows = []
     for u in sh.units.itertuples():
         row = {"unit": u.name, "params": u.numel, "sharded_bytes": u.sharded_bytes,
@@ -89,11 +92,9 @@ def compute_unit_table(trace) -> pd.DataFrame:
             per_step[f"{kind}_bytes"] = g["bytes"].sum()
             per_step[f"{kind}_ms"] = g["ms"].sum()
             per_step[f"{kind}_exposed_ms"] = g["exposed_ms"].sum()
-        mine_w = waits[waits["unit"] == u.unit]
-        per_step["wait_ms"] = mine_w.groupby(["rank", "step"])["ms"].sum()
-        # its collectives and the waits for them as time (a gather waited for overlaps its
-        # wait; counted once), less what compute covered: the step table's definition
-        per_step["exposed_ms"] = exposed_per_step(colls[colls["unit"] == u.unit], mine_w, segs)
+        per_step["wait_ms"] = waits[waits["unit"] == u.unit].groupby(["rank", "step"])["ms"].sum()
+        per_step["exposed_ms"] = exposed[exposed.index.get_level_values("unit") == u.unit] if len(exposed) \
+            else exposed
         for phase in ("forward", "backward"):
             s = segs[(segs["unit"] == u.unit) & (segs["phase"] == phase)]
             per_step[f"{phase}_ms"] = s.groupby(["rank", "step"])["ms"].sum()
@@ -150,24 +151,27 @@ def compute_sharded_steps(trace) -> pd.DataFrame:
 _EMPTY = pd.DataFrame({"start_us": [], "end_us": []})
 
 
-def exposed_per_step(colls: pd.DataFrame, waits: pd.DataFrame, segments: pd.DataFrame) -> pd.Series:
-    """Exposed communication (ms) per (rank, step) that has ``colls`` or ``waits``: the
-    time either ran (their union: async collectives side by side, a gather beside the wait
-    for it, each counted once) that no compute ``segments`` of that rank and step (every
-    unit's) covered. The steps table's definition; the unit table and the predictions
-    take it on one unit's collectives and waits."""
-    key = ["rank", "step"]
-    c_by = {k: g for k, g in colls.groupby(key)} if len(colls) else {}
-    w_by = {k: g for k, g in waits.groupby(key)} if len(waits) else {}
-    g_by = {k: g for k, g in segments.groupby(key)} if len(segments) else {}
+def exposed_per_step(colls: pd.DataFrame, waits: pd.DataFrame, segments: pd.DataFrame,
+                     by: tuple[str, ...] = ()) -> pd.Series:
+    """Exposed communication (ms) per ``(*by, rank, step)`` that has ``colls`` or ``waits``:
+    the time either ran (their union: async collectives side by side, a gather beside the
+    wait for it, each counted once) that no compute ``segments`` of that rank and step
+    (every unit's) covered. The steps table's definition; ``by=("unit",)`` gives it per unit
+    (the unit table), ``("unit", "phase")`` per unit and phase (the predictions)."""
+    key = [*by, "rank", "step"]
+    c_by = dict(list(colls.groupby(key))) if len(colls) else {}
+    w_by = dict(list(waits.groupby(key))) if len(waits) else {}
+    g_by = dict(list(segments.groupby(["rank", "step"]))) if len(segments) else {}  # grouped once
     out = {}
     for k in sorted(set(c_by) | set(w_by)):
-        c, w, g = c_by.get(k, _EMPTY), w_by.get(k, _EMPTY), g_by.get(k, _EMPTY)
+        c, w, g = c_by.get(k, _EMPTY), w_by.get(k, _EMPTY), g_by.get(k[-2:], _EMPTY)
         comm = merge_intervals(np.r_[c["start_us"].to_numpy(float), w["start_us"].to_numpy(float)],
                                np.r_[c["end_us"].to_numpy(float), w["end_us"].to_numpy(float)])
         busy = merge_intervals(g["start_us"].to_numpy(float), g["end_us"].to_numpy(float))
         out[k] = (_length(comm) - intersection(comm, busy)) / 1e3
-    return pd.Series(out, dtype=float) if out else pd.Series(dtype=float)
+    if not out:
+        return pd.Series(dtype=float)
+    return pd.Series(list(out.values()), index=pd.MultiIndex.from_tuples(list(out), names=key), dtype=float)
 
 
 def _length(merged: np.ndarray) -> float:

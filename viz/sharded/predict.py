@@ -103,6 +103,10 @@ def predict_step_ms(trace, reshard_after_forward: bool | int | None = None) -> p
     colls = colls[colls["step"].isin(real) & (colls["collective"] == "all_gather")]
     waits = sh.waits[sh.waits["step"].isin(real)]
     segs = sh.segments[sh.segments["step"].isin(real)]
+    # per unit, phase and rank, summed over its steps: the gathers and the waits for them as
+    # time, less compute (the steps table's exposed)
+    exposed = exposed_per_step(colls, waits, segs, by=("unit", "phase"))
+    exposed = exposed.groupby(level=["unit", "phase", "rank"]).sum() if len(exposed) else exposed
     units = sh.units.set_index("unit")
     rows = []
     for rank, mine in steps.groupby("rank"):
@@ -113,12 +117,7 @@ def predict_step_ms(trace, reshard_after_forward: bool | int | None = None) -> p
                 continue
             if _reshards(setting) == _reshards(reshard_after_forward):
                 continue
-            c = colls[(colls["rank"] == rank) & (colls["unit"] == u)]
-            w = waits[(waits["rank"] == rank) & (waits["unit"] == u)]
-            g = segs[segs["rank"] == rank]
-            # the gathers and the waits for them as time, less compute (the steps table's exposed)
-            fwd, bwd = (float(exposed_per_step(c[c["phase"] == ph], w[w["phase"] == ph], g).sum())
-                        for ph in ("forward", "backward"))
+            fwd, bwd = (float(exposed.get((u, ph, rank), 0.0)) for ph in ("forward", "backward"))
             # resharding now: a backward all-gather as long as the forward one; kept: it is gone
             delta += (fwd if _reshards(reshard_after_forward) else -bwd) / n_steps
         measured = float(mine["step_ms"].median())

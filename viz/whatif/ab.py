@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 from ddpscope.viz.ddp.compare import difference_interval, within_noise
 from ddpscope.viz.ddp.overlap import compute_step_breakdown
 from ddpscope.viz.layout import LEGEND_BELOW
-from ddpscope.viz.trace import RunTrace
+from ddpscope.viz.trace import RunTrace, compute_end
 from ddpscope.viz.whatif.model import usable_steps
 from ddpscope.viz.whatif.sweep import _medians
 
@@ -32,14 +32,13 @@ def compute_bucket_timing(trace: RunTrace, per_step: bool = False) -> pd.DataFra
     and ``step_ms`` (the rank's, the same on every row) for drawing. ``per_step``: a row
     per rank, step and bucket instead (``rank`` and ``step`` columns), no medians."""
     steps = usable_steps(trace)
-    s = trace.steps.set_index(["rank", "step"])
+    # backward compute ends at its last gradient (the span may run on, waiting in DDP's
+    # finalize): the wait after it is the step's exposed communication
+    s = trace.steps.assign(compute_end_us=compute_end(trace.steps)).set_index(["rank", "step"])
     rows = []
     for (rank, step), g in trace.buckets[trace.buckets["step"].isin(steps)].groupby(["rank", "step"]):
         st = s.loc[(rank, step)]
-        # backward compute ends at its last gradient (the span may run on, waiting in DDP's
-        # finalize): the wait after it is the step's exposed communication (viz.trace.compute_end)
-        b0 = float(st["backward_start_us"])
-        b1 = float(st["compute_end_us"]) if pd.notna(st.get("compute_end_us")) else float(st["backward_end_us"])
+        b0, b1 = float(st["backward_start_us"]), float(st["compute_end_us"])
         g = g.sort_values("bucket")
         done_before = b1
         for row in g.itertuples():
