@@ -87,6 +87,13 @@ def test_traced_fsdp2_trains_bit_identically_and_is_cut_per_unit(zero3):
     by_step = steps.set_index(["rank", "step"])["exposed_ms"]
     total = sum(per_unit).reindex(by_step.index)
     assert total.to_numpy() == pytest.approx(by_step.to_numpy(), abs=1e-6) and (by_step > 0).all()
+    # and the unit table's exposed is that, per unit (median over non-warm-up steps and ranks),
+    # not the sum of its parts' medians
+    real_steps = set(real["step"])
+    for u, name in zip(sh.units["unit"], sh.units["name"]):
+        mine = per_unit[list(sh.units["unit"]).index(u)]
+        mine = mine[mine.index.get_level_values("step").isin(real_steps)]
+        assert table.set_index("unit").loc[name, "exposed_ms"] == pytest.approx(float(mine.median()), abs=1e-9)
 
 
 def test_memory_by_category_agrees_with_fsdp_mem_tracker_and_the_zero_model(zero3):
