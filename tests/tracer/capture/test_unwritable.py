@@ -54,13 +54,16 @@ def small_disk(where: Path, size: str = "3m"):
 
 
 def test_training_goes_on_when_the_disk_fills_and_the_trace_says_incomplete(tmp_path):
-    with small_disk(tmp_path / "disk") as disk:
+    # 1000 steps write ~9 MB of trace in ~15 s: the 16 MiB disk does not fill by itself, and the
+    # test may be held off its core for seconds (a loaded CI machine) and still fill it mid-run.
+    with small_disk(tmp_path / "disk", "16m") as disk:
         out, report = disk / "run", tmp_path / "report"
-        # ~4 s of training (steps take ~15 ms): the disk fills while it trains, not after
-        proc = _traced(out, report, 300)
-        _wait_for_step(out, 3)
-        with open(disk / "filler", "wb") as f:  # fill the disk: every later write fails with ENOSPC
-            with contextlib.suppress(OSError):
+        # The filler is made before the run: on a loaded machine the trace may fill the small
+        # disk itself before step 3 is seen, and creating a file on a full disk fails (ENOSPC).
+        with open(disk / "filler", "wb") as f:
+            proc = _traced(out, report, 1000)
+            _wait_for_step(out, 3)
+            with contextlib.suppress(OSError):  # fill the disk: every later write fails with ENOSPC
                 while True:
                     f.write(b"\0" * 65536)
                     f.flush()
@@ -71,8 +74,8 @@ def test_training_goes_on_when_the_disk_fills_and_the_trace_says_incomplete(tmp_
         trace = load_training_trace(out)  # what was written whole before the disk filled
         assert trace.status == fmt.INCOMPLETE and "not finished" in trace.unfinished
         done = trace.steps.groupby("rank")["step"].max()
-        assert set(done.index) == {0, 1} and (done >= 3).all() and (done < 300).all()
-    plain = untraced(tmp_path, USER, "--steps", "300")
+        assert set(done.index) == {0, 1} and (done >= 3).all() and (done < 1000).all()
+    plain = untraced(tmp_path, USER, "--steps", "1000")
     for r in (0, 1):  # trained to its end, bit-identical to the same script untraced
         assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
 
