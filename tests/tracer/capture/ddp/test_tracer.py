@@ -58,8 +58,9 @@ def test_traced_run_matches_ddp_and_keeps_its_semantics(tmp_path, view):
     # Per step and rank, the trace agrees with DDP's runtime logging within 10 % or 2 ms.
     # Our hooks and DDP's timers stamp a few µs apart; when the OS preempts a rank in that
     # gap (2 ranks, their gloo threads and the writers on 2 cores), one figure of one step
-    # differs by that preemption (by as long as it lasted). At most 2 of the 64 comparisons
-    # may; a wrong definition would put every step of a quantity off.
+    # differs by that preemption (by as long as it lasted). At most 6 of the 64 comparisons
+    # may (on a loaded 2-core machine 3 did, each a different step): a wrong definition puts
+    # every step of a quantity off, 8 or more on one rank.
     ours = compute_ddp_logging_view(trace).set_index(["rank", "step"])
     compared, off = 0, []
     for r, c in checks.items():
@@ -72,7 +73,7 @@ def test_traced_run_matches_ddp_and_keeps_its_semantics(tmp_path, view):
                     off.append(f"rank {r} step {rec['step']} {key}: trace {mine_ms:.2f} ms vs DDP {theirs_ms:.2f} ms")
             compared += 1
     assert compared >= 2 * 8  # steps 1..8 on both ranks (step 9's figures come after the loop)
-    assert len(off) <= 2, off
+    assert len(off) <= 6, off
 
 
 def test_gradients_are_ready_before_their_bucket_launches(tmp_path):
