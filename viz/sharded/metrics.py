@@ -10,6 +10,8 @@ and the optimizer's state appearing) are left out of medians.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pandas as pd
 
@@ -56,6 +58,8 @@ def _real_steps(trace) -> set[int]:
     return set(real.astype(int)) or set(steps["step"].astype(int))
 
 
+NO_UNIT = "(no unit)"  # the unit table's row (and the trace's name) for collectives no unit issued
+
 UNTIMED_UNITS = ("DeepSpeed's compute is timed between collectives and waits, not per module: forward and backward "
                  "are the whole model's, on the root unit's row")
 
@@ -66,7 +70,9 @@ def compute_unit_table(trace) -> pd.DataFrame:
     replicas too, when the run had them), the compute waiting for its
     all-gathers, its exposed communication, and its forward and backward compute (ms;
     a DeepSpeed run's are the root unit's alone, whole, and NaN elsewhere: its compute is
-    not timed per module)."""
+    not timed per module). Collectives no unit issued (DeepSpeed's gather of the updated
+    partitions after the step, its gradient norm's all-reduce) get a last row, ``NO_UNIT``,
+    with no size and no compute, so the rows' exposed times add up to the step's."""
     sh = trace.shards
     # DeepSpeed's tracer cuts compute at collectives and waits, not at modules: the whole
     # model's forward and backward are the root unit's; the other units' are not measured
@@ -81,7 +87,11 @@ def compute_unit_table(trace) -> pd.DataFrame:
     # counted once), less what compute covered: the step table's definition, per unit
     exposed = exposed_per_step(colls, waits, segs, by=("unit",))
     rows = []
-    for u in sh.units.itertuples():
+    units = list(sh.units.itertuples())
+    if (colls["unit"] == -1).any() or (waits["unit"] == -1).any():
+        units.append(SimpleNamespace(unit=-1, name=NO_UNIT, numel=0, sharded_bytes=float("nan"),
+                                     unsharded_bytes=float("nan"), reshard_after_forward=None, root=False))
+    for u in units:
         row = {"unit": u.name, "params": u.numel, "sharded_bytes": u.sharded_bytes,
                "unsharded_bytes": u.unsharded_bytes, "reshard_after_forward": u.reshard_after_forward}
         per_step = {}
@@ -100,7 +110,7 @@ def compute_unit_table(trace) -> pd.DataFrame:
             per_step[f"{phase}_ms"] = s.groupby(["rank", "step"])["ms"].sum()
         for key, series in per_step.items():
             row[key] = float(series.median()) if len(series) else 0.0
-        if per_module_untimed and not u.root:  # not measured, not zero
+        if (per_module_untimed and not u.root) or u.unit == -1:  # not measured, not zero
             row["forward_ms"] = row["backward_ms"] = float("nan")
         rows.append(row)
     return pd.DataFrame(rows)

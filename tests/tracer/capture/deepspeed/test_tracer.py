@@ -15,7 +15,14 @@ from dataclasses import replace
 import pytest
 
 from ddpscope.tracer import format as fmt
-from ddpscope.viz.sharded.metrics import UNTIMED_UNITS, compute_unit_table
+from ddpscope.viz.sharded.metrics import (
+    NO_UNIT,
+    UNTIMED_UNITS,
+    compute_sharded_steps,
+    compute_unit_table,
+    exposed_per_step,
+    with_exposed,
+)
 from tests.conftest import ROOT, run_cli
 from tests.tracer.capture.autotrace.test_autotrace import checks, trace_script, untraced
 
@@ -76,6 +83,19 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
     root = units["unit"] == trace.shards.units.loc[trace.shards.units["root"], "name"].iloc[0]
     assert (units.loc[root, ["forward_ms", "backward_ms"]] > 0).all().all()
     assert units.loc[~root, ["forward_ms", "backward_ms"]].isna().all().all() and (~root).any()
+    # collectives no unit issued (the gradient norm's all-reduce; at stages 1-2 the updated
+    # partitions' gather) have their own row: the rows' exposed parts add up to the step's
+    # (to 1 %: at stage 3 a prefetched gather may run a few µs beside another unit's, counted in both)
+    sh = trace.shards
+    assert (NO_UNIT in set(units["unit"])) == (sh.colls["unit"] == -1).any()
+    if stage < 3:
+        row = units.set_index("unit").loc[NO_UNIT]
+        assert grad_bytes <= row["all_gather_bytes"] <= grad_bytes + 2 * PAD and row["all_gathers"] == 1
+    parts = exposed_per_step(with_exposed(trace), sh.waits, sh.segments, by=("unit",))
+    by_step = compute_sharded_steps(trace).set_index(["rank", "step"])["exposed_ms"]
+    total = parts.groupby(["rank", "step"]).sum().reindex(by_step.index)
+    assert total.to_numpy() == pytest.approx(by_step.to_numpy(), rel=0.01, abs=1e-6) and (by_step > 0).all()
+    assert (parts.xs(-1, level="unit") > 0).all()  # the no-unit part is there, not folded away
     summary = run_cli("summary", str(out))
     assert summary.returncode == 0 and "DeepSpeed units=" in summary.stdout and f"ZeRO stage {stage}" in summary.stdout
     assert "gradient buckets (DeepSpeed" in summary.stdout and UNTIMED_UNITS in summary.stdout
