@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ddpscope.viz.sharded.metrics import _real_steps, with_exposed
+from ddpscope.viz.sharded.exposed import with_exposed
+from ddpscope.viz.sharded.metrics import _real_steps
 
 BUCKET_COLUMNS = ["bucket", "collective", "unit", "first_param", "last_param", "params", "micro_batches", "calls",
                   "bytes", "ms", "exposed_ms", "start_ms"]

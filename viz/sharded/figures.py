@@ -16,7 +16,8 @@ from plotly.colors import qualitative
 from ddpscope.tracer import format as fmt
 from ddpscope.viz.lanes import select_steps
 from ddpscope.viz.layout import LEGEND_BELOW
-from ddpscope.viz.sharded.metrics import MEMORY_LABELS, with_exposed
+from ddpscope.viz.sharded.exposed import with_exposed
+from ddpscope.viz.sharded.metrics import MEMORY_LABELS
 from ddpscope.viz.units import unit_scale
 
 MIB = 2**20

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.tracer import format as fmt
-from ddpscope.viz.intervals import intersection, merge_intervals
+from ddpscope.viz.sharded.exposed import EMPTY, by_head, exposed_per_step, in_flight_ms, with_exposed
 from ddpscope.viz.zero.model import model_state_bytes, run_precision
 
 MODEL_STATE_PARTS = {  # the ZeRO model's three parts <- the measured categories
@@ -24,32 +24,6 @@ MODEL_STATE_PARTS = {  # the ZeRO model's three parts <- the measured categories
     "grads_bytes": ("sharded_grads_bytes", "unsharded_grads_bytes"),
     "optimizer_state_bytes": ("optimizer_state_bytes",),
 }
-
-
-def _overlap_us(starts: np.ndarray, ends: np.ndarray, a: float, b: float) -> float:
-    return float(np.clip(np.minimum(ends, b) - np.maximum(starts, a), 0, None).sum())
-
-
-def with_exposed(trace) -> pd.DataFrame:
-    """The collectives table with ``ms`` and ``exposed_ms`` (no compute on that rank);
-    made once per trace (every table, figure and prediction of a page reads it)."""
-    if "sharded_exposed" not in trace.cache:
-        trace.cache["sharded_exposed"] = _with_exposed(trace.shards)
-    return trace.cache["sharded_exposed"]
-
-
-def _with_exposed(sh) -> pd.DataFrame:
-    colls = sh.colls.copy()
-    colls["ms"] = (colls["end_us"] - colls["start_us"]) / 1e3
-    exposed = []
-    segs = {k: g for k, g in sh.segments.groupby(["rank", "step"])}
-    for row in colls.itertuples():
-        g = segs.get((row.rank, row.step))
-        busy = 0.0 if g is None else _overlap_us(g["start_us"].to_numpy(), g["end_us"].to_numpy(),
-                                                 row.start_us, row.end_us)
-        exposed.append(max(0.0, (row.end_us - row.start_us) - busy) / 1e3)
-    colls["exposed_ms"] = exposed
-    return colls
 
 
 def _real_steps(trace) -> set[int]:
@@ -86,6 +60,12 @@ def compute_unit_table(trace) -> pd.DataFrame:
     # its collectives and the waits for them as time (a gather waited for overlaps its wait;
     # counted once), less what compute covered: the step table's definition, per unit
     exposed = exposed_per_step(colls, waits, segs, by=("unit",))
+    # a kind's ms and exposed ms are times too, not sums of spans: a unit's async gathers
+    # run side by side (DeepSpeed's post-step gathers: ten of them, 56 ms of spans in 7 ms)
+    by_kind = ["unit", "collective", "rank", "step"]
+    spans = dict(list(colls.groupby(by_kind))) if len(colls) else {}
+    in_flight = pd.Series({k: in_flight_ms(c) for k, c in spans.items()}, dtype=float)
+    kind_exposed = exposed_per_step(colls, waits.iloc[:0], segs, by=("unit", "collective"))
     rows = []
     units = list(sh.units.itertuples())
     if (colls["unit"] == -1).any() or (waits["unit"] == -1).any():
@@ -100,8 +80,8 @@ def compute_unit_table(trace) -> pd.DataFrame:
             g = c.groupby(["rank", "step"])
             per_step[f"{kind}s"] = g.size()
             per_step[f"{kind}_bytes"] = g["bytes"].sum()
-            per_step[f"{kind}_ms"] = g["ms"].sum()
-            per_step[f"{kind}_exposed_ms"] = g["exposed_ms"].sum()
+            per_step[f"{kind}_ms"] = by_head(in_flight, (u.unit, kind))
+            per_step[f"{kind}_exposed_ms"] = by_head(kind_exposed, (u.unit, kind))
         per_step["wait_ms"] = waits[waits["unit"] == u.unit].groupby(["rank", "step"])["ms"].sum()
         per_step["exposed_ms"] = exposed[exposed.index.get_level_values("unit") == u.unit] if len(exposed) \
             else exposed
@@ -145,48 +125,16 @@ def compute_sharded_steps(trace) -> pd.DataFrame:
     by_step = {k: g for k, g in colls.groupby(key)}
     cols = {f"{kind}_ms": [] for kind in ("all_gather", "reduce_scatter", "all_reduce")}
     for k in out[key].itertuples(index=False, name=None):
-        c = by_step.get(k, _EMPTY)
+        c = by_step.get(k, EMPTY)
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             mine = c[c["collective"] == kind] if len(c) else c
-            cols[f"{kind}_ms"].append(_length(merge_intervals(mine["start_us"].to_numpy(float),
-                                                              mine["end_us"].to_numpy(float))) / 1e3)
+            cols[f"{kind}_ms"].append(in_flight_ms(mine))
     for name, values in cols.items():
         out[name] = values
     exposed = exposed_per_step(colls, sh.waits, sh.segments)
     out["exposed_ms"] = exposed.reindex(idx).fillna(0.0).to_numpy() if len(exposed) else 0.0
     order = ["compute_ms", "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "wait_ms", "peak_bytes", "exposed_ms"]
     return out[[c for c in out.columns if c not in order] + order].reset_index(drop=True)
-
-
-_EMPTY = pd.DataFrame({"start_us": [], "end_us": []})
-
-
-def exposed_per_step(colls: pd.DataFrame, waits: pd.DataFrame, segments: pd.DataFrame,
-                     by: tuple[str, ...] = ()) -> pd.Series:
-    """Exposed communication (ms) per ``(*by, rank, step)`` that has ``colls`` or ``waits``:
-    the time either ran (their union: async collectives side by side, a gather beside the
-    wait for it, each counted once) that no compute ``segments`` of that rank and step
-    (every unit's) covered. The steps table's definition; ``by=("unit",)`` gives it per unit
-    (the unit table), ``("unit", "phase")`` per unit and phase (the predictions)."""
-    key = [*by, "rank", "step"]
-    c_by = dict(list(colls.groupby(key))) if len(colls) else {}
-    w_by = dict(list(waits.groupby(key))) if len(waits) else {}
-    g_by = dict(list(segments.groupby(["rank", "step"]))) if len(segments) else {}  # grouped once
-    out = {}
-    for k in sorted(set(c_by) | set(w_by)):
-        c, w, g = c_by.get(k, _EMPTY), w_by.get(k, _EMPTY), g_by.get(k[-2:], _EMPTY)
-        comm = merge_intervals(np.r_[c["start_us"].to_numpy(float), w["start_us"].to_numpy(float)],
-                               np.r_[c["end_us"].to_numpy(float), w["end_us"].to_numpy(float)])
-        busy = merge_intervals(g["start_us"].to_numpy(float), g["end_us"].to_numpy(float))
-        out[k] = (_length(comm) - intersection(comm, busy)) / 1e3
-    if not out:
-        return pd.Series(dtype=float)
-    return pd.Series(list(out.values()), index=pd.MultiIndex.from_tuples(list(out), names=key), dtype=float)
-
-
-def _length(merged: np.ndarray) -> float:
-    """Total length of disjoint intervals (``merge_intervals``'s (n, 2) array)."""
-    return float((merged[:, 1] - merged[:, 0]).sum())
 
 
 def compute_memory_over_step(trace, rank: int, step: int | None = None) -> pd.DataFrame:

@@ -22,13 +22,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ddpscope.viz.sharded.metrics import (
-    _real_steps,
-    compute_memory_over_step,
-    compute_sharded_steps,
-    exposed_per_step,
-    with_exposed,
-)
+from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
+from ddpscope.viz.sharded.metrics import _real_steps, compute_memory_over_step, compute_sharded_steps
 
 
 def _reshards(setting: bool | int) -> bool:

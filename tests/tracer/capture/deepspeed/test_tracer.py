@@ -15,14 +15,8 @@ from dataclasses import replace
 import pytest
 
 from ddpscope.tracer import format as fmt
-from ddpscope.viz.sharded.metrics import (
-    NO_UNIT,
-    UNTIMED_UNITS,
-    compute_sharded_steps,
-    compute_unit_table,
-    exposed_per_step,
-    with_exposed,
-)
+from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
+from ddpscope.viz.sharded.metrics import NO_UNIT, UNTIMED_UNITS, compute_sharded_steps, compute_unit_table
 from tests.conftest import ROOT, run_cli
 from tests.tracer.capture.autotrace.test_autotrace import checks, trace_script, untraced
 

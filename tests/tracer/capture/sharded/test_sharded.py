@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
 from ddpscope.viz.sharded.metrics import (
     comm_honesty_lines,
     compute_comm_volume,
@@ -19,9 +20,7 @@ from ddpscope.viz.sharded.metrics import (
     compute_sharded_steps,
     compute_stage_comparison,
     compute_unit_table,
-    exposed_per_step,
     stage_differences,
-    with_exposed,
 )
 from ddpscope.viz.sharded.predict import predict_peak
 from ddpscope.viz.trace import clock_alignment, load_run

@@ -1,0 +1,52 @@
+"""The unit table's definitions (viz/sharded/metrics.py), on a hand-made step whose answer is
+known: the tables below are a trace's data, not a stand-in for any behaviour."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+
+from ddpscope.viz.sharded.metrics import NO_UNIT, compute_sharded_steps, compute_unit_table
+
+
+def _trace():
+    """One rank, steps 0 (warm-up) and 1, each 0-100 µs: unit 0's forward 0-20 µs and its gather
+    20-30 µs; after compute, three gathers no unit issued side by side, 40-70, 45-75, 50-80 µs
+    (DeepSpeed's post-step gathers), and the gradient norm's all-reduce, 85-90 µs."""
+    colls, segs, steps = [], [], []
+    for step in (0, 1):
+        t0 = 100.0 * step
+        steps.append({"rank": 0, "step": step, "warmup": step == 0, "incomplete": False,
+                      "start_us": t0, "end_us": t0 + 100})
+        segs.append({"rank": 0, "step": step, "unit": 0, "phase": "forward", "start_us": t0, "end_us": t0 + 20})
+        colls.append({"rank": 0, "step": step, "unit": 0, "collective": "all_gather", "bytes": 40,
+                      "start_us": t0 + 20, "end_us": t0 + 30})
+        for a in (40, 45, 50):
+            colls.append({"rank": 0, "step": step, "unit": -1, "collective": "all_gather", "bytes": 100,
+                          "start_us": t0 + a, "end_us": t0 + a + 30})
+        colls.append({"rank": 0, "step": step, "unit": -1, "collective": "all_reduce", "bytes": 4,
+                      "start_us": t0 + 85, "end_us": t0 + 90})
+    units = pd.DataFrame([{"unit": 0, "name": "(root)", "numel": 10, "sharded_bytes": 20, "unsharded_bytes": 40,
+                           "reshard_after_forward": True, "root": True}])
+    waits = pd.DataFrame(columns=["rank", "step", "unit", "start_us", "end_us"]).astype(
+        {"rank": int, "step": int, "unit": int, "start_us": float, "end_us": float})
+    shards = SimpleNamespace(colls=pd.DataFrame(colls), waits=waits, segments=pd.DataFrame(segs), units=units,
+                             framework="deepspeed", memory=pd.DataFrame(columns=["rank", "step", "total_bytes"]))
+    return SimpleNamespace(shards=shards, steps=pd.DataFrame(steps), cache={})
+
+
+def test_collectives_no_unit_issued_have_a_row_that_counts_time_in_flight_not_summed_spans():
+    table = compute_unit_table(_trace()).set_index("unit")
+    assert list(table.index) == ["(root)", NO_UNIT]
+    row = table.loc[NO_UNIT]
+    assert row["all_gathers"] == 3 and row["all_gather_bytes"] == 300
+    assert row["all_gather_ms"] == pytest.approx(0.040)  # 40-80 µs in flight, not 3 x 30 µs
+    assert row["all_reduce_ms"] == pytest.approx(0.005)
+    assert row["exposed_ms"] == pytest.approx(0.045)  # nothing computed beside them
+    assert pd.isna(row["forward_ms"]) and pd.isna(row["backward_ms"])  # not measured, not zero
+    assert table.loc["(root)", "all_gather_ms"] == pytest.approx(0.010)
+    # the rows add up to the step's exposed communication (the step table's definition)
+    steps = compute_sharded_steps(_trace())
+    assert table["exposed_ms"].sum() == pytest.approx(float(steps.loc[steps["step"] == 1, "exposed_ms"].iloc[0]))
