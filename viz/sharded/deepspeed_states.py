@@ -186,4 +186,30 @@ def deepspeed_differences(trace) -> list[str]:
                      "model counts, in the stage-3 row" + (" and measured" if sh.stage == 3 else "") + ".")
     lines.append("outside the model states: activations, the gradient buckets (communication buffers) and, at stage "
                  "3, the parameters gathered for compute; on CPU temporaries are not counted.")
+    if (peak := peak_buffers_line(trace)) is not None:
+        lines.append(peak)
     return lines
+
+
+def peak_buffers_line(trace) -> str | None:
+    """Where communication buffers are a quarter or more of the step's peak (a ZeRO-3
+    reduce bucket allocated whole: reduce_bucket_size elements, whatever the model's size),
+    one line saying how much, and which setting sizes them; None otherwise."""
+    mem = trace.shards.memory
+    real = set(trace.steps.loc[~trace.steps["warmup"].astype(bool), "step"])
+    mem = mem[mem["step"].isin(real)] if len(mem) else mem
+    if not len(mem) or not mem["total_bytes"].notna().any():
+        return None
+    at = mem.loc[mem["total_bytes"].idxmax()]
+    total, comm = float(at["total_bytes"]), float(at.get("comm_buffers_bytes") or 0.0)
+    if not total or comm != comm or comm < 0.25 * total:
+        return None
+    line = (f"at the step's peak ({total / 2**20:.1f} MiB, rank {int(at['rank'])}) communication buffers hold "
+            f"{comm / 2**20:.1f} MiB ({comm / total * 100:.0f} %)")
+    ds = trace.run.get("deepspeed") or {}
+    bucket = ds.get("reduce_bucket_bytes")
+    if isinstance(bucket, (int, float)) and bucket and comm >= 0.9 * bucket:
+        line += (f": DeepSpeed's reduce bucket, allocated whole, reduce_bucket_size = {ds.get('reduce_bucket_size'):,} "
+                 f"elements ({bucket / 2**20:.1f} MiB) whatever the model's size; `ddpscope run --bucket-cap-mb` "
+                 "(or reduce_bucket_size in the config) sets it")
+    return line + "."

@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 
 from ddpscope.tracer import format as fmt
+from ddpscope.viz.sharded.deepspeed_states import peak_buffers_line
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
 from ddpscope.viz.sharded.metrics import NO_UNIT, UNTIMED_UNITS, compute_sharded_steps, compute_unit_table
 from tests.conftest import ROOT, run_cli
@@ -90,6 +91,7 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
     total = parts.groupby(["rank", "step"]).sum().reindex(by_step.index)
     assert total.to_numpy() == pytest.approx(by_step.to_numpy(), rel=0.01, abs=1e-6) and (by_step > 0).all()
     assert (parts.xs(-1, level="unit") > 0).all()  # the no-unit part is there, not folded away
+    assert peak_buffers_line(trace) is None  # buffers are under a quarter of the peak here (ZeRO-3: 6 %)
     summary = run_cli("summary", str(out))
     assert summary.returncode == 0 and "DeepSpeed units=" in summary.stdout and f"ZeRO stage {stage}" in summary.stdout
     assert "gradient buckets (DeepSpeed" in summary.stdout and UNTIMED_UNITS in summary.stdout
@@ -101,6 +103,22 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
     for r in (0, 1):
         assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
         assert own[r]["losses"] == checks(plain)[r]["losses"]
+
+
+def test_a_zero3_peak_held_by_its_reduce_bucket_is_said_with_the_setting_that_sizes_it(tmp_path):
+    """ZeRO-3 allocates its reduce bucket whole, reduce_bucket_size elements whatever the model's
+    size (DeepSpeed's CIFAR example: 191 MiB of a 192 MiB peak): the summary says so, with the
+    bucket's bytes from DeepSpeed's own config, the instrument."""
+    script = (WORKER, "--stage", "3", "--steps", "2", "--reduce-bucket-size", "5000000")
+    proc, out, _ = trace_script(tmp_path, *script, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    trace = _load(out)
+    at = trace.shards.memory.loc[trace.shards.memory["total_bytes"].idxmax()]
+    assert at["comm_buffers_bytes"] == 4 * 5_000_000  # fp32: the bucket, whole, at the peak
+    summary = run_cli("summary", str(out))
+    assert summary.returncode == 0
+    assert ("communication buffers hold 19.1 MiB" in summary.stdout and "DeepSpeed's reduce bucket, allocated whole, "
+            "reduce_bucket_size = 5,000,000 elements (19.1 MiB)" in summary.stdout), summary.stdout
 
 
 def test_hugging_face_trainer_under_deepspeed_is_traced_with_its_tied_weights_counted_once(tmp_path):
