@@ -75,6 +75,8 @@ def render_sharded_timeline(trace) -> None:
     for col in cols:
         table[col.replace("bytes", unit)] = table.pop(col) / scale
     show_table(table.round(3), key="sharded_units")
+    st.caption("Each cell is its own median: within a step the units' exposed times add up to the step's (Every "
+               "step, below); their medians need not add up to the step's median.")
     if deepspeed:
         st.caption(UNTIMED_UNITS)
     buckets = compute_bucket_table(trace)

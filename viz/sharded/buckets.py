@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from ddpscope.viz.sharded.exposed import with_exposed
-from ddpscope.viz.sharded.metrics import _real_steps
+from ddpscope.viz.sharded.trace import real_steps
 
 BUCKET_COLUMNS = ["bucket", "collective", "unit", "first_param", "last_param", "params", "micro_batches", "calls",
                   "bytes", "ms", "exposed_ms", "start_ms"]
@@ -24,7 +24,7 @@ def compute_bucket_table(trace) -> pd.DataFrame:
     bytes (the message: the whole bucket, each time), ms and exposed ms, and when it first
     started after its step did (``start_ms``); medians over ranks and non-warm-up steps."""
     colls = with_exposed(trace)
-    colls = colls[colls["bucket"].notna() & colls["step"].isin(_real_steps(trace))]
+    colls = colls[colls["bucket"].notna() & colls["step"].isin(real_steps(trace))]
     if colls.empty:
         return pd.DataFrame(columns=BUCKET_COLUMNS)
     starts = trace.steps.set_index(["rank", "step"])["start_us"]

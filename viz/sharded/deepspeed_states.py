@@ -41,6 +41,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ddpscope.viz.sharded.trace import real_steps
 from ddpscope.viz.zero.model import Precision, model_state_bytes
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -196,8 +197,7 @@ def peak_buffers_line(trace) -> str | None:
     reduce bucket allocated whole: reduce_bucket_size elements, whatever the model's size),
     one line saying how much, and which setting sizes them; None otherwise."""
     mem = trace.shards.memory
-    real = set(trace.steps.loc[~trace.steps["warmup"].astype(bool), "step"])
-    mem = mem[mem["step"].isin(real)] if len(mem) else mem
+    mem = mem[mem["step"].isin(real_steps(trace))] if len(mem) else mem
     if not len(mem) or not mem["total_bytes"].notna().any():
         return None
     at = mem.loc[mem["total_bytes"].idxmax()]

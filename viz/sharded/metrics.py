@@ -17,6 +17,7 @@ import pandas as pd
 
 from ddpscope.tracer import format as fmt
 from ddpscope.viz.sharded.exposed import EMPTY, by_head, exposed_per_step, in_flight_ms, with_exposed
+from ddpscope.viz.sharded.trace import real_steps
 from ddpscope.viz.zero.model import model_state_bytes, run_precision
 
 MODEL_STATE_PARTS = {  # the ZeRO model's three parts <- the measured categories
@@ -24,12 +25,6 @@ MODEL_STATE_PARTS = {  # the ZeRO model's three parts <- the measured categories
     "grads_bytes": ("sharded_grads_bytes", "unsharded_grads_bytes"),
     "optimizer_state_bytes": ("optimizer_state_bytes",),
 }
-
-
-def _real_steps(trace) -> set[int]:
-    steps = trace.steps
-    real = steps[~steps["warmup"].astype(bool) & ~steps["incomplete"].astype(bool)]["step"]
-    return set(real.astype(int)) or set(steps["step"].astype(int))
 
 
 NO_UNIT = "(no unit)"  # the unit table's row (and the trace's name) for collectives no unit issued
@@ -51,7 +46,7 @@ def compute_unit_table(trace) -> pd.DataFrame:
     # DeepSpeed's tracer cuts compute at collectives and waits, not at modules: the whole
     # model's forward and backward are the root unit's; the other units' are not measured
     per_module_untimed = sh.framework == "deepspeed"
-    real = _real_steps(trace)
+    real = real_steps(trace)
     colls = with_exposed(trace)
     colls = colls[colls["step"].isin(real)]
     waits = sh.waits[sh.waits["step"].isin(real)].assign(ms=lambda d: (d["end_us"] - d["start_us"]) / 1e3)
@@ -63,8 +58,9 @@ def compute_unit_table(trace) -> pd.DataFrame:
     # a kind's ms and exposed ms are times too, not sums of spans: a unit's async gathers
     # run side by side (DeepSpeed's post-step gathers: ten of them, 56 ms of spans in 7 ms)
     by_kind = ["unit", "collective", "rank", "step"]
-    spans = dict(list(colls.groupby(by_kind))) if len(colls) else {}
-    in_flight = pd.Series({k: in_flight_ms(c) for k, c in spans.items()}, dtype=float)
+    grouped = colls.groupby(by_kind)
+    counts, nbytes = grouped.size(), grouped["bytes"].sum()
+    in_flight = pd.Series({k: in_flight_ms(c) for k, c in grouped}, dtype=float)
     kind_exposed = exposed_per_step(colls, waits.iloc[:0], segs, by=("unit", "collective"))
     rows = []
     units = list(sh.units.itertuples())
@@ -76,10 +72,8 @@ def compute_unit_table(trace) -> pd.DataFrame:
                "unsharded_bytes": u.unsharded_bytes, "reshard_after_forward": u.reshard_after_forward}
         per_step = {}
         for kind in kinds:
-            c = colls[(colls["unit"] == u.unit) & (colls["collective"] == kind)]
-            g = c.groupby(["rank", "step"])
-            per_step[f"{kind}s"] = g.size()
-            per_step[f"{kind}_bytes"] = g["bytes"].sum()
+            per_step[f"{kind}s"] = by_head(counts, (u.unit, kind))
+            per_step[f"{kind}_bytes"] = by_head(nbytes, (u.unit, kind))
             per_step[f"{kind}_ms"] = by_head(in_flight, (u.unit, kind))
             per_step[f"{kind}_exposed_ms"] = by_head(kind_exposed, (u.unit, kind))
         per_step["wait_ms"] = waits[waits["unit"] == u.unit].groupby(["rank", "step"])["ms"].sum()
@@ -145,7 +139,7 @@ def compute_memory_over_step(trace, rank: int, step: int | None = None) -> pd.Da
     if mine.empty:
         return mine.assign(t_ms=[], peak=[])
     if step is None:
-        real = _real_steps(trace)
+        real = real_steps(trace)
         measured = sorted(set(mine["step"].astype(int)) & real) or sorted(set(mine["step"].astype(int)))
         step = measured[-1]
     out = mine[mine["step"] == step].copy()
@@ -279,7 +273,7 @@ def compute_comm_volume(trace) -> pd.DataFrame:
     n = trace.world_size
     frac = (n - 1) / n
     d_gathered, d_reduced = model_sizes(trace)
-    real = _real_steps(trace)
+    real = real_steps(trace)
     colls = sh.colls[sh.colls["step"].isin(real)]
     deepspeed = sh.framework == "deepspeed"
     if deepspeed:  # ZeRO's own: the buckets and the gathers (not the gradient norm's few bytes)
@@ -334,7 +328,7 @@ def comm_honesty_lines(trace) -> list[str]:
         lines.append(micro)
     gathered = vol[vol["collective"] == "all_gather"]
     if sh.framework == "deepspeed" and sh.stage == 3 and len(gathered) and gathered["message_D"].iloc[0] < 1.95:
-        colls = sh.colls[sh.colls["step"].isin(_real_steps(trace))]
+        colls = sh.colls[sh.colls["step"].isin(real_steps(trace))]
         why = ["a parameter used again within stage3_max_reuse_distance stays gathered"] \
             if (colls["issued_by"] == "param_fetch").any() else []
         after = colls[colls["issued_by"] == "param_allgather"].groupby(["rank", "step"])["bytes"].sum()
@@ -372,7 +366,7 @@ def accumulation_line(trace, vol: pd.DataFrame) -> str | None:
     step, and ZeRO-2/-3 (and FSDP2 unless the script turns gradient sync off) reduce every
     micro-batch's gradients. None for one micro-batch a step."""
     steps = trace.steps
-    real = steps[steps["step"].isin(_real_steps(trace))]
+    real = steps[steps["step"].isin(real_steps(trace))]
     micro = int(real["micro_batches"].median()) if len(real) else 1
     if micro <= 1:
         return None

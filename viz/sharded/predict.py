@@ -23,7 +23,8 @@ from __future__ import annotations
 import pandas as pd
 
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
-from ddpscope.viz.sharded.metrics import _real_steps, compute_memory_over_step, compute_sharded_steps
+from ddpscope.viz.sharded.metrics import compute_memory_over_step, compute_sharded_steps
+from ddpscope.viz.sharded.trace import real_steps
 
 
 def _reshards(setting: bool | int) -> bool:
@@ -91,7 +92,7 @@ def predict_step_ms(trace, reshard_after_forward: bool | int | None = None) -> p
     """Per rank: the measured median step (ms, non-warm-up steps) and the predicted one
     when every non-root unit reshards after forward (True / N) or not (False)."""
     sh = trace.shards
-    real = _real_steps(trace)
+    real = real_steps(trace)
     steps = compute_sharded_steps(trace)
     steps = steps[steps["step"].isin(real)]
     colls = with_exposed(trace)

@@ -19,6 +19,8 @@ Tables (times µs on rank 0's clock, bytes):
 - ``memory``: rank, step, ts_us, unit, name, phase, at (start / end of the unit's
   phase), and bytes per category (``tracer.format.MEMORY_CATEGORIES``; "other" on CUDA
   only), total_bytes
+
+``real_steps``: the steps every table and prediction counts.
 """
 
 from __future__ import annotations
@@ -151,3 +153,11 @@ def _frame(rows: list[dict], columns: list[str], order: list[str]) -> pd.DataFra
     if not rows:
         return pd.DataFrame({c: pd.Series(dtype="object" if c in _TEXT else "float64") for c in columns})
     return pd.DataFrame(rows, columns=columns).sort_values(order, kind="stable").reset_index(drop=True)
+
+
+def real_steps(trace) -> set[int]:
+    """The steps every table counts: those neither warm-up nor incomplete (every step
+    where there are none)."""
+    steps = trace.steps
+    real = steps[~steps["warmup"].astype(bool) & ~steps["incomplete"].astype(bool)]["step"]
+    return set(real.astype(int)) or set(steps["step"].astype(int))

@@ -18,6 +18,7 @@ from ddpscope.tracer import format as fmt
 from ddpscope.viz.sharded.deepspeed_states import peak_buffers_line
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
 from ddpscope.viz.sharded.metrics import NO_UNIT, UNTIMED_UNITS, compute_sharded_steps, compute_unit_table
+from ddpscope.viz.sharded.trace import real_steps
 from tests.conftest import ROOT, run_cli
 from tests.tracer.capture.autotrace.test_autotrace import checks, trace_script, untraced
 
@@ -91,6 +92,11 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
     total = parts.groupby(["rank", "step"]).sum().reindex(by_step.index)
     assert total.to_numpy() == pytest.approx(by_step.to_numpy(), rel=0.01, abs=1e-6) and (by_step > 0).all()
     assert (parts.xs(-1, level="unit") > 0).all()  # the no-unit part is there, not folded away
+    # and each row is those parts' median over ranks and the steps the tables count
+    names = {**dict(zip(sh.units["unit"], sh.units["name"])), -1: NO_UNIT}
+    counted = parts[parts.index.get_level_values("step").isin(real_steps(trace))]
+    medians = counted.groupby(level="unit").median().rename(index=names)
+    assert units.set_index("unit")["exposed_ms"].loc[medians.index].to_numpy() == pytest.approx(medians.to_numpy())
     assert peak_buffers_line(trace) is None  # buffers are under a quarter of the peak here (ZeRO-3: 6 %)
     summary = run_cli("summary", str(out))
     assert summary.returncode == 0 and "DeepSpeed units=" in summary.stdout and f"ZeRO stage {stage}" in summary.stdout
