@@ -18,27 +18,25 @@ from ddpscope.dashboard.serve import wait_for_preload
 # (dashboard/serve.py): its first page run waits for them rather than import beside it
 wait_for_preload()
 
-from ddpscope.dashboard.common import (  # noqa: E402 - after the wait
+from ddpscope.dashboard.catalog import (  # noqa: E402 - after the wait
     TRAINING_KINDS,
-    command_policy,
     handle_upload,
-    job_manager,
-    job_status,
     list_runs,
-    load_trace,
     newest_run,
     of_kind,
-    page_guard,
     runs_dir,
     runs_note,
     stamp_of,
 )
-from ddpscope.dashboard.memory_page import render_memory  # noqa: E402
-from ddpscope.dashboard.ring_page import render_ring  # noqa: E402
-from ddpscope.dashboard.run_page import render_run  # noqa: E402
-from ddpscope.dashboard.timeline_page import render_compare, render_timeline  # noqa: E402
-from ddpscope.dashboard.whatif_page import render_whatif  # noqa: E402
-from ddpscope.viz.trace import TraceError  # noqa: E402
+from ddpscope.dashboard.job_controls import command_policy, job_manager, job_status  # noqa: E402 - after the wait
+from ddpscope.dashboard.loaders import load_trace  # noqa: E402 - after the wait
+from ddpscope.dashboard.memory_page import render_memory  # noqa: E402 - after the wait
+from ddpscope.dashboard.page_guard import page_guard  # noqa: E402 - after the wait
+from ddpscope.dashboard.ring_page import render_ring  # noqa: E402 - after the wait
+from ddpscope.dashboard.run_page import render_run  # noqa: E402 - after the wait
+from ddpscope.dashboard.timeline_page import render_compare, render_timeline  # noqa: E402 - after the wait
+from ddpscope.dashboard.whatif_page import render_whatif  # noqa: E402 - after the wait
+from ddpscope.viz.trace import TraceError  # noqa: E402 - after the wait
 
 st.set_page_config(page_title="ddpscope", layout="wide")
 st.title("ddpscope")

@@ -9,8 +9,11 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from ddpscope.dashboard.common import CommandPolicy, events_trace, job_button, label_of, show_table, stamp_of
+from ddpscope.dashboard.catalog import label_of, stamp_of
+from ddpscope.dashboard.job_controls import CommandPolicy, job_button
+from ddpscope.dashboard.loaders import events_trace
 from ddpscope.dashboard.run_page import page_rerun
+from ddpscope.dashboard.tables import show_table
 from ddpscope.tracer.format import RUN_FILE
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.tracer.writer import read_json

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import streamlit as st
 
-from ddpscope.dashboard.common import job_button, load_zero_trace, of_kind, pick_run, runs_dir, show_table, widget_now
+from ddpscope.dashboard.catalog import of_kind, pick_run, runs_dir
+from ddpscope.dashboard.job_controls import job_button, widget_now
+from ddpscope.dashboard.loaders import load_zero_trace
 from ddpscope.dashboard.sharded_view import render_sharded_memory
+from ddpscope.dashboard.tables import show_table
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.ddp.stages import compute_ddp_stage_comparison, ddp_comm_lines, ddp_stage, ddp_stage_differences
 from ddpscope.viz.sharded.figures import make_stage_comparison_figure

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from ddpscope.dashboard.common import GANTT_RANKS, show_table
+from ddpscope.dashboard.loaders import GANTT_RANKS
+from ddpscope.dashboard.tables import show_table
 from ddpscope.viz.ddp.rank_overview import (
     METRICS,
     cached_rank_overview,

@@ -5,16 +5,10 @@ from __future__ import annotations
 
 import streamlit as st
 
-from ddpscope.dashboard.common import (
-    job_button,
-    lab_controls,
-    load_ring_trace,
-    of_kind,
-    pick_run,
-    runs_dir,
-    show_table,
-    widget_now,
-)
+from ddpscope.dashboard.catalog import of_kind, pick_run, runs_dir
+from ddpscope.dashboard.job_controls import job_button, lab_controls, widget_now
+from ddpscope.dashboard.loaders import load_ring_trace
+from ddpscope.dashboard.tables import show_table
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.ring.animation import make_ring_animation_figure, make_ring_step_figure
 from ddpscope.viz.ring.cost import (

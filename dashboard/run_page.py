@@ -9,19 +9,17 @@ from pathlib import Path
 
 import streamlit as st
 
-from ddpscope.dashboard.common import (
+from ddpscope.dashboard.catalog import label_of, stamp_of, uploads_dir
+from ddpscope.dashboard.job_controls import (
     LIVE_REFRESH_S,
     CommandPolicy,
     job_button,
     lab_controls,
-    label_of,
-    load_trace,
     show_outcome,
     show_progress,
-    stamp_of,
-    uploads_dir,
     widget_now,
 )
+from ddpscope.dashboard.loaders import load_trace
 from ddpscope.dashboard.sharded_view import deepspeed_rerun_settings, sharded_rerun_settings, show_sharded_comparison
 from ddpscope.dashboard.timeline_page import show_comparison
 from ddpscope.tracer.launch.jobs import JobManager

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from ddpscope.dashboard.common import load_trace, stamp_of
+from ddpscope.dashboard.catalog import stamp_of
+from ddpscope.dashboard.loaders import load_trace
 from ddpscope.viz.sources.run_profile import profile_folder
 from ddpscope.viz.trace import TraceError
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from ddpscope.dashboard.common import first_real_step, show_table
+from ddpscope.dashboard.loaders import first_real_step
 from ddpscope.dashboard.run_profile import load_run_profile_or_say
+from ddpscope.dashboard.tables import show_table
 from ddpscope.viz.sharded.buckets import compute_bucket_table
 from ddpscope.viz.sharded.deepspeed_states import measured_states, precision, predict_states
 from ddpscope.viz.sharded.figures import (

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import streamlit as st
 
-from ddpscope.dashboard.common import first_real_step, load_events, load_trace, merged_trace_bytes, show_table, stamp_of
+from ddpscope.dashboard.catalog import stamp_of
+from ddpscope.dashboard.loaders import first_real_step, load_events, load_trace, merged_trace_bytes
 from ddpscope.dashboard.rank_overview_view import default_ranks, render_rank_overview
 from ddpscope.dashboard.run_profile import load_run_profile_or_say
 from ddpscope.dashboard.sharded_view import render_sharded_timeline, show_sharded_comparison
+from ddpscope.dashboard.tables import show_table
 from ddpscope.tracer.options import GRAD_MARKS_FIRST_STEPS
 from ddpscope.viz.ddp.buckets import compute_bucket_table
 from ddpscope.viz.ddp.compare import compute_run_comparison, differences_text, median_step

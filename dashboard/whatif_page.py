@@ -10,18 +10,11 @@ import pandas as pd
 import streamlit as st
 
 from ddpscope.dashboard.advisor_view import render_ab, render_advisor
-from ddpscope.dashboard.common import (
-    CommandPolicy,
-    events_trace,
-    first_real_step,
-    job_button,
-    label_of,
-    load_trace,
-    show_table,
-    stamp_of,
-    widget_now,
-)
+from ddpscope.dashboard.catalog import label_of, stamp_of
+from ddpscope.dashboard.job_controls import CommandPolicy, job_button, widget_now
+from ddpscope.dashboard.loaders import events_trace, first_real_step, load_trace
 from ddpscope.dashboard.run_page import page_rerun
+from ddpscope.dashboard.tables import show_table
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.ddp.compare import compute_run_comparison, same_job
 from ddpscope.viz.ddp.gantt import make_timeline_figure

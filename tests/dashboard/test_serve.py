@@ -25,7 +25,9 @@ def test_what_is_preloaded_is_what_the_page_imports_and_none_of_it_calls_streaml
     page = _python("""
         import json, sys
         before = set(sys.modules)
-        import ddpscope.dashboard.common, ddpscope.dashboard.memory_page, ddpscope.dashboard.ring_page
+        import ddpscope.dashboard.catalog, ddpscope.dashboard.job_controls, ddpscope.dashboard.loaders
+        import ddpscope.dashboard.tables, ddpscope.dashboard.page_guard
+        import ddpscope.dashboard.memory_page, ddpscope.dashboard.ring_page
         import ddpscope.dashboard.run_page, ddpscope.dashboard.timeline_page, ddpscope.dashboard.whatif_page
         import streamlit.emojis
         print(json.dumps(sorted(set(sys.modules) - before)))

@@ -53,7 +53,7 @@ def test_the_dashboard_lists_each_model_of_a_job(tmp_path, monkeypatch):
     """The picker shows a job's further models beside it, each a run of its own."""
     import shutil
 
-    from ddpscope.dashboard import common
+    from ddpscope.dashboard import catalog
     from tests.conftest import SAMPLES
 
     runs = tmp_path / "runs"
@@ -62,6 +62,6 @@ def test_the_dashboard_lists_each_model_of_a_job(tmp_path, monkeypatch):
     shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", job, dirs_exist_ok=True)
     shutil.copytree(SAMPLES / "gpt-2rank-cap1mb", job / "models" / "1-Discriminator")
     monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
-    found = common.list_runs()
+    found = catalog.list_runs()
     assert found["run: gan"][0] == job and found["run: gan · 1-Discriminator"][0] == job / "models" / "1-Discriminator"
-    assert common.label_of(job / "models" / "1-Discriminator") == "run: gan · 1-Discriminator"
+    assert catalog.label_of(job / "models" / "1-Discriminator") == "run: gan · 1-Discriminator"
