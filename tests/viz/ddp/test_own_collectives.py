@@ -31,19 +31,28 @@ def test_each_kind_outside_the_buckets_is_one_row_as_its_events_say(tmp_path):
     assert sorted(table.index) == ["buffer_broadcast", "other", "unused_map"]
     warm = set(trace.steps.loc[trace.steps["warmup"].astype(bool), "step"])
     spans: dict[str, list[float]] = {k: [] for k in table.index}
+    beside: dict[str, list[float]] = {k: [] for k in table.index}
     nbytes: dict[str, set] = {k: set() for k in table.index}
     for r in (0, 1):
         _, events = read_rank_file(out / fmt.rank_file(r))
         by_step: dict[tuple[str, int], list[dict]] = {}
+        buckets: dict[int, list[dict]] = {}
         for e in events:
             if e.get("cat") == fmt.CAT_DDP_OWN and e["args"]["step"] not in warm:
                 kind = {fmt.UNUSED_MAP: "unused_map", fmt.BUFFER_BROADCAST: "buffer_broadcast"}.get(e["name"], "other")
                 by_step.setdefault((kind, e["args"]["step"]), []).append(e)
-        for (kind, _), es in by_step.items():
-            spans[kind].append((max(e["ts"] + e["dur"] for e in es) - min(e["ts"] for e in es)) / 1e3)
+            elif e.get("cat") == fmt.CAT_ALLREDUCE and e.get("ph") == "X":
+                buckets.setdefault(e["args"]["step"], []).append(e)
+        for (kind, step), es in by_step.items():
+            lo, hi = min(e["ts"] for e in es), max(e["ts"] + e["dur"] for e in es)
+            spans[kind].append((hi - lo) / 1e3)
             nbytes[kind].add(sum(e["args"]["bytes"] for e in es))
+            b = buckets.get(step, [])  # the buckets' window: first launch to last end
+            first, last = (min(e["ts"] for e in b), max(e["ts"] + e["dur"] for e in b)) if b else (0, 0)
+            beside[kind].append(max(0.0, min(hi, last) - max(lo, first)) / 1e3)
     for kind in table.index:
         assert table.at[kind, "ms"] == pytest.approx(float(np.median(spans[kind])), abs=0.01)
+        assert table.at[kind, "beside_buckets_ms"] == pytest.approx(float(np.median(beside[kind])), abs=0.01)
         assert len(nbytes[kind]) == 1 and table.at[kind, "bytes"] == nbytes[kind].pop()
         assert table.at[kind, "steps"] == len(spans[kind])
     assert table.at["other", "per_step"] == 1 and table.at["other", "bytes"] == 4  # the loss, float32
@@ -52,5 +61,11 @@ def test_each_kind_outside_the_buckets_is_one_row_as_its_events_say(tmp_path):
     assert summary.returncode == 0, summary.stderr
     assert "collectives outside the buckets:" in summary.stdout
     assert "other collectives (the script's own, DDP's outside its buckets): 1 a step" in summary.stdout
+    # the broadcast runs before the forward, with no bucket in flight; the map after the last
+    # bucket's launch, on their process group: where most of it ran beside them, the line says so
+    assert table.at["buffer_broadcast", "beside_buckets_ms"] == 0
+    unused = next(line for line in summary.stdout.splitlines() if "DDP's unused-parameter map" in line)
+    mostly = table.at["unused_map", "beside_buckets_ms"] >= 0.5 * table.at["unused_map", "ms"]
+    assert ("inside the buckets' all-reduces" in unused) == mostly, (unused, table.loc["unused_map"].to_dict())
     as_json = json.loads(run_cli("summary", str(out), "--json").stdout)
     assert {row["kind"] for row in as_json["not_buckets"]} == set(table.index)
