@@ -230,13 +230,14 @@ def _sharded_summary(trace, as_json: bool) -> int:
     """A sharded run: per-step medians, the units, the ZeRO stage's model states and what
     was really sent (gloo's reduce-scatter is an all-reduce)."""
     from ddpscope.viz.sharded.buckets import compute_bucket_table
+    from ddpscope.viz.sharded.comm_volume import comm_honesty_lines, compute_comm_volume
     from ddpscope.viz.sharded.metrics import (
         UNTIMED_UNITS,
-        comm_honesty_lines,
-        compute_comm_volume,
+        active_units,
         compute_sharded_steps,
         compute_stage_comparison,
         compute_unit_table,
+        idle_units_line,
         stage_differences,
     )
 
@@ -266,9 +267,12 @@ def _sharded_summary(trace, as_json: bool) -> int:
     print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
     print("per unit (ms per step, bytes per step):")
     hsdp = ["all_reduce_bytes", "all_reduce_ms"] if "all_reduce_ms" in units else []  # across replicas
-    print(units[["unit", "params", "all_gathers", "all_gather_bytes", "all_gather_ms", "reduce_scatter_bytes",
+    active = active_units(units)
+    print(active[["unit", "params", "all_gathers", "all_gather_bytes", "all_gather_ms", "reduce_scatter_bytes",
                  "reduce_scatter_ms", *hsdp, "wait_ms", "exposed_ms", "forward_ms", "backward_ms"]].round(3)
           .to_string(index=False, na_rep="-"))
+    if len(active) < len(units):
+        print(f"{idle_units_line(len(units) - len(active))}; `--json` lists every unit")
     if sh.framework == "deepspeed":
         print(UNTIMED_UNITS)
     if len(buckets):

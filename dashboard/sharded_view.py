@@ -11,6 +11,7 @@ from ddpscope.dashboard.loaders import first_real_step
 from ddpscope.dashboard.run_profile import load_run_profile_or_say
 from ddpscope.dashboard.tables import show_table
 from ddpscope.viz.sharded.buckets import compute_bucket_table
+from ddpscope.viz.sharded.comm_volume import comm_honesty_lines, compute_comm_volume
 from ddpscope.viz.sharded.deepspeed_states import measured_states, precision, predict_states
 from ddpscope.viz.sharded.figures import (
     make_memory_over_step_figure,
@@ -19,12 +20,12 @@ from ddpscope.viz.sharded.figures import (
 )
 from ddpscope.viz.sharded.metrics import (
     UNTIMED_UNITS,
-    comm_honesty_lines,
-    compute_comm_volume,
+    active_units,
     compute_memory_over_step,
     compute_sharded_steps,
     compute_stage_comparison,
     compute_unit_table,
+    idle_units_line,
     stage_differences,
 )
 from ddpscope.viz.sharded.predict import predict_memory, predict_peak, predict_step_ms
@@ -71,6 +72,10 @@ def render_sharded_timeline(trace) -> None:
                "training thread, so all of it is exposed; on NCCL they run on their own streams.")
     st.subheader("Per unit, per step (medians over ranks and non-warm-up steps)")
     table = compute_unit_table(trace)
+    active = active_units(table)
+    if len(active) < len(table) and not st.toggle(f"Every unit ({len(table)})", key="sharded_every_unit"):
+        st.caption(f"{idle_units_line(len(table) - len(active))}: the switch shows them.")
+        table = active.copy()
     cols = ["sharded_bytes", "unsharded_bytes", "all_gather_bytes", "reduce_scatter_bytes"]
     unit, scale = size_unit(table[cols])
     for col in cols:

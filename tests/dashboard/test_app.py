@@ -16,6 +16,7 @@ from streamlit import config as st_config
 from streamlit.testing.v1 import AppTest
 
 from ddpscope.tracer.launch.lab import lab_leftovers, why_not
+from ddpscope.viz.sharded.metrics import NO_UNIT
 from tests.conftest import KINETO, ROOT, SAMPLES, run_cli
 from tests.viz.sources.test_kineto import gpu_profile
 
@@ -1206,6 +1207,33 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     assert at.button(key="run_button").label == "Rerun at ZeRO stage 3"
     states = next(d.value for d in at.dataframe if "persistent_bytes" in d.value.columns)
     assert list(states[""]) == ["this run (stage 2, rank 0)", "stage 3, predicted"]
+
+
+@pytest.mark.deepspeed
+def test_a_deepspeed_run_whose_units_share_one_bucket_shows_those_that_communicated(tmp_path, monkeypatch):
+    """ZeRO-2 with one bucket for the whole model (1,000,000 elements): the bucket is named
+    for its first parameter's unit, so the two other layers issued nothing. The unit table
+    leaves them out and says how many; its switch shows every unit."""
+    pytest.importorskip("deepspeed")
+    from tests.tracer.capture.autotrace.test_autotrace import WORKERS, trace_script
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    proc, _, _ = trace_script(runs, str(WORKERS / "deepspeed_train.py"), "--stage", "2", "--steps", "3",
+                              "--reduce-bucket-size", "1000000", name="ds1b", env={"DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+
+    def units():
+        return next(d.value for d in at.dataframe if {"unit", "params"} <= set(d.value.columns))
+
+    assert list(units()["unit"]) == ["(root)", "4", NO_UNIT]  # the bucket opens with the last layer's gradients
+    assert any(c.value.startswith("2 more units issued no collective") for c in at.caption)
+    at.toggle(key="sharded_every_unit").set_value(True).run()
+    assert not at.exception
+    assert list(units()["unit"]) == ["(root)", "0", "2", "4", NO_UNIT]
 
 
 @pytest.mark.ddp

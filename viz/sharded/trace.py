@@ -20,7 +20,8 @@ Tables (times µs on rank 0's clock, bytes):
   phase), and bytes per category (``tracer.format.MEMORY_CATEGORIES``; "other" on CUDA
   only), total_bytes
 
-``real_steps``: the steps every table and prediction counts.
+``real_steps``: the steps every table and prediction counts; ``shard_group_size`` and
+``replicas``: the ranks a unit is sharded over and HSDP's replicas.
 """
 
 from __future__ import annotations
@@ -161,3 +162,16 @@ def real_steps(trace) -> set[int]:
     steps = trace.steps
     real = steps[~steps["warmup"].astype(bool) & ~steps["incomplete"].astype(bool)]["step"]
     return set(real.astype(int)) or set(steps["step"].astype(int))
+
+
+def shard_group_size(trace) -> int:
+    """The ranks a unit is sharded over: N, or under HSDP N / replicas."""
+    u = trace.shards.units
+    size = int(u["shard_size"].max()) if "shard_size" in u and len(u) else 0
+    return size if size > 0 else trace.world_size
+
+
+def replicas(trace) -> int:
+    """HSDP's replicas (1: plain FSDP)."""
+    u = trace.shards.units
+    return int(u["replicate_size"].max()) if "replicate_size" in u and len(u) else 1

@@ -8,7 +8,13 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from ddpscope.viz.sharded.metrics import NO_UNIT, compute_sharded_steps, compute_unit_table
+from ddpscope.viz.sharded.metrics import (
+    NO_UNIT,
+    active_units,
+    compute_sharded_steps,
+    compute_unit_table,
+    idle_units_line,
+)
 
 
 def _trace():
@@ -50,3 +56,18 @@ def test_collectives_no_unit_issued_have_a_row_that_counts_time_in_flight_not_su
     # the rows add up to the step's exposed communication (the step table's definition)
     steps = compute_sharded_steps(_trace())
     assert table["exposed_ms"].sum() == pytest.approx(float(steps.loc[steps["step"] == 1, "exposed_ms"].iloc[0]))
+
+
+def test_units_that_issued_nothing_are_left_out_where_the_table_is_read_and_counted():
+    """A unit whose parameters no collective carried and no wait or compute touched (a
+    ZeRO-1/2 module whose gradients went in a bucket named for another's): out of the
+    table a person reads, counted in one line; ``compute_unit_table`` keeps every unit."""
+    trace = _trace()
+    idle = {"unit": 1, "name": "body.0", "numel": 5, "sharded_bytes": 10, "unsharded_bytes": 20,
+            "reshard_after_forward": True, "root": False}
+    trace.shards.units = pd.concat([trace.shards.units, pd.DataFrame([idle])], ignore_index=True)
+    table = compute_unit_table(trace)
+    assert list(table["unit"]) == ["(root)", "body.0", NO_UNIT]
+    shown = active_units(table)
+    assert list(shown["unit"]) == ["(root)", NO_UNIT]  # the root computed; the no-unit row communicated
+    assert idle_units_line(len(table) - len(shown)).startswith("1 more unit issued no collective")

@@ -103,6 +103,12 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
     assert "gradient buckets (DeepSpeed" in summary.stdout and UNTIMED_UNITS in summary.stdout
     as_json = json.loads(run_cli("summary", str(out), "--json").stdout)
     assert [u["forward_ms"] is None for u in as_json["units"]] == list(~root)
+    # units no collective carried are left out of the printed table, counted (the JSON keeps them)
+    quiet = units[(units[[c for c in ("all_gathers", "reduce_scatters", "all_reduces") if c in units]].sum(axis=1)
+                   == 0) & ~root]
+    lines = summary.stdout.splitlines()
+    at = lines.index("per unit (ms per step, bytes per step):") + 2 + len(units) - len(quiet)  # header, rows
+    assert lines[at].startswith(f"{len(quiet)} more unit" if len(quiet) else UNTIMED_UNITS), lines[at]
     whatif = run_cli("whatif", str(out))  # bucket_cap_mb's what-if is DDP's: one line, pointing at DeepSpeed's own
     assert whatif.returncode == 2 and "is a DeepSpeed ZeRO run" in whatif.stderr and "--zero-stage" in whatif.stderr
     plain = untraced(tmp_path, *script)
@@ -214,7 +220,7 @@ def test_bf16_with_overlap_comm_and_accumulation_reduces_every_micro_batch(tmp_p
     table = compute_bucket_table(trace)  # a row per bucket, reduced twice a step: not one per reduction
     assert len(table) == buckets.groupby(["rank", "step", "micro"]).size().max()
     assert table["micro_batches"].eq(2).all() and table["bytes"].sum() == 2 * 2 * numel
-    from ddpscope.viz.sharded.metrics import comm_honesty_lines
+    from ddpscope.viz.sharded.comm_volume import comm_honesty_lines
 
     said = [line for line in comm_honesty_lines(trace) if line.startswith("A step here is 2 micro-batches")]
     assert len(said) == 1 and "reduced 2.00 times a step" in said[0], comm_honesty_lines(trace)

@@ -12,10 +12,9 @@ import math
 
 import pytest
 
+from ddpscope.viz.sharded.comm_volume import comm_honesty_lines, compute_comm_volume
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
 from ddpscope.viz.sharded.metrics import (
-    comm_honesty_lines,
-    compute_comm_volume,
     compute_memory_over_step,
     compute_sharded_steps,
     compute_stage_comparison,
