@@ -128,6 +128,11 @@ def _summary(path: str, as_json: bool) -> int:
         from ddpscope.viz.ddp.own_collectives import compute_own_collectives
 
         own = compute_own_collectives(trace)
+    buckets = None
+    if trace.source == "ddpscope" and len(trace.buckets):  # each bucket's all-reduce (the events of the ranks read)
+        from ddpscope.viz.ddp.buckets import compute_bucket_table
+
+        buckets = compute_bucket_table(trace)
     models = trace.run.get("models") or []  # a job of several DDP models: each its own run folder
     if as_json:
         out = {"path": str(trace.path), "source": trace.source, "status": trace.status,
@@ -141,6 +146,8 @@ def _summary(path: str, as_json: bool) -> int:
             out["zero1"] = zero1
         if own is not None and len(own):
             out["not_buckets"] = [_json_safe(r) for r in own.to_dict("records")]
+        if buckets is not None and len(buckets):
+            out["buckets"] = [_json_safe(r) for r in buckets.astype(object).to_dict("records")]
         if models:
             out["models"] = models
         if isinstance(trace.run.get("torch_compile"), dict):
@@ -186,6 +193,11 @@ def _summary(path: str, as_json: bool) -> int:
               f"{zero1['bytes'] / 2**20:.3f} MiB")
         for text in zero1["volume"]:
             print("  " + text)
+    if buckets is not None and len(buckets):
+        ranks = "every rank" if trace.all_events else f"ranks {', '.join(map(str, sorted(trace.event_ranks)))}"
+        print(f"buckets (medians over {ranks} and non-warm-up steps; launch_offset_ms from backward's start; "
+              "queued_ms behind earlier buckets, run_ms running):")
+        print(buckets.drop(columns=["params"]).round(3).to_string(index=False))
     if own is not None and len(own):
         from ddpscope.viz.ddp.own_collectives import own_collectives_lines
 

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+from ddpscope.viz.ddp.buckets import compute_bucket_table
 from ddpscope.viz.ddp.overlap import compute_rank_medians
 from ddpscope.viz.trace import load_run
 from tests.conftest import ROOT, SAMPLES
@@ -23,6 +24,15 @@ def test_summary_json_matches_the_metrics():
     for r, row in data["ranks"].items():
         assert row["step_ms"] == med.loc[int(r), "step_ms"] and row["steps"] == 11
         assert 0 <= row["overlap_pct"] <= 100
+    # each bucket's all-reduce, as the Timeline page's bucket table has it
+    table = compute_bucket_table(load_run(path))
+    assert [b["bucket"] for b in data["buckets"]] == list(table["bucket"]) and len(table) == 20
+    for b, (_, row) in zip(data["buckets"], table.iterrows()):
+        assert b["duration_ms"] == row["duration_ms"] and b["num_params"] == row["num_params"] and b["params"]
+    text = _viz("summary", str(path)).stdout
+    assert "buckets (medians over every rank and non-warm-up steps" in text
+    rows = text.split("buckets (medians", 1)[1].splitlines()[2:2 + len(table)]
+    assert [int(line.split()[0]) for line in rows] == list(table["bucket"])
 
 
 def test_summary_table_and_bad_input(tmp_path):
