@@ -20,6 +20,7 @@ from ddpscope.viz.ddp.gantt import make_timeline_figure
 from ddpscope.viz.ddp.kernel_gantt import make_kernel_timeline_figure
 from ddpscope.viz.ddp.kernel_overlap import compute_hta_breakdown
 from ddpscope.viz.ddp.overlap import compute_rank_medians, compute_step_breakdown
+from ddpscope.viz.ddp.own_collectives import compute_own_collectives, own_collectives_lines
 from ddpscope.viz.ddp.profile_check import compute_profile_agreement
 from ddpscope.viz.ddp.stages import compute_param_sync, param_sync_medians
 from ddpscope.viz.ddp.stragglers import compute_straggler_summary, straggler_line
@@ -100,6 +101,9 @@ def render_timeline(path: Path, trace) -> None:
     st.subheader("Buckets (medians over non-warm-up steps and ranks"
                  + ("" if trace.all_events else ", of the ranks shown") + ")")
     show_table(compute_bucket_table(shown).round(3), key="buckets")
+    if len(own := compute_own_collectives(trace)):  # as `ddpscope summary` says them
+        st.markdown("**Collectives outside the buckets** (their own lane above)\n"
+                    + "\n".join(f"- {line}" for line in own_collectives_lines(own)))
     st.download_button("Download all ranks as one Perfetto trace (rank 0's clock)",
                        data=lambda p=str(path): merged_trace_bytes(p),  # built on click only
                        file_name=f"{path.name}-merged.json", mime="application/json", key="perfetto_download",

@@ -1209,6 +1209,29 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     assert list(states[""]) == ["this run (stage 2, rank 0)", "stage 3, predicted"]
 
 
+@pytest.mark.ddp
+def test_the_timeline_says_what_ran_outside_the_buckets_as_the_summary_does(tmp_path, monkeypatch):
+    """A run with DDP's unused-parameter map (find_unused_parameters), its buffer broadcast
+    (BatchNorm) and the script's own all-reduce of its loss: the Timeline lists each kind
+    in the words and numbers `ddpscope summary` prints."""
+    from tests.tracer.capture.autotrace.test_autotrace import USER, trace_script
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    proc, out, _ = trace_script(runs, USER, "--steps", "4", "--depth", "3", "--find-unused", "--batchnorm",
+                                "--loss-allreduce", name="own")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = run_cli("summary", str(out)).stdout
+    said = [line.strip() for line in summary.split("collectives outside the buckets:", 1)[1].splitlines()
+            if line.startswith("  ")]
+    assert len(said) == 3, summary
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    shown = next(m.value for m in at.markdown if m.value.startswith("**Collectives outside the buckets**"))
+    assert [line[2:] for line in shown.splitlines()[1:]] == said
+
+
 @pytest.mark.deepspeed
 def test_a_deepspeed_run_whose_units_share_one_bucket_shows_those_that_communicated(tmp_path, monkeypatch):
     """ZeRO-2 with one bucket for the whole model (1,000,000 elements): the bucket is named
