@@ -47,6 +47,22 @@ def _metric(at, label):
     return next(m.value for m in at.metric if m.label == label)
 
 
+def _open_traced(tmp_path, monkeypatch, *script: str, name: str, **trace_kw):
+    """``script`` traced by ``ddpscope run`` into ``tmp_path/runs/<name>`` (``trace_kw``:
+    ``trace_script``'s ``ddpscope`` and ``env``), the dashboard opened on that runs folder:
+    ``(AppTest, run folder)``, the page drawn without an error."""
+    from tests.tracer.capture.autotrace.test_autotrace import trace_script
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    proc, out, _ = trace_script(runs, *script, name=name, **trace_kw)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    return at, out
+
+
 def _zip(files: dict[str, bytes]) -> bytes:
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
@@ -1100,16 +1116,10 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     """A user's FSDP2 run (traced and profiled here): the Timeline draws units against all-gather and
     reduce-scatter lanes and sets each collective beside the profiler's, the Memory page opens on it,
     the Run page predicts a rerun."""
-    from tests.tracer.capture.autotrace.test_autotrace import WORKERS, trace_script
+    from tests.tracer.capture.autotrace.test_autotrace import WORKERS
 
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    proc, out, _ = trace_script(runs, str(WORKERS / "fsdp2_train.py"), "--steps", "4", name="fsdp2",
-                                ddpscope=("--profile", "--profile-steps", "2"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
-    assert not at.exception and not at.error
+    at, out = _open_traced(tmp_path, monkeypatch, str(WORKERS / "fsdp2_train.py"), "--steps", "4", name="fsdp2",
+                           ddpscope=("--profile", "--profile-steps", "2"))
     assert at.sidebar.selectbox(key="trace").value == "run: fsdp2"  # the user's newest run
     assert _metric(at, "ZeRO stage") == "3" and _metric(at, "FSDP units") == "5"
     spec = _spec(at)
@@ -1175,16 +1185,10 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     Memory page sets it beside the stages and DeepSpeed's estimators; the Run page offers
     another stage with its predicted model states."""
     pytest.importorskip("deepspeed")
-    from tests.tracer.capture.autotrace.test_autotrace import WORKERS, trace_script
+    from tests.tracer.capture.autotrace.test_autotrace import WORKERS
 
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    proc, out, _ = trace_script(runs, str(WORKERS / "deepspeed_train.py"), "--stage", "2", "--steps", "3",
-                                "--reduce-bucket-size", "20000", name="ds2", env={"DS_ACCELERATOR": "cpu"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
-    assert not at.exception and not at.error, [e.value for e in at.error]
+    at, out = _open_traced(tmp_path, monkeypatch, str(WORKERS / "deepspeed_train.py"), "--stage", "2", "--steps", "3",
+                           "--reduce-bucket-size", "20000", name="ds2", env={"DS_ACCELERATOR": "cpu"})
     assert at.sidebar.selectbox(key="trace").value == "run: ds2"
     assert _metric(at, "ZeRO stage") == "2" and _metric(at, "DeepSpeed units") == "4"
     spec = _spec(at)
@@ -1214,20 +1218,14 @@ def test_the_timeline_says_what_ran_outside_the_buckets_as_the_summary_does(tmp_
     """A run with DDP's unused-parameter map (find_unused_parameters), its buffer broadcast
     (BatchNorm) and the script's own all-reduce of its loss: the Timeline lists each kind
     in the words and numbers `ddpscope summary` prints."""
-    from tests.tracer.capture.autotrace.test_autotrace import USER, trace_script
+    from tests.tracer.capture.autotrace.test_autotrace import USER
 
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    proc, out, _ = trace_script(runs, USER, "--steps", "4", "--depth", "3", "--find-unused", "--batchnorm",
-                                "--loss-allreduce", name="own")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    at, out = _open_traced(tmp_path, monkeypatch, USER, "--steps", "4", "--depth", "3", "--find-unused",
+                           "--batchnorm", "--loss-allreduce", name="own")
     summary = run_cli("summary", str(out)).stdout
     said = [line.strip() for line in summary.split("collectives outside the buckets:", 1)[1].splitlines()
             if line.startswith("  ")]
     assert len(said) == 3, summary
-    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
-    assert not at.exception and not at.error, [e.value for e in at.error]
     shown = next(m.value for m in at.markdown if m.value.startswith("**Collectives outside the buckets**"))
     assert [line[2:] for line in shown.splitlines()[1:]] == said
 
@@ -1238,16 +1236,10 @@ def test_a_deepspeed_run_whose_units_share_one_bucket_shows_those_that_communica
     for its first parameter's unit, so the two other layers issued nothing. The unit table
     leaves them out and says how many; its switch shows every unit."""
     pytest.importorskip("deepspeed")
-    from tests.tracer.capture.autotrace.test_autotrace import WORKERS, trace_script
+    from tests.tracer.capture.autotrace.test_autotrace import WORKERS
 
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    proc, _, _ = trace_script(runs, str(WORKERS / "deepspeed_train.py"), "--stage", "2", "--steps", "3",
-                              "--reduce-bucket-size", "1000000", name="ds1b", env={"DS_ACCELERATOR": "cpu"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
-    assert not at.exception and not at.error, [e.value for e in at.error]
+    at, _ = _open_traced(tmp_path, monkeypatch, str(WORKERS / "deepspeed_train.py"), "--stage", "2", "--steps", "3",
+                         "--reduce-bucket-size", "1000000", name="ds1b", env={"DS_ACCELERATOR": "cpu"})
 
     def units():
         return next(d.value for d in at.dataframe if {"unit", "params"} <= set(d.value.columns))
@@ -1263,16 +1255,9 @@ def test_a_deepspeed_run_whose_units_share_one_bucket_shows_those_that_communica
 def test_a_zero1_run_shows_its_broadcasts_and_its_stage_on_the_memory_page(tmp_path, monkeypatch):
     """DDP with ZeroRedundancyOptimizer (traced here): the Timeline draws its parameter
     broadcasts and says what they cost; the Memory page sets the run beside stages 0-3."""
-    from tests.tracer.capture.autotrace.test_autotrace import trace_script
     from tests.tracer.capture.ddp.test_hooks import SETUPS
 
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    proc, out, _ = trace_script(runs, SETUPS, "zero", "--steps", "4", name="zero1")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
-    assert not at.exception and not at.error
+    at, out = _open_traced(tmp_path, monkeypatch, SETUPS, "zero", "--steps", "4", name="zero1")
     assert at.sidebar.selectbox(key="trace").value == "run: zero1"
     assert "parameter broadcast (ZeRO-1)" in {t["name"] for t in _spec(at)["data"]}
     line = next(i.value for i in at.info if "ZeRO-1 (ZeroRedundancyOptimizer)" in i.value)
