@@ -98,12 +98,13 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
         return
     shards = getattr(trace, "shards", None)
     if shards is not None:  # what a sharded run can change is not a bucket cap: the Run page predicts it
-        name, what = (("DeepSpeed", "another ZeRO stage's model states (and bucket size)")
+        name, what = (("DeepSpeed", "another ZeRO stage's model states, predicted from this trace; another "
+                       "reduce_bucket_size is not predicted: its rerun measures it")
                       if shards.framework == "deepspeed" else
-                      ("FSDP2", "reshard_after_forward and the prefetch depths: peak memory and step time"))
-        st.info(f"This is a sharded run ({name}): the What-if predicts DDP's bucket caps. Its own settings are "
-                f"predicted on the Run page ({what}), beside a rerun that checks them; the Memory (ZeRO) page "
-                "sets it among ZeRO's stages.")
+                      ("FSDP2", "reshard_after_forward and the prefetch depths: peak memory and step time, predicted"))
+        st.info(f"This is a sharded run ({name}): the What-if predicts DDP's bucket caps. Its own settings are on "
+                f"the Run page ({what}), beside a rerun that checks them; the Memory (ZeRO) page sets it among "
+                "ZeRO's stages.")
         return
     stamp = stamp_of(path)
     if not trace.all_events:

@@ -1200,7 +1200,8 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     assert "MiB" not in buckets.columns and 1 < buckets["KiB"].min() <= buckets["KiB"].max() < 1024
     assert any("3D x (N-1)/N for a step that reduces once" in m.value for m in at.markdown)
     _page(at, "What-if")
-    assert any("sharded run (DeepSpeed)" in i.value and "ZeRO stage" in i.value for i in at.info)
+    said = next(i.value for i in at.info if "sharded run (DeepSpeed)" in i.value)
+    assert "ZeRO stage" in said and "reduce_bucket_size is not predicted" in said  # its rerun measures it
     _page(at, "Memory (ZeRO)")
     table = next(d.value for d in at.dataframe if "persistent measured/predicted" in d.value.columns)
     assert {"measured (rank 0)", "stage 3", "DeepSpeed estimate (stage 2)"} <= set(table["row"])
