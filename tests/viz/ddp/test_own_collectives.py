@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from ddpscope.tracer import format as fmt
-from ddpscope.viz.ddp.own_collectives import compute_own_collectives
+from ddpscope.viz.ddp.own_collectives import compute_own_collectives, own_collectives_lines
 from ddpscope.viz.run_files import read_rank_file
 from ddpscope.viz.trace import load_run
 from tests.conftest import run_cli
@@ -69,3 +70,16 @@ def test_each_kind_outside_the_buckets_is_one_row_as_its_events_say(tmp_path):
     assert ("inside the buckets' all-reduces" in unused) == mostly, (unused, table.loc["unused_map"].to_dict())
     as_json = json.loads(run_cli("summary", str(out), "--json").stdout)
     assert {row["kind"] for row in as_json["not_buckets"]} == set(table.index)
+
+
+@pytest.mark.parametrize("beside, said", [(3.0, True), (2.0, True), (1.99, False), (0.0, False),
+                                          (float("nan"), False)])
+def test_the_line_says_how_much_ran_beside_the_buckets_only_from_half_of_the_span(beside, said):
+    """The rule on its own (the job above cannot choose which side of it a run falls on): a
+    4 ms span with ``beside`` ms of it between the first bucket launch and the last end."""
+    table = pd.DataFrame([{"kind": "unused_map", "what": "DDP's unused-parameter map", "steps": 4,
+                           "per_step": 1.0, "ms": 4.0, "bytes": 296.0, "pct_of_step": 3.5,
+                           "beside_buckets_ms": beside}])
+    (line,) = own_collectives_lines(table)
+    assert line.startswith("DDP's unused-parameter map: 1 a step, 4.00 ms (3.5 % of the step), 296 bytes")
+    assert (f"; {beside:.2f} ms of it inside the buckets' all-reduces" in line) == said, line
