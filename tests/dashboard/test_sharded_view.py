@@ -1,0 +1,137 @@
+"""Sharded runs on the dashboard (dashboard/sharded_view.py) with AppTest: real FSDP2 and
+DeepSpeed ZeRO runs opened on their Timeline, Memory, What-if and Run pages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from ddpscope.viz.sharded.metrics import NO_UNIT
+from tests.conftest import ROOT
+from tests.dashboard.app_driver import chart_spec, chart_specs, metric_value, open_page, open_traced
+
+
+@pytest.mark.ddp
+def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, monkeypatch):
+    """A user's FSDP2 run (traced and profiled here): the Timeline draws units against all-gather and
+    reduce-scatter lanes and sets each collective beside the profiler's, the Memory page opens on it,
+    the Run page predicts a rerun."""
+    from tests.tracer.capture.autotrace.test_autotrace import WORKERS
+
+    at, out = open_traced(tmp_path, monkeypatch, str(WORKERS / "fsdp2_train.py"), "--steps", "4", name="fsdp2",
+                           ddpscope=("--profile", "--profile-steps", "2"))
+    assert at.sidebar.selectbox(key="trace").value == "run: fsdp2"  # the user's newest run
+    assert metric_value(at, "ZeRO stage") == "3" and metric_value(at, "FSDP units") == "5"
+    spec = chart_spec(at)
+    ticks = spec["layout"]["yaxis"]["ticktext"]
+    assert ticks[:3] == ["rank 0 · compute", "rank 0 · all-gather", "rank 0 · reduce-scatter"]
+    assert {"layers.0", "waiting for an all-gather"} <= {t["name"] for t in spec["data"]}
+    units = next(d.value for d in at.dataframe if "all_gather_ms" in d.value.columns)
+    assert list(units["unit"]) == ["(root)", "layers.0", "layers.1", "layers.2", "layers.3"]
+    assert any("gloo has no reduce-scatter" in m.value for m in at.markdown)
+    # profiled: each collective beside the profiler's, in the expander (2 steps x 2 ranks x 15)
+    agreement = next(d.value for d in at.dataframe if "start_after_ms" in d.value.columns)
+    assert len(agreement) == 2 * 2 * 15 and agreement["profile_bytes"].notna().all()
+    open_page(at, "What-if")  # not a dead end: where its own settings are predicted
+    assert not at.exception and any("sharded run (FSDP2)" in i.value and "Run page" in i.value for i in at.info)
+    open_page(at, "Memory (ZeRO)")
+    titles = [json.dumps(c["layout"].get("title")) for c in chart_specs(at)]
+    assert any("memory over one step (measured)" in t for t in titles)
+    assert any("beside ZeRO stages 0-3" in t for t in titles)
+    open_page(at, "Run")
+    assert metric_value(at, "predicted peak (rank 0)").endswith("MiB")
+    deltas = {m.label: m.delta for m in at.metric if m.label.startswith("predicted")}
+    assert deltas == {"predicted peak (rank 0)": "as this run", "predicted step (rank 0)": "as this run"}  # not "+0.0"
+    at.selectbox(key="run_reshard").set_value("false (ZeRO-2)").run()
+    assert not at.exception
+    peak = next(m for m in at.metric if m.label == "predicted peak (rank 0)")
+    assert peak.delta.startswith("+") and peak.delta.endswith(" MiB")  # units kept gathered: a larger peak
+    assert at.button(key="run_button").label == "Rerun with reshard_after_forward = false"
+    open_page(at, "Compare runs")  # like with like: the DDP sample is not set beside the FSDP2 run
+    at.multiselect(key="compare_runs").set_value(["run: fsdp2", "sample: gpt-2rank-cap1mb"]).run()
+    assert not at.exception
+    assert any(w.value.startswith("sample: gpt-2rank-cap1mb not compared with run: fsdp2") for w in at.warning)
+    assert not any("buckets differ" in i.value for i in at.info)
+    for r in (0, 1):  # the same run without its memory samples: the Run page says what it cannot predict
+        path = out / f"rank-{r}.json"
+        text = path.read_text()
+        doc = json.loads(text if text.rstrip().endswith("]") else text + "]")
+        events = doc["traceEvents"] if isinstance(doc, dict) else doc
+        kept = [e for e in events if e.get("cat") != "memory_sample"]
+        path.write_text(json.dumps({"traceEvents": kept} if isinstance(doc, dict) else kept))
+        (out / f"rank-{r}.summary.jsonl").unlink(missing_ok=True)
+    at = open_page(AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run(), "Run")
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert any("measured no step's memory" in i.value for i in at.info)
+    for r in (0, 1):  # ... and without any step (killed in its first): every page opens, none raises
+        path = out / f"rank-{r}.json"
+        doc = json.loads(path.read_text())
+        events = doc["traceEvents"] if isinstance(doc, dict) else doc
+        kept = [e for e in events if e.get("ph") == "M"]
+        path.write_text(json.dumps({"traceEvents": kept} if isinstance(doc, dict) else kept))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    said = [e.value for e in at.error] + [i.value for i in at.info] + [w.value for w in at.warning]
+    assert not at.exception, said
+    for page in ("Run", "What-if", "Memory (ZeRO)", "Compare runs"):
+        open_page(at, page)
+        assert not at.exception, (page, said)
+    assert any("no finished step" in text for text in said), said  # the Timeline says why it draws nothing
+
+
+@pytest.mark.deepspeed
+def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, monkeypatch):
+    """A user's DeepSpeed ZeRO-2 run (traced here): the Timeline names DeepSpeed and draws
+    its bucket all-reduces and the gather after the step, with the bucket table; the
+    Memory page sets it beside the stages and DeepSpeed's estimators; the Run page offers
+    another stage with its predicted model states."""
+    pytest.importorskip("deepspeed")
+    from tests.tracer.capture.autotrace.test_autotrace import WORKERS
+
+    at, out = open_traced(tmp_path, monkeypatch, str(WORKERS / "deepspeed_train.py"), "--stage", "2", "--steps", "3",
+                           "--reduce-bucket-size", "20000", name="ds2", env={"DS_ACCELERATOR": "cpu"})
+    assert at.sidebar.selectbox(key="trace").value == "run: ds2"
+    assert metric_value(at, "ZeRO stage") == "2" and metric_value(at, "DeepSpeed units") == "4"
+    spec = chart_spec(at)
+    assert spec["layout"]["title"]["text"].startswith("DeepSpeed, ZeRO stage 2")
+    buckets = next(d.value for d in at.dataframe if "first_param" in d.value.columns)
+    assert list(buckets["bucket"]) == [0, 1, 2] and set(buckets["collective"]) == {"all_reduce"}
+    # buckets of 20,000 fp32 elements (a parameter larger than that is a bucket of its own: 256 KiB)
+    # read in KiB, not 0.0xx MiB
+    assert "MiB" not in buckets.columns and 1 < buckets["KiB"].min() <= buckets["KiB"].max() < 1024
+    assert any("3D x (N-1)/N for a step that reduces once" in m.value for m in at.markdown)
+    open_page(at, "What-if")
+    said = next(i.value for i in at.info if "sharded run (DeepSpeed)" in i.value)
+    assert "ZeRO stage" in said and "reduce_bucket_size is not predicted" in said  # its rerun measures it
+    open_page(at, "Memory (ZeRO)")
+    table = next(d.value for d in at.dataframe if "persistent measured/predicted" in d.value.columns)
+    assert {"measured (rank 0)", "stage 3", "DeepSpeed estimate (stage 2)"} <= set(table["row"])
+    assert any("DeepSpeed's estimator says" in m.value for m in at.markdown)
+    open_page(at, "Run")
+    at.selectbox(key="run_zero_stage").set_value(3).run()
+    assert not at.exception
+    assert at.button(key="run_button").label == "Rerun at ZeRO stage 3"
+    states = next(d.value for d in at.dataframe if "persistent_bytes" in d.value.columns)
+    assert list(states[""]) == ["this run (stage 2, rank 0)", "stage 3, predicted"]
+
+
+@pytest.mark.deepspeed
+def test_a_deepspeed_run_whose_units_share_one_bucket_shows_those_that_communicated(tmp_path, monkeypatch):
+    """ZeRO-2 with one bucket for the whole model (1,000,000 elements): the bucket is named
+    for its first parameter's unit, so the two other layers issued nothing. The unit table
+    leaves them out and says how many; its switch shows every unit."""
+    pytest.importorskip("deepspeed")
+    from tests.tracer.capture.autotrace.test_autotrace import WORKERS
+
+    at, _ = open_traced(tmp_path, monkeypatch, str(WORKERS / "deepspeed_train.py"), "--stage", "2", "--steps", "3",
+                         "--reduce-bucket-size", "1000000", name="ds1b", env={"DS_ACCELERATOR": "cpu"})
+
+    def units():
+        return next(d.value for d in at.dataframe if {"unit", "params"} <= set(d.value.columns))
+
+    assert list(units()["unit"]) == ["(root)", "4", NO_UNIT]  # the bucket opens with the last layer's gradients
+    assert any(c.value.startswith("2 more units issued no collective") for c in at.caption)
+    at.toggle(key="sharded_every_unit").set_value(True).run()
+    assert not at.exception
+    assert list(units()["unit"]) == ["(root)", "0", "2", "4", NO_UNIT]
