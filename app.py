@@ -28,6 +28,7 @@ from ddpscope.dashboard.catalog import (  # noqa: E402 - after the wait
     runs_note,
     stamp_of,
 )
+from ddpscope.dashboard.environment import OPEN_RUN_ENV, WARM_LAUNCHER_ENV  # noqa: E402 - after the wait
 from ddpscope.dashboard.job_controls import command_policy, job_manager, job_status  # noqa: E402 - after the wait
 from ddpscope.dashboard.loaders import load_trace  # noqa: E402 - after the wait
 from ddpscope.dashboard.memory_page import render_memory  # noqa: E402 - after the wait
@@ -55,13 +56,13 @@ if not traces:
     st.error(f"No traces found. Make one with: ddpscope run --out {runs_dir() / 'first'} -- train.py")
     st.stop()
 if st.session_state.get("trace") not in traces:  # the run asked for, the user's newest, else the first sample
-    asked = os.environ.get("DDPSCOPE_OPEN_RUN")
+    asked = os.environ.get(OPEN_RUN_ENV)
     st.session_state["trace"] = (f"run: {asked}" if asked and f"run: {asked}" in traces else None) \
         or newest_run(traces) or next(iter(traces))
 if (note := runs_note()) is not None:
     st.sidebar.info(note)
 choice = st.sidebar.selectbox("Trace", list(traces), key="trace")
-jobs = job_manager(str(runs_dir()), warm=os.environ.get("DDPSCOPE_WARM_LAUNCHER", "1") != "0")
+jobs = job_manager(str(runs_dir()), warm=os.environ.get(WARM_LAUNCHER_ENV, "1") != "0")
 busy = jobs.current is not None and jobs.current.running
 with st.sidebar:
     st.subheader("Runs")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ddpscope.cli.output import PROG
+from ddpscope.dashboard.environment import ALLOW_COMMANDS_ENV, OPEN_RUN_ENV, RUNS_DIR_ENV
 
 
 def dashboard_command(args: argparse.Namespace) -> int:
@@ -25,15 +26,15 @@ def dashboard_command(args: argparse.Namespace) -> int:
         return 2
     env = {**os.environ}
     if is_run_folder(runs):  # one run: the page opens it, among its neighbours
-        env["DDPSCOPE_OPEN_RUN"] = runs.name
+        env[OPEN_RUN_ENV] = runs.name
         print(f"{PROG} dashboard: {runs} is a run folder: the page opens it (runs in {runs.parent})", file=sys.stderr)
         runs = runs.parent
     elif not runs.is_dir():
         print(f"{PROG} dashboard: {runs} does not exist: the page shows ddpscope's samples (a run started there "
               "creates it)", file=sys.stderr)
-    env["DDPSCOPE_RUNS_DIR"] = str(runs)
+    env[RUNS_DIR_ENV] = str(runs)
     if args.allow_commands:
-        env["DDPSCOPE_ALLOW_COMMANDS"] = "1"
+        env[ALLOW_COMMANDS_ENV] = "1"
     cmd = streamlit_command(app, args.host, args.port)
     print(f"ddpscope dashboard on http://{args.host}:{args.port} (runs in {runs})", file=sys.stderr)
     os.execve(sys.executable, cmd, env)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from ddpscope.dashboard.environment import RUNS_DIR_ENV
 from ddpscope.dashboard.page_guard import one_line
 from ddpscope.tracer.format import LIVE_DIR, LOGS_DIR, MODELS_DIR, NODES_DIR, RUN_FILE
 from ddpscope.viz.ring.trace import load_ring
@@ -32,7 +33,7 @@ SAMPLES = next((p for p in (ROOT / "samples", Path(sys.prefix) / "share" / "ddps
 
 def runs_dir() -> Path:
     """Where runs started here go (``$DDPSCOPE_RUNS_DIR``, set by ``ddpscope dashboard``)."""
-    return Path(os.environ.get("DDPSCOPE_RUNS_DIR", ROOT / "runs"))
+    return Path(os.environ.get(RUNS_DIR_ENV, ROOT / "runs"))
 
 
 def uploads_dir() -> Path:

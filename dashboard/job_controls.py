@@ -12,10 +12,10 @@ from typing import Callable
 
 import streamlit as st
 
+from ddpscope.dashboard.environment import ALLOW_COMMANDS_ENV
 from ddpscope.tracer.launch import lab
 from ddpscope.tracer.launch.jobs import JobManager
 
-ALLOW_COMMANDS_ENV = "DDPSCOPE_ALLOW_COMMANDS"
 #: the link rates the pages offer for emulated nodes (tc's units)
 LINKS = ["100mbit", "200mbit", "1gbit", "10gbit"]
 
