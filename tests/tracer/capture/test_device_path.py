@@ -272,7 +272,7 @@ TOL_US = 50.0  # an anchor's bracket, float32 ms of ≤ 2 s, scheduling between 
 
 
 @pytest.mark.ddp
-@pytest.mark.parametrize("capture", ["compiled", "python"])
+@pytest.mark.parametrize("capture", ["compiled", pytest.param("python", marks=pytest.mark.breadth)])
 def test_a_run_timed_on_a_drifting_device_behind_the_host_reads_where_the_device_ran_it(tmp_path, built, capture):
     """A device clock 1000 s from the host's and 300 ppm slow, a compute stream 3 ms behind
     the host: every step traced where the device ran it (the host's bracket moved by 3 ms)
@@ -357,7 +357,7 @@ def test_accumulated_micro_batches_with_unused_parameter_detection_each_sit_wher
 
 
 @pytest.mark.ddp
-@pytest.mark.parametrize("capture", ["compiled", "python"])
+@pytest.mark.parametrize("capture", ["compiled", pytest.param("python", marks=pytest.mark.breadth)])
 def test_a_stream_far_behind_and_sparse_gradient_marks_record_one_gradient_event_per_unmarked_step(tmp_path, built,
                                                                                                  capture):
     """A compute stream 200 ms behind the host (many steps): the host runs two steps ahead

@@ -31,6 +31,7 @@ def compiled(report, rank: int) -> dict:
     return json.loads((report / f"rank{rank}.json").read_text())["compiled"]
 
 
+@pytest.mark.breadth  # the default suite keeps a compiled run traced and a refused cap explained
 def test_a_compiled_model_keeps_its_caps_where_the_asked_one_would_fail_and_the_whatif_offers_none(tmp_path):
     proc, out, report = trace_script(tmp_path, SCRIPT, ddpscope=("--bucket-cap-mb", "0.5"))
     assert proc.returncode == 0, proc.stderr[-3000:]
