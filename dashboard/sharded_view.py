@@ -8,6 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from ddpscope.dashboard.loaders import first_real_step
+from ddpscope.dashboard.run_header import show_run_header
 from ddpscope.dashboard.run_profile import load_run_profile_or_say
 from ddpscope.dashboard.tables import show_table
 from ddpscope.viz.sharded.buckets import compute_bucket_table
@@ -47,16 +48,11 @@ def size_unit(sizes: pd.DataFrame) -> tuple[str, int]:
 def render_sharded_timeline(trace) -> None:
     sh = trace.shards
     run = trace.run
-    cols = st.columns(5)
-    # the model's class (the script's name, e.g. torchtitan's "train", says little), the script beside it
-    cols[0].metric("model", str(run.get("model_class") or run.get("model", "?")),
-                   help=f"script: {run.get('model', '?')}")
-    cols[1].metric("ranks", trace.world_size)
-    cols[2].metric("ZeRO stage", sh.stage, help=sh.stage_reason)
     deepspeed = sh.framework == "deepspeed"
-    cols[3].metric("DeepSpeed units" if deepspeed else "FSDP units", len(sh.units),
-                   help="modules holding parameters of their own" if deepspeed else None)
-    cols[4].metric("status", trace.status)
+    show_run_header(run, [("ranks", trace.world_size, None), ("ZeRO stage", sh.stage, sh.stage_reason),
+                          ("DeepSpeed units" if deepspeed else "FSDP units", len(sh.units),
+                           "modules holding parameters of their own" if deepspeed else None),
+                          ("status", trace.status, None)])
     if trace.unfinished:
         st.warning(f"This run is {trace.status}: {trace.unfinished}. Finished steps are shown.")
     for note in run.get("notes") or []:

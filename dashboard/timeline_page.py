@@ -10,6 +10,7 @@ import streamlit as st
 from ddpscope.dashboard.catalog import stamp_of
 from ddpscope.dashboard.loaders import first_real_step, load_events, load_trace, merged_trace_bytes
 from ddpscope.dashboard.rank_overview_view import default_ranks, render_rank_overview
+from ddpscope.dashboard.run_header import show_run_header
 from ddpscope.dashboard.run_profile import load_run_profile_or_say
 from ddpscope.dashboard.sharded_view import render_sharded_timeline, show_sharded_comparison
 from ddpscope.dashboard.tables import show_table
@@ -37,14 +38,9 @@ def render_timeline(path: Path, trace) -> None:
         render_sharded_timeline(trace)
         return
     run = trace.run
-    cols = st.columns(5)
-    # the model's class (the script's name, e.g. torchtitan's "train", says little), the script beside it
-    cols[0].metric("model", str(run.get("model_class") or run.get("model", "?")),
-                   help=f"script: {run.get('model', '?')}")
-    cols[1].metric("ranks", run.get("world_size", "?"))
-    cols[2].metric("bucket_cap_mb (MiB)", f"{run.get('bucket_cap_mb', float('nan')):g}")
-    cols[3].metric("buckets", len(run.get("bucket_layout") or []))
-    cols[4].metric("status", trace.status)
+    show_run_header(run, [("ranks", run.get("world_size", "?"), None),
+                          ("bucket_cap_mb (MiB)", f"{run.get('bucket_cap_mb', float('nan')):g}", None),
+                          ("buckets", len(run.get("bucket_layout") or []), None), ("status", trace.status, None)])
     if trace.unfinished:
         st.warning(f"This run is {trace.status}: {trace.unfinished}. Finished steps are shown.")
     for note in run.get("notes") or []:

@@ -93,6 +93,8 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
                            "--reduce-bucket-size", "20000", name="ds2", env={"DS_ACCELERATOR": "cpu"})
     assert at.sidebar.selectbox(key="trace").value == "run: ds2"
     assert metric_value(at, "ZeRO stage") == "2" and metric_value(at, "DeepSpeed units") == "4"
+    model = json.loads((out / "run.json").read_text())["model_class"]
+    assert any(m.value.startswith(f"**Model** `{model}`") for m in at.markdown)
     spec = chart_spec(at)
     assert spec["layout"]["title"]["text"].startswith("DeepSpeed, ZeRO stage 2")
     buckets = next(d.value for d in at.dataframe if "first_param" in d.value.columns)

@@ -180,3 +180,7 @@ def test_the_timeline_says_what_ran_outside_the_buckets_as_the_summary_does(tmp_
     assert len(said) == 3, summary
     shown = next(m.value for m in at.markdown if m.value.startswith("**Collectives outside the buckets**"))
     assert [line[2:] for line in shown.splitlines()[1:]] == said
+    # the model by its class, in full (a metric column cut a long one at a few letters), and the script
+    run = json.loads((out / "run.json").read_text())
+    assert run["model_class"] and run["model_class"] != run["model"]
+    assert f"**Model** `{run['model_class']}` · script `{run['model']}`" in [m.value for m in at.markdown]
