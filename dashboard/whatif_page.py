@@ -89,9 +89,6 @@ def predicted_trace(path: str, stamp: float, cap: float | str):
 
 def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, busy: bool,
                   policy: CommandPolicy) -> None:
-    st.caption("Every step of the open trace replayed with the buckets DDP would build at another bucket_cap_mb: "
-               "gradients ready when they were, all-reduces costing what this run's cost, compute slowed by "
-               "communication as measured. Predictions, not measurements: the crosses are real runs.")
     if trace.source != "ddpscope":
         st.info("No prediction for a profiler trace: the what-if model needs each gradient's ready time, which "
                 "only a ddpscope trace records. Trace the job with `ddpscope run` to predict other caps.")
@@ -106,6 +103,10 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
                 f"the Run page ({what}), beside a rerun that checks them; the Memory (ZeRO) page sets it among "
                 "ZeRO's stages.")
         return
+    # said only of a trace it replays (a profiler trace's or a sharded run's page says why not, alone)
+    st.caption("Every step of the open trace replayed with the buckets DDP would build at another bucket_cap_mb: "
+               "gradients ready when they were, all-reduces costing what this run's cost, compute slowed by "
+               "communication as measured. Predictions, not measurements: the crosses are real runs.")
     stamp = stamp_of(path)
     if not trace.all_events:
         st.caption(f"{trace.world_size} ranks: predicted from the events of ranks "

@@ -106,6 +106,7 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     open_page(at, "What-if")
     said = next(i.value for i in at.info if "sharded run (DeepSpeed)" in i.value)
     assert "ZeRO stage" in said and "reduce_bucket_size is not predicted" in said  # its rerun measures it
+    assert not any("replayed with the buckets DDP would build" in c.value for c in at.caption)  # not of this run
     open_page(at, "Memory (ZeRO)")
     table = next(d.value for d in at.dataframe if "persistent measured/predicted" in d.value.columns)
     assert {"measured (rank 0)", "stage 3", "DeepSpeed estimate (stage 2)"} <= set(table["row"])

@@ -33,6 +33,7 @@ def test_whatif_page_draws_the_predicted_curve_with_the_measured_runs_on_it(app)
     same job) is a measured point; the best cap is starred; a predicted timeline shows
     beside the measured run at the chosen cap."""
     open_page(app, "What-if")
+    assert any("replayed with the buckets DDP would build" in c.value for c in app.caption)  # what it shows
     spec = _predict_chart(app)
     traces = {t["name"]: t for t in spec["data"]}
     assert {"step (predicted)", "exposed communication (predicted)", "step (measured runs)",
