@@ -79,12 +79,24 @@ def predicted_trace(path: str, stamp: float, cap: float | str):
     """The trace predicted at ``cap`` MiB (at its own cap: replayed as it ran, DDP's
     default first bucket included; a text: the traced ``bucket_cap_mb_list``)."""
     trace = events_trace(path, stamp)
-    own = traced_cap(trace)
     if isinstance(cap, str):
-        cap = own
-    elif own is None and cap == float(trace.run.get("bucket_cap_mb") or 25.0):
+        cap = traced_cap(trace)
+    elif at_ddps_default(trace, cap):
         cap = None  # DDP's default, as it ran
     return predict_run(trace, cap, whatif_model(path, stamp))
+
+
+def at_ddps_default(trace, cap: float | str) -> bool:
+    """Whether ``cap`` on the slider is the trace's own setting and that was DDP's default
+    (no bucket_cap_mb passed: 25 MiB, the first bucket 1 MiB), which an explicit 25 is not:
+    then it is predicted, matched to real runs and rerun as DDP's default."""
+    return (not isinstance(cap, str) and traced_cap(trace) is None
+            and cap == float(trace.run.get("bucket_cap_mb") or 25.0))
+
+
+def _ddps_default(run: dict) -> bool:
+    """A run that DDP bucketed with its default (run.json ``bucket_cap_default``)."""
+    return bool(run.get("bucket_cap_default")) and not run.get("bucket_cap_bytes_list")
 
 
 def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, busy: bool,
@@ -161,10 +173,14 @@ def _measured_runs(trace, traces: dict[str, Path]) -> dict:
 
 
 def _predicted_beside_measured(path: Path, stamp: float, trace, cap: float | str, measured: dict) -> None:
-    text = f"{cap} MiB (the traced list)" if isinstance(cap, str) else f"{cap:g} MiB"
+    default = at_ddps_default(trace, cap)
+    text = (f"{cap} MiB (the traced list)" if isinstance(cap, str) else
+            f"DDP's default ({cap:g} MiB, first bucket 1)" if default else f"{cap:g} MiB")
     pred = predicted_trace(str(path), stamp, cap if isinstance(cap, str) else float(cap))
+    # a real run of the same layout: DDP's default is not an explicit 25 MiB (its first bucket is 1 MiB)
     real = {} if isinstance(cap, str) else \
-        {k: t for k, t in measured.items() if abs(float(t.run["bucket_cap_mb"]) - cap) < 1e-9}
+        {k: t for k, t in measured.items()
+         if abs(float(t.run["bucket_cap_mb"]) - cap) < 1e-9 and _ddps_default(t.run) == default}
     label, real_t = next(iter(real.items()), (None, None))
     if real_t is None:
         label, real_t = label_of(path), trace
@@ -192,10 +208,14 @@ def _run_at_cap(path: Path, trace, cap: float | str, jobs: JobManager, busy: boo
         now = widget_now("predict_cap", cap)
         if isinstance(now, str):
             return {"bucket_cap_mb": None, "bucket_cap_mb_list": now}
+        if at_ddps_default(trace, now):  # as predicted: no bucket_cap_mb passed, as the trace ran
+            return {"bucket_cap_mb": None}
         return {"bucket_cap_mb": float(now)}
 
-    shown = f"bucket_cap_mb_list = {cap}" if isinstance(cap, str) else f"bucket_cap_mb = {cap:g}"
-    job_button(f"Run at {shown}", "predict_run", jobs.start,
+    label = (f"Run at bucket_cap_mb_list = {cap}" if isinstance(cap, str) else
+             "Run with DDP's default buckets (25 MiB, first bucket 1)" if at_ddps_default(trace, cap) else
+             f"Run at bucket_cap_mb = {cap:g}")
+    job_button(label, "predict_run", jobs.start,
                lambda: dict(**settings, **chosen(), source=path),
                disabled=busy or bool(blocked), type="primary",
                help="Runs it for real (the live loop); when it ends it shows on the curve and beside the prediction.")

@@ -8,9 +8,10 @@ import json
 import shutil
 
 import pytest
+from streamlit import config as st_config
 
 from tests.conftest import SAMPLES
-from tests.dashboard.app_driver import chart_specs, chart_titled, open_page, wait_for_job
+from tests.dashboard.app_driver import chart_specs, chart_titled, open_page, open_traced, wait_for_job
 
 
 def _predict_chart(app, title_part="Predicted step time against bucket_cap_mb") -> dict:
@@ -95,6 +96,45 @@ def test_run_at_the_predicted_cap_puts_the_real_run_on_the_curve(app, tmp_path):
     assert 4.0 in measured["x"] and f"run: {runs[0].name}" in measured["text"]
     vs = _vs_table(app)
     assert list(vs["run"]) == ["predicted at 4 MiB", f"run: {runs[0].name} (measured)"]
+
+
+@pytest.mark.ddp
+def test_at_the_traced_cap_a_run_at_ddps_default_is_predicted_matched_and_rerun_as_ddps_default(tmp_path, monkeypatch):
+    """A script traced with DDP's default buckets (no bucket_cap_mb: 25 MiB, its first bucket
+    1 MiB): at 25 on the slider the prediction is that layout, and so is the rerun its button
+    starts; a run at an explicit 25 MiB (the first bucket capped at 25 too: another layout)
+    is never the measured run set beside it."""
+    from tests.tracer.capture.autotrace.test_autotrace import USER, trace_script
+
+    st_config.set_option("server.address", "127.0.0.1")  # commands on, as the app fixture has them
+    at, out = open_traced(tmp_path, monkeypatch, USER, "--steps", "4", "--depth", "3", name="own")
+    run = json.loads((out / "run.json").read_text())
+    assert run["bucket_cap_default"] and run["bucket_cap_mb"] == 25
+    open_page(at, "What-if")
+    at.select_slider(key="predict_cap").set_value(25.0).run()
+    assert not at.exception
+    vs = _vs_table(at)
+    assert list(vs["run"]) == ["predicted at DDP's default (25 MiB, first bucket 1)", "run: own (measured)"]
+    assert vs["buckets"].iloc[0] == vs["buckets"].iloc[1] == len(run["bucket_layout"]) > 1  # its 1 MiB first bucket
+    assert at.button(key="predict_run").label == "Run with DDP's default buckets (25 MiB, first bucket 1)"
+    at.button(key="predict_run").click().run()
+    wait_for_job(at)
+    (rerun,) = [p for p in (tmp_path / "runs").iterdir() if (p / "run.json").is_file() and p.name != "own"]
+    again = json.loads((rerun / "run.json").read_text())
+    assert again["bucket_cap_default"] and again["bucket_layout"] == run["bucket_layout"]
+    # an explicit 25 MiB, traced beside them (listed first: newest names first): one bucket, on the curve at
+    # 25, never the measured run set beside DDP's default
+    proc, explicit, _ = trace_script(tmp_path / "runs", USER, "--steps", "4", "--depth", "3", name="zz-explicit",
+                                     ddpscope=("--bucket-cap-mb", "25"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(json.loads((explicit / "run.json").read_text())["bucket_layout"]) == 1
+    at.select_slider(key="predict_cap").set_value(25.0).run()
+    assert not at.exception
+    measured = {t["name"]: t for t in _predict_chart(at)["data"]}["step (measured runs)"]
+    assert {"run: zz-explicit", f"run: {rerun.name}", "run: own"} <= set(measured["text"])
+    vs = _vs_table(at)
+    assert vs["run"].iloc[1] in ("run: own (measured)", f"run: {rerun.name} (measured)")
+    assert vs["buckets"].iloc[1] == vs["buckets"].iloc[0] > 1
 
 
 def test_whatif_and_run_offer_a_torch_compiled_model_no_cap_its_ddp_optimizer_refuses(app, tmp_path):
