@@ -204,8 +204,8 @@ def deepspeed_rerun_settings(trace) -> dict:
     measured = measured_states(trace)
     predicted = predict_states(trace, stage, measured)
     rows = [{"": f"this run (stage {trace.shards.stage}, rank 0)",
-             **{k: measured[k].iloc[0] / MIB for k in STATE_COLUMNS}}] if len(measured) else []
-    rows.append({"": f"stage {stage}, predicted", **{k: predicted[k] / MIB for k in STATE_COLUMNS}})
+             **{_mib(k): measured[k].iloc[0] / MIB for k in STATE_COLUMNS}}] if len(measured) else []
+    rows.append({"": f"stage {stage}, predicted", **{_mib(k): predicted[k] / MIB for k in STATE_COLUMNS}})
     show_table(pd.DataFrame(rows).round(3), key="run_ds_states")
     st.caption("MiB per rank. Persistent: parameters, the fp32 master and Adam's moments (what the rerun is checked "
                "on); gradients live in buffers sized by the bucket layout.")
@@ -214,6 +214,11 @@ def deepspeed_rerun_settings(trace) -> dict:
 
 
 STATE_COLUMNS = ["params_bytes", "grads_bytes", "optimizer_state_bytes", "persistent_bytes"]
+
+
+def _mib(column: str) -> str:
+    """A byte count's column once its values are MiB: its header reads "(MiB)", not "(bytes)"."""
+    return column.removesuffix("_bytes") + "_mib"
 
 
 def show_sharded_comparison(loaded: dict) -> None:

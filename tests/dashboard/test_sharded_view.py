@@ -115,8 +115,11 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     at.selectbox(key="run_zero_stage").set_value(3).run()
     assert not at.exception
     assert at.button(key="run_button").label == "Rerun at ZeRO stage 3"
-    states = next(d.value for d in at.dataframe if "persistent_bytes" in d.value.columns)
+    states = next(d.value for d in at.dataframe if "persistent_mib" in d.value.columns)
     assert list(states[""]) == ["this run (stage 2, rank 0)", "stage 3, predicted"]
+    # MiB, as its header says: the model states are a few MiB here, not a few bytes
+    config = json.loads(next(d for d in at.dataframe if "persistent_mib" in d.value.columns).proto.columns)
+    assert config["persistent_mib"]["label"] == "persistent (MiB)" and 0.1 < states["persistent_mib"].iloc[0] < 100
 
 
 @pytest.mark.deepspeed
