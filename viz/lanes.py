@@ -20,6 +20,11 @@ TEXT_LIMIT = 5000
 GL_THRESHOLD = 6000
 # WebGL lines have one colour per trace: bucket colours come in this many bands.
 GL_COLORS = 12
+#: a bar's height on its lane (lanes are 1 apart)
+BAR_WIDTH = 0.8
+#: collectives drawn over the buckets on their lane (DDP's own, the script's): narrower, so
+#: the buckets they ran beside, or queued behind, show above and below them
+OVER_BUCKETS_WIDTH = 0.3
 
 # bucket all-reduces by index: plotly's qualitative "D3" without its red (exposed time is red)
 BUCKET_PALETTE = ("#1F77B4", "#FF7F0E", "#2CA02C", "#9467BD", "#8C564B", "#E377C2", "#7F7F7F", "#BCBD22",
@@ -88,7 +93,9 @@ def lane_bars(gl: bool, name: str, y, start_us, end_us, origin_us: float, color,
     """Bars from ``start_us`` to ``end_us`` on lane positions ``y``: SVG bars, or WebGL
     line segments when ``gl`` (tens of thousands of SVG rectangles do not stay
     interactive in a browser). ``custom`` rows are [step, duration ms, ...]; ``hover``
-    refers only to ``customdata`` and ``hovertext``, so both renderers share it."""
+    refers only to ``customdata`` and ``hovertext``, so both renderers share it. ``bar_width``
+    (lanes; 0.8 by default) narrows bars drawn over others on a lane (``gl_width``, px, the
+    WebGL segments'), so those under them stay in sight."""
     start = (np.asarray(start_us, float) - origin_us) / 1e3
     end = (np.asarray(end_us, float) - origin_us) / 1e3
     y = np.asarray(y, float)
@@ -105,7 +112,7 @@ def lane_bars(gl: bool, name: str, y, start_us, end_us, origin_us: float, color,
         marker["pattern"] = pattern
     marker.update({k: v for k, v in extra.items() if k in ("colorscale", "cmin", "cmax", "colorbar")})
     return [dict(
-        type="bar", name=name, orientation="h", width=0.8, y=y, base=start, x=end - start, marker=marker,
+        type="bar", name=name, orientation="h", width=extra.get("bar_width", BAR_WIDTH), y=y, base=start, x=end - start, marker=marker,
         customdata=custom, hovertext=text, hovertemplate=hover, textposition="none",
         **{k: v for k, v in extra.items() if k in ("legendgroup", "showlegend")},
     )]

@@ -24,6 +24,7 @@ from ddpscope.viz.lanes import (
     COLORS,
     GL_COLORS,
     GL_THRESHOLD,
+    OVER_BUCKETS_WIDTH,
     TEXT_LIMIT,
     comm_lane,
     compute_lane,
@@ -236,7 +237,7 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
             COLORS["ddp_own"], "DDP's unused-parameter map (all-reduce, not a bucket) · step %{customdata[0]}<br>"
             "%{customdata[1]:.2f} ms · %{customdata[2]:.0f} bytes",
             np.column_stack([own["step"], dur(own["ddp_own_start_us"], own["ddp_own_end_us"]), own["ddp_own_bytes"]]),
-            gl_width=10))
+            gl_width=10, bar_width=OVER_BUCKETS_WIDTH))
     bufs = shown.dropna(subset=["buffer_sync_start_us", "buffer_sync_end_us"]) if "buffer_sync_start_us" in shown \
         else shown.iloc[:0]
     if len(bufs):  # DDP's broadcast of the module's buffers (BatchNorm's statistics) before a syncing forward
@@ -245,7 +246,7 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
             COLORS["buffer_sync"], "DDP's buffer broadcast (from rank 0, before the forward; not a bucket) · step "
             "%{customdata[0]}<br>%{customdata[1]:.2f} ms · %{customdata[2]:.0f} bytes",
             np.column_stack([bufs["step"], dur(bufs["buffer_sync_start_us"], bufs["buffer_sync_end_us"]),
-                             bufs["buffer_sync_bytes"]]), gl_width=10))
+                             bufs["buffer_sync_bytes"]]), gl_width=10, bar_width=OVER_BUCKETS_WIDTH))
     other = shown.dropna(subset=["other_comm_start_us", "other_comm_end_us"]) if "other_comm_start_us" in shown \
         else shown.iloc[:0]
     if len(other):  # the script's own collectives and DDP's outside its reducer: never buckets
@@ -257,7 +258,7 @@ def make_timeline_figure(trace: RunTrace, steps: Sequence[int] | None = None, ra
             "%{customdata[3]:.0f} bytes",
             np.column_stack([other["step"], other["other_comm_count"],
                              dur(other["other_comm_start_us"], other["other_comm_end_us"]), other["other_comm_bytes"]]),
-            gl_width=10))
+            gl_width=10, bar_width=OVER_BUCKETS_WIDTH))
     if len(ex):
         data.extend(lane_bars(
             gl, "exposed all-reduce (after backward)", comm(ex), ex["start_us"], ex["end_us"], origin,

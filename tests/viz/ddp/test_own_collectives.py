@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 from ddpscope.tracer import format as fmt
+from ddpscope.viz.ddp.gantt import make_timeline_figure
 from ddpscope.viz.ddp.own_collectives import compute_own_collectives, own_collectives_lines
 from ddpscope.viz.run_files import read_rank_file
 from ddpscope.viz.trace import load_run
@@ -70,6 +71,15 @@ def test_each_kind_outside_the_buckets_is_one_row_as_its_events_say(tmp_path):
     assert ("inside the buckets' all-reduces" in unused) == mostly, (unused, table.loc["unused_map"].to_dict())
     as_json = json.loads(run_cli("summary", str(out), "--json").stdout)
     assert {row["kind"] for row in as_json["not_buckets"]} == set(table.index)
+    # on the Gantt they share the buckets' lane, drawn over them: narrower, so that the buckets
+    # they ran beside (the map, queued behind them, spans most of their time) stay in sight
+    fig = make_timeline_figure(trace)
+    bars = {t.name: t for t in fig.data if t.type == "bar"}
+    over = ["DDP's unused-parameter map", "DDP's buffer broadcast", "other collectives (not buckets)"]
+    assert set(over) <= set(bars) and "bucket all-reduce" in bars
+    for name in over:
+        assert bars[name].width < bars["bucket all-reduce"].width / 2, name
+        assert set(np.asarray(bars[name].y)) <= set(np.asarray(bars["bucket all-reduce"].y)), name  # the same lanes
 
 
 @pytest.mark.parametrize("beside, said", [(3.0, True), (2.0, True), (1.99, False), (0.0, False),
