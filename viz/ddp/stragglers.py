@@ -94,7 +94,7 @@ def straggler_line(s: pd.DataFrame, min_ms: float = 1.0) -> str | None:
     if top["wait_caused_ms"] < min_ms:
         return None
     return (f"straggler: rank {int(top['rank'])} launched last in {top['last_launch_pct']:.0f}% of buckets, its first "
-            f"{top['launch_delay_ms']:.1f} ms after the others; they waited {top['wait_caused_ms']:.1f} ms per step "
+            f"all-reduce of a step {top['launch_delay_ms']:.1f} ms after the others' first; they waited {top['wait_caused_ms']:.1f} ms per step "
             "for it (medians)")
 
 

@@ -63,6 +63,8 @@ def test_a_delayed_rank_is_named_and_its_delay_measured(tmp_path):
     assert stragglers["1"]["wait_caused_ms"] >= stragglers["1"]["launch_delay_ms"]
     text = run_cli("summary", str(out)).stdout
     assert "straggler: rank 1 launched last" in text
+    delay = stragglers["1"]["launch_delay_ms"]  # said of the step's first all-reduce, against the others' first
+    assert f"its first all-reduce of a step {delay:.1f} ms after the others' first" in text
     fig = make_timeline_figure(load_run(out))
     marks = next(d for d in fig.data if d.name.startswith("launched last"))
     assert len(marks.x) == len(compute_launch_spread(load_run(out)))
