@@ -25,6 +25,11 @@ def rank_main(rank: int, world: int, port: int, steps: int) -> None:
             ddp(torch.randn(32, 256)).sum().backward()
             opt.step()
             opt.zero_grad()
+        # DDP's reducer holds the group: dropped, on every rank, before the group is destroyed, or
+        # torch 2.13's gloo may tear its threads down as the process exits and abort it ("terminate
+        # called without an active exception": a spawned rank of the untraced second job, once, here)
+        dist.barrier()
+        del ddp, opt
     finally:
         dist.destroy_process_group()
 
