@@ -4,6 +4,8 @@ sharding settings and predictions of a rerun (the Run page), and a rerun beside 
 
 from __future__ import annotations
 
+import inspect
+
 import pandas as pd
 import streamlit as st
 
@@ -35,6 +37,8 @@ from ddpscope.viz.sources.run_profile import profile_folder
 from ddpscope.viz.units import UNITS
 
 MIB = 2**20
+#: st.metric's delta_arrow (a newer Streamlit's; an older one draws the arrow)
+_HAS_DELTA_ARROW = "delta_arrow" in inspect.signature(st.metric).parameters
 RESHARD_CHOICES = {"true (ZeRO-3)": "true", "false (ZeRO-2)": "false"}
 
 
@@ -186,8 +190,10 @@ def _prediction_metric(where, label: str, what: str, scale: float, unit: str, ta
     predicted, measured = table[f"predicted_{what}"].iloc[0], table[f"measured_{what}"].iloc[0]
     digits = 2 if unit == "MiB" else 1
     change = round((predicted - measured) * scale, digits)
-    where.metric(label, f"{predicted * scale:.{digits}f} {unit}",  # no change: gray, not a red "+0.00"
-                 f"{change:+.{digits}f} {unit}" if change else "as this run", delta_color="inverse" if change else "off")
+    # no change: gray and with no arrow (Streamlit draws one for any text), not a red "+0.00"
+    same = {} if change else {"delta_color": "off", **({"delta_arrow": "off"} if _HAS_DELTA_ARROW else {})}
+    where.metric(label, f"{predicted * scale:.{digits}f} {unit}", f"{change:+.{digits}f} {unit}" if change
+                 else "as this run", **({"delta_color": "inverse"} if change else same))
 
 
 def deepspeed_rerun_settings(trace) -> dict:

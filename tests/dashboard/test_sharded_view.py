@@ -44,6 +44,8 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     assert metric_value(at, "predicted peak (rank 0)").endswith("MiB")
     deltas = {m.label: m.delta for m in at.metric if m.label.startswith("predicted")}
     assert deltas == {"predicted peak (rank 0)": "as this run", "predicted step (rank 0)": "as this run"}  # not "+0.0"
+    same = [m.proto for m in at.metric if m.label.startswith("predicted")]
+    assert all(p.direction == p.MetricDirection.NONE for p in same)  # gray and with no arrow: nothing went up
     at.selectbox(key="run_reshard").set_value("false (ZeRO-2)").run()
     assert not at.exception
     peak = next(m for m in at.metric if m.label == "predicted peak (rank 0)")
