@@ -37,8 +37,8 @@ from ddpscope.viz.sources.run_profile import profile_folder
 from ddpscope.viz.units import UNITS
 
 MIB = 2**20
-#: st.metric's delta_arrow (a newer Streamlit's; an older one draws the arrow)
-_HAS_DELTA_ARROW = "delta_arrow" in inspect.signature(st.metric).parameters
+#: st.metric without its delta arrow (a newer Streamlit's delta_arrow; an older one draws it)
+_NO_ARROW = {"delta_arrow": "off"} if "delta_arrow" in inspect.signature(st.metric).parameters else {}
 RESHARD_CHOICES = {"true (ZeRO-3)": "true", "false (ZeRO-2)": "false"}
 
 
@@ -190,10 +190,11 @@ def _prediction_metric(where, label: str, what: str, scale: float, unit: str, ta
     predicted, measured = table[f"predicted_{what}"].iloc[0], table[f"measured_{what}"].iloc[0]
     digits = 2 if unit == "MiB" else 1
     change = round((predicted - measured) * scale, digits)
-    # no change: gray and with no arrow (Streamlit draws one for any text), not a red "+0.00"
-    same = {} if change else {"delta_color": "off", **({"delta_arrow": "off"} if _HAS_DELTA_ARROW else {})}
-    where.metric(label, f"{predicted * scale:.{digits}f} {unit}", f"{change:+.{digits}f} {unit}" if change
-                 else "as this run", **({"delta_color": "inverse"} if change else same))
+    if change:
+        where.metric(label, f"{predicted * scale:.{digits}f} {unit}", f"{change:+.{digits}f} {unit}",
+                     delta_color="inverse")
+    else:  # gray and with no arrow (Streamlit draws one for any text), not a red "+0.00"
+        where.metric(label, f"{predicted * scale:.{digits}f} {unit}", "as this run", delta_color="off", **_NO_ARROW)
 
 
 def deepspeed_rerun_settings(trace) -> dict:

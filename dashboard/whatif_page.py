@@ -94,11 +94,6 @@ def at_ddps_default(trace, cap: float | str) -> bool:
             and cap == float(trace.run.get("bucket_cap_mb") or 25.0))
 
 
-def _ddps_default(run: dict) -> bool:
-    """A run that DDP bucketed with its default (run.json ``bucket_cap_default``)."""
-    return bool(run.get("bucket_cap_default")) and not run.get("bucket_cap_bytes_list")
-
-
 def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, busy: bool,
                   policy: CommandPolicy) -> None:
     if trace.source != "ddpscope":
@@ -180,7 +175,7 @@ def _predicted_beside_measured(path: Path, stamp: float, trace, cap: float | str
     # a real run of the same layout: DDP's default is not an explicit 25 MiB (its first bucket is 1 MiB)
     real = {} if isinstance(cap, str) else \
         {k: t for k, t in measured.items()
-         if abs(float(t.run["bucket_cap_mb"]) - cap) < 1e-9 and _ddps_default(t.run) == default}
+         if abs(float(t.run["bucket_cap_mb"]) - cap) < 1e-9 and (traced_cap(t) is None) == default}
     label, real_t = next(iter(real.items()), (None, None))
     if real_t is None:
         label, real_t = label_of(path), trace
