@@ -44,7 +44,7 @@ def built():
     result = native.ensure_built()
     if not result["ok"]:
         pytest.fail(f"the compiled capture does not build here: {result['error']}")
-    standin_device.load()  # built once here (~25 s), loaded by the workers
+    standin_device.load()  # built once here (~10 s), loaded by the workers
     return result
 
 

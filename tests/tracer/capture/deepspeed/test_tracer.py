@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pandas as pd
 import pytest
 
 from ddpscope.tracer import format as fmt
@@ -131,6 +132,15 @@ def test_a_zero3_peak_held_by_its_reduce_bucket_is_said_with_the_setting_that_si
     assert summary.returncode == 0
     assert ("communication buffers hold 19.1 MiB" in summary.stdout and "DeepSpeed's reduce bucket, allocated whole, "
             "reduce_bucket_size = 5,000,000 elements (19.1 MiB)" in summary.stdout), summary.stdout
+    # a warm-up step's peak is not the step's peak the line speaks of: a sample put there, far
+    # above the rest and nearly all buffers, leaves the line as it was (said of it without the filter)
+    warm = trace.steps.loc[trace.steps["warmup"].astype(bool), "step"]
+    assert len(warm), "the run has no warm-up step to put the sample in"
+    mem = trace.shards.memory
+    sample = mem.iloc[[0]].assign(step=int(warm.iloc[0]), total_bytes=2.0**33, comm_buffers_bytes=2.0**33 - 1)
+    shards = replace(trace.shards, memory=pd.concat([mem, sample], ignore_index=True))
+    assert peak_buffers_line(replace(trace, shards=shards, cache={})) == peak_buffers_line(trace)
+    assert "8192.0 MiB" not in peak_buffers_line(trace)
 
 
 def test_hugging_face_trainer_under_deepspeed_is_traced_with_its_tied_weights_counted_once(tmp_path):
