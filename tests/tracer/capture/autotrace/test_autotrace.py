@@ -235,6 +235,7 @@ def test_steps_ends_a_long_script_cleanly(tmp_path):
     assert processes_mentioning(str(out)) == []
 
 
+@pytest.mark.breadth  # the default suite keeps --steps ending a script that does not catch it
 def test_steps_holds_when_the_script_catches_the_systemexit_and_trains_on(tmp_path):
     """A script that catches the SystemExit ending the job (a framework's wrapper, a loop's
     ``except BaseException``) and trains on: the next step says so once and raises it again."""
@@ -360,8 +361,9 @@ for _ in range(3):
 """
 
 
-@pytest.mark.parametrize("case", ["no process group", "accelerate without ACCELERATE_USE_CPU", "accelerate with it",
-                                  "accelerate distributed, no model"])
+@pytest.mark.parametrize("case", ["no process group", "accelerate without ACCELERATE_USE_CPU",
+                                  pytest.param("accelerate with it", marks=pytest.mark.breadth),
+                                  pytest.param("accelerate distributed, no model", marks=pytest.mark.breadth)])
 def test_a_job_whose_ranks_trained_alone_says_why_in_its_last_line(tmp_path, case):
     """Several ranks, no DDP model: where each rank trained alone, the last line says why
     (no process group; Accelerate on a CPU machine seeing one process), not only that no
@@ -406,6 +408,7 @@ PYTHON_REDUCER = ("import subprocess, sys, torch, torch.distributed as dist, tor
 REDUCER_WHY = "DDP runs under compiled autograd's Python reducer"
 
 
+@pytest.mark.breadth  # ~10 s: a real job whose rank starts a Python process of its own
 def test_a_python_process_the_script_starts_speaks_for_itself_not_for_the_rank(tmp_path):
     """A process a rank's script starts (inductor's compile workers, a data loader) inherits
     the rank's environment, and with it a capture session: it has no process group and no
