@@ -17,7 +17,7 @@ from ddpscope.tracer import format as fmt
 from ddpscope.viz.lanes import select_steps
 from ddpscope.viz.layout import LEGEND_BELOW
 from ddpscope.viz.sharded.exposed import with_exposed
-from ddpscope.viz.sharded.metrics import MEMORY_LABELS
+from ddpscope.viz.sharded.metrics import MEMORY_LABELS, NO_UNIT
 from ddpscope.viz.units import unit_scale
 
 MIB = 2**20
@@ -82,7 +82,13 @@ def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
             hovertemplate="compute waits for %{customdata[0]}'s all-gather (%{customdata[1]})<br>%{x:.3f} ms"
                           "<extra></extra>"))
     colls = pick(with_exposed(trace))
+    # a unit's colour is named once, on its compute; a unit seen only on a collective lane
+    # (DeepSpeed's compute is the whole model's) and what no unit issued get their own entry
+    named = set(segs["name"].astype(str)) if len(segs) else set()
     for (kind, name), g in colls.groupby(["collective", "name"], sort=False):
+        label = NO_UNIT if (g["unit"] == -1).all() else str(name)
+        first = label not in named
+        named.add(label)
         what = "all-gather" if kind == "all_gather" else reduced  # HSDP's all-reduce: after its reduce-scatter
         sent = g["sent_as"].dropna()
         ran = f" (ran as {sent.iloc[0].replace('_', '-')})" if len(sent) else ""
@@ -90,8 +96,9 @@ def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
             ran = " (HSDP's all-reduce across replicas)"
         exposed = g["exposed_ms"] > 0.5 * g["ms"]
         fig.add_trace(go.Bar(
-            name=f"{kind.replace('_', '-')} {name}", orientation="h", y=[pos[lane(r, what)] for r in g["rank"]],
-            base=(g["start_us"] - origin) / 1e3, x=g["ms"], width=0.6, legendgroup=str(name), showlegend=False,
+            name=label if first else f"{kind.replace('_', '-')} {name}", orientation="h",
+            y=[pos[lane(r, what)] for r in g["rank"]], base=(g["start_us"] - origin) / 1e3, x=g["ms"], width=0.6,
+            legendgroup=str(name), showlegend=first,
             marker=dict(color=colors.get(name, OTHER_COLOR), pattern_shape=["/" if p else "" for p in g["prefetch"]],
                         line=dict(color=["#e41a1c" if e else "rgba(0,0,0,0)" for e in exposed], width=1.5)),
             customdata=np.stack([g["phase"], g["bytes"] / MIB, g["exposed_ms"], g["prefetch"]], axis=-1),

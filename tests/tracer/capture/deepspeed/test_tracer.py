@@ -18,6 +18,7 @@ import pytest
 from ddpscope.tracer import format as fmt
 from ddpscope.viz.sharded.deepspeed_states import peak_buffers_line
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
+from ddpscope.viz.sharded.figures import make_sharded_timeline_figure
 from ddpscope.viz.sharded.metrics import NO_UNIT, UNTIMED_UNITS, compute_sharded_steps, compute_unit_table
 from ddpscope.viz.sharded.trace import real_steps
 from tests.conftest import ROOT, run_cli
@@ -69,6 +70,12 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
             assert set(gathers["issued_by"]) == {"param_fetch"}
             assert gathers["bytes"].sum() >= grad_bytes
             assert (gathers["end_us"] >= gathers["start_us"]).all()
+    # every colour on the timeline is named: DeepSpeed's compute is the whole model's (one
+    # "(root)"), so the units its collectives belong to, and what no unit issued, have entries of their own
+    fig = make_sharded_timeline_figure(trace, steps=sorted(set(trace.steps["step"])))
+    drawn = {NO_UNIT if u == -1 else n for u, n in zip(colls["unit"], colls["name"])}
+    assert drawn <= {d.name for d in fig.data if d.showlegend is not False}
+    assert len(drawn) > 1 and set(trace.shards.segments["name"]) == {"(root)"}
     # Adam's two fp32 moments of this rank's partition (and its step counter)
     mem = trace.shards.memory
     after = mem[(mem["phase"] == "optimizer") & (mem["step"] >= 1)]
