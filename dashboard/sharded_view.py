@@ -25,6 +25,7 @@ from ddpscope.viz.sharded.metrics import (
     UNTIMED_UNITS,
     active_units,
     compute_memory_over_step,
+    compute_sharded_run_comparison,
     compute_sharded_steps,
     compute_stage_comparison,
     compute_unit_table,
@@ -232,24 +233,10 @@ def show_sharded_comparison(loaded: dict) -> None:
     """Runs side by side: step time and exposed communication (medians over ranks and
     non-warm-up steps), peak memory (the largest over them), then every run's timeline on
     one time scale."""
-    rows = []
-    for label, t in loaded.items():
-        if t.shards is None:
-            continue
-        steps = compute_sharded_steps(t)
-        real = steps[~steps["warmup"] & ~steps["incomplete"]]
-        deepspeed = t.shards.framework == "deepspeed"
-        states = measured_states(t) if deepspeed else None
-        rows.append({"run": label, "framework": t.shards.framework, "stage": t.shards.stage,
-                     "reshard_after_forward": (t.run.get("sharding_requested") or {}).get("reshard_after_forward"),
-                     "step_ms": real["step_ms"].median(), "exposed_ms": real["exposed_ms"].median(),
-                     # the steps the Run page's prediction replays (the warm-up allocates the optimizer's state)
-                     "peak_MiB": real["peak_bytes"].max() / MIB,
-                     "model_states_MiB": states["persistent_bytes"].max() / MIB if states is not None and len(states)
-                     else None})
-    if not rows:
+    table = compute_sharded_run_comparison(loaded)
+    if not len(table):
         return
-    show_table(pd.DataFrame(rows).round(3), key="sharded_compare")
+    show_table(table.round(3), key="sharded_compare")
     extent = 0.0
     figs = []
     for label, t in loaded.items():

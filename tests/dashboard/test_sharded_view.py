@@ -4,6 +4,7 @@ DeepSpeed ZeRO runs opened on their Timeline, Memory, What-if and Run pages."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -56,6 +57,16 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     assert not at.exception
     assert any(w.value.startswith("sample: gpt-2rank-cap1mb not compared with run: fsdp2") for w in at.warning)
     assert not any("buckets differ" in i.value for i in at.info)
+    # beside another sharded run (a copy: the pair is the point), each says the setting its units ran
+    # with, though the script set it and no rerun asked for one
+    again = shutil.copytree(out, out.parent / "fsdp2-again")
+    try:
+        at.run()
+        at.multiselect(key="compare_runs").set_value(["run: fsdp2", "run: fsdp2-again"]).run()
+        table = next(d.value for d in at.dataframe if "reshard_after_forward" in d.value.columns)
+        assert list(table["reshard_after_forward"]) == ["true", "true"] and list(table["stage"]) == [3, 3]
+    finally:
+        shutil.rmtree(again)
     for r in (0, 1):  # the same run without its memory samples: the Run page says what it cannot predict
         path = out / f"rank-{r}.json"
         text = path.read_text()

@@ -263,3 +263,44 @@ MEMORY_LABELS = {
     "comm_buffers_bytes": "communication buffers", "other_bytes": "other (allocator, CUDA)",
 }
 assert set(MEMORY_LABELS) == set(fmt.MEMORY_CATEGORIES)
+
+
+def reshard_setting(trace) -> str | None:
+    """FSDP2's ``reshard_after_forward`` as the run ran it, as the Run page names it
+    (``"true"``, ``"false"``, a rank count, or ``"mixed"`` where the units differ): its
+    non-root units' (the root's follows FSDP's own rule), not what a rerun asked for (a
+    script's own setting asks nothing). None for DeepSpeed, which has no such setting
+    (its stage says it), and for a run with no unit."""
+    sh = trace.shards
+    if sh is None or sh.framework == "deepspeed" or not len(sh.units):
+        return None
+    u = sh.units
+    own = u.loc[~u["root"].astype(bool), "reshard_after_forward"]
+    values = {str(v).lower() for v in (own if len(own) else u["reshard_after_forward"]) if v is not None}
+    return values.pop() if len(values) == 1 else "mixed" if values else None
+
+
+def compute_sharded_run_comparison(traces: dict) -> pd.DataFrame:
+    """One row per sharded run (``{label: RunTrace}``; runs without shards left out): its
+    framework, ZeRO stage, ``reshard_after_forward`` (``reshard_setting``), the medians
+    over ranks and non-warm-up steps of step time and exposed communication (ms), the
+    largest peak over those steps (``peak_MiB``, MiB) and, for DeepSpeed, the largest
+    rank's measured model states (``model_states_MiB``, MiB; None for FSDP2)."""
+    from ddpscope.viz.sharded.deepspeed_states import measured_states
+
+    rows = []
+    for label, t in traces.items():
+        if t.shards is None:
+            continue
+        steps = compute_sharded_steps(t)
+        real = steps[~steps["warmup"] & ~steps["incomplete"]]
+        states = measured_states(t) if t.shards.framework == "deepspeed" else None
+        rows.append({"run": label, "framework": t.shards.framework, "stage": t.shards.stage,
+                     "reshard_after_forward": reshard_setting(t),
+                     "step_ms": real["step_ms"].median(), "exposed_ms": real["exposed_ms"].median(),
+                     # the steps the Run page's prediction replays (the warm-up allocates the optimizer's state)
+                     "peak_MiB": real["peak_bytes"].max() / 2**20,
+                     "model_states_MiB": states["persistent_bytes"].max() / 2**20
+                     if states is not None and len(states) else None})
+    return pd.DataFrame(rows, columns=["run", "framework", "stage", "reshard_after_forward", "step_ms", "exposed_ms",
+                                       "peak_MiB", "model_states_MiB"])

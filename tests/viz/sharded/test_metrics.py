@@ -14,6 +14,7 @@ from ddpscope.viz.sharded.metrics import (
     compute_sharded_steps,
     compute_unit_table,
     idle_units_line,
+    reshard_setting,
 )
 
 
@@ -71,3 +72,18 @@ def test_units_that_issued_nothing_are_left_out_where_the_table_is_read_and_coun
     shown = active_units(table)
     assert list(shown["unit"]) == ["(root)", NO_UNIT]  # the root computed; the no-unit row communicated
     assert idle_units_line(len(table) - len(shown)).startswith("1 more unit issued no collective")
+
+
+@pytest.mark.parametrize("framework, root, others, said", [
+    ("fsdp2", True, [False, False], "false"),  # the root's own rule is not the run's setting
+    ("fsdp2", False, [True, True], "true"),
+    ("fsdp2", True, [2, 2], "2"),  # resharded to 2 ranks
+    ("fsdp2", True, [True, 2], "mixed"),  # True is not 2 (nor 1)
+    ("fsdp2", True, [], "true"),  # the root is the only unit
+    ("deepspeed", True, [True, True], None),  # no such setting: its stage says it
+])
+def test_reshard_setting_is_the_units_own_not_the_roots_nor_deepspeeds(framework, root, others, said):
+    units = pd.DataFrame([{"unit": k, "root": k == 0, "reshard_after_forward": v}
+                          for k, v in enumerate([root, *others])])
+    trace = SimpleNamespace(shards=SimpleNamespace(framework=framework, units=units))
+    assert reshard_setting(trace) == said
