@@ -118,7 +118,9 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
         steps = c[0].slider("steps", 3, 50, key="run_steps")
         if blocked:
             st.info(f"Rerun is off: {blocked}.")
-        job_button(f"Rerun with reshard_after_forward = {sharding['reshard_after_forward']}", "run_button",
+        shard = sharding["reshard_after_forward"]
+        job_button("Rerun as the script sets it" if shard is None else f"Rerun with reshard_after_forward = {shard}",
+                   "run_button",
                    jobs.start, lambda: dict(nproc=source["nproc"], bucket_cap_mb=None, source=path,
                                             steps=widget_now("run_steps", steps), **sharding, **what),
                    disabled=busy or bool(blocked), type="primary")

@@ -30,6 +30,7 @@ from ddpscope.viz.sharded.metrics import (
     compute_stage_comparison,
     compute_unit_table,
     idle_units_line,
+    reshard_setting,
     stage_differences,
 )
 from ddpscope.viz.sharded.predict import predict_memory, predict_peak, predict_step_ms
@@ -41,6 +42,14 @@ MIB = 2**20
 #: st.metric without its delta arrow (a newer Streamlit's delta_arrow; an older one draws it)
 _NO_ARROW = {"delta_arrow": "off"} if "delta_arrow" in inspect.signature(st.metric).parameters else {}
 RESHARD_CHOICES = {"true (ZeRO-3)": "true", "false (ZeRO-2)": "false"}
+AS_THE_SCRIPT = "as the script sets it (its units differ)"  # no override: a rerun as the run
+
+
+def opened_for(trace, key: str, value) -> None:
+    """Set widget ``key`` to ``value`` when another trace is opened (a keyed widget keeps
+    what it held for the last one), and leave the user's choice alone while it stays open."""
+    if st.session_state.get(f"{key}_for") != str(trace.path):
+        st.session_state.update({f"{key}_for": str(trace.path), key: value})
 
 
 def size_unit(sizes: pd.DataFrame) -> tuple[str, int]:
@@ -152,16 +161,20 @@ def sharded_rerun_settings(trace) -> dict:
     """The sharding controls of the Run page, with the predictions for the chosen
     settings; returns the settings to rerun with (the ``JobManager.start`` keywords)."""
     world = trace.world_size
-    choices = dict(RESHARD_CHOICES)
+    own = reshard_setting(trace)  # what this run's units ran with: the choice it opens on
+    choices = {AS_THE_SCRIPT: None} if own == "mixed" else {}
+    choices.update(RESHARD_CHOICES)
     for n in range(2, world):
         if world % n == 0:
             choices[f"{n} (resharded to {n} ranks)"] = str(n)
+    opens_on = AS_THE_SCRIPT if own == "mixed" else next((k for k, v in choices.items() if v == own), None)
+    opened_for(trace, "run_reshard", opens_on or next(iter(choices)))
     c = st.columns(3)
     label = c[0].selectbox("reshard_after_forward", list(choices), key="run_reshard")
     fwd = c[1].slider("forward prefetch (units ahead)", 0, 3, 0, key="run_fwd_prefetch")
     bwd = c[2].slider("backward prefetch (units ahead)", 1, 3, 1, key="run_bwd_prefetch")
     value = choices[label]
-    setting = True if value == "true" else False if value == "false" else int(value)
+    setting = None if value is None else True if value == "true" else False if value == "false" else int(value)
     m = st.columns(2)
     measured = len(trace.shards.memory) > 0
     settings = {"reshard_after_forward": value, "forward_prefetch": fwd or None,
@@ -204,7 +217,8 @@ def deepspeed_rerun_settings(trace) -> dict:
     (checked when the rerun comes back: Compare); returns the settings to rerun with."""
     ds = trace.run.get("deepspeed") or {}
     c = st.columns(2)
-    stage = c[0].selectbox("ZeRO stage", [1, 2, 3], index=[1, 2, 3].index(trace.shards.stage), key="run_zero_stage")
+    opened_for(trace, "run_zero_stage", trace.shards.stage)
+    stage = c[0].selectbox("ZeRO stage", [1, 2, 3], key="run_zero_stage")
     now = (ds.get("reduce_bucket_bytes") or 0) / MIB
     caps = sorted({0.25, 1.0, 4.0, 16.0, 64.0, round(now, 3)} - {0.0})
     cap = c[1].select_slider("reduce_bucket_size (MiB of the communication dtype)", options=caps,

@@ -9,6 +9,7 @@ import shutil
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from ddpscope.dashboard.sharded_view import AS_THE_SCRIPT
 from ddpscope.viz.sharded.metrics import NO_UNIT
 from tests.conftest import ROOT
 from tests.dashboard.app_driver import chart_spec, chart_specs, metric_value, open_page, open_traced
@@ -91,6 +92,37 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
         open_page(at, page)
         assert not at.exception, (page, said)
     assert any("no finished step" in text for text in said), said  # the Timeline says why it draws nothing
+
+
+@pytest.mark.ddp
+def test_the_run_page_opens_on_the_setting_each_run_ran_with(tmp_path, monkeypatch):
+    """A script's own reshard_after_forward, not the first choice: a ZeRO-2 run (false) opens on
+    false, predicted as itself; a run whose units differ (the last block kept, torchtitan's
+    way) on "as the script sets it", a rerun with no override; each when it is opened, after another."""
+    from tests.tracer.capture.autotrace.test_autotrace import WORKERS, trace_script
+
+    script = (str(WORKERS / "fsdp2_train.py"), "--steps", "4")
+    at, out = open_traced(tmp_path, monkeypatch, *script, "--reshard", "mixed", name="mixed")
+    proc, _, _ = trace_script(out.parent, *script, "--reshard", "false", name="zero2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    at.run()  # the list of traces now holds it
+
+    def run_page(trace: str) -> tuple[str, dict, str]:
+        at.sidebar.selectbox(key="trace").set_value(trace).run()
+        open_page(at, "Run")
+        assert not at.exception, at.exception
+        deltas = {m.label: m.delta for m in at.metric if m.label.startswith("predicted")}
+        return at.selectbox(key="run_reshard").value, deltas, at.button(key="run_button").label
+
+    same = {"predicted peak (rank 0)": "as this run", "predicted step (rank 0)": "as this run"}
+    assert run_page("run: zero2") == ("false (ZeRO-2)", same, "Rerun with reshard_after_forward = false")
+    at.selectbox(key="run_reshard").set_value("true (ZeRO-3)").run()
+    assert run_page("run: mixed") == (AS_THE_SCRIPT, same, "Rerun as the script sets it")
+    at.selectbox(key="run_reshard").set_value("true (ZeRO-3)").run()
+    deltas = {m.label: m.delta for m in at.metric if m.label.startswith("predicted")}
+    assert deltas["predicted step (rank 0)"] != "as this run"  # its last block gathered again for backward
+    assert at.button(key="run_button").label == "Rerun with reshard_after_forward = true"
+    assert run_page("run: zero2")[0] == "false (ZeRO-2)"  # opened again: on its own setting
 
 
 @pytest.mark.deepspeed

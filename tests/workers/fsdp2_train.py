@@ -94,7 +94,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--reshard", default="true")
+    p.add_argument("--reshard", default="true", help="true, false, N, or mixed: the last block false, the rest true")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step (no reduction but the last)")
     p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bfloat16)")
     p.add_argument("--report")
@@ -153,11 +153,12 @@ def main() -> None:
             if args.hsdp > 1 else init_device_mesh(device.type, (world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else \
             MixedPrecisionPolicy()
-        reshard = parse_reshard(args.reshard)
+        reshard = True if args.reshard == "mixed" else parse_reshard(args.reshard)
         for k, block in enumerate(model.layers):
             if args.differ and rank == 1 and k == len(model.layers) - 1:
                 continue
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+            last = args.reshard == "mixed" and k == len(model.layers) - 1  # used at once by backward: kept
+            fully_shard(block, mesh=mesh, reshard_after_forward=False if last else reshard, mp_policy=mp)
         if args.chunked_loss:
             fully_shard([model.norm, model.out], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
