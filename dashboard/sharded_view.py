@@ -33,7 +33,7 @@ from ddpscope.viz.sharded.metrics import (
     reshard_setting,
     stage_differences,
 )
-from ddpscope.viz.sharded.predict import predict_memory, predict_peak, predict_step_ms
+from ddpscope.viz.sharded.predict import predict_deepspeed_peak, predict_memory, predict_peak, predict_step_ms
 from ddpscope.viz.sharded.profile_check import compute_sharded_profile_agreement
 from ddpscope.viz.sources.run_profile import profile_folder
 from ddpscope.viz.units import UNITS
@@ -220,9 +220,11 @@ def deepspeed_rerun_settings(trace) -> dict:
     opened_for(trace, "run_zero_stage", trace.shards.stage)
     stage = c[0].selectbox("ZeRO stage", [1, 2, 3], key="run_zero_stage")
     now = (ds.get("reduce_bucket_bytes") or 0) / MIB
-    caps = sorted({0.25, 1.0, 4.0, 16.0, 64.0, round(now, 3)} - {0.0})
-    cap = c[1].select_slider("reduce_bucket_size (MiB of the communication dtype)", options=caps,
-                             value=round(now, 3) if now else 4.0, key="run_ds_cap")
+    own = round(now, 3)  # the slider's stop for this run's own size
+    caps = sorted({0.25, 1.0, 4.0, 16.0, 64.0, own} - {0.0})
+    opened_for(trace, "run_ds_cap", own if now else 4.0)
+    cap = c[1].select_slider("reduce_bucket_size (MiB of the communication dtype)", options=caps, key="run_ds_cap")
+    same = bool(now) and abs(cap - own) < 1e-9  # this run's size, not its value rounded to the slider's
     measured = measured_states(trace)
     predicted = predict_states(trace, stage, measured)
     rows = [{"": f"this run (stage {trace.shards.stage}, rank 0)",
@@ -231,8 +233,15 @@ def deepspeed_rerun_settings(trace) -> dict:
     show_table(pd.DataFrame(rows).round(3), key="run_ds_states")
     st.caption("MiB per rank. Persistent: parameters, the fp32 master and Adam's moments (what the rerun is checked "
                "on); gradients live in buffers sized by the bucket layout.")
-    return {"zero_stage": stage if stage != trace.shards.stage else None,
-            "bucket_cap_mb": None if abs(cap - now) < 1e-9 else cap}
+    peak = None
+    if len(trace.shards.memory) and now:  # the buckets are allocated whole: the peak moves with their size
+        peak = predict_deepspeed_peak(trace, ds["reduce_bucket_bytes"] if same else cap * MIB)
+    _prediction_metric(st.columns(2)[0], f"predicted peak at stage {trace.shards.stage} (rank 0)", "peak_bytes",
+                       1 / MIB, "MiB", peak, "This run recorded no memory or no reduce_bucket_size: no peak is predicted.")
+    st.caption("The peak at another reduce_bucket_size, at this run's stage: DeepSpeed allocates its gradient buckets "
+               "whole (reduce_bucket_size elements), so they scale and nothing else moves; the step time is not "
+               "predicted: the rerun measures it.")
+    return {"zero_stage": stage if stage != trace.shards.stage else None, "bucket_cap_mb": None if same else cap}
 
 
 STATE_COLUMNS = ["params_bytes", "grads_bytes", "optimizer_state_bytes", "persistent_bytes"]

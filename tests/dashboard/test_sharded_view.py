@@ -150,7 +150,7 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     assert any("3D x (N-1)/N for a step that reduces once" in m.value for m in at.markdown)
     open_page(at, "What-if")
     said = next(i.value for i in at.info if "sharded run (DeepSpeed)" in i.value)
-    assert "ZeRO stage" in said and "reduce_bucket_size is not predicted" in said  # its rerun measures it
+    assert "ZeRO stage" in said and "reduce_bucket_size's peak memory" in said and "step time is not predicted" in said
     assert not any("replayed with the buckets DDP would build" in c.value for c in at.caption)  # not of this run
     open_page(at, "Memory (ZeRO)")
     table = next(d.value for d in at.dataframe if "persistent measured/predicted" in d.value.columns)
@@ -165,6 +165,10 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     # MiB, as its header says: the model states are a few MiB here, not a few bytes
     config = json.loads(next(d for d in at.dataframe if "persistent_mib" in d.value.columns).proto.columns)
     assert config["persistent_mib"]["label"] == "persistent (MiB)" and 0.1 < states["persistent_mib"].iloc[0] < 100
+    # the peak at another reduce_bucket_size (its exactness: tests/viz/sharded/test_deepspeed_peak.py)
+    peak = next(m for m in at.metric if m.label == "predicted peak at stage 2 (rank 0)")
+    assert peak.delta == "as this run" and peak.value.endswith(" MiB")
+    assert not any("no peak is predicted" in i.value for i in at.info)
 
 
 @pytest.mark.deepspeed
