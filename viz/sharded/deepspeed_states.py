@@ -213,4 +213,3 @@ def peak_buffers_line(trace) -> str | None:
                  f"elements ({bucket / 2**20:.1f} MiB) whatever the model's size; `ddpscope run --bucket-cap-mb` "
                  "(or reduce_bucket_size in the config) sets it")
     return line + "."
-
