@@ -108,7 +108,8 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
         if blocked:
             st.info(f"Rerun is off: {blocked}.")
         stage = ds["zero_stage"] or trace.shards.stage
-        job_button(f"Rerun at ZeRO stage {stage}", "run_button", jobs.start,
+        size = "" if ds["bucket_cap_mb"] is None else f", reduce_bucket_size {ds['bucket_cap_mb']:g} MiB"
+        job_button(f"Rerun at ZeRO stage {stage}{size}", "run_button", jobs.start,
                    lambda: dict(nproc=source["nproc"], source=path, steps=widget_now("run_steps", steps), **ds, **what),
                    disabled=busy or bool(blocked), type="primary")
         return
