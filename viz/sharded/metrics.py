@@ -282,7 +282,9 @@ def reshard_setting(trace) -> str | None:
 
 def compute_sharded_run_comparison(traces: dict) -> pd.DataFrame:
     """One row per sharded run (``{label: RunTrace}``; runs without shards left out): its
-    framework, ZeRO stage, ``reshard_after_forward`` (``reshard_setting``), the medians
+    framework, ZeRO stage, ``reshard_after_forward`` (``reshard_setting``), DeepSpeed's
+    ``reduce_bucket_size`` in MiB of its communication dtype (``reduce_bucket_MiB``; None
+    for FSDP2, whose reduce-scatters are per unit), the medians
     over ranks and non-warm-up steps of step time and exposed communication (ms), the
     largest peak over those steps (``peak_MiB``, MiB) and, for DeepSpeed, the largest
     rank's measured model states (``model_states_MiB``, MiB; None for FSDP2)."""
@@ -294,13 +296,16 @@ def compute_sharded_run_comparison(traces: dict) -> pd.DataFrame:
             continue
         steps = compute_sharded_steps(t)
         real = steps[~steps["warmup"] & ~steps["incomplete"]]
-        states = measured_states(t) if t.shards.framework == "deepspeed" else None
+        deepspeed = t.shards.framework == "deepspeed"
+        states = measured_states(t) if deepspeed else None
+        bucket = (t.run.get("deepspeed") or {}).get("reduce_bucket_bytes") if deepspeed else None
         rows.append({"run": label, "framework": t.shards.framework, "stage": t.shards.stage,
                      "reshard_after_forward": reshard_setting(t),
+                     "reduce_bucket_MiB": bucket / 2**20 if isinstance(bucket, (int, float)) else None,
                      "step_ms": real["step_ms"].median(), "exposed_ms": real["exposed_ms"].median(),
                      # the steps the Run page's prediction replays (the warm-up allocates the optimizer's state)
                      "peak_MiB": real["peak_bytes"].max() / 2**20,
                      "model_states_MiB": states["persistent_bytes"].max() / 2**20
                      if states is not None and len(states) else None})
-    return pd.DataFrame(rows, columns=["run", "framework", "stage", "reshard_after_forward", "step_ms", "exposed_ms",
-                                       "peak_MiB", "model_states_MiB"])
+    return pd.DataFrame(rows, columns=["run", "framework", "stage", "reshard_after_forward", "reduce_bucket_MiB",
+                                       "step_ms", "exposed_ms", "peak_MiB", "model_states_MiB"])

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from ddpscope.viz.sharded.metrics import compute_memory_over_step
+from ddpscope.viz.sharded.metrics import compute_memory_over_step, compute_sharded_run_comparison
 from ddpscope.viz.sharded.predict import predict_deepspeed_peak
 from ddpscope.viz.trace import load_run
 from tests.conftest import ROOT
@@ -40,6 +40,11 @@ def test_the_peak_at_another_reduce_bucket_size_is_the_reruns_to_the_byte(tmp_pa
     assert table["predicted_peak_bytes"].to_dict() == measured
     grew = table["predicted_peak_bytes"] - table["measured_peak_bytes"]
     assert (grew == (2**19 - 80_000) if stage == 3 else grew == 0).all(), grew
+    # the Compare table set beside the rerun on the page says which size each ran with, and the
+    # rerun's peak there is the one predicted (its largest rank's)
+    table_ab = compute_sharded_run_comparison({"traced": traced, "rerun": rerun}).set_index("run")
+    assert table_ab["reduce_bucket_MiB"].tolist() == [80_000 / 2**20, 0.5]
+    assert table_ab.loc["rerun", "peak_MiB"] * 2**20 == pytest.approx(table["predicted_peak_bytes"].max(), rel=1e-12)
     # at its own size, the prediction is the run
     own = predict_deepspeed_peak(traced, 80_000)
     assert (own["predicted_peak_bytes"] == own["measured_peak_bytes"]).all()
