@@ -238,9 +238,12 @@ def deepspeed_rerun_settings(trace) -> dict:
         peak = predict_deepspeed_peak(trace, ds["reduce_bucket_bytes"] if same else cap * MIB)
     _prediction_metric(st.columns(2)[0], f"predicted peak at stage {trace.shards.stage} (rank 0)", "peak_bytes",
                        1 / MIB, "MiB", peak, "This run recorded no memory or no reduce_bucket_size: no peak is predicted.")
+    held = len(trace.shards.memory) and trace.shards.memory["comm_buffers_bytes"].fillna(0).max() > 0
     st.caption("The peak at another reduce_bucket_size, at this run's stage: DeepSpeed allocates its gradient buckets "
-               "whole (reduce_bucket_size elements), so they scale and nothing else moves; the step time is not "
-               "predicted: the rerun measures it.")
+               "whole (reduce_bucket_size elements), so they scale and nothing else moves"
+               + ("" if held else "; this run's memory samples (taken between the model's forward and backward, "
+                  "where DeepSpeed's compute is timed) hold no bucket, so the peak they read stays at any size")
+               + ". The step time is not predicted: the rerun measures it.")
     return {"zero_stage": stage if stage != trace.shards.stage else None, "bucket_cap_mb": None if same else cap}
 
 

@@ -168,6 +168,7 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     # the peak at another reduce_bucket_size (its exactness: tests/viz/sharded/test_deepspeed_peak.py)
     peak = next(m for m in at.metric if m.label == "predicted peak at stage 2 (rank 0)")
     assert peak.delta == "as this run" and peak.value.endswith(" MiB")
+    assert any("hold no bucket, so the peak they read stays" in c.value for c in at.caption)  # stage 2: said why
     at.select_slider(key="run_ds_cap").set_value(16.0).run()
     assert at.button(key="run_button").label == "Rerun at ZeRO stage 3, reduce_bucket_size 16 MiB"
     assert not any("no peak is predicted" in i.value for i in at.info)
