@@ -96,13 +96,13 @@ def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
             ran = " (HSDP's all-reduce across replicas)"
         exposed = g["exposed_ms"] > 0.5 * g["ms"]
         fig.add_trace(go.Bar(
-            name=label if first else f"{kind.replace('_', '-')} {name}", orientation="h",
+            name=label if first else f"{kind.replace('_', '-')} {label}", orientation="h",
             y=[pos[lane(r, what)] for r in g["rank"]], base=(g["start_us"] - origin) / 1e3, x=g["ms"], width=0.6,
             legendgroup=str(name), showlegend=first,
             marker=dict(color=colors.get(name, OTHER_COLOR), pattern_shape=["/" if p else "" for p in g["prefetch"]],
                         line=dict(color=["#e41a1c" if e else "rgba(0,0,0,0)" for e in exposed], width=1.5)),
             customdata=np.stack([g["phase"], g["bytes"] / MIB, g["exposed_ms"], g["prefetch"]], axis=-1),
-            hovertemplate=f"{kind.replace('_', '-')} {name}{ran}, %{{customdata[0]}}<br>%{{customdata[1]:.3f}} MiB, %{{x:.3f}} ms, "
+            hovertemplate=f"{kind.replace('_', '-')} {label}{ran}, %{{customdata[0]}}<br>%{{customdata[1]:.3f}} MiB, %{{x:.3f}} ms, "
                           "exposed %{customdata[2]:.3f} ms<br>prefetched: %{customdata[3]}<extra></extra>"))
     fig.update_layout(
         barmode="overlay", height=120 + 75 * len(ranks_shown) * len(LANES) // 2,
