@@ -132,6 +132,8 @@ def test_at_the_traced_cap_a_run_at_ddps_default_is_predicted_matched_and_rerun_
     assert not at.exception
     measured = {t["name"]: t for t in _predict_chart(at)["data"]}["step (measured runs)"]
     assert {"run: zz-explicit", f"run: {rerun.name}", "run: own"} <= set(measured["text"])
+    said = dict(zip(measured["text"], measured["customdata"]))  # both at x = 25: each cross says which it is
+    assert said["run: zz-explicit"] == "25 MiB" and said["run: own"] == "DDP's default (25 MiB, first bucket 1)"
     vs = _vs_table(at)
     assert vs["run"].iloc[1] in ("run: own (measured)", f"run: {rerun.name} (measured)")
     assert vs["buckets"].iloc[1] == vs["buckets"].iloc[0] > 1

@@ -35,14 +35,16 @@ def make_cap_sweep_figure(sweep: pd.DataFrame, measured: pd.DataFrame | None = N
                                  marker=dict(symbol="circle-open", size=16, color="#1f77b4", line=dict(width=2))))
     if measured is not None and len(measured):
         m = measured.dropna(subset=["bucket_cap_mb", "step_ms"])
+        # the setting, not only the x: DDP's default and an explicit 25 MiB share x = 25
+        setting = (m["setting"] if "setting" in m else m["bucket_cap_mb"].map(lambda c: f"{c:g} MiB")).tolist()
         fig.add_trace(go.Scatter(x=m["bucket_cap_mb"].tolist(), y=m["step_ms"].tolist(), mode="markers",
-                                 name="step (measured runs)", text=m["run"].tolist(),
+                                 name="step (measured runs)", text=m["run"].tolist(), customdata=setting,
                                  marker=dict(symbol="x", size=11, color="black"),
-                                 hovertemplate="%{text}: %{x:g} MiB, %{y:.1f} ms<extra></extra>"))
+                                 hovertemplate="%{text} (%{customdata}): %{y:.1f} ms<extra></extra>"))
         fig.add_trace(go.Scatter(x=m["bucket_cap_mb"].tolist(), y=m["exposed_ms"].tolist(), mode="markers",
-                                 name="exposed (measured runs)", text=m["run"].tolist(),
+                                 name="exposed (measured runs)", text=m["run"].tolist(), customdata=setting,
                                  marker=dict(symbol="x-thin", size=11, color="#d62728", line=dict(width=2)),
-                                 hovertemplate="%{text}: %{x:g} MiB, %{y:.1f} ms exposed<extra></extra>"))
+                                 hovertemplate="%{text} (%{customdata}): %{y:.1f} ms exposed<extra></extra>"))
     if best_cap is not None:
         row = sweep.loc[(sweep["bucket_cap_mb"] - best_cap).abs().idxmin()]  # the first: the default, if any
         fig.add_trace(go.Scatter(x=[float(row["bucket_cap_mb"])], y=[float(row["step_ms"])], mode="markers+text",

@@ -73,8 +73,22 @@ def recommend_cap(sweep: pd.DataFrame) -> dict:
             "gain_pct": 100.0 * gain / base_ms if base_ms > 0 else float("nan")}
 
 
+def measured_setting(trace: RunTrace) -> str:
+    """The bucket setting a measured run ran with, as its point on the axes says it: DDP's
+    default and an explicit 25 MiB both sit at 25 and are other layouts (a 1 MiB first
+    bucket or not); "" where run.json does not say."""
+    cap = traced_cap(trace)
+    if is_cap_list(cap):
+        return f"bucket_cap_mb_list={cap_label(cap)}"
+    if cap is None:
+        return "DDP's default (25 MiB, first bucket 1)" if trace.run.get("bucket_cap_default") else ""
+    return f"{float(cap):g} MiB"
+
+
 def compute_measured_points(traces: dict[str, RunTrace]) -> pd.DataFrame:
-    """Measured runs as points for the sweep's axes: run, bucket_cap_mb and medians (ms)."""
-    rows = [{"run": name, "bucket_cap_mb": t.run.get("bucket_cap_mb"), **_medians(t)} for name, t in traces.items()]
-    return pd.DataFrame(rows, columns=["run", "bucket_cap_mb", "step_ms", "backward_ms", "comm_ms", "exposed_ms",
-                                       "overlap_pct"])
+    """Measured runs as points for the sweep's axes: run, bucket_cap_mb, the setting
+    (``measured_setting``) and medians (ms)."""
+    rows = [{"run": name, "bucket_cap_mb": t.run.get("bucket_cap_mb"), "setting": measured_setting(t), **_medians(t)}
+            for name, t in traces.items()]
+    return pd.DataFrame(rows, columns=["run", "bucket_cap_mb", "setting", "step_ms", "backward_ms", "comm_ms",
+                                       "exposed_ms", "overlap_pct"])
