@@ -9,6 +9,7 @@ from ddpscope.dashboard.catalog import of_kind, pick_run, runs_dir
 from ddpscope.dashboard.job_controls import job_button, lab_controls, widget_now
 from ddpscope.dashboard.loaders import load_ring_trace
 from ddpscope.dashboard.tables import show_table
+from ddpscope.dashboard.widget_defaults import start_from
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.ring.animation import make_ring_animation_figure, make_ring_step_figure
 from ddpscope.viz.ring.cost import (
@@ -77,10 +78,8 @@ def render_ring(all_runs: dict, jobs: JobManager, busy: bool) -> None:
         except ValueError as e:
             st.warning(f"Cannot fit the cost model: {e}; enter latency and bandwidth by hand.")
             fitted = RingCostModel(alpha_us=10.0, bandwidth_GBps=1.0, latency_fitted=False)
-        if st.session_state.get("whatif_for") != str(ring_path):  # new trace: start from its fit
-            st.session_state.update(whatif_for=str(ring_path), whatif_mb=ring.size_bytes / 2**20,
-                                    whatif_alpha=round(fitted.alpha_us, 2),
-                                    whatif_bw=float(f"{fitted.bandwidth_GBps:.4g}"))
+        start_from("whatif", ring_path, whatif_mb=ring.size_bytes / 2**20,  # a new trace: from its fit
+                   whatif_alpha=round(fitted.alpha_us, 2), whatif_bw=float(f"{fitted.bandwidth_GBps:.4g}"))
         c = st.columns(3)
         mb = c[0].number_input("tensor M (MiB)", min_value=0.001, max_value=1e6, key="whatif_mb", format="%.3f")
         alpha = c[1].number_input("latency a per step (µs)", min_value=0.0, max_value=1e7, key="whatif_alpha")

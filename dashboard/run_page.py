@@ -22,6 +22,7 @@ from ddpscope.dashboard.job_controls import (
 from ddpscope.dashboard.loaders import load_trace
 from ddpscope.dashboard.sharded_view import deepspeed_rerun_settings, sharded_rerun_settings, show_sharded_comparison
 from ddpscope.dashboard.timeline_page import show_comparison
+from ddpscope.dashboard.widget_defaults import start_from
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.tracer.launch.rerun import rerun_settings
 from ddpscope.tracer.launch.runner import file_sha256
@@ -97,10 +98,8 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
     run = trace.run
     cap_now = float(run.get("bucket_cap_mb") or 25.0)
     options = [c for c in CAP_OPTIONS if runnable(run, c)]  # a torch.compile'd model takes none under 1 MiB
-    if st.session_state.get("rerun_for") != str(path):  # a new trace: start from its own settings
-        st.session_state.update(rerun_for=str(path), run_cap=min(options, key=lambda c: abs(c - cap_now)),
-                                run_steps=int(min(max(run.get("steps") or 10, 3), 50)),
-                                run_nproc=int(min(max(source["nproc"], 1), 4)))
+    start_from("rerun", path, run_cap=min(options, key=lambda c: abs(c - cap_now)),  # from its own settings
+               run_steps=int(min(max(run.get("steps") or 10, 3), 50)), run_nproc=int(min(max(source["nproc"], 1), 4)))
     what = {"demo": source["demo"]} if "demo" in source else {"script": source["script"], "cwd": source["cwd"]}
     if trace.shards is not None and trace.shards.framework == "deepspeed":  # the stage and the bucket size
         ds = deepspeed_rerun_settings(trace)
@@ -126,9 +125,9 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
                                             steps=widget_now("run_steps", steps), **sharding, **what),
                    disabled=busy or bool(blocked), type="primary")
         return
-    if st.session_state.get("run_cap_default_for") != str(path):  # as traced: DDP's default stays the default
-        st.session_state.update(run_cap_default_for=str(path),
-                                run_cap_default=bool(run.get("bucket_cap_default")) and not run.get("bucket_cap_bytes_list"))
+    # as traced: DDP's default stays the default
+    start_from("run_cap_default", path,
+               run_cap_default=bool(run.get("bucket_cap_default")) and not run.get("bucket_cap_bytes_list"))
     # DDP's default is not "25 MiB": its first bucket is capped at 1 MiB; an explicit 25 caps every bucket at 25
     default = st.toggle("DDP's default buckets (25 MiB, the first bucket 1 MiB): no bucket_cap_mb passed",
                         key="run_cap_default")

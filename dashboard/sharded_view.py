@@ -13,6 +13,7 @@ from ddpscope.dashboard.loaders import first_real_step
 from ddpscope.dashboard.run_header import show_run_header
 from ddpscope.dashboard.run_profile import load_run_profile_or_say
 from ddpscope.dashboard.tables import show_table
+from ddpscope.dashboard.widget_defaults import start_from
 from ddpscope.viz.sharded.buckets import compute_bucket_table
 from ddpscope.viz.sharded.comm_volume import comm_honesty_lines, compute_comm_volume
 from ddpscope.viz.sharded.deepspeed_states import measured_states, precision, predict_states
@@ -43,13 +44,6 @@ MIB = 2**20
 _NO_ARROW = {"delta_arrow": "off"} if "delta_arrow" in inspect.signature(st.metric).parameters else {}
 RESHARD_CHOICES = {"true (ZeRO-3)": "true", "false (ZeRO-2)": "false"}
 AS_THE_SCRIPT = "as the script sets it (its units differ)"  # no override: a rerun as the run
-
-
-def opened_for(trace, key: str, value) -> None:
-    """Set widget ``key`` to ``value`` when another trace is opened (a keyed widget keeps
-    what it held for the last one), and leave the user's choice alone while it stays open."""
-    if st.session_state.get(f"{key}_for") != str(trace.path):
-        st.session_state.update({f"{key}_for": str(trace.path), key: value})
 
 
 def size_unit(sizes: pd.DataFrame) -> tuple[str, int]:
@@ -168,7 +162,7 @@ def sharded_rerun_settings(trace) -> dict:
         if world % n == 0:
             choices[f"{n} (resharded to {n} ranks)"] = str(n)
     opens_on = AS_THE_SCRIPT if own == "mixed" else next((k for k, v in choices.items() if v == own), None)
-    opened_for(trace, "run_reshard", opens_on or next(iter(choices)))
+    start_from("run_reshard", trace.path, run_reshard=opens_on or next(iter(choices)))
     c = st.columns(3)
     label = c[0].selectbox("reshard_after_forward", list(choices), key="run_reshard")
     fwd = c[1].slider("forward prefetch (units ahead)", 0, 3, 0, key="run_fwd_prefetch")
@@ -217,12 +211,11 @@ def deepspeed_rerun_settings(trace) -> dict:
     (checked when the rerun comes back: Compare); returns the settings to rerun with."""
     ds = trace.run.get("deepspeed") or {}
     c = st.columns(2)
-    opened_for(trace, "run_zero_stage", trace.shards.stage)
-    stage = c[0].selectbox("ZeRO stage", [1, 2, 3], key="run_zero_stage")
     now = (ds.get("reduce_bucket_bytes") or 0) / MIB
     own = round(now, 3)  # the slider's stop for this run's own size
     caps = sorted({0.25, 1.0, 4.0, 16.0, 64.0, own} - {0.0})
-    opened_for(trace, "run_ds_cap", own if now else 4.0)
+    start_from("run_ds", trace.path, run_zero_stage=trace.shards.stage, run_ds_cap=own if now else 4.0)
+    stage = c[0].selectbox("ZeRO stage", [1, 2, 3], key="run_zero_stage")
     cap = c[1].select_slider("reduce_bucket_size (MiB of the communication dtype)", options=caps, key="run_ds_cap")
     same = bool(now) and abs(cap - own) < 1e-9  # this run's size, not its value rounded to the slider's
     measured = measured_states(trace)
@@ -233,12 +226,13 @@ def deepspeed_rerun_settings(trace) -> dict:
     show_table(pd.DataFrame(rows).round(3), key="run_ds_states")
     st.caption("MiB per rank. Persistent: parameters, the fp32 master and Adam's moments (what the rerun is checked "
                "on); gradients live in buffers sized by the bucket layout.")
+    mem = trace.shards.memory
     peak = None
-    if len(trace.shards.memory) and now:  # the buckets are allocated whole: the peak moves with their size
+    if len(mem) and now:  # the buckets are allocated whole: the peak moves with their size
         peak = predict_deepspeed_peak(trace, ds["reduce_bucket_bytes"] if same else cap * MIB)
     _prediction_metric(st.columns(2)[0], f"predicted peak at stage {trace.shards.stage} (rank 0)", "peak_bytes",
                        1 / MIB, "MiB", peak, "This run recorded no memory or no reduce_bucket_size: no peak is predicted.")
-    held = len(trace.shards.memory) and trace.shards.memory["comm_buffers_bytes"].fillna(0).max() > 0
+    held = len(mem) and mem["comm_buffers_bytes"].fillna(0).max() > 0
     st.caption("The peak at another reduce_bucket_size, at this run's stage: DeepSpeed allocates its gradient buckets "
                "whole (reduce_bucket_size elements), so they scale and nothing else moves"
                + ("" if held else "; this run's memory samples (taken between the model's forward and backward, "

@@ -15,6 +15,7 @@ from ddpscope.dashboard.job_controls import CommandPolicy, job_button, widget_no
 from ddpscope.dashboard.loaders import events_trace, first_real_step, load_trace
 from ddpscope.dashboard.run_page import page_rerun
 from ddpscope.dashboard.tables import show_table
+from ddpscope.dashboard.widget_defaults import start_from
 from ddpscope.tracer.launch.jobs import JobManager
 from ddpscope.viz.ddp.compare import compute_run_comparison, same_job
 from ddpscope.viz.ddp.gantt import make_timeline_figure
@@ -144,8 +145,7 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
     own = traced_cap(trace)
     if is_cap_list(own):  # a list-traced run: its list is a setting of its own, beside the uniform caps
         caps = [cap_label(own)] + caps
-    if st.session_state.get("predict_for") != str(path):
-        st.session_state.update(predict_for=str(path), predict_cap=best["bucket_cap_mb"])
+    start_from("predict", path, predict_cap=best["bucket_cap_mb"])
     cap = st.select_slider("A cap to look at (MiB; a list: the traced bucket_cap_mb_list)", options=caps,
                            key="predict_cap")
     _predicted_beside_measured(path, stamp, trace, cap, measured)
@@ -222,9 +222,8 @@ def _projection(path: Path, stamp: float, trace) -> None:
                "nothing taken from compute. Would this bucket size still be right there?")
     c = st.columns(4)
     preset = c[0].selectbox("link", list(LINK_PRESETS), index=1, key="predict_proj_link")
-    if st.session_state.get("predict_proj_preset_for") != preset:  # a new preset: its numbers, still editable
-        st.session_state.update(predict_proj_preset_for=preset, predict_proj_bw=LINK_PRESETS[preset].bandwidth_gbps,
-                                predict_proj_lat=LINK_PRESETS[preset].latency_us)
+    start_from("predict_proj_preset", preset,  # a new preset: its numbers, still editable
+               predict_proj_bw=LINK_PRESETS[preset].bandwidth_gbps, predict_proj_lat=LINK_PRESETS[preset].latency_us)
     n = c[1].number_input("world size N", min_value=2, max_value=100_000, value=64, step=1, key="predict_proj_n")
     bw = c[2].number_input("bandwidth B (GB/s)", min_value=0.001, max_value=10_000.0, key="predict_proj_bw")
     lat = c[3].number_input("latency per ring step (µs)", min_value=0.0, max_value=100_000.0, key="predict_proj_lat")

@@ -23,6 +23,7 @@ from ddpscope.viz.sharded.comm_volume import (  # noqa: F401 - moved there; 0.2'
     compute_comm_volume,
     model_sizes,
 )
+from ddpscope.viz.sharded.deepspeed_states import compute_deepspeed_stages, measured_states
 from ddpscope.viz.sharded.exposed import EMPTY, by_head, exposed_per_step, in_flight_ms, with_exposed
 from ddpscope.viz.sharded.trace import real_steps, replicas, shard_group_size
 from ddpscope.viz.zero.model import model_state_bytes, run_precision
@@ -192,8 +193,6 @@ def compute_stage_comparison(trace) -> pd.DataFrame:
     A DeepSpeed run: its own accounting (``deepspeed_states.compute_deepspeed_stages``)."""
     sh = trace.shards
     if sh.framework == "deepspeed":
-        from ddpscope.viz.sharded.deepspeed_states import compute_deepspeed_stages
-
         return compute_deepspeed_stages(trace)
     n = shard_group_size(trace)  # HSDP: the ZeRO model holds within one replica's shard group
     params = int(sh.units["numel"].sum())
@@ -288,8 +287,6 @@ def compute_sharded_run_comparison(traces: dict) -> pd.DataFrame:
     over ranks and non-warm-up steps of step time and exposed communication (ms), the
     largest peak over those steps (``peak_MiB``, MiB) and, for DeepSpeed, the largest
     rank's measured model states (``model_states_MiB``, MiB; None for FSDP2)."""
-    from ddpscope.viz.sharded.deepspeed_states import measured_states
-
     rows = []
     for label, t in traces.items():
         if t.shards is None:

@@ -124,9 +124,9 @@ def predict_step_ms(trace, reshard_after_forward: bool | int | None = None) -> p
 
 
 def predict_deepspeed_peak(trace, reduce_bucket_bytes: float) -> pd.DataFrame:
-    """Per rank: the measured peak of its last measured step (as ``predict.predict_peak``
-    reads one: ``compute_memory_over_step``) and the peak predicted at another ``reduce_bucket_size``, given in bytes
-    of the communication dtype (``reduce_bucket_bytes``). DeepSpeed allocates its
+    """Per rank: the measured peak of its last measured step (``compute_memory_over_step``,
+    as ``predict_peak`` reads one) and the peak predicted at another ``reduce_bucket_size``,
+    given in bytes of the communication dtype (``reduce_bucket_bytes``). DeepSpeed allocates its
     gradient buckets (``ipg_buckets``, the trace's communication buffers) as
     ``reduce_bucket_size`` elements whatever the model's size, so at every sample of
     the step they scale by new / old and nothing else moves (measured: ZeRO-3 traced at
