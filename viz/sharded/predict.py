@@ -6,7 +6,8 @@ are gathered under the new ``reshard_after_forward`` and prefetch depths; everyt
 else the samples hold (shards, gradients, optimizer state, activations, buffers) is
 kept as measured, since those settings do not change it. A unit is gathered from its
 forward's start (or when a unit before it prefetches it) and, when it reshards after
-forward, released at its forward's end; in backward it is gathered again at its
+forward, released at its forward's end (resharded to N ranks: 1/N of it kept until its
+backward, FSDP's post-forward shard); in backward it is gathered again at its
 backward's start (or prefetched by the unit before it in backward order: FSDP's
 default depth is one) and released at its backward's end. The root keeps the setting
 it ran with. The result has the columns of ``sharded.metrics.compute_memory_over_step``,
@@ -50,15 +51,21 @@ def predict_memory(trace, rank: int, reshard_after_forward: bool | int | None = 
     forward_order = [int(u) for u in units.index if int(u) not in root]
     backward_order = forward_order[::-1]
     gathered: set[int] = set()
+    kept: dict[int, float] = {}  # resharded to N ranks after forward: the 1/N shard each rank keeps
     replayed = []
     for row in samples.itertuples():
         unit, phase, at = int(row.unit), row.phase, row.at
         if at == "end" and unit >= 0:  # the sample is taken after FSDP's own post-hook
-            if phase == "backward" or _reshards(reshard.get(unit, True)):
+            setting = reshard.get(unit, True)
+            if phase == "backward" or _reshards(setting):
                 gathered.discard(unit)
-        replayed.append(sum(size[u] for u in gathered))
+            if phase == "forward" and not isinstance(setting, bool):
+                kept[unit] = 1 / setting
+        replayed.append(sum(size[u] for u in gathered) + sum(size[u] * part for u, part in kept.items()))
         if at == "start" and unit >= 0:  # the unit (and what it prefetches) is gathered right after
             gathered.add(unit)
+            if phase == "backward":  # its kept shard lives until its own gather is copied out (a prefetch
+                kept.pop(unit, None)  # reads from it), at its backward's start
             order, depth = (forward_order, forward_prefetch) if phase == "forward" else (backward_order,
                                                                                           backward_prefetch)
             if unit in order and depth:
@@ -68,6 +75,7 @@ def predict_memory(trace, rank: int, reshard_after_forward: bool | int | None = 
                 gathered.update(order[:depth])  # the root's backward prefetches the last unit
         if phase == "optimizer":
             gathered.clear()
+            kept.clear()
     out = samples.copy()
     # what the measured sample held gathered at the same point is replaced by the replay
     measured = out["unsharded_params_bytes"].to_numpy()

@@ -117,6 +117,14 @@ class ShardedMemory:
                 n = st.nbytes()
                 if n:
                     unsharded[st.data_ptr()] = n
+            # reshard_after_forward=N keeps 1/N of the gathered parameter from forward to
+            # backward, a clone outside all_gather_outputs (FSDPParam.to_sharded_post_forward)
+            post = getattr(p, "_sharded_post_forward_param_data", None)
+            if post is not None:
+                st = post.untyped_storage()
+                n = st.nbytes()
+                if n:
+                    unsharded[st.data_ptr()] = n
             g = p.sharded_param.grad
             if g is not None:
                 st = getattr(g, "_local_tensor", g).untyped_storage()

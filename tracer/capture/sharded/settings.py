@@ -37,13 +37,23 @@ def parse_reshard(text: str | None) -> bool | int | None:
 
 
 def apply_reshard(units, value: bool | int) -> None:
-    """Set ``reshard_after_forward`` on every unit but the root (``ValueError`` as FSDP's)."""
+    """Set ``reshard_after_forward`` on every unit but the root (``ValueError`` as FSDP's),
+    where ``fully_shard`` sets it: the group's mesh and each parameter's (an N keeps a
+    1/N shard from forward to backward, cut by the parameter's own post-forward size,
+    which ``FSDPParam.__init__`` computes from the mesh: computed here again from the
+    parameter's original size, on the meta device: no memory)."""
+    import torch
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
 
     for u in units:
         if u.is_root:
             continue
-        u.group.post_forward_mesh_info = _get_post_forward_mesh_info(value, u.group.mesh_info)
+        info = _get_post_forward_mesh_info(value, u.group.mesh_info)
+        u.group.post_forward_mesh_info = info
+        for p in u.group.fsdp_params:
+            p.post_forward_mesh_info = info
+            if info is not None:
+                p._init_sharded_post_forward_param_metadata(torch.empty(p._orig_size, device="meta"))
 
 
 def apply_prefetch(units, forward: int | None, backward: int | None) -> None:

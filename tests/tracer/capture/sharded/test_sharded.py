@@ -151,6 +151,43 @@ def test_rerun_with_reshard_false_is_stage_2_as_predicted(zero3, tmp_path):
     assert (predicted["predicted_peak_bytes"] > predicted["measured_peak_bytes"]).all()  # ZeRO-2 holds more
 
 
+@pytest.mark.breadth
+def test_a_rerun_resharded_to_n_ranks_is_fully_shards_own_and_peaks_where_predicted(tmp_path):
+    """reshard_after_forward=2 on 4 ranks (each rank keeps a 1/2 shard of every block from
+    forward to backward): ``--reshard-after-forward 2`` over a script that sets True trains
+    bit-identically to the script setting 2 in ``fully_shard`` itself, and holds the same
+    bytes at every sample but the root's (the flag leaves the root as the script set it: True
+    here, 2 there); the kept shards are measured (FSDP keeps them outside
+    all_gather_outputs); the peak predicted from the True run (its CLI row too) is the one
+    measured, to the byte, and back."""
+    script = (SCRIPT, "--steps", "3")
+    runs = {}
+    for name, extra, flags in (("own2", ("--reshard", "2"), ()), ("true", (), ()),
+                               ("over2", (), ("--reshard-after-forward", "2"))):
+        proc, out, report = trace_script(tmp_path, *script, *extra, ddpscope=("--nproc", "4", *flags), name=name)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = (load_run(out), report)
+    own, over, true = runs["own2"][0], runs["over2"][0], runs["true"][0]
+    for r in range(4):
+        a, b = (json.loads((runs[k][1] / f"rank{r}.json").read_text()) for k in ("own2", "over2"))
+        assert a["params_sha256"] == b["params_sha256"] and a["losses"] == b["losses"]
+    blocks = own.shards.units[~own.shards.units["root"]]
+    assert set(blocks["reshard_after_forward"]) == {2} == set(over.shards.units[~over.shards.units["root"]][
+        "reshard_after_forward"])
+    held = {k: compute_memory_over_step(t, 0).set_index("where")["unsharded_params_bytes"]
+            for k, t in (("own2", own), ("over2", over))}
+    root = int(own.shards.units[own.shards.units["root"]]["unsharded_bytes"].sum())
+    differ = (held["own2"] - held["over2"])[lambda d: d != 0]
+    assert differ.to_dict() == {"(root) forward end": root // 2, "(root) backward start": root // 2}
+    # between forward and backward each rank keeps half of every block
+    assert held["over2"]["(root) backward start"] == blocks["unsharded_bytes"].sum() // 2
+    predicted = predict_peak(true, reshard_after_forward=2).set_index("rank")["predicted_peak_bytes"]
+    assert predicted.to_dict() == predict_peak(over).set_index("rank")["measured_peak_bytes"].to_dict()
+    back = predict_peak(over, reshard_after_forward=True).set_index("rank")["predicted_peak_bytes"]
+    assert back.to_dict() == predict_peak(true).set_index("rank")["measured_peak_bytes"].to_dict()
+    assert (predicted > back).all()  # the kept halves
+
+
 def test_accumulation_and_mixed_precision_are_traced(tmp_path):
     proc, out, _ = trace_script(tmp_path, SCRIPT, "--steps", "3", "--accum", "2", "--bf16")
     assert proc.returncode == 0, proc.stderr[-3000:]
