@@ -6,6 +6,7 @@
     ddpscope ring | zero ...            ddpscope's own workloads
     ddpscope calibrate RUN               all-reduce sweep + contention, stored with the run
     ddpscope whatif RUN [--caps ...]     predicted step time at other bucket_cap_mb, the advisor
+                                         (a sharded run: peak, step, states per setting)
     ddpscope whatif RUN --apply          ... and the run again with its recommendation, A/B
     ddpscope summary RUN | perfetto RUN --out FILE
     ddpscope dashboard [RUNS_DIR]

@@ -1,5 +1,5 @@
 """The reading commands: ``ddpscope summary PATH [--json]``, the figures of a run folder;
-``ddpscope whatif PATH`` (``viz.whatif.report``); ``ddpscope perfetto PATH --out FILE``,
+``ddpscope whatif PATH`` (``viz.whatif.report``; a sharded run's: ``sharded_whatif.py``); ``ddpscope perfetto PATH --out FILE``,
 every rank in one Perfetto trace (``viz.perfetto``); ``ddpscope merge``.
 
 - a DDP run: per rank, medians over non-warm-up steps: step, forward, backward compute,
@@ -26,20 +26,34 @@ def add_viz_commands(sub) -> None:
                                    "run's summary table.")
     s.add_argument("path", help="a run folder (run.json + rank-<r>.json)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    w = sub.add_parser("whatif", help="predict step time and exposed communication at other bucket_cap_mb",
+    w = sub.add_parser("whatif", help="predict a run at other settings (DDP: bucket_cap_mb; FSDP2, DeepSpeed)",
                        description="Replay a traced DDP run's steps with the buckets DDP would build at other "
                                    "bucket_cap_mb values (MiB) and print predicted step time and exposed "
                                    "communication per cap; then search uniform caps and per-bucket "
                                    "bucket_cap_mb_list layouts for the least predicted step time and recommend one "
                                    "when its gain exceeds the run's own noise. --apply reruns the script with it. "
-                                   "Uses the run's calibration.json when `ddpscope calibrate` made one.")
-    w.add_argument("path", help="a traced DDP run folder")
-    from ddpscope.tracer.options import WHATIF_APPLY, WHATIF_CAP_LIST, WHATIF_CAPS, WHATIF_OUT
+                                   "Uses the run's calibration.json when `ddpscope calibrate` made one. "
+                                   "A sharded run: the dashboard's Run-page predictions, every choice (FSDP2: peak "
+                                   "and step per reshard_after_forward; DeepSpeed: model states per ZeRO stage, "
+                                   "peak per reduce_bucket_size).")
+    w.add_argument("path", help="a traced run folder (DDP, FSDP2 or DeepSpeed)")
+    from ddpscope.tracer.options import (
+        BACKWARD_PREFETCH,
+        FORWARD_PREFETCH,
+        RESHARD_AFTER_FORWARD,
+        WHATIF_APPLY,
+        WHATIF_CAP_LIST,
+        WHATIF_CAPS,
+        WHATIF_OUT,
+    )
 
     w.add_argument(WHATIF_CAPS.flag, dest="caps", help=WHATIF_CAPS.help, metavar=WHATIF_CAPS.metavar)
     w.add_argument(WHATIF_CAP_LIST.flag, dest="cap_list", help=WHATIF_CAP_LIST.help, metavar=WHATIF_CAP_LIST.metavar)
     w.add_argument(WHATIF_APPLY.flag, dest="apply", action="store_true", help=WHATIF_APPLY.help)
     w.add_argument(WHATIF_OUT.flag, dest="apply_out", help=WHATIF_OUT.help, metavar=WHATIF_OUT.metavar)
+    for option in (RESHARD_AFTER_FORWARD, FORWARD_PREFETCH, BACKWARD_PREFETCH):  # an FSDP2 run's what-if
+        w.add_argument(option.flag, type=option.type, help=option.help.replace("scripts:", "runs: predict with"),
+                       metavar=option.metavar)
     w.add_argument("--json", action="store_true", help="print JSON instead of a table")
     m = sub.add_parser("perfetto", help="merge a run's rank files into one Perfetto trace on rank 0's clock")
     m.add_argument("path", help="a run folder (run.json + rank-<r>.json)")
@@ -68,8 +82,16 @@ def run_viz_command(args, prog: str) -> int:
             size = write_merged(args.path, args.out)
             print(f"{args.out} ({size / 2**20:.2f} MiB): open it at https://ui.perfetto.dev")
             code = 0
+        elif args.command == "whatif" and _is_sharded(args.path):  # the Run page's predictions, every choice
+            from ddpscope.cli.sharded_whatif import sharded_whatif
+            from ddpscope.viz.trace import load_run
+
+            code = sharded_whatif(load_run(args.path), args)
         elif args.command == "whatif":
+            from ddpscope.cli.sharded_whatif import refuse_fsdp2_flags
             from ddpscope.viz.whatif.report import whatif_report
+
+            refuse_fsdp2_flags(args, "a DDP run's setting is its bucket layout (--caps, --cap-list)")
 
             code, _ = whatif_report(args.path, args.caps, args.json, getattr(args, "cap_list", None))
         else:
@@ -85,6 +107,12 @@ def run_viz_command(args, prog: str) -> int:
     except OSError as e:  # a folder that cannot be read or written (the merge leaves nothing half-made)
         print(f"{prog}: error: {e.strerror or e}: {e.filename or ''}", file=sys.stderr)
         return 2
+
+
+def _is_sharded(path: str) -> bool:
+    from ddpscope.viz.sources import folder_kind
+
+    return folder_kind(path) == "sharded"
 
 
 #: ``summary`` prints a row per rank up to this many ranks (and reads their events)

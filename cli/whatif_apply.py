@@ -32,6 +32,13 @@ def whatif_apply(args: argparse.Namespace) -> int:
         early = read_json_file(Path(args.path) / RUN_FILE, "run metadata")
     except (TraceError, OSError):
         early = None  # the report says what is wrong with the folder
+    if isinstance(early, dict) and early.get("kind") == "sharded":
+        from ddpscope.cli.sharded_whatif import apply_refusal
+
+        sharding = early.get("sharding")
+        print(f"{prog}: error: {apply_refusal(sharding.get('framework') if isinstance(sharding, dict) else None)}",
+              file=sys.stderr)
+        return 2
     if isinstance(early, dict) and early.get("kind") in (None, "ddp"):
         try:
             rerun_settings(early)

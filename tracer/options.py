@@ -197,7 +197,8 @@ ZERO_STAGES = Option("--stages", "comma-separated ZeRO stages", "0,1,2,3", str)
 CALIBRATE_MAX_MB = Option("--max-mb", "largest all-reduce of the sweep, in MiB (4 KiB x4 up to it)", 256.0, float,
                           in_range(0.01, 4096.0, " (MiB)"))
 WHATIF_CAPS = Option("--caps", "bucket_cap_mb values to predict, in MiB, comma-separated "
-                     "(default 0.25,0.5,1,2,4,8,16,25,32,64,128,256)", None, str, metavar="MB,MB,...")
+                     "(default 0.25,0.5,1,2,4,8,16,25,32,64,128,256); a DeepSpeed run: reduce_bucket_size values, "
+                     "MiB of the communication dtype (default 0.25,1,4,16,64)", None, str, metavar="MB,MB,...")
 WHATIF_CAP_LIST = Option("--cap-list", "also predict this bucket_cap_mb_list: a size limit per bucket in MiB, "
                          "in bucket order, comma-separated (as ddpscope run --bucket-cap-mb-list)", None, str,
                          _mib_list_check, metavar="MB,MB,...")

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
-from ddpscope.viz.sharded.metrics import compute_memory_over_step, compute_sharded_steps
+from ddpscope.viz.sharded.metrics import compute_memory_over_step, compute_sharded_steps, reshard_setting
 from ddpscope.viz.sharded.trace import real_steps
 
 
@@ -156,3 +156,75 @@ def predict_deepspeed_peak(trace, reduce_bucket_bytes: float) -> pd.DataFrame:
         rows.append({"rank": int(rank), "measured_peak_bytes": float(step["total_bytes"].max()),
                      "predicted_peak_bytes": float(predicted.max())})
     return pd.DataFrame(rows, columns=["rank", "measured_peak_bytes", "predicted_peak_bytes"])
+
+
+def reshard_choices(trace) -> list[bool | int]:
+    """The ``reshard_after_forward`` settings a rerun of this FSDP2 run can take, as the
+    Run page offers them: True (ZeRO-3), False (ZeRO-2) and every rank count that
+    divides the world size between 2 and it (resharded to N ranks, a hybrid)."""
+    world = trace.world_size
+    return [True, False, *(n for n in range(2, world) if world % n == 0)]
+
+
+def setting_name(setting: bool | int | None) -> str:
+    """A ``reshard_after_forward`` setting as the flag takes it (``ddpscope run
+    --reshard-after-forward``): "true", "false", "N"; None: "as the script sets it"."""
+    return "as the script sets it" if setting is None else str(setting).lower()
+
+
+def compute_reshard_whatif(trace, settings: list[dict] | None = None) -> pd.DataFrame:
+    """An FSDP2 run under other settings: one row per setting and rank, first this run as
+    measured (``predicted`` False; its ``reshard_after_forward`` as ``reshard_setting``
+    names it), then each of ``settings`` (``predict_peak`` and ``predict_step_ms`` keywords;
+    default: ``reshard_choices`` at FSDP's default prefetch) predicted. Columns:
+    reshard_after_forward (text), forward_prefetch, backward_prefetch, rank, predicted,
+    peak_bytes (bytes; NaN where the run measured no memory), step_ms (ms, median over
+    non-warm-up steps; NaN where it finished none). The page's Run tab draws the same
+    functions, so a row is the metric it shows for that choice."""
+    if settings is None:
+        settings = [{"reshard_after_forward": s} for s in reshard_choices(trace)]
+    measured_memory = len(trace.shards.memory) > 0
+    ranks = {int(r) for r in trace.shards.memory["rank"].unique()}
+    if len(trace.steps):
+        ranks |= {int(r) for r in compute_sharded_steps(trace)["rank"].unique()}
+    rows = []
+    for i, kw in enumerate([None, *settings]):
+        kw = {"forward_prefetch": 0, "backward_prefetch": 1, **(kw or {})}
+        setting = kw.get("reshard_after_forward")
+        peaks = predict_peak(trace, **kw).set_index("rank") if measured_memory else None
+        steps = predict_step_ms(trace, setting).set_index("rank") if len(trace.steps) else None
+        which = "measured" if i == 0 else "predicted"
+        for rank in sorted(ranks):
+            rows.append({"reshard_after_forward": reshard_setting(trace) if i == 0 else setting_name(setting),
+                         "forward_prefetch": kw["forward_prefetch"], "backward_prefetch": kw["backward_prefetch"],
+                         "rank": rank, "predicted": i > 0,
+                         "peak_bytes": _at(peaks, rank, f"{which}_peak_bytes"),
+                         "step_ms": _at(steps, rank, f"{which}_step_ms")})
+    return pd.DataFrame(rows, columns=["reshard_after_forward", "forward_prefetch", "backward_prefetch", "rank",
+                                       "predicted", "peak_bytes", "step_ms"])
+
+
+def compute_deepspeed_bucket_whatif(trace, bucket_mib: list[float]) -> pd.DataFrame:
+    """A DeepSpeed run's peak at other ``reduce_bucket_size`` values (MiB of the
+    communication dtype), at its own stage: one row per size and rank, first the run's own
+    size as measured (``predicted`` False), then each other size of ``bucket_mib``
+    (``predict_deepspeed_peak``). Columns: reduce_bucket_MiB, rank, predicted, peak_bytes
+    (bytes). ``ValueError`` where the run did not record its bucket size."""
+    now = (trace.run.get("deepspeed") or {}).get("reduce_bucket_bytes")
+    table = predict_deepspeed_peak(trace, now)  # at its own size: the run (raises where it did not record it)
+    rows = [{"reduce_bucket_MiB": now / 2**20, "rank": int(r.rank), "predicted": False,
+             "peak_bytes": r.measured_peak_bytes} for r in table.itertuples()]
+    for mib in dict.fromkeys(float(m) for m in bucket_mib):
+        if mib * 2**20 == now:
+            continue
+        for r in predict_deepspeed_peak(trace, mib * 2**20).itertuples():
+            rows.append({"reduce_bucket_MiB": mib, "rank": int(r.rank), "predicted": True,
+                         "peak_bytes": r.predicted_peak_bytes})
+    return pd.DataFrame(rows, columns=["reduce_bucket_MiB", "rank", "predicted", "peak_bytes"])
+
+
+def _at(table: pd.DataFrame | None, rank: int, column: str) -> float:
+    """``table.loc[rank, column]`` as a float, NaN where there is no such row."""
+    if table is None or rank not in table.index:
+        return float("nan")
+    return float(table.loc[rank, column])

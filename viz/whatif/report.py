@@ -64,15 +64,9 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
     if kind == KINETO:
         raise TraceError(f"{path} holds profiler traces; what-if needs a ddpscope trace (gradient ready times): "
                          "trace the job with `ddpscope run`")
-    if kind == "sharded" and _framework(path) == "deepspeed":  # its predictions: viz.sharded.deepspeed_states
-        raise TraceError(f"{path} is a DeepSpeed ZeRO run; what-if's bucket layouts need a DDP training run: the "
-                         "dashboard's Run page predicts this run's memory at another ZeRO stage, and `ddpscope run "
-                         "--zero-stage S --bucket-cap-mb X` reruns it (`ddpscope dashboard "
-                         f"{os.path.dirname(os.path.abspath(path))}`, the folder that holds it)")
-    if kind == "sharded":  # its own predictions are the dashboard's (viz.sharded.predict)
-        raise TraceError(f"{path} is a sharded (FSDP2) run; what-if's bucket layouts need a DDP training run: the "
-                         "dashboard's Sharded page predicts this run under other reshard_after_forward and prefetch "
-                         f"settings (`ddpscope dashboard {os.path.dirname(os.path.abspath(path))}`, the folder that holds it)")
+    if kind == "sharded":  # `ddpscope whatif` predicts these with their own settings (cli/sharded_whatif.py)
+        raise TraceError(f"{path} is a sharded ({_framework(path) or 'FSDP2'}) run; bucket_cap_mb's what-if needs a "
+                         "DDP training run")
     if kind not in (None, "ddp"):
         raise TraceError(f"{path} is a {kind} run; what-if needs a DDP training run")
     trace = load_run(path)

@@ -4,14 +4,16 @@ accelerator, gloo), the rerun made as the Run page makes it (``ddpscope run --bu
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
+import pandas as pd
 import pytest
 
 from ddpscope.viz.sharded.metrics import compute_memory_over_step, compute_sharded_run_comparison
 from ddpscope.viz.sharded.predict import predict_deepspeed_peak
 from ddpscope.viz.trace import load_run
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 from tests.tracer.capture.autotrace.test_autotrace import trace_script
 
 pytest.importorskip("deepspeed")
@@ -45,6 +47,15 @@ def test_the_peak_at_another_reduce_bucket_size_is_the_reruns_to_the_byte(tmp_pa
     table_ab = compute_sharded_run_comparison({"traced": traced, "rerun": rerun}).set_index("run")
     assert table_ab["reduce_bucket_MiB"].tolist() == [80_000 / 2**20, 0.5]
     assert table_ab.loc["rerun", "peak_MiB"] * 2**20 == pytest.approx(table["predicted_peak_bytes"].max(), rel=1e-12)
+    # `ddpscope whatif --caps` prints it (the page's prediction) beside the run as measured
+    said = run_cli("whatif", str(out), "--caps", "0.5,16", "--json")
+    assert said.returncode == 0, said.stderr
+    peaks = pd.DataFrame(json.loads(said.stdout)["bucket_peaks"])
+    assert peaks["reduce_bucket_MiB"].drop_duplicates().tolist() == [80_000 / 2**20, 0.5, 16.0]
+    at_half = peaks[peaks["reduce_bucket_MiB"] == 0.5].set_index("rank")
+    assert at_half["predicted"].all() and at_half["peak_bytes"].to_dict() == measured
+    own_row = peaks[~peaks["predicted"]].set_index("rank")["peak_bytes"]
+    assert own_row.to_dict() == table["measured_peak_bytes"].to_dict()
     # at its own size, the prediction is the run
     own = predict_deepspeed_peak(traced, 80_000)
     assert (own["predicted_peak_bytes"] == own["measured_peak_bytes"]).all()

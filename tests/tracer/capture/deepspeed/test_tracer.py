@@ -117,8 +117,10 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
     lines = summary.stdout.splitlines()
     at = lines.index("per unit (ms per step, bytes per step):") + 2 + len(units) - len(quiet)  # header, rows
     assert lines[at].startswith(f"{len(quiet)} more unit" if len(quiet) else UNTIMED_UNITS), lines[at]
-    whatif = run_cli("whatif", str(out))  # bucket_cap_mb's what-if is DDP's: one line, pointing at DeepSpeed's own
-    assert whatif.returncode == 2 and "is a DeepSpeed ZeRO run" in whatif.stderr and "--zero-stage" in whatif.stderr
+    whatif = run_cli("whatif", str(out))  # the Run page's predictions: states per stage, peak per bucket size
+    assert whatif.returncode == 0 and f"DeepSpeed ZeRO stage {stage}" in whatif.stdout, whatif.stderr
+    assert "model states a rerun at each stage would keep" in whatif.stdout and "--zero-stage S" in whatif.stdout
+    assert run_cli("whatif", str(out), "--reshard-after-forward", "false").returncode == 2  # FSDP2's flag
     plain = untraced(tmp_path, *script)
     for r in (0, 1):
         assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
@@ -311,6 +313,11 @@ def test_zero_stage_reruns_the_script_at_another_stage_and_the_prediction_holds(
         predicted = predict_states(traces[src], dst)["persistent_bytes"]
         for got in measured_states(traces[dst])["persistent_bytes"]:
             assert abs(got / predicted - 1) <= 0.05, (src, dst, got, predicted)
+        # `ddpscope whatif` prints the same prediction (the Run page's), for every stage
+        said = run_cli("whatif", str(two if src == 2 else three), "--json")
+        assert said.returncode == 0, said.stderr
+        rows = {r["stage"]: r for r in json.loads(said.stdout)["stages"] if r["predicted"]}
+        assert sorted(rows) == [1, 2, 3] and rows[dst]["persistent_bytes"] == predicted
 
 
 def test_parameters_zero3_keeps_whole_are_predicted_from_stage_2_and_measured_at_3(tmp_path):

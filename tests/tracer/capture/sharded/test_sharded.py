@@ -10,6 +10,7 @@ import gzip
 import json
 import math
 
+import pandas as pd
 import pytest
 
 from ddpscope.viz.sharded.comm_volume import comm_honesty_lines, compute_comm_volume
@@ -127,9 +128,6 @@ def test_communication_volume_says_what_gloo_sent_and_what_a_ring_would(zero3):
     assert vol.loc["total", "ring_D"] == pytest.approx(3 * (N - 1) / N)  # the ZeRO model: 3D x (N-1)/N
     proc = run_cli("summary", str(zero3[1]))
     assert proc.returncode == 0 and "gloo has no reduce-scatter" in proc.stdout and "ZeRO stage 3" in proc.stdout
-    proc = run_cli("whatif", str(zero3[1]))  # bucket layouts are DDP's: the line says where this run's predictions are
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "sharded (FSDP2) run" in proc.stderr and f"ddpscope dashboard {zero3[1].parent}" in proc.stderr
 
 
 def test_rerun_with_reshard_false_is_stage_2_as_predicted(zero3, tmp_path):
@@ -149,6 +147,45 @@ def test_rerun_with_reshard_false_is_stage_2_as_predicted(zero3, tmp_path):
     err = (predicted["predicted_peak_bytes"] / measured["measured_peak_bytes"] - 1).abs()
     assert (err <= 0.05).all(), (predicted, measured)
     assert (predicted["predicted_peak_bytes"] > predicted["measured_peak_bytes"]).all()  # ZeRO-2 holds more
+    # `ddpscope whatif` prints the Run page's predictions, every choice, from the same functions:
+    # its row for false is this prediction, its first row the run as measured
+    proc = run_cli("whatif", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = pd.DataFrame(json.loads(proc.stdout)["settings"])
+    assert rows[~rows["predicted"]]["reshard_after_forward"].unique().tolist() == ["true"]
+    assert rows[~rows["predicted"]].set_index("rank")["peak_bytes"].to_dict() == \
+        predicted.set_index("rank")["measured_peak_bytes"].to_dict()
+    cli = rows[rows["predicted"] & (rows["reshard_after_forward"] == "false")].set_index("rank")["peak_bytes"]
+    assert cli.to_dict() == predicted.set_index("rank")["predicted_peak_bytes"].to_dict()
+    assert set(rows[rows["predicted"]]["reshard_after_forward"]) == {"true", "false"}  # 2 ranks: no hybrid
+    steps = rows[rows["predicted"] & (rows["reshard_after_forward"] == "false")]["step_ms"]
+    assert (steps < rows[~rows["predicted"]]["step_ms"].to_numpy()).all()  # no backward all-gathers on gloo
+
+
+def test_whatif_prints_each_setting_and_refuses_flags_the_run_does_not_take(zero3, capsys):
+    """The table: the run as measured, then each setting the flags name; and one line, exit
+    2, for a flag that is not this run's (in-process: the parser and the dispatch are the
+    command's)."""
+    from ddpscope.cli.main import main
+
+    out = str(zero3[1])
+    assert main(["whatif", out, "--reshard-after-forward", "FALSE", "--forward-prefetch", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "FSDP2, ZeRO stage 3" in lines[0]
+    measured, predicted = lines[2].split(), lines[3].split()
+    assert measured[:4] == ["measured", "true", "0", "1"] and predicted[:4] == ["predicted", "false", "1", "1"]
+    trace = load_run(out)
+    peak = predict_peak(trace, reshard_after_forward=False, forward_prefetch=1).set_index("rank")
+    assert float(predicted[4]) == round(peak.loc[0, "predicted_peak_bytes"] / 2**20, 3)
+    for flags, said in ((["--caps", "1"], "--caps sets a bucket size"),
+                        (["--cap-list", "1,2"], "--cap-list is DDP's"),
+                        (["--reshard-after-forward", "2"], "on a run of 2 ranks is true or false"),
+                        (["--reshard-after-forward", "maybe"], "--reshard-after-forward takes true, false"),
+                        (["--backward-prefetch", "0"], "--backward-prefetch must be in 1..64"),
+                        (["--apply"], "--apply reruns DDP runs")):
+        assert main(["whatif", out, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and said in err, (flags, err)
 
 
 @pytest.mark.breadth
@@ -186,6 +223,12 @@ def test_a_rerun_resharded_to_n_ranks_is_fully_shards_own_and_peaks_where_predic
     back = predict_peak(over, reshard_after_forward=True).set_index("rank")["predicted_peak_bytes"]
     assert back.to_dict() == predict_peak(true).set_index("rank")["measured_peak_bytes"].to_dict()
     assert (predicted > back).all()  # the kept halves
+    said = run_cli("whatif", str(runs["true"][0].path), "--json")
+    assert said.returncode == 0, said.stderr
+    rows = pd.DataFrame(json.loads(said.stdout)["settings"])
+    assert set(rows[rows["predicted"]]["reshard_after_forward"]) == {"true", "false", "2"}  # 4 ranks: the hybrid
+    row = rows[rows["predicted"] & (rows["reshard_after_forward"] == "2")].set_index("rank")["peak_bytes"]
+    assert row.to_dict() == predicted.to_dict()
 
 
 def test_accumulation_and_mixed_precision_are_traced(tmp_path):

@@ -1,0 +1,195 @@
+"""``ddpscope whatif RUN`` on a sharded run: the predictions the dashboard's Run page makes,
+every choice at once, from the same functions (``viz.sharded.predict``), so the command
+and the page read the same numbers.
+
+- FSDP2: the peak and the step at each ``reshard_after_forward`` a rerun can take (or
+  the one named with ``--reshard-after-forward`` and the prefetch flags);
+- DeepSpeed: the model states a rerun at ZeRO stage 1, 2 and 3 would keep, and the peak
+  at other ``reduce_bucket_size`` values (``--caps``, MiB, as ``ddpscope run
+  --bucket-cap-mb`` sets it).
+
+Each table prints rank 0 (the page's metric) and the largest rank; ``--json`` gives
+every rank. ``ValueError`` naming the flag on a flag the run's kind does not take
+(``--apply``: ``whatif_apply.py`` refuses it with ``apply_refusal``, from run.json).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+
+from ddpscope.tracer.options import (
+    BACKWARD_PREFETCH,
+    FORWARD_PREFETCH,
+    RESHARD_AFTER_FORWARD,
+    WHATIF_APPLY,
+    WHATIF_CAP_LIST,
+    WHATIF_CAPS,
+    parse_caps,
+)
+
+MIB = 2**20
+#: the reduce_bucket_size stops the Run page's slider offers (MiB), beside the run's own
+DEEPSPEED_CAPS = (0.25, 1.0, 4.0, 16.0, 64.0)
+STEP_NOTE = ("step: the gathers a setting adds or saves, at the run's own speed; gloo runs collectives on the "
+             "training thread, so all of that is exposed; on NCCL they overlap compute and the step is an upper bound")
+
+
+def sharded_whatif(trace, args) -> int:
+    """Print (or ``--json``) the predictions for a sharded run; returns the exit code."""
+    if getattr(args, "cap_list", None) is not None:
+        raise ValueError(f"{WHATIF_CAP_LIST.flag} is DDP's bucket_cap_mb_list; a sharded run has no such layout")
+    if trace.shards.framework == "deepspeed":
+        return _deepspeed(trace, args)
+    return _fsdp2(trace, args)
+
+
+def fsdp2_settings(args) -> list[dict] | None:
+    """The settings the flags name (None: every choice at FSDP's default prefetch)."""
+    reshard, fwd, bwd = (getattr(args, k, None) for k in ("reshard_after_forward", "forward_prefetch",
+                                                            "backward_prefetch"))
+    if reshard is None and fwd is None and bwd is None:
+        return None
+    for option, value in ((RESHARD_AFTER_FORWARD, reshard), (FORWARD_PREFETCH, fwd), (BACKWARD_PREFETCH, bwd)):
+        option.validate(value)
+    text = None if reshard is None else str(reshard).strip().lower()
+    setting = None if text is None else True if text == "true" else False if text == "false" else int(text)
+    return [{"reshard_after_forward": setting, "forward_prefetch": 0 if fwd is None else fwd,
+             "backward_prefetch": 1 if bwd is None else bwd}]
+
+
+def refuse_fsdp2_flags(args, why: str) -> None:
+    """``ValueError`` naming the first FSDP2 flag given for a run that is not FSDP2's."""
+    for option in (RESHARD_AFTER_FORWARD, FORWARD_PREFETCH, BACKWARD_PREFETCH):
+        if getattr(args, option.flag.lstrip("-").replace("-", "_"), None) is not None:
+            raise ValueError(f"{option.flag} predicts an FSDP2 run; {why}")
+
+
+def _fsdp2(trace, args) -> int:
+    from ddpscope.viz.sharded.predict import compute_reshard_whatif, reshard_choices
+
+    if getattr(args, "caps", None) is not None:
+        raise ValueError(f"{WHATIF_CAPS.flag} sets a bucket size; an FSDP2 run reduce-scatters per unit: "
+                         f"predict it with {RESHARD_AFTER_FORWARD.flag} and the prefetch flags")
+    world = trace.world_size
+    settings = fsdp2_settings(args)  # ValueError naming the flag
+    for kw in settings or ():
+        n = kw["reshard_after_forward"]
+        if not isinstance(n, bool) and n is not None and n not in [c for c in reshard_choices(trace) if not isinstance(c, bool)]:  # 1 == True
+            raise ValueError(f"{RESHARD_AFTER_FORWARD.flag} N must divide the run's {world} ranks, between 2 and "
+                             f"{world - 1} (FSDP2's rule: 1 is false, {world} is true), got {n}" if world > 3 else
+                             f"{RESHARD_AFTER_FORWARD.flag} on a run of {world} ranks is true or false (N must divide "
+                             f"the ranks, between 2 and {world} - 1), got {n}")
+    table = compute_reshard_whatif(trace, settings)
+    keys = ["reshard_after_forward", "forward_prefetch", "backward_prefetch", "predicted"]
+    if args.json:
+        return _print_json(trace, {"settings": _records(table)})
+    print(f"{trace.path}  ranks={world}  FSDP2, ZeRO stage {trace.shards.stage}  (first row: this run, measured; "
+          "the others predicted from it)")
+    print(_rank0_and_largest(table, keys, {"peak_bytes": ("peak_MiB", MIB, "max"),
+                                           "step_ms": ("step_ms", 1.0, "median")}).to_string(index=False))
+    print("  peak_MiB, step_ms: rank 0's (the dashboard's Run page); largest_peak_MiB: the largest rank's; "
+          "step_ms_median: over ranks; memory: which units are gathered when, the rest as measured")
+    print(f"  {STEP_NOTE}")
+    print(f"rerun one: {rerun_hint(trace.shards.framework)}")
+    return 0
+
+
+def _deepspeed(trace, args) -> int:
+    from ddpscope.viz.sharded.deepspeed_states import measured_states, predict_states
+    from ddpscope.viz.sharded.predict import compute_deepspeed_bucket_whatif
+
+    refuse_fsdp2_flags(args, f"a DeepSpeed run's settings are its ZeRO stage and reduce_bucket_size "
+                             f"({WHATIF_CAPS.flag}, MiB)")
+    caps = parse_caps(args.caps) if args.caps is not None else list(DEEPSPEED_CAPS)
+    measured = measured_states(trace)
+    states = [{"row": f"this run (stage {trace.shards.stage}, rank {int(r['rank'])})", "stage": trace.shards.stage,
+               "predicted": False, **{k: float(r[k]) for k in STATE_COLUMNS}} for r in measured.to_dict("records")]
+    states += [{"row": f"stage {s}, predicted", "stage": s, "predicted": True,
+                **{k: float(v) for k, v in predict_states(trace, s, measured).items() if k in STATE_COLUMNS}}
+               for s in (1, 2, 3)]
+    states = pd.DataFrame(states)
+    recorded = (trace.run.get("deepspeed") or {}).get("reduce_bucket_bytes")
+    peaks, why = None, None
+    if not len(trace.shards.memory):
+        why = "this run recorded no memory: no peak is predicted"
+    elif not recorded:
+        why = "this run did not record DeepSpeed's reduce_bucket_size: no peak is predicted"
+    else:
+        peaks = compute_deepspeed_bucket_whatif(trace, caps)
+    if args.json:
+        return _print_json(trace, {"stages": states.to_dict("records"),
+                                   "bucket_peaks": [] if peaks is None else _records(peaks), "no_peak": why})
+    size = f"reduce_bucket_size {recorded / MIB:.4g} MiB" if recorded else "reduce_bucket_size not recorded"
+    print(f"{trace.path}  ranks={trace.world_size}  DeepSpeed ZeRO stage {trace.shards.stage}  {size}")
+    print("model states a rerun at each stage would keep (MiB per rank):")
+    view = states.drop(columns=["stage", "predicted"])
+    for k in STATE_COLUMNS:
+        view[k.removesuffix("_bytes") + "_MiB"] = view.pop(k) / MIB
+    print(view.round(3).to_string(index=False))
+    print("  persistent: parameters, the fp32 master and Adam's moments; gradients live in buffers sized by the "
+          "bucket layout")
+    if peaks is None:
+        print(f"peak at another reduce_bucket_size: {why}")
+    else:
+        print(f"the peak at other reduce_bucket_size values, at stage {trace.shards.stage} (first row: this run, "
+              "measured):")
+        print(_rank0_and_largest(peaks, ["reduce_bucket_MiB", "predicted"],
+                                 {"peak_bytes": ("peak_MiB", MIB, "max")}).round(4).to_string(index=False))
+        held = trace.shards.memory["comm_buffers_bytes"].fillna(0).max() > 0
+        print("  DeepSpeed allocates its gradient buckets whole (reduce_bucket_size elements): they scale, nothing "
+              "else moves" + ("" if held else "; this run's memory samples hold no bucket, so the peak stays at "
+                              "any size"))
+    print("  the step time at another stage or size is not predicted: the rerun measures it")
+    print(f"rerun one: {rerun_hint(trace.shards.framework)}")
+    return 0
+
+
+STATE_COLUMNS = ["params_bytes", "grads_bytes", "optimizer_state_bytes", "persistent_bytes"]
+
+
+def _rank0_and_largest(table: pd.DataFrame, keys: list[str], values: dict) -> pd.DataFrame:
+    """One row per setting (``keys``, in the table's order): each value column's rank 0
+    (``name``) and over ranks (``largest_name`` for max, ``name_median`` for median),
+    scaled by 1 / ``scale``."""
+    rows = []
+    for key, group in table.groupby(keys, sort=False, dropna=False):
+        row = dict(zip(keys, key))
+        row = {"": "predicted" if row.pop("predicted") else "measured", **row}
+        first = group[group["rank"] == 0]
+        for column, (name, scale, over) in values.items():
+            row[name] = float(first[column].iloc[0]) / scale if len(first) else math.nan
+            if over == "max":
+                row[f"largest_{name}"] = float(group[column].max()) / scale
+            else:
+                row[f"{name}_median"] = float(group[column].median()) / scale
+        rows.append(row)
+    return pd.DataFrame(rows).round(3)
+
+
+def _records(table: pd.DataFrame) -> list[dict]:
+    return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+            for r in table.astype(object).to_dict("records")]
+
+
+def _print_json(trace, body: dict) -> int:
+    print(json.dumps({"path": str(trace.path), "kind": "sharded", "framework": trace.shards.framework,
+                      "world_size": trace.world_size, "stage": trace.shards.stage, **body},
+                     indent=1, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+    return 0
+
+
+def apply_refusal(framework: str | None) -> str:
+    """Why ``--apply`` does not take a sharded run, and how to rerun it."""
+    return f"{WHATIF_APPLY.flag} reruns DDP runs; rerun this one with the setting you choose: {rerun_hint(framework)}"
+
+
+def rerun_hint(framework: str | None) -> str:
+    """The command (and the page) that reruns a sharded run at another setting."""
+    if framework == "deepspeed":
+        return ("`ddpscope run --zero-stage S --bucket-cap-mb MIB --out DIR -- SCRIPT`, or the dashboard's Run tab "
+                "(its Compare table sets the rerun beside this run)")
+    return (f"`ddpscope run {RESHARD_AFTER_FORWARD.flag} true|false|N --out DIR -- SCRIPT`, or the dashboard's Run "
+            "tab (its Compare table sets the rerun beside this run)")
