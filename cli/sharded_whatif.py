@@ -93,7 +93,7 @@ def _fsdp2(trace, args) -> int:
     print("  peak_MiB, step_ms: rank 0's (the dashboard's Run page); largest_peak_MiB: the largest rank's; "
           "step_ms_median: over ranks; memory: which units are gathered when, the rest as measured")
     print(f"  {STEP_NOTE}")
-    print(f"rerun one: {rerun_hint(trace.shards.framework)}")
+    print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run)}")
     return 0
 
 
@@ -143,7 +143,7 @@ def _deepspeed(trace, args) -> int:
               "else moves" + ("" if held else "; this run's memory samples hold no bucket, so the peak stays at "
                               "any size"))
     print("  the step time at another stage or size is not predicted: the rerun measures it")
-    print(f"rerun one: {rerun_hint(trace.shards.framework)}")
+    print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run)}")
     return 0
 
 
@@ -181,15 +181,52 @@ def _print_json(trace, body: dict) -> int:
     return 0
 
 
-def apply_refusal(framework: str | None) -> str:
+def apply_refusal(framework: str | None, run: dict | None = None) -> str:
     """Why ``--apply`` does not take a sharded run, and how to rerun it."""
-    return f"{WHATIF_APPLY.flag} reruns DDP runs; rerun this one with the setting you choose: {rerun_hint(framework)}"
+    return f"{WHATIF_APPLY.flag} reruns DDP runs; rerun this one with the setting you choose: " \
+           f"{rerun_hint(framework, run)}"
 
 
-def rerun_hint(framework: str | None) -> str:
-    """The command (and the page) that reruns a sharded run at another setting."""
-    if framework == "deepspeed":
-        return ("`ddpscope run --zero-stage S --bucket-cap-mb MIB --out DIR -- SCRIPT`, or the dashboard's Run tab "
-                "(its Compare table sets the rerun beside this run)")
-    return (f"`ddpscope run {RESHARD_AFTER_FORWARD.flag} true|false|N --out DIR -- SCRIPT`, or the dashboard's Run "
-            "tab (its Compare table sets the rerun beside this run)")
+#: the flags of ``ddpscope run`` a sharded rerun sets again, with how many values each takes
+_RESET = {"--out": 1, "--zero-stage": 1, "--bucket-cap-mb": 1, RESHARD_AFTER_FORWARD.flag: 1,
+          FORWARD_PREFETCH.flag: 1, BACKWARD_PREFETCH.flag: 1}
+
+
+def rerun_hint(framework: str | None, run: dict | None = None) -> str:
+    """The command that reruns a sharded run at another setting: the run's own ``ddpscope
+    run`` line (run.json's ``command``) with the setting's flags in place of its own, or a
+    template where the run did not record one; and the page that does it."""
+    flags = ["--zero-stage", "S", "--bucket-cap-mb", "MIB"] if framework == "deepspeed" else \
+        [RESHARD_AFTER_FORWARD.flag, "true|false|N"]
+    words = _command_words((run or {}).get("command"))
+    if words is None:
+        line = " ".join(["ddpscope run", *flags, "--out DIR -- SCRIPT"])
+    else:
+        head, script = words
+        line = " ".join([*head, *flags, "--out", "DIR", "--", *script])
+    return f"`{line}`, or the dashboard's Run tab (its Compare table sets the rerun beside this run)"
+
+
+def _command_words(command) -> tuple[list[str], list[str]] | None:
+    """``ddpscope run`` options (less those a rerun sets again) and the script's words,
+    from run.json's ``command``; None where it is not such a line."""
+    import shlex
+
+    try:
+        words = shlex.split(command) if isinstance(command, str) else None
+    except ValueError:
+        return None
+    if not words or words[:2] != ["ddpscope", "run"] or "--" not in words:
+        return None
+    at = words.index("--")
+    head, script, k = [], words[at + 1:], 0
+    options = words[:at]
+    while k < len(options):
+        word = options[k]
+        name = word.split("=", 1)[0]
+        if name in _RESET:
+            k += 1 + (_RESET[name] if "=" not in word else 0)
+            continue
+        head.append(shlex.quote(word))
+        k += 1
+    return head, [shlex.quote(w) for w in script]

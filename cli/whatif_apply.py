@@ -36,8 +36,8 @@ def whatif_apply(args: argparse.Namespace) -> int:
         from ddpscope.cli.sharded_whatif import apply_refusal
 
         sharding = early.get("sharding")
-        print(f"{prog}: error: {apply_refusal(sharding.get('framework') if isinstance(sharding, dict) else None)}",
-              file=sys.stderr)
+        framework = sharding.get("framework") if isinstance(sharding, dict) else None
+        print(f"{prog}: error: {apply_refusal(framework, early)}", file=sys.stderr)
         return 2
     if isinstance(early, dict) and early.get("kind") in (None, "ddp"):
         try:

@@ -177,6 +177,8 @@ def test_whatif_prints_each_setting_and_refuses_flags_the_run_does_not_take(zero
     trace = load_run(out)
     peak = predict_peak(trace, reshard_after_forward=False, forward_prefetch=1).set_index("rank")
     assert float(predicted[4]) == round(peak.loc[0, "predicted_peak_bytes"] / 2**20, 3)
+    assert lines[-1].startswith("rerun one: `ddpscope run --nproc 2 --reshard-after-forward true|false|N --out DIR -- ")
+    assert f"{SCRIPT} --steps 4 --memtracker --report" in lines[-1]  # the run's own line, its script's arguments
     for flags, said in ((["--caps", "1"], "--caps sets a bucket size"),
                         (["--cap-list", "1,2"], "--cap-list is DDP's"),
                         (["--reshard-after-forward", "2"], "on a run of 2 ranks is true or false"),
