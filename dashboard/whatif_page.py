@@ -108,8 +108,8 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
                       if shards.framework == "deepspeed" else
                       ("FSDP2", "reshard_after_forward and the prefetch depths: peak memory and step time, predicted"))
         st.info(f"This is a sharded run ({name}): the What-if predicts DDP's bucket caps. Its own settings are on "
-                f"the Run page ({what}), beside a rerun that checks them; the Memory (ZeRO) page sets it among "
-                "ZeRO's stages.")
+                f"the Run page ({what}), beside a rerun that checks them; `ddpscope whatif {trace.path}` prints "
+                "them for every choice; the Memory (ZeRO) page sets it among ZeRO's stages.")
         return
     # said only of a trace it replays (a profiler trace's or a sharded run's page says why not, alone)
     st.caption("Every step of the open trace replayed with the buckets DDP would build at another bucket_cap_mb: "

@@ -37,7 +37,8 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     agreement = next(d.value for d in at.dataframe if "start_after_ms" in d.value.columns)
     assert len(agreement) == 2 * 2 * 15 and agreement["profile_bytes"].notna().all()
     open_page(at, "What-if")  # not a dead end: where its own settings are predicted
-    assert not at.exception and any("sharded run (FSDP2)" in i.value and "Run page" in i.value for i in at.info)
+    assert not at.exception and any("sharded run (FSDP2)" in i.value and "Run page" in i.value
+                                    and "`ddpscope whatif " in i.value for i in at.info)
     open_page(at, "Memory (ZeRO)")
     titles = [json.dumps(c["layout"].get("title")) for c in chart_specs(at)]
     assert any("memory over one step (measured)" in t for t in titles)
