@@ -75,6 +75,9 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
     fig = make_sharded_timeline_figure(trace, steps=sorted(set(trace.steps["step"])))
     drawn = {NO_UNIT if u == -1 else n for u, n in zip(colls["unit"], colls["name"])}
     assert drawn <= {d.name for d in fig.data if d.showlegend is not False}
+    unnamed = [d for d in fig.data if d.name == NO_UNIT or str(d.name).endswith(f" {NO_UNIT}")]
+    assert (NO_UNIT in drawn) == bool(unnamed)
+    assert all(f" {NO_UNIT}" in d.hovertemplate for d in unnamed)  # its hover says so too, not a unit's name
     assert len(drawn) > 1 and set(trace.shards.segments["name"]) == {"(root)"}
     # Adam's two fp32 moments of this rank's partition (and its step counter)
     mem = trace.shards.memory
