@@ -89,7 +89,12 @@ def _fsdp2(trace, args) -> int:
     print(f"{trace.path}  ranks={world}  FSDP2, ZeRO stage {trace.shards.stage}  (first row: this run, measured; "
           "the others predicted from it)")
     print(_rank0_and_largest(table, keys, {"peak_bytes": ("peak_MiB", MIB, "max"),
-                                           "step_ms": ("step_ms", 1.0, "median")}).to_string(index=False))
+                                           "step_ms": ("step_ms", 1.0, "median")}).to_string(index=False,
+                                                                                              na_rep="-"))
+    if not len(trace.shards.memory):
+        print("  peak: this run measured no step's memory: no peak is predicted")
+    if not len(trace.steps):
+        print("  step: this run finished no step: no step time is predicted")
     print("  peak_MiB, step_ms: rank 0's (the dashboard's Run page); largest_peak_MiB: the largest rank's; "
           "step_ms_median: over ranks; memory: which units are gathered when, the rest as measured")
     print(f"  {STEP_NOTE}")

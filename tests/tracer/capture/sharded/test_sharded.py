@@ -179,6 +179,18 @@ def test_whatif_prints_each_setting_and_refuses_flags_the_run_does_not_take(zero
     assert float(predicted[4]) == round(peak.loc[0, "predicted_peak_bytes"] / 2**20, 3)
     assert lines[-1].startswith("rerun one: `ddpscope run --nproc 2 --reshard-after-forward true|false|N --out DIR -- ")
     assert f"{SCRIPT} --steps 4 --memtracker --report" in lines[-1]  # the run's own line, its script's arguments
+    # a run that measured no memory: its peak column reads "-", and says why
+    import argparse
+    from dataclasses import replace
+
+    from ddpscope.cli.sharded_whatif import sharded_whatif
+
+    blind = replace(trace, shards=replace(trace.shards, memory=trace.shards.memory.iloc[0:0]), cache={})
+    args = argparse.Namespace(json=False, caps=None, cap_list=None, reshard_after_forward=None,
+                              forward_prefetch=None, backward_prefetch=None)
+    assert sharded_whatif(blind, args) == 0
+    text = capsys.readouterr().out
+    assert "no peak is predicted" in text and text.splitlines()[2].split()[4:6] == ["-", "-"]
     for flags, said in ((["--caps", "1"], "--caps sets a bucket size"),
                         (["--cap-list", "1,2"], "--cap-list is DDP's"),
                         (["--reshard-after-forward", "2"], "on a run of 2 ranks is true or false"),
