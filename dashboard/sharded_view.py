@@ -34,7 +34,13 @@ from ddpscope.viz.sharded.metrics import (
     reshard_setting,
     stage_differences,
 )
-from ddpscope.viz.sharded.predict import predict_deepspeed_peak, predict_memory, predict_peak, predict_step_ms
+from ddpscope.viz.sharded.predict import (
+    predict_deepspeed_peak,
+    predict_memory,
+    predict_peak,
+    predict_step_ms,
+    reshard_choices,
+)
 from ddpscope.viz.sharded.profile_check import compute_sharded_profile_agreement
 from ddpscope.viz.sources.run_profile import profile_folder
 from ddpscope.viz.units import UNITS
@@ -154,12 +160,11 @@ def render_sharded_memory(trace, unit: str = "MiB") -> None:
 def sharded_rerun_settings(trace) -> dict:
     """The sharding controls of the Run page, with the predictions for the chosen
     settings; returns the settings to rerun with (the ``JobManager.start`` keywords)."""
-    world = trace.world_size
     own = reshard_setting(trace)  # what this run's units ran with: the choice it opens on
     choices = {AS_THE_SCRIPT: None} if own == "mixed" else {}
     choices.update(RESHARD_CHOICES)
-    for n in range(2, world):
-        if world % n == 0:
+    for n in reshard_choices(trace):  # `ddpscope whatif` predicts the same ones
+        if not isinstance(n, bool):
             choices[f"{n} (resharded to {n} ranks)"] = str(n)
     opens_on = AS_THE_SCRIPT if own == "mixed" else next((k for k, v in choices.items() if v == own), None)
     start_from("run_reshard", trace.path, run_reshard=opens_on or next(iter(choices)))
