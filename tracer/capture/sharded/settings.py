@@ -45,10 +45,13 @@ def apply_reshard(units, value: bool | int) -> None:
     import torch
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
 
-    for u in units:
-        if u.is_root:
-            continue
-        info = _get_post_forward_mesh_info(value, u.group.mesh_info)
+    targets = [u for u in units if not u.is_root]
+    # every check before any change: a refused setting leaves every unit as the script set it
+    infos = [_get_post_forward_mesh_info(value, u.group.mesh_info) for u in targets]
+    if not isinstance(value, bool) and any(p.is_dtensor for u in targets for p in u.group.fsdp_params):
+        raise ValueError(f"reshard_after_forward={value} needs plain parameters: FSDP2 cannot reshard DTensor "
+                         "(tensor-parallel) ones to fewer ranks")
+    for u, info in zip(targets, infos):
         u.group.post_forward_mesh_info = info
         for p in u.group.fsdp_params:
             p.post_forward_mesh_info = info
