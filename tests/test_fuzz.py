@@ -1,7 +1,8 @@
 """Traces that are not what they claim: seeded mutations of every trace kind (the DDP,
-ring and ZeRO samples, a real run of this session in the current format, a written
-profiler trace) go through every loader, every page's compute functions and figures,
-and the CLI's ``summary``, ``whatif`` and ``perfetto``. Nothing but a one-line
+ring and ZeRO samples, a real run of this session in the current format, a real FSDP2
+run, a written profiler trace) go through every loader, every page's compute functions
+and figures (a sharded run's predictions too), and the CLI's ``summary``, ``whatif``
+and ``perfetto``. Nothing but a one-line
 ``TraceError`` may come out of the library; the CLI answers 0, or 2 with one line.
 
 The mutation classes are those a campaign over the four kinds found escaping:
@@ -42,12 +43,20 @@ from ddpscope.viz.lanes import timeline_extent_ms
 from ddpscope.viz.ring.animation import make_ring_animation_figure, make_ring_step_figure
 from ddpscope.viz.ring.metrics import compute_ring_step_times, compute_ring_summary, default_round, replay_chunk_states
 from ddpscope.viz.ring.trace import load_ring
+from ddpscope.viz.sharded.figures import make_sharded_timeline_figure
+from ddpscope.viz.sharded.metrics import (
+    compute_memory_over_step,
+    compute_sharded_steps,
+    compute_stage_comparison,
+    compute_unit_table,
+)
+from ddpscope.viz.sharded.predict import predict_peak, predict_step_ms
 from ddpscope.viz.sources import folder_kind, load_training_trace
 from ddpscope.viz.trace import TraceError
 from ddpscope.viz.whatif import advisor
 from ddpscope.viz.zero.figures import make_zero_run_figure
 from ddpscope.viz.zero.trace import compute_zero_comparison, load_zero
-from tests.conftest import SAMPLES
+from tests.conftest import ROOT, SAMPLES, run_cli
 from tests.viz.sources.test_kineto import gpu_profile
 
 CASES = 500
@@ -237,6 +246,8 @@ def _everything(path: Path) -> None:
     elif kind == "zero":
         cmp = compute_zero_comparison(load_zero(path))
         make_zero_run_figure(cmp, "MiB", 0).to_json()
+    elif kind == "sharded":
+        _sharded(path)
     else:
         t = load_training_trace(path)
         compute_rank_medians(t)
@@ -258,6 +269,23 @@ def _everything(path: Path) -> None:
                 _cli("whatif", str(path))  # the what-if fit and sweep (caps 1 and 4 MiB)
 
 
+def _sharded(path: Path) -> None:
+    """A sharded run: its pages' tables and figures, the Run page's predictions and
+    ``whatif``'s (which prints them)."""
+    _cli("whatif", str(path))
+    t = load_training_trace(path)
+    if t.shards is None:
+        return
+    compute_sharded_steps(t)
+    compute_unit_table(t)
+    compute_stage_comparison(t)
+    make_sharded_timeline_figure(t).to_json()
+    for rank in sorted(set(t.shards.memory["rank"])):
+        compute_memory_over_step(t, int(rank))
+    predict_peak(t, reshard_after_forward=False)
+    predict_step_ms(t, False)
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory, mlp_run) -> list[Path]:
     profile = tmp_path_factory.mktemp("sources") / "profile"
@@ -266,7 +294,13 @@ def sources(tmp_path_factory, mlp_run) -> list[Path]:
     (profile / "rank-1.json").write_text(json.dumps(gpu_profile(1, shift=3.0)))
     current = tmp_path_factory.mktemp("current") / "run"  # the format this tracer writes now
     shutil.copytree(mlp_run[0], current, ignore=shutil.ignore_patterns("logs", "live", "nodes"))
-    return sorted(p for p in SAMPLES.iterdir() if p.is_dir()) + [profile, current]
+    sharded = tmp_path_factory.mktemp("sharded") / "run"  # FSDP2, ZeRO-3: units, gathers, memory samples
+    proc = run_cli("run", "--nproc", "2", "--steps", "3", "--out", str(sharded), "--",
+                   str(ROOT / "tests" / "workers" / "fsdp2_train.py"), "--steps", "3")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for junk in ("logs", "live"):
+        shutil.rmtree(sharded / junk, ignore_errors=True)
+    return sorted(p for p in SAMPLES.iterdir() if p.is_dir()) + [profile, current, sharded]
 
 
 @pytest.mark.fuzz  # the campaign (~290 s): .ci/run runs it after the default suite; the hand-built cases stay in it
