@@ -325,6 +325,8 @@ def _sharded_summary(trace, as_json: bool) -> int:
         print(f"  {line}")
     for line in comm_honesty_lines(trace):
         print(line)
+    setting = "ZeRO stage or reduce_bucket_size" if sh.framework == "deepspeed" else "reshard_after_forward"
+    print(f"at another {setting}: `ddpscope whatif {trace.path}`")
     return 0
 
 

@@ -112,6 +112,7 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
     summary = run_cli("summary", str(out))
     assert summary.returncode == 0 and "DeepSpeed units=" in summary.stdout and f"ZeRO stage {stage}" in summary.stdout
     assert "gradient buckets (DeepSpeed" in summary.stdout and UNTIMED_UNITS in summary.stdout
+    assert summary.stdout.splitlines()[-1] == f"at another ZeRO stage or reduce_bucket_size: `ddpscope whatif {out}`"
     as_json = json.loads(run_cli("summary", str(out), "--json").stdout)
     assert [u["forward_ms"] is None for u in as_json["units"]] == list(~root)
     # units no collective carried are left out of the printed table, counted (the JSON keeps them)

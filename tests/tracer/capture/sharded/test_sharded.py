@@ -128,6 +128,7 @@ def test_communication_volume_says_what_gloo_sent_and_what_a_ring_would(zero3):
     assert vol.loc["total", "ring_D"] == pytest.approx(3 * (N - 1) / N)  # the ZeRO model: 3D x (N-1)/N
     proc = run_cli("summary", str(zero3[1]))
     assert proc.returncode == 0 and "gloo has no reduce-scatter" in proc.stdout and "ZeRO stage 3" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == f"at another reshard_after_forward: `ddpscope whatif {zero3[1]}`"
 
 
 def test_rerun_with_reshard_false_is_stage_2_as_predicted(zero3, tmp_path):
