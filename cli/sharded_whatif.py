@@ -75,9 +75,10 @@ def _fsdp2(trace, args) -> int:
                          f"predict it with {RESHARD_AFTER_FORWARD.flag} and the prefetch flags")
     world = trace.world_size
     settings = fsdp2_settings(args)  # ValueError naming the flag
+    hybrids = [c for c in reshard_choices(trace) if not isinstance(c, bool)]  # not `in`: 1 == True
     for kw in settings or ():
         n = kw["reshard_after_forward"]
-        if not isinstance(n, bool) and n is not None and n not in [c for c in reshard_choices(trace) if not isinstance(c, bool)]:  # 1 == True
+        if not isinstance(n, bool) and n is not None and n not in hybrids:
             raise ValueError(f"{RESHARD_AFTER_FORWARD.flag} N must divide the run's {world} ranks, between 2 and "
                              f"{world - 1} (FSDP2's rule: 1 is false, {world} is true), got {n}" if world > 3 else
                              f"{RESHARD_AFTER_FORWARD.flag} on a run of {world} ranks is true or false (N must divide "

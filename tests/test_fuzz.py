@@ -217,10 +217,10 @@ def _make_case(src: Path, dst: Path, rng: random.Random) -> str:
     return what
 
 
-def _cli(*argv: str) -> None:
+def _cli(*argv: str, caps: str | None = "1,4") -> None:
     """A viz command in this process: it must answer 0, or 2 with one line on stderr."""
     command, path, *rest = argv
-    args = Namespace(command=command, path=path, json="--json" in rest, caps="1,4",
+    args = Namespace(command=command, path=path, json="--json" in rest, caps=caps,
                      out=str(Path(path).parent / f"{Path(path).name}-merged.json"))
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
@@ -272,7 +272,8 @@ def _everything(path: Path) -> None:
 def _sharded(path: Path) -> None:
     """A sharded run: its pages' tables and figures, the Run page's predictions and
     ``whatif``'s (which prints them)."""
-    _cli("whatif", str(path))
+    _cli("whatif", str(path), caps=None)  # every reshard_after_forward (an FSDP2 run takes no --caps)
+    _cli("whatif", str(path), "--json", caps=None)
     t = load_training_trace(path)
     if t.shards is None:
         return
