@@ -20,6 +20,7 @@ import math
 
 import pandas as pd
 
+from ddpscope.tracer.capture.sharded.settings import parse_reshard
 from ddpscope.tracer.options import (
     BACKWARD_PREFETCH,
     FORWARD_PREFETCH,
@@ -31,8 +32,6 @@ from ddpscope.tracer.options import (
 )
 
 MIB = 2**20
-#: the reduce_bucket_size stops the Run page's slider offers (MiB), beside the run's own
-DEEPSPEED_CAPS = (0.25, 1.0, 4.0, 16.0, 64.0)
 STEP_NOTE = ("step: the gathers a setting adds or saves, at the run's own speed; gloo runs collectives on the "
              "training thread, so all of that is exposed; on NCCL they overlap compute and the step is an upper bound")
 
@@ -54,9 +53,7 @@ def fsdp2_settings(args) -> list[dict] | None:
         return None
     for option, value in ((RESHARD_AFTER_FORWARD, reshard), (FORWARD_PREFETCH, fwd), (BACKWARD_PREFETCH, bwd)):
         option.validate(value)
-    text = None if reshard is None else str(reshard).strip().lower()
-    setting = None if text is None else True if text == "true" else False if text == "false" else int(text)
-    return [{"reshard_after_forward": setting, "forward_prefetch": 0 if fwd is None else fwd,
+    return [{"reshard_after_forward": parse_reshard(reshard), "forward_prefetch": 0 if fwd is None else fwd,
              "backward_prefetch": 1 if bwd is None else bwd}]
 
 
@@ -104,19 +101,17 @@ def _fsdp2(trace, args) -> int:
 
 
 def _deepspeed(trace, args) -> int:
-    from ddpscope.viz.sharded.deepspeed_states import measured_states, predict_states
-    from ddpscope.viz.sharded.predict import compute_deepspeed_bucket_whatif
+    from ddpscope.viz.sharded.predict import (
+        DEEPSPEED_BUCKET_MIB,
+        STATE_COLUMNS,
+        compute_deepspeed_bucket_whatif,
+        compute_deepspeed_stage_whatif,
+    )
 
     refuse_fsdp2_flags(args, f"a DeepSpeed run's settings are its ZeRO stage and reduce_bucket_size "
                              f"({WHATIF_CAPS.flag}, MiB)")
-    caps = parse_caps(args.caps) if args.caps is not None else list(DEEPSPEED_CAPS)
-    measured = measured_states(trace)
-    states = [{"row": f"this run (stage {trace.shards.stage}, rank {int(r['rank'])})", "stage": trace.shards.stage,
-               "predicted": False, **{k: float(r[k]) for k in STATE_COLUMNS}} for r in measured.to_dict("records")]
-    states += [{"row": f"stage {s}, predicted", "stage": s, "predicted": True,
-                **{k: float(v) for k, v in predict_states(trace, s, measured).items() if k in STATE_COLUMNS}}
-               for s in (1, 2, 3)]
-    states = pd.DataFrame(states)
+    caps = parse_caps(args.caps) if args.caps is not None else list(DEEPSPEED_BUCKET_MIB)
+    states = compute_deepspeed_stage_whatif(trace)
     recorded = (trace.run.get("deepspeed") or {}).get("reduce_bucket_bytes")
     peaks, why = None, None
     if not len(trace.shards.memory):
@@ -126,12 +121,12 @@ def _deepspeed(trace, args) -> int:
     else:
         peaks = compute_deepspeed_bucket_whatif(trace, caps)
     if args.json:
-        return _print_json(trace, {"stages": states.to_dict("records"),
+        return _print_json(trace, {"stages": _records(states),
                                    "bucket_peaks": [] if peaks is None else _records(peaks), "no_peak": why})
     size = f"reduce_bucket_size {recorded / MIB:.4g} MiB" if recorded else "reduce_bucket_size not recorded"
     print(f"{trace.path}  ranks={trace.world_size}  DeepSpeed ZeRO stage {trace.shards.stage}  {size}")
     print("model states a rerun at each stage would keep (MiB per rank):")
-    view = states.drop(columns=["stage", "predicted"])
+    view = states.drop(columns=["stage", "rank", "predicted"])
     for k in STATE_COLUMNS:
         view[k.removesuffix("_bytes") + "_MiB"] = view.pop(k) / MIB
     print(view.round(3).to_string(index=False))
@@ -151,9 +146,6 @@ def _deepspeed(trace, args) -> int:
     print("  the step time at another stage or size is not predicted: the rerun measures it")
     print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run)}")
     return 0
-
-
-STATE_COLUMNS = ["params_bytes", "grads_bytes", "optimizer_state_bytes", "persistent_bytes"]
 
 
 def _rank0_and_largest(table: pd.DataFrame, keys: list[str], values: dict) -> pd.DataFrame:

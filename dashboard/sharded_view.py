@@ -14,9 +14,10 @@ from ddpscope.dashboard.run_header import show_run_header
 from ddpscope.dashboard.run_profile import load_run_profile_or_say
 from ddpscope.dashboard.tables import show_table
 from ddpscope.dashboard.widget_defaults import start_from
+from ddpscope.tracer.capture.sharded.settings import parse_reshard
 from ddpscope.viz.sharded.buckets import compute_bucket_table
 from ddpscope.viz.sharded.comm_volume import comm_honesty_lines, compute_comm_volume
-from ddpscope.viz.sharded.deepspeed_states import measured_states, precision, predict_states
+from ddpscope.viz.sharded.deepspeed_states import precision
 from ddpscope.viz.sharded.figures import (
     make_memory_over_step_figure,
     make_sharded_timeline_figure,
@@ -35,6 +36,9 @@ from ddpscope.viz.sharded.metrics import (
     stage_differences,
 )
 from ddpscope.viz.sharded.predict import (
+    DEEPSPEED_BUCKET_MIB,
+    STATE_COLUMNS,
+    compute_deepspeed_stage_whatif,
     predict_deepspeed_peak,
     predict_memory,
     predict_peak,
@@ -173,7 +177,7 @@ def sharded_rerun_settings(trace) -> dict:
     fwd = c[1].slider("forward prefetch (units ahead)", 0, 3, 0, key="run_fwd_prefetch")
     bwd = c[2].slider("backward prefetch (units ahead)", 1, 3, 1, key="run_bwd_prefetch")
     value = choices[label]
-    setting = None if value is None else True if value == "true" else False if value == "false" else int(value)
+    setting = parse_reshard(value)
     m = st.columns(2)
     measured = len(trace.shards.memory) > 0
     settings = {"reshard_after_forward": value, "forward_prefetch": fwd or None,
@@ -218,17 +222,16 @@ def deepspeed_rerun_settings(trace) -> dict:
     c = st.columns(2)
     now = (ds.get("reduce_bucket_bytes") or 0) / MIB
     own = round(now, 3)  # the slider's stop for this run's own size
-    caps = sorted({0.25, 1.0, 4.0, 16.0, 64.0, own} - {0.0})
+    caps = sorted({*DEEPSPEED_BUCKET_MIB, own} - {0.0})
     start_from("run_ds", trace.path, run_zero_stage=trace.shards.stage, run_ds_cap=own if now else 4.0)
     stage = c[0].selectbox("ZeRO stage", [1, 2, 3], key="run_zero_stage")
     cap = c[1].select_slider("reduce_bucket_size (MiB of the communication dtype)", options=caps, key="run_ds_cap")
     same = bool(now) and abs(cap - own) < 1e-9  # this run's size, not its value rounded to the slider's
-    measured = measured_states(trace)
-    predicted = predict_states(trace, stage, measured)
-    rows = [{"": f"this run (stage {trace.shards.stage}, rank 0)",
-             **{_mib(k): measured[k].iloc[0] / MIB for k in STATE_COLUMNS}}] if len(measured) else []
-    rows.append({"": f"stage {stage}, predicted", **{_mib(k): predicted[k] / MIB for k in STATE_COLUMNS}})
-    show_table(pd.DataFrame(rows).round(3), key="run_ds_states")
+    states = compute_deepspeed_stage_whatif(trace, [stage])  # `ddpscope whatif`'s table, every stage
+    states = pd.concat([states[~states["predicted"]].head(1), states[states["predicted"]]])  # the first rank's
+    view = states[["row", *STATE_COLUMNS]].rename(columns={"row": "", **{k: _mib(k) for k in STATE_COLUMNS}})
+    view[[_mib(k) for k in STATE_COLUMNS]] /= MIB
+    show_table(view.round(3), key="run_ds_states")
     st.caption("MiB per rank. Persistent: parameters, the fp32 master and Adam's moments (what the rerun is checked "
                "on); gradients live in buffers sized by the bucket layout.")
     mem = trace.shards.memory
@@ -244,9 +247,6 @@ def deepspeed_rerun_settings(trace) -> dict:
                   "where DeepSpeed's compute is timed) hold no bucket, so the peak they read stays at any size")
                + ". The step time is not predicted: the rerun measures it.")
     return {"zero_stage": stage if stage != trace.shards.stage else None, "bucket_cap_mb": None if same else cap}
-
-
-STATE_COLUMNS = ["params_bytes", "grads_bytes", "optimizer_state_bytes", "persistent_bytes"]
 
 
 def _mib(column: str) -> str:

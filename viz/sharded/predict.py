@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ddpscope.viz.sharded.deepspeed_states import measured_states, predict_states
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
 from ddpscope.viz.sharded.metrics import compute_memory_over_step, compute_sharded_steps, reshard_setting
 from ddpscope.viz.sharded.trace import real_steps
@@ -183,25 +184,50 @@ def compute_reshard_whatif(trace, settings: list[dict] | None = None) -> pd.Data
     functions, so a row is the metric it shows for that choice."""
     if settings is None:
         settings = [{"reshard_after_forward": s} for s in reshard_choices(trace)]
+    settings = [{"forward_prefetch": 0, "backward_prefetch": 1, **kw} for kw in settings]
     measured_memory = len(trace.shards.memory) > 0
+    tables = [(predict_peak(trace, **kw).set_index("rank") if measured_memory else None,
+               predict_step_ms(trace, kw.get("reshard_after_forward")).set_index("rank") if len(trace.steps) else None)
+              for kw in settings]
     ranks = {int(r) for r in trace.shards.memory["rank"].unique()}
     if len(trace.steps):
         ranks |= {int(r) for r in compute_sharded_steps(trace)["rank"].unique()}
+    # every prediction's table holds the run as measured too: the first row is read from the first
+    first = {"reshard_after_forward": reshard_setting(trace), "forward_prefetch": 0, "backward_prefetch": 1}
     rows = []
-    for i, kw in enumerate([None, *settings]):
-        kw = {"forward_prefetch": 0, "backward_prefetch": 1, **(kw or {})}
-        setting = kw.get("reshard_after_forward")
-        peaks = predict_peak(trace, **kw).set_index("rank") if measured_memory else None
-        steps = predict_step_ms(trace, setting).set_index("rank") if len(trace.steps) else None
-        which = "measured" if i == 0 else "predicted"
+    for kw, (peaks, steps), which in [(first, tables[0], "measured"),
+                                      *((kw, t, "predicted") for kw, t in zip(settings, tables))]:
+        name = kw["reshard_after_forward"] if which == "measured" else setting_name(kw.get("reshard_after_forward"))
         for rank in sorted(ranks):
-            rows.append({"reshard_after_forward": reshard_setting(trace) if i == 0 else setting_name(setting),
-                         "forward_prefetch": kw["forward_prefetch"], "backward_prefetch": kw["backward_prefetch"],
-                         "rank": rank, "predicted": i > 0,
+            rows.append({"reshard_after_forward": name, "forward_prefetch": kw["forward_prefetch"],
+                         "backward_prefetch": kw["backward_prefetch"], "rank": rank, "predicted": which != "measured",
                          "peak_bytes": _at(peaks, rank, f"{which}_peak_bytes"),
                          "step_ms": _at(steps, rank, f"{which}_step_ms")})
     return pd.DataFrame(rows, columns=["reshard_after_forward", "forward_prefetch", "backward_prefetch", "rank",
                                        "predicted", "peak_bytes", "step_ms"])
+
+
+#: the reduce_bucket_size values (MiB) the Run page's slider and ``ddpscope whatif`` offer
+#: for a DeepSpeed run, beside the run's own
+DEEPSPEED_BUCKET_MIB = (0.25, 1.0, 4.0, 16.0, 64.0)
+#: the model states a DeepSpeed rerun at another stage is predicted on (bytes per rank)
+STATE_COLUMNS = ["params_bytes", "grads_bytes", "optimizer_state_bytes", "persistent_bytes"]
+
+
+def compute_deepspeed_stage_whatif(trace, stages=(1, 2, 3)) -> pd.DataFrame:
+    """A DeepSpeed run's model states beside a rerun's at each of ``stages``: a row per
+    rank as measured (``row`` "this run (stage S, rank r)", ``predicted`` False), then a
+    row per stage predicted (``predict_states``; ``rank`` None). Columns: row, stage, rank,
+    predicted and ``STATE_COLUMNS`` (bytes per rank)."""
+    measured = measured_states(trace)
+    rows = [{"row": f"this run (stage {trace.shards.stage}, rank {int(r['rank'])})", "stage": trace.shards.stage,
+             "rank": int(r["rank"]), "predicted": False, **{k: float(r[k]) for k in STATE_COLUMNS}}
+            for r in measured.to_dict("records")]
+    for stage in stages:
+        pred = predict_states(trace, stage, measured)
+        rows.append({"row": f"stage {stage}, predicted", "stage": stage, "rank": None, "predicted": True,
+                     **{k: float(pred[k]) for k in STATE_COLUMNS}})
+    return pd.DataFrame(rows, columns=["row", "stage", "rank", "predicted", *STATE_COLUMNS])
 
 
 def compute_deepspeed_bucket_whatif(trace, bucket_mib: list[float]) -> pd.DataFrame:
