@@ -279,7 +279,7 @@ def hot_path(calls: int = 2000) -> dict[str, tuple[float, float]]:
             if path.startswith("a bucket"):
                 rec.on_forward_start()
                 rec.enter(ROOT, BACKWARD)
-                tap.bucket = comm.bucket_mark("a.weight", "a.bias", 2)
+                tap.bucket = comm.bucket_mark(("a.weight", "a.bias"))
             elif path.startswith("any other"):
                 tap.bucket = None
             costs = []

@@ -4,9 +4,9 @@ and the page read the same numbers.
 
 - FSDP2: the peak and the step at each ``reshard_after_forward`` a rerun can take (or
   the one named with ``--reshard-after-forward`` and the prefetch flags);
-- DeepSpeed: the model states a rerun at ZeRO stage 1, 2 and 3 would keep, and the peak
-  at other ``reduce_bucket_size`` values (``--caps``, MiB, as ``ddpscope run
-  --bucket-cap-mb`` sets it).
+- DeepSpeed: the model states a rerun at ZeRO stage 1, 2 and 3 would keep, and the peak,
+  the buckets and the step at other ``reduce_bucket_size`` values (``--caps``, MiB, as
+  ``ddpscope run --bucket-cap-mb`` sets it).
 
 Each table prints rank 0 (the page's metric) and the largest rank; ``--json`` gives
 every rank. ``ValueError`` naming the flag on a flag the run's kind does not take
@@ -101,6 +101,7 @@ def _fsdp2(trace, args) -> int:
 
 
 def _deepspeed(trace, args) -> int:
+    from ddpscope.viz.sharded.deepspeed_buckets import bucket_cost
     from ddpscope.viz.sharded.predict import (
         DEEPSPEED_BUCKET_MIB,
         STATE_COLUMNS,
@@ -113,16 +114,13 @@ def _deepspeed(trace, args) -> int:
     caps = parse_caps(args.caps) if args.caps is not None else list(DEEPSPEED_BUCKET_MIB)
     states = compute_deepspeed_stage_whatif(trace)
     recorded = (trace.run.get("deepspeed") or {}).get("reduce_bucket_bytes")
-    peaks, why = None, None
-    if not len(trace.shards.memory):
-        why = "this run recorded no memory: no peak is predicted"
-    elif not recorded:
-        why = "this run did not record DeepSpeed's reduce_bucket_size: no peak is predicted"
-    else:
-        peaks = compute_deepspeed_bucket_whatif(trace, caps)
+    sizes = compute_deepspeed_bucket_whatif(trace, caps) if recorded else None
+    why = None if recorded else "this run did not record DeepSpeed's reduce_bucket_size: nothing is predicted at another"
+    cost = bucket_cost(trace) if recorded else None
     if args.json:
         return _print_json(trace, {"stages": _records(states),
-                                   "bucket_peaks": [] if peaks is None else _records(peaks), "no_peak": why})
+                                   "bucket_sizes": [] if sizes is None else _records(sizes), "no_bucket_sizes": why,
+                                   "bucket_cost": None if cost is None else _cost_line(cost)})
     size = f"reduce_bucket_size {recorded / MIB:.4g} MiB" if recorded else "reduce_bucket_size not recorded"
     print(f"{trace.path}  ranks={trace.world_size}  DeepSpeed ZeRO stage {trace.shards.stage}  {size}")
     print("model states a rerun at each stage would keep (MiB per rank):")
@@ -132,20 +130,32 @@ def _deepspeed(trace, args) -> int:
     print(view.round(3).to_string(index=False))
     print("  persistent: parameters, the fp32 master and Adam's moments; gradients live in buffers sized by the "
           "bucket layout")
-    if peaks is None:
-        print(f"peak at another reduce_bucket_size: {why}")
+    if sizes is None:
+        print(f"at another reduce_bucket_size: {why}")
     else:
-        print(f"the peak at other reduce_bucket_size values, at stage {trace.shards.stage} (first row: this run, "
-              "measured):")
-        print(_rank0_and_largest(peaks, ["reduce_bucket_MiB", "predicted"],
-                                 {"peak_bytes": ("peak_MiB", MIB, "max")}).round(4).to_string(index=False))
-        held = trace.shards.memory["comm_buffers_bytes"].fillna(0).max() > 0
-        print("  DeepSpeed allocates its gradient buckets whole (reduce_bucket_size elements): they scale, nothing "
-              "else moves" + ("" if held else "; this run's memory samples hold no bucket, so the peak stays at "
-                              "any size"))
-    print("  the step time at another stage or size is not predicted: the rerun measures it")
+        print(f"at other reduce_bucket_size values, at stage {trace.shards.stage} (first row: this run, measured; "
+              "buckets: reductions a step):")
+        print(_rank0_and_largest(sizes, ["reduce_bucket_MiB", "predicted"],
+                                 {"peak_bytes": ("peak_MiB", MIB, "max"), "buckets": ("buckets", 1, "max"),
+                                  "step_ms": ("step_ms", 1.0, "max")}).round(4).to_string(index=False))
+        mem = trace.shards.memory
+        held = len(mem) and mem["comm_buffers_bytes"].fillna(0).max() > 0
+        print("  peak: " + ("this run recorded no memory: not predicted" if not len(mem) else
+                            "DeepSpeed allocates its gradient buckets whole (reduce_bucket_size elements): they scale, "
+                            "nothing else moves" + ("" if held else "; this run's memory samples hold no bucket, so "
+                                                    "the peak stays at any size")))
+        print("  step: " + ("this trace lists no bucket's parameter sizes (traced before ddpscope recorded them): "
+                            "not predicted" if cost is None else
+                            "the buckets cut again from the gradients' ready order (exact), each reduction costed at "
+                            f"{_cost_line(cost)}, as much of it exposed as this run's was"))
+    print("  a rerun at another stage is predicted in memory only: the rerun measures its step")
     print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run)}")
     return 0
+
+
+def _cost_line(cost) -> str:
+    """A bucket reduction's cost model in words (``deepspeed_buckets.bucket_cost``)."""
+    return f"{cost.latency_us * cost.scale:.0f} µs + {cost.bandwidth_gbps / cost.scale:.2f} GB/s ({cost.source})"
 
 
 def _rank0_and_largest(table: pd.DataFrame, keys: list[str], values: dict) -> pd.DataFrame:

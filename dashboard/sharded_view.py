@@ -17,6 +17,7 @@ from ddpscope.dashboard.widget_defaults import start_from
 from ddpscope.tracer.capture.sharded.settings import parse_reshard
 from ddpscope.viz.sharded.buckets import compute_bucket_table
 from ddpscope.viz.sharded.comm_volume import comm_honesty_lines, compute_comm_volume
+from ddpscope.viz.sharded.deepspeed_buckets import predict_deepspeed_step_ms
 from ddpscope.viz.sharded.deepspeed_states import precision
 from ddpscope.viz.sharded.figures import (
     make_memory_over_step_figure,
@@ -238,14 +239,23 @@ def deepspeed_rerun_settings(trace) -> dict:
     peak = None
     if len(mem) and now:  # the buckets are allocated whole: the peak moves with their size
         peak = predict_deepspeed_peak(trace, ds["reduce_bucket_bytes"] if same else cap * MIB)
-    _prediction_metric(st.columns(2)[0], f"predicted peak at stage {trace.shards.stage} (rank 0)", "peak_bytes",
+    m = st.columns(2)
+    _prediction_metric(m[0], f"predicted peak at stage {trace.shards.stage} (rank 0)", "peak_bytes",
                        1 / MIB, "MiB", peak, "This run recorded no memory or no reduce_bucket_size: no peak is predicted.")
+    step = predict_deepspeed_step_ms(trace, now if same else cap) if now else None
+    if step is not None and step["predicted_step_ms"].isna().all():
+        step = None
+    _prediction_metric(m[1], f"predicted step at stage {trace.shards.stage} (rank 0)", "step_ms", 1.0, "ms", step,
+                       "This trace lists no bucket's parameter sizes (traced before ddpscope recorded them) or no "
+                       "reduce_bucket_size: no step is predicted.")
     held = len(mem) and mem["comm_buffers_bytes"].fillna(0).max() > 0
-    st.caption("The peak at another reduce_bucket_size, at this run's stage: DeepSpeed allocates its gradient buckets "
+    st.caption("At another reduce_bucket_size, at this run's stage: DeepSpeed allocates its gradient buckets "
                "whole (reduce_bucket_size elements), so they scale and nothing else moves"
                + ("" if held else "; this run's memory samples (taken between the model's forward and backward, "
                   "where DeepSpeed's compute is timed) hold no bucket, so the peak they read stays at any size")
-               + ". The step time is not predicted: the rerun measures it.")
+               + ". The step: the buckets cut again from the gradients' ready order, each reduction costed as this "
+                 "run's were for their size (`ddpscope whatif` prints the cost line). A rerun at another stage is "
+                 "predicted in memory only.")
     return {"zero_stage": stage if stage != trace.shards.stage else None, "bucket_cap_mb": None if same else cap}
 
 

@@ -103,8 +103,8 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
         return
     shards = getattr(trace, "shards", None)
     if shards is not None:  # what a sharded run can change is not a bucket cap: the Run page predicts it
-        name, what = (("DeepSpeed", "another ZeRO stage's model states and another reduce_bucket_size's peak "
-                       "memory, predicted from this trace; a step time is not predicted: the rerun measures it")
+        name, what = (("DeepSpeed", "another ZeRO stage's model states, and another reduce_bucket_size's peak "
+                       "memory and step time, predicted from this trace")
                       if shards.framework == "deepspeed" else
                       ("FSDP2", "reshard_after_forward and the prefetch depths: peak memory and step time, predicted"))
         st.info(f"This is a sharded run ({name}): the What-if predicts DDP's bucket caps. Its own settings are on "

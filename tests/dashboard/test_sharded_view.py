@@ -10,7 +10,9 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from ddpscope.dashboard.sharded_view import AS_THE_SCRIPT
+from ddpscope.viz.sharded.deepspeed_buckets import predict_deepspeed_step_ms
 from ddpscope.viz.sharded.metrics import NO_UNIT
+from ddpscope.viz.trace import load_run
 from tests.conftest import ROOT
 from tests.dashboard.app_driver import chart_spec, chart_specs, metric_value, open_page, open_traced
 
@@ -151,7 +153,7 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     assert any("3D x (N-1)/N for a step that reduces once" in m.value for m in at.markdown)
     open_page(at, "What-if")
     said = next(i.value for i in at.info if "sharded run (DeepSpeed)" in i.value)
-    assert "ZeRO stage" in said and "reduce_bucket_size's peak memory" in said and "step time is not predicted" in said
+    assert "ZeRO stage" in said and "reduce_bucket_size's peak memory and step time" in said
     assert not any("replayed with the buckets DDP would build" in c.value for c in at.caption)  # not of this run
     open_page(at, "Memory (ZeRO)")
     table = next(d.value for d in at.dataframe if "persistent measured/predicted" in d.value.columns)
@@ -170,9 +172,16 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     peak = next(m for m in at.metric if m.label == "predicted peak at stage 2 (rank 0)")
     assert peak.delta == "as this run" and peak.value.endswith(" MiB")
     assert any("hold no bucket, so the peak they read stays" in c.value for c in at.caption)  # stage 2: said why
+    # and the step there, from the buckets re-cut (its exactness against reruns: test_deepspeed_peak.py)
+    step = next(m for m in at.metric if m.label == "predicted step at stage 2 (rank 0)")
+    assert step.delta == "as this run" and step.value.endswith(" ms")
     at.select_slider(key="run_ds_cap").set_value(16.0).run()
     assert at.button(key="run_button").label == "Rerun at ZeRO stage 3, reduce_bucket_size 16 MiB"
-    assert not any("no peak is predicted" in i.value for i in at.info)
+    assert not any("no peak is predicted" in i.value or "no step is predicted" in i.value for i in at.info)
+    trace = load_run(out)
+    want = predict_deepspeed_step_ms(trace, 16.0)["predicted_step_ms"].iloc[0]
+    step = next(m for m in at.metric if m.label == "predicted step at stage 2 (rank 0)")
+    assert step.value == f"{want:.1f} ms" and step.delta != "as this run"
 
 
 @pytest.mark.deepspeed

@@ -1,5 +1,6 @@
 """Predict a sharded run under other FSDP2 settings, or a DeepSpeed run's peak at another
-``reduce_bucket_size`` (``predict_deepspeed_peak``), from one trace of it.
+``reduce_bucket_size`` (``predict_deepspeed_peak``; its step: ``deepspeed_buckets``),
+from one trace of it.
 
 Memory: a measured step's samples (one per unit boundary) are replayed with which units
 are gathered under the new ``reshard_after_forward`` and prefetch depths; everything
@@ -25,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ddpscope.viz.sharded.deepspeed_buckets import predict_deepspeed_step_ms
 from ddpscope.viz.sharded.deepspeed_states import measured_states, predict_states
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
 from ddpscope.viz.sharded.metrics import compute_memory_over_step, compute_sharded_steps, reshard_setting
@@ -231,22 +233,30 @@ def compute_deepspeed_stage_whatif(trace, stages=(1, 2, 3)) -> pd.DataFrame:
 
 
 def compute_deepspeed_bucket_whatif(trace, bucket_mib: list[float]) -> pd.DataFrame:
-    """A DeepSpeed run's peak at other ``reduce_bucket_size`` values (MiB of the
-    communication dtype), at its own stage: one row per size and rank, first the run's own
-    size as measured (``predicted`` False), then each other size of ``bucket_mib``
-    (``predict_deepspeed_peak``). Columns: reduce_bucket_MiB, rank, predicted, peak_bytes
-    (bytes). ``ValueError`` where the run did not record its bucket size."""
+    """A DeepSpeed run at other ``reduce_bucket_size`` values (MiB of the communication
+    dtype), at its own stage: one row per size and rank, first the run's own size as
+    measured (``predicted`` False), then each other size of ``bucket_mib``. Columns:
+    reduce_bucket_MiB, rank, predicted, peak_bytes (bytes, ``predict_deepspeed_peak``; NaN
+    where the run measured no memory), buckets (reductions a step) and step_ms (ms, median
+    over real steps; ``deepspeed_buckets.predict_deepspeed_step_ms``; NaN where the trace
+    lists no bucket sizes). ``ValueError`` where the run did not record its bucket size."""
     now = (trace.run.get("deepspeed") or {}).get("reduce_bucket_bytes")
-    table = predict_deepspeed_peak(trace, now)  # at its own size: the run (raises where it did not record it)
-    rows = [{"reduce_bucket_MiB": now / 2**20, "rank": int(r.rank), "predicted": False,
-             "peak_bytes": r.measured_peak_bytes} for r in table.itertuples()]
-    for mib in dict.fromkeys(float(m) for m in bucket_mib):
-        if mib * 2**20 == now:
-            continue
-        for r in predict_deepspeed_peak(trace, mib * 2**20).itertuples():
-            rows.append({"reduce_bucket_MiB": mib, "rank": int(r.rank), "predicted": True,
-                         "peak_bytes": r.predicted_peak_bytes})
-    return pd.DataFrame(rows, columns=["reduce_bucket_MiB", "rank", "predicted", "peak_bytes"])
+    if not isinstance(now, (int, float)) or now <= 0:
+        raise ValueError("the run did not record DeepSpeed's reduce_bucket_size")
+    measured_memory = len(trace.shards.memory) > 0
+    sizes = [now / 2**20, *(m for m in dict.fromkeys(float(m) for m in bucket_mib) if m * 2**20 != now)]
+    rows = []
+    for k, mib in enumerate(sizes):
+        which = "predicted" if k else "measured"
+        peaks = predict_deepspeed_peak(trace, mib * 2**20).set_index("rank") if measured_memory else None
+        steps = predict_deepspeed_step_ms(trace, mib).set_index("rank")
+        ranks = sorted(set(steps.index) | (set(peaks.index) if peaks is not None else set()))
+        for rank in ranks:
+            rows.append({"reduce_bucket_MiB": mib, "rank": int(rank), "predicted": bool(k),
+                         "peak_bytes": _at(peaks, rank, f"{which}_peak_bytes"),
+                         "buckets": _at(steps, rank, f"{which}_buckets"),
+                         "step_ms": _at(steps, rank, f"{which}_step_ms")})
+    return pd.DataFrame(rows, columns=["reduce_bucket_MiB", "rank", "predicted", "peak_bytes", "buckets", "step_ms"])
 
 
 def _at(table: pd.DataFrame | None, rank: int, column: str) -> float:

@@ -15,7 +15,9 @@ Tables (times µs on rank 0's clock, bytes):
   sent_as (what the backend ran instead: gloo runs a reduce-scatter as an all-reduce),
   start_us, end_us; DeepSpeed's also say what issued each (``issued_by``: grad_bucket,
   param_fetch, param_allgather, other) and, for a gradient bucket, its number in the
-  step (``bucket``), its parameters' count and its first and last parameter
+  step (``bucket``), its parameters' count and its first and last parameter, and each
+  parameter's elements in the bucket's order (``bucket_numels``, a tuple; None in traces
+  before it)
 - ``memory``: rank, step, ts_us, unit, name, phase, at (start / end of the unit's
   phase), and bytes per category (``tracer.format.MEMORY_CATEGORIES``; "other" on CUDA
   only), total_bytes
@@ -37,7 +39,7 @@ UNIT_COLUMNS = ["unit", "name", "numel", "sharded_bytes", "unsharded_bytes", "re
                 "shard_size", "replicate_size"]
 SEGMENT_COLUMNS = ["rank", "step", "unit", "name", "phase", "start_us", "end_us"]
 COLL_COLUMNS = ["rank", "step", "unit", "name", "collective", "phase", "bytes", "prefetch", "sent_as", "start_us",
-                "end_us", "issued_by", "bucket", "micro", "bucket_params", "first_param", "last_param"]
+                "end_us", "issued_by", "bucket", "micro", "bucket_params", "first_param", "last_param", "bucket_numels"]
 MEMORY_COLUMNS = ["rank", "step", "ts_us", "unit", "name", "phase", "at", *fmt.MEMORY_CATEGORIES, "total_bytes"]
 
 
@@ -131,7 +133,8 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
                               "micro": _count(a.get("micro", 0)) if "bucket" in a else None,
                               "bucket_params": _count(a.get("params", 0)) if "bucket" in a else None,
                               "first_param": a.get("first_param") if isinstance(a.get("first_param"), str) else None,
-                              "last_param": a.get("last_param") if isinstance(a.get("last_param"), str) else None})
+                              "last_param": a.get("last_param") if isinstance(a.get("last_param"), str) else None,
+                              "bucket_numels": _numels(a.get("numels"))})
     sharding = run["sharding"]
     stage = sharding.get("stage")
     framework = str(sharding.get("framework") or "fsdp2")
@@ -147,7 +150,18 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
         reduce_scatter_sent_as=sharding.get("reduce_scatter_sent_as"))
 
 
-_TEXT = ("name", "phase", "at", "collective", "sent_as", "issued_by", "first_param", "last_param")
+_TEXT = ("name", "phase", "at", "collective", "sent_as", "issued_by", "first_param", "last_param", "bucket_numels")
+
+
+def _numels(value) -> tuple[int, ...] | None:
+    """A bucket's parameter sizes (elements) as the trace lists them; None where it lists
+    none or anything but counts (a trace before them, or a damaged one: the bucket is then
+    shown but not re-cut)."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**53 for n in value):
+        return None
+    return tuple(value)
 
 
 def _frame(rows: list[dict], columns: list[str], order: list[str]) -> pd.DataFrame:

@@ -1,6 +1,7 @@
-"""The peak of a DeepSpeed run at another reduce_bucket_size (viz/sharded/deepspeed_states.py,
-``predict_deepspeed_peak``), against the rerun at that size: real 2-rank DeepSpeed jobs (CPU
-accelerator, gloo), the rerun made as the Run page makes it (``ddpscope run --bucket-cap-mb``)."""
+"""A DeepSpeed run at another reduce_bucket_size: its peak (viz/sharded/predict.py,
+``predict_deepspeed_peak``) and its buckets (viz/sharded/deepspeed_buckets.py), against the
+rerun at that size: real 2-rank DeepSpeed jobs (CPU accelerator, gloo), the rerun made as
+the Run page makes it (``ddpscope run --bucket-cap-mb``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
+from ddpscope.viz.sharded.deepspeed_buckets import bucket_elements, predict_deepspeed_step_ms, recut, reductions
 from ddpscope.viz.sharded.metrics import compute_memory_over_step, compute_sharded_run_comparison
 from ddpscope.viz.sharded.predict import predict_deepspeed_peak
 from ddpscope.viz.trace import load_run
@@ -20,49 +22,84 @@ pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.deepspeed]
 WORKER = str(ROOT / "tests" / "workers" / "deepspeed_train.py")
 ENV = {"DS_ACCELERATOR": "cpu"}
+RERUN_MIB = 280_000 / 2**20  # 70,000 fp32 elements: the worker's layers cut where neither 20,000 nor 1 MiB cuts
+MODEL_NUMEL = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 8 + 8  # the worker's MLP
+
+
+def layouts(trace) -> dict:
+    """(rank, step, micro) -> the elements of each bucket reduced there, in order."""
+    table = reductions(trace)
+    return {k: [int(e) for e in g["elements"]] for k, g in table.groupby(["rank", "step", "micro"])}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_the_peak_at_another_reduce_bucket_size_is_the_reruns_to_the_byte(tmp_path, stage):
-    """Traced at 20,000 elements, predicted at 0.5 MiB (131,072 fp32 elements), rerun there: the
-    rerun's peak per rank is the prediction, to the byte. ZeRO-3 allocates its bucket whole, so
-    its peak grows by the bucket's growth; these stage-2 runs hold no bucket buffer when memory
-    is sampled, so their peak stays."""
+def test_the_peak_and_buckets_at_another_reduce_bucket_size_are_the_reruns(tmp_path, stage):
+    """Traced at 20,000 elements, predicted at 70,000, rerun there: the rerun's peak per rank
+    is the prediction, to the byte, and so is every bucket it reduced (elements, in order, in
+    every step and rank). ZeRO-3 allocates its bucket whole, so its peak grows by the
+    bucket's growth; these stage-2 runs hold no bucket buffer when memory is sampled, so
+    their peak stays."""
     script = (WORKER, "--stage", str(stage), "--steps", "3", "--reduce-bucket-size", "20000")
     proc, out, _ = trace_script(tmp_path, *script, name="traced", env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    proc, again, _ = trace_script(tmp_path, *script, ddpscope=("--bucket-cap-mb", "0.5"), name="rerun", env=ENV)
+    proc, again, _ = trace_script(tmp_path, *script, ddpscope=("--bucket-cap-mb", repr(RERUN_MIB)), name="rerun",
+                                  env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
     traced, rerun = load_run(out), load_run(again)
     assert traced.run["deepspeed"]["reduce_bucket_bytes"] == 4 * 20_000
-    assert rerun.run["deepspeed"]["reduce_bucket_bytes"] == 2**19  # the page's 0.5 MiB, as DeepSpeed ran it
+    assert rerun.run["deepspeed"]["reduce_bucket_bytes"] == 280_000  # as DeepSpeed ran it
+    assert bucket_elements(traced, RERUN_MIB) == 70_000
 
-    table = predict_deepspeed_peak(traced, 2**19).set_index("rank")
+    table = predict_deepspeed_peak(traced, 280_000).set_index("rank")
     measured = {r: compute_memory_over_step(rerun, r)["total_bytes"].max() for r in (0, 1)}
     assert table["predicted_peak_bytes"].to_dict() == measured
     grew = table["predicted_peak_bytes"] - table["measured_peak_bytes"]
-    assert (grew == (2**19 - 80_000) if stage == 3 else grew == 0).all(), grew
+    assert (grew == (280_000 - 80_000) if stage == 3 else grew == 0).all(), grew
+
+    # the buckets: each one's parameters as the trace lists them, end to end, are the whole model
+    # once per micro-batch (the model's own count, the independent instrument) in ready order;
+    # cut again at 70,000 they are the rerun's buckets
+    own = reductions(traced)
+    order = {k: [n for t in g["numels"] for n in t] for k, g in own.groupby(["rank", "step", "micro"])}
+    assert order and all(sum(v) == MODEL_NUMEL for v in order.values())
+    assert {k: recut(v, 20_000) for k, v in order.items()} == layouts(traced)  # the run's own cut, again
+    predicted = {k: recut(v, 70_000) for k, v in order.items()}
+    assert predicted == layouts(rerun) and len(next(iter(predicted.values()))) == 2
+    assert len(next(iter(layouts(traced).values()))) == 3
+    steps = predict_deepspeed_step_ms(traced, RERUN_MIB).set_index("rank")
+    assert (steps["measured_buckets"] == 3).all() and (steps["predicted_buckets"] == 2).all()
+    assert steps["predicted_step_ms"].notna().all()
+    at_own = predict_deepspeed_step_ms(traced, 80_000 / 2**20)  # at its own size the prediction is the run
+    assert (at_own["predicted_step_ms"] == at_own["measured_step_ms"]).all()
+
     # the Compare table set beside the rerun on the page says which size each ran with, and the
     # rerun's peak there is the one predicted (its largest rank's)
     table_ab = compute_sharded_run_comparison({"traced": traced, "rerun": rerun}).set_index("run")
-    assert table_ab["reduce_bucket_MiB"].tolist() == [80_000 / 2**20, 0.5]
+    assert table_ab["reduce_bucket_MiB"].tolist() == [80_000 / 2**20, RERUN_MIB]
     assert table_ab.loc["rerun", "peak_MiB"] * 2**20 == pytest.approx(table["predicted_peak_bytes"].max(), rel=1e-12)
     # `ddpscope whatif --caps` prints it (the page's prediction) beside the run as measured
-    said = run_cli("whatif", str(out), "--caps", "0.5,16", "--json")
+    said = run_cli("whatif", str(out), "--caps", f"{RERUN_MIB!r},16", "--json")
     assert said.returncode == 0, said.stderr
-    peaks = pd.DataFrame(json.loads(said.stdout)["bucket_peaks"])
-    assert peaks["reduce_bucket_MiB"].drop_duplicates().tolist() == [80_000 / 2**20, 0.5, 16.0]
-    at_half = peaks[peaks["reduce_bucket_MiB"] == 0.5].set_index("rank")
-    assert at_half["predicted"].all() and at_half["peak_bytes"].to_dict() == measured
-    own_row = peaks[~peaks["predicted"]].set_index("rank")["peak_bytes"]
-    assert own_row.to_dict() == table["measured_peak_bytes"].to_dict()
+    body = json.loads(said.stdout)
+    sizes = pd.DataFrame(body["bucket_sizes"])
+    assert sizes["reduce_bucket_MiB"].drop_duplicates().tolist() == [80_000 / 2**20, RERUN_MIB, 16.0]
+    at_rerun = sizes[sizes["reduce_bucket_MiB"] == RERUN_MIB].set_index("rank")
+    assert at_rerun["predicted"].all() and at_rerun["peak_bytes"].to_dict() == measured
+    assert at_rerun["buckets"].tolist() == [2, 2] and at_rerun["step_ms"].to_dict() == steps["predicted_step_ms"].to_dict()
+    own_row = sizes[~sizes["predicted"]].set_index("rank")
+    assert own_row["peak_bytes"].to_dict() == table["measured_peak_bytes"].to_dict()
+    assert own_row["buckets"].tolist() == [3, 3] and "bucket reductions" in body["bucket_cost"]
     # at its own size, the prediction is the run
-    own = predict_deepspeed_peak(traced, 80_000)
-    assert (own["predicted_peak_bytes"] == own["measured_peak_bytes"]).all()
+    own_peak = predict_deepspeed_peak(traced, 80_000)
+    assert (own_peak["predicted_peak_bytes"] == own_peak["measured_peak_bytes"]).all()
 
     # bad input: one line, no table
     with pytest.raises(ValueError, match="must be > 0 bytes"):
         predict_deepspeed_peak(traced, 0)
+    with pytest.raises(ValueError, match="must be > 0 MiB"):
+        predict_deepspeed_step_ms(traced, float("nan"))
     untold = replace(traced, run={**traced.run, "deepspeed": {}}, cache={})
     with pytest.raises(ValueError, match="did not record DeepSpeed's reduce_bucket_size"):
         predict_deepspeed_peak(untold, 2**19)
+    with pytest.raises(ValueError, match="did not record DeepSpeed's reduce_bucket_size"):
+        predict_deepspeed_step_ms(untold, 1.0)

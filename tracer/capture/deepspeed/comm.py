@@ -75,23 +75,37 @@ def nbytes(value: Any) -> int:
         return 0
 
 
-def bucket_args(index: int, params: int, first: str, last: str, micro: int = 0) -> dict:
+def bucket_args(index: int, params: int, first: str, last: str, micro: int = 0,
+                numels: list[int] | None = None) -> dict:
     """A gradient bucket's event args, made when its step is emitted: ``index``, its number
     in micro-batch ``micro``'s reductions (with gradient accumulation DeepSpeed reduces the
-    same buckets again in each micro-batch it reduces in)."""
-    return {"zero": GRAD_BUCKET, "bucket": index, "micro": micro, "params": params, "first_param": first,
+    same buckets again in each micro-batch it reduces in); ``numels``: each parameter's
+    elements in the order DeepSpeed added them to the bucket (their gradients' ready order),
+    what a prediction at another ``reduce_bucket_size`` cuts its buckets from."""
+    args = {"zero": GRAD_BUCKET, "bucket": index, "micro": micro, "params": params, "first_param": first,
             "last_param": last}
+    if numels is not None:
+        args["numels"] = numels
+    return args
 
 
 _BUCKET = object()  # the head of a bucket mark
 _MARK = "_ddpscope_bucket"  # a record's bucket mark in its args until the step is emitted
 
 
-def bucket_mark(first: Any, last: Any, count: int) -> tuple:
-    """A gradient bucket about to be reduced (``CommTap.bucket``): its first and last
-    entries as DeepSpeed lists them, and how many. Nothing more is read while the bucket
-    reduces: its unit, names and number in the step are found when the step is emitted."""
-    return (_BUCKET, first, last, count)
+def bucket_mark(entries) -> tuple:
+    """A gradient bucket about to be reduced (``CommTap.bucket``): its entries as DeepSpeed
+    lists them, copied (DeepSpeed empties its list once the bucket is reduced). Nothing
+    more is read while the bucket reduces: its unit, names, sizes and number in the step
+    are found when the step is emitted."""
+    return (_BUCKET, tuple(entries))
+
+
+def _numel(param: Any) -> int:
+    """A parameter's elements as DeepSpeed counts them into a bucket: ZeRO-3's whole
+    (``ds_numel``: the parameter itself holds only its partition), else ``numel()``."""
+    numel = getattr(param, "ds_numel", None)
+    return int(numel if numel is not None else param.numel())
 
 
 def micro_at(step: ShardedStep, t: float) -> int:
@@ -230,11 +244,12 @@ class CommTap:
     def _bucket(self, mark: tuple, index: int, micro: int = 0) -> tuple[int, dict]:
         """(unit, event args) of the bucket ``mark``, the ``index``-th reduced in micro-batch
         ``micro`` of its step."""
-        _, first, last, count = mark
-        first, last = self.param_of(first), self.param_of(last)
+        params = [self.param_of(e) for e in mark[1]]
+        first, last = params[0], params[-1]
         names = self.names
         return (self.unit_of.get(id(first), -1),
-                bucket_args(index, count, names.get(id(first), "?"), names.get(id(last), "?"), micro))
+                bucket_args(index, len(params), names.get(id(first), "?"), names.get(id(last), "?"), micro,
+                            [_numel(p) for p in params]))
 
     def where(self) -> tuple[int, str, str | None]:
         """The recorder's ``where`` with the short path's issuer in it resolved (its unit,

@@ -202,10 +202,10 @@ class DeepSpeedTracer(FSDPTracer):
 
     def _wrap_bucket(self, opt, method: str) -> None:
         """Mark the bucket being reduced for the collectives it issues (``CommTap.bucket``
-        while it runs): its first and last entries and how many, as DeepSpeed lists them
-        (stages 1-2: ``(group, index in group, id)``; 3: the parameters themselves). Its
-        number in the step, unit and names are found when the step is emitted: this runs
-        on caches the gradients have just flushed, where each thing read is a miss."""
+        while it runs): its entries as DeepSpeed lists them (stages 1-2: ``(group, index
+        in group, id)``; 3: the parameters themselves), copied. Its number in the step,
+        unit, names and sizes are found when the step is emitted: this runs on caches the
+        gradients have just flushed, where each thing read is a miss."""
         original, rec, tap, guard = getattr(opt, method), self.recorder, self.tap, self._guard
 
         @functools.wraps(original)
@@ -217,7 +217,7 @@ class DeepSpeedTracer(FSDPTracer):
                     for b in ((buckets.get(dtype),) if dtype is not None else buckets.values()):
                         if b is not None and b.params:
                             params = b.params
-                            tap.bucket = bucket_mark(params[0], params[-1], len(params))
+                            tap.bucket = bucket_mark(params)
                             break
                 except Exception as e:  # noqa: BLE001 - tracing stops, training goes on
                     guard.fail(e)

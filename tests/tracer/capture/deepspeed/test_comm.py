@@ -105,7 +105,8 @@ def test_synchronous_collectives_on_the_short_path_become_the_records_of_their_i
     emitted: list = []
     rec = ShardedRecorder(clock=_Clock(), emit=emitted.append)
     guard = _Guard()
-    a_w, b_b, c_w = object(), object(), object()  # parameters, as a bucket lists them
+    a_w, b_b, c_w, d_w = torch.zeros(3, 2), torch.zeros(4), torch.zeros(5), torch.zeros(1)  # parameters
+    d_w.ds_numel = 7  # a ZeRO-3 parameter holds its partition: a bucket counts it whole
     tap = comm.CommTap(rec, {id(a_w): 2, id(b_b): 2, id(c_w): 3}, {}, guard,
                        {id(a_w): "a.weight", id(b_b): "b.bias", id(c_w): "c.weight"})
     tap.attach(Mine)
@@ -113,12 +114,12 @@ def test_synchronous_collectives_on_the_short_path_become_the_records_of_their_i
     try:
         rec.on_forward_start()
         rec.enter(ROOT, BACKWARD)
-        tap.bucket = comm.bucket_mark(a_w, b_b, 5)
+        tap.bucket = comm.bucket_mark([a_w, c_w, d_w, c_w, b_b])
         assert b.all_reduce(torch.zeros(10), None, None, False) is None  # positional, as DeepSpeed calls it
         assert seen_where[-1] == (2, BACKWARD, "all_reduce") and rec.where != seen_where[-1]
         tap.bucket = None
         b.all_gather_into_tensor(torch.zeros(8), torch.zeros(4), async_op=True)  # async: recorded as launched
-        tap.bucket = comm.bucket_mark(c_w, c_w, 1)
+        tap.bucket = comm.bucket_mark([c_w])
         b.all_reduce(tensor=torch.zeros(4, dtype=torch.float64))
         with pytest.raises(RuntimeError, match="the script's own error"):
             b.all_reduce(torch.zeros(3))
@@ -148,6 +149,8 @@ def test_synchronous_collectives_on_the_short_path_become_the_records_of_their_i
                    ("all_reduce", -1, "optimizer", 4, comm.OTHER, None, "all_reduce"),
                    ("all_gather", -1, "optimizer", 24, comm.PARAM_ALLGATHER, None, "all_gather_into_tensor")]
     assert s.colls[0].extra["first_param"] == "a.weight" and s.colls[0].extra["params"] == 5
+    assert s.colls[0].extra["numels"] == [6, 5, 7, 5, 4]  # each entry's elements, in the bucket's order
+    assert s.colls[2].extra["numels"] == s.colls[3].extra["numels"] == [5]
     assert not any(c.prefetch for c in s.colls)
     starts = [c.start for c in s.colls]
     assert starts == sorted(starts) and all(c.end >= c.start for c in s.colls)
@@ -171,7 +174,7 @@ def test_a_buckets_async_and_synchronous_collectives_share_its_number_and_the_pa
     emitted: list = []
     rec = ShardedRecorder(clock=_Clock(), emit=emitted.append)
     guard = _Guard()
-    w1, w2 = object(), object()
+    w1, w2 = torch.zeros(2), torch.zeros(3)
     tap = comm.CommTap(rec, {id(w1): 1, id(w2): 4}, {}, guard, {id(w1): "l1.weight", id(w2): "l2.weight"})
     tap.attach(Mine)
     b = Mine()
@@ -182,10 +185,10 @@ def test_a_buckets_async_and_synchronous_collectives_share_its_number_and_the_pa
         rec.leave(ROOT, FORWARD)
         rec.on_forward_end()
         rec.enter(ROOT, BACKWARD)
-        tap.bucket = comm.bucket_mark(w2, w2, 1)
+        tap.bucket = comm.bucket_mark([w2])
         b.all_reduce(torch.zeros(5), None, None, True)  # async: recorded as launched
         b.all_reduce(torch.zeros(6))
-        tap.bucket = comm.bucket_mark(w1, w2, 2)
+        tap.bucket = comm.bucket_mark([w1, w2])
         b.all_reduce(torch.zeros(7))
         tap.bucket = None
         rec.leave(ROOT, BACKWARD)

@@ -1,0 +1,162 @@
+"""DeepSpeed's gradient buckets at another ``reduce_bucket_size``: the buckets a rerun
+would reduce and the step it would take, from one trace of the run.
+
+Layout (exact): ZeRO adds each parameter's gradient to a bucket as it becomes ready and
+first reduces the bucket when the parameter would not fit in it: the bucket's elements
+plus the parameter's over ``reduce_bucket_size`` (stages 1-2,
+``reduce_independent_p_g_buckets_and_remove_grads``; stage 3,
+``reduce_ready_partitions_and_remove_grads``: a parameter larger than the size goes
+alone); what is left is reduced when the backward ends. The trace lists each bucket's
+parameters' elements in the order they were added (``bucket_numels``); set end to end
+per micro-batch they are the gradients in ready order, which the size does not move, so
+``recut`` at another size gives the rerun's buckets (tests/viz/sharded/test_deepspeed_peak.py:
+against real reruns).
+
+Time (a model): a bucket's reduction costs what the run's own cost for their size
+(``bucket_cost``): a line through them (one point per bucket and micro-batch, its calls'
+time against their bytes; the ``AllReduceCost`` DDP's what-if fits), or, where the run
+folder holds a calibration of these ranks (``ddpscope calibrate``), its all-reduce curve
+scaled to the run's buckets: a run whose buckets are all one size cannot tell a fixed cost
+per reduction from bandwidth, and a calibration can. The step changes by the
+new buckets' cost less the run's buckets' cost on the same line, times the share of the
+run's bucket time no compute covered: on gloo (DeepSpeed's CPU accelerator) a reduction
+runs on the training thread, so all of it; where ``overlap_comm`` overlapped reductions
+with backward (CUDA) that share is kept as it was, which a different size may move. At
+the run's own size the prediction is the run. A bucket reduced in several calls (a
+message over DeepSpeed's chunk) is costed as one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from ddpscope.viz.sharded.exposed import with_exposed
+from ddpscope.viz.sharded.metrics import compute_sharded_steps
+from ddpscope.viz.sharded.trace import real_steps
+from ddpscope.viz.whatif.cost import AllReduceCost, fit_line, read_calibration
+
+MIB = 2**20
+
+
+def recut(numels, bucket_elements: int) -> list[int]:
+    """The buckets (elements each, in reduction order) DeepSpeed makes of gradients of
+    ``numels`` elements ready in that order at ``reduce_bucket_size`` = ``bucket_elements``."""
+    if bucket_elements < 1:
+        raise ValueError(f"reduce_bucket_size must be >= 1 element, got {bucket_elements}")
+    out, held = [], 0
+    for n in numels:
+        if held and held + n > bucket_elements:
+            out.append(held)
+            held = 0
+        held += int(n)
+    if held:
+        out.append(held)
+    return out
+
+
+def bucket_elements(trace, bucket_mib: float) -> int:
+    """``reduce_bucket_size`` (elements) a rerun takes for ``bucket_mib`` MiB of the
+    communication dtype, as ``ddpscope run --bucket-cap-mb`` sets it. ``ValueError`` where
+    the run did not record its size or ``bucket_mib`` is not > 0."""
+    ds = trace.run.get("deepspeed") or {}
+    now_bytes, now_elements = ds.get("reduce_bucket_bytes"), ds.get("reduce_bucket_size")
+    if not all(isinstance(v, (int, float)) and v > 0 for v in (now_bytes, now_elements)):
+        raise ValueError("the run did not record DeepSpeed's reduce_bucket_size")
+    if not (np.isfinite(bucket_mib) and bucket_mib > 0):
+        raise ValueError(f"reduce_bucket_size must be > 0 MiB, got {bucket_mib}")
+    itemsize = max(1, round(now_bytes / now_elements))
+    return max(1, int(bucket_mib * MIB) // itemsize)
+
+
+def reductions(trace) -> pd.DataFrame:
+    """The run's gradient-bucket reductions of its real steps, one row per rank, step,
+    micro-batch and bucket: ``numels`` (its parameters' elements in order; None where the
+    trace lists none), ``elements``, ``bytes`` (its calls' messages), ``ms`` and
+    ``exposed_ms`` (its calls', ``with_exposed``), in reduction order."""
+    colls = with_exposed(trace)
+    colls = colls[colls["bucket"].notna() & colls["step"].isin(real_steps(trace))]
+    columns = ["rank", "step", "micro", "bucket", "numels", "elements", "bytes", "ms", "exposed_ms"]
+    if colls.empty:
+        return pd.DataFrame(columns=columns)
+    out = colls.groupby(["rank", "step", "micro", "bucket"], sort=True).agg(
+        numels=("bucket_numels", "first"), bytes=("bytes", "sum"), ms=("ms", "sum"),
+        exposed_ms=("exposed_ms", "sum")).reset_index()
+    out["elements"] = [float(sum(n)) if isinstance(n, tuple) else np.nan for n in out["numels"]]
+    return out[columns]
+
+
+def bucket_cost(trace, table: pd.DataFrame | None = None) -> AllReduceCost | None:
+    """A bucket's reduction time (µs) against its bytes: the calibration in the run folder
+    where it fits these ranks, scaled by the median of the run's reductions over it, else a
+    line through ``reductions``' rows (``table``: the trace's where not given). None where
+    the trace lists no bucket sizes (a trace before them) or reduced nothing."""
+    table = reductions(trace) if table is None else table
+    if not len(table) or not table["numels"].map(lambda n: isinstance(n, tuple)).all():
+        return None
+    nbytes, us = table["bytes"].to_numpy(float), table["ms"].to_numpy(float) * 1e3
+    try:
+        own = fit_line(nbytes, us, f"the run's own {len(table)} bucket reductions")
+    except ValueError:  # none took time or moved bytes
+        return None
+    calibration = read_calibration(trace.path) if trace.path is not None else None
+    if calibration is None or calibration.unlike(trace.run, trace.world_size):
+        return own
+    base = calibration.cost()
+    scale = float(np.median(us / base.time_us(nbytes)))
+    return base.with_scale(scale, f"calibration x {scale:.2f} (the run's {len(table)} bucket reductions over it)")
+
+
+def predict_deepspeed_step_ms(trace, bucket_mib: float) -> pd.DataFrame:
+    """Per rank at ``reduce_bucket_size`` = ``bucket_mib`` MiB (as ``--bucket-cap-mb``):
+    measured_step_ms and predicted_step_ms (medians over real steps, ms), measured_buckets
+    and predicted_buckets (reductions a step), measured_bucket_ms (the run's buckets'
+    exposed time a step, median) and predicted_bucket_ms (the new ones', ms). NaN where
+    the trace lists no bucket sizes (a trace before them) or measured no step. The cost
+    is ``bucket_cost``'s, over every rank's reductions; the share of it exposed is each
+    rank's own."""
+    elements = bucket_elements(trace, bucket_mib)
+    table = reductions(trace)
+    steps = compute_sharded_steps(trace)
+    steps = steps[steps["step"].isin(real_steps(trace))]
+    cost = bucket_cost(trace, table)
+    rows = []
+    for rank in sorted({int(r) for r in steps["rank"].unique()}):
+        mine = table[table["rank"] == rank]
+        step_ms = steps[steps["rank"] == rank].set_index("step")["step_ms"]
+        row = {"rank": rank, "measured_step_ms": float(step_ms.median()) if len(step_ms) else np.nan,
+               "predicted_step_ms": np.nan, "measured_buckets": np.nan, "predicted_buckets": np.nan,
+               "measured_bucket_ms": np.nan, "predicted_bucket_ms": np.nan}
+        if cost is not None and len(mine) and len(step_ms):
+            row.update(_predict(mine, step_ms, cost, elements))
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["rank", "measured_step_ms", "predicted_step_ms", "measured_buckets",
+                                       "predicted_buckets", "measured_bucket_ms", "predicted_bucket_ms"])
+
+
+def _predict(mine: pd.DataFrame, step_ms: pd.Series, cost: AllReduceCost, elements: int) -> dict:
+    """One rank's prediction (``predict_deepspeed_step_ms``'s columns but rank and measured_step_ms)."""
+    per_byte = float(mine["bytes"].sum() / mine["elements"].sum())  # the message per element (dtype)
+    share = float(mine["exposed_ms"].sum() / mine["ms"].sum()) if mine["ms"].sum() > 0 else 1.0
+    predicted, counts, own_counts, own_ms, new_ms = [], [], [], [], []
+    for step, in_step in mine.groupby("step"):
+        now, new, n_now, n_new = 0.0, 0.0, 0, 0
+        for _, micro in in_step.groupby("micro"):
+            own = micro["elements"].to_numpy(float)
+            cut = np.array(recut((n for t in micro["numels"] for n in t), elements), float)
+            now += float(cost.time_us(own * per_byte).sum()) / 1e3
+            new += float(cost.time_us(cut * per_byte).sum()) / 1e3
+            n_now, n_new = n_now + len(own), n_new + len(cut)
+        if step not in step_ms.index:
+            continue
+        predicted.append(float(step_ms[step]) + share * (new - now))
+        counts.append(n_new)
+        own_counts.append(n_now)
+        exposed = float(in_step["exposed_ms"].sum())
+        own_ms.append(exposed)
+        new_ms.append(max(0.0, exposed + share * (new - now)))
+    if not predicted:
+        return {}
+    return {"predicted_step_ms": float(np.median(predicted)), "measured_buckets": float(np.median(own_counts)),
+            "predicted_buckets": float(np.median(counts)), "measured_bucket_ms": float(np.median(own_ms)),
+            "predicted_bucket_ms": float(np.median(new_ms))}
