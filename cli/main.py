@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "emulated nodes is calibrated in a lab like its own; a run on several real "
                                    "nodes with one `calibrate RUN --nnodes N --node-rank K --rdzv-endpoint H:P` "
                                    "per node.")
-    c.add_argument("run", help="a traced DDP run folder")
+    c.add_argument("run", help="a traced DDP or DeepSpeed run folder")
     o.add_arguments(c, CalibrateConfig)
     o.add_arguments(c, _Output)
     sub.add_parser("build", help="build the compiled capture (--capture compiled) once for this torch",

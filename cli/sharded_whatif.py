@@ -146,8 +146,11 @@ def _deepspeed(trace, args) -> int:
                                                     "the peak stays at any size")))
         print("  step: " + ("this trace lists no bucket's parameter sizes (traced before ddpscope recorded them): "
                             "not predicted" if cost is None else
-                            "the buckets cut again from the gradients' ready order (exact), each reduction costed at "
-                            f"{_cost_line(cost)}, as much of it exposed as this run's was"))
+                            "the buckets cut again from the gradients' ready order (exact); the step a model (its "
+                            "accuracy: docs/sharded.md#predictions), each reduction costed at "
+                            f"{_cost_line(cost)}" + ("" if cost.latency_us or cost.overhead_us else
+                                                     "; with no fixed cost a reduction, fewer buckets cost the same: "
+                                                     f"`ddpscope calibrate {trace.path}` measures it")))
     print("  a rerun at another stage is predicted in memory only: the rerun measures its step")
     print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run)}")
     return 0
@@ -155,7 +158,10 @@ def _deepspeed(trace, args) -> int:
 
 def _cost_line(cost) -> str:
     """A bucket reduction's cost model in words (``deepspeed_buckets.bucket_cost``)."""
-    return f"{cost.latency_us * cost.scale:.0f} µs + {cost.bandwidth_gbps / cost.scale:.2f} GB/s ({cost.source})"
+    if len(cost.points) >= 2:
+        return f"the calibration's all-reduce curve ({cost.source})"
+    return f"{cost.latency_us * cost.scale + cost.overhead_us:.0f} µs + {cost.bandwidth_gbps / cost.scale:.2f} GB/s " \
+           f"({cost.source})"
 
 
 def _rank0_and_largest(table: pd.DataFrame, keys: list[str], values: dict) -> pd.DataFrame:

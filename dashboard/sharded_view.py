@@ -253,9 +253,9 @@ def deepspeed_rerun_settings(trace) -> dict:
                "whole (reduce_bucket_size elements), so they scale and nothing else moves"
                + ("" if held else "; this run's memory samples (taken between the model's forward and backward, "
                   "where DeepSpeed's compute is timed) hold no bucket, so the peak they read stays at any size")
-               + ". The step: the buckets cut again from the gradients' ready order, each reduction costed as this "
-                 "run's were for their size (`ddpscope whatif` prints the cost line). A rerun at another stage is "
-                 "predicted in memory only.")
+               + ". The step: the buckets cut again from the gradients' ready order (exact), each reduction costed "
+                 "as this run's were for their size: a model, which the rerun checks (`ddpscope whatif` prints the "
+                 "cost line). A rerun at another stage is predicted in memory only.")
     return {"zero_stage": stage if stage != trace.shards.stage else None, "bucket_cap_mb": None if same else cap}
 
 

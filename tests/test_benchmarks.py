@@ -32,6 +32,7 @@ PRINTS = {
     "many_ranks": "summary-first",
     "advisor": "workload  link        MAPE %",
     "deepspeed": "goal traced <= 1.02 at every stage",
+    "deepspeed_buckets": "buckets exact",
     "idle_page": "goal <= 1 % each (ddpscope dashboard)",
     "cuda_overhead": "traced / untraced:",
 }
@@ -48,7 +49,7 @@ def test_every_benchmark_script_has_a_smoke_run_here():
 def test_benchmark_runs_in_its_smoke_mode_and_prints_its_table(name):
     if name == "kineto" and not KINETO.exists():
         pytest.skip("needs ../shared/data/kineto beside the project")
-    if name == "deepspeed":
+    if name in ("deepspeed", "deepspeed_buckets"):
         pytest.importorskip("deepspeed")
     if name in ("rerun", "first_chart", "overview", "idle_page") and not os.path.exists("/usr/bin/chromium"):
         pytest.skip("needs Debian's chromium (apt-get install -y chromium)")

@@ -55,8 +55,9 @@ class CalibrateConfig:
             facts = read_json(path)
         except (OSError, ValueError) as e:
             raise ValueError(f"{path} cannot be read: {e}") from None
-        if not isinstance(facts, dict) or str(facts.get("kind") or fmt.KIND_DDP) != fmt.KIND_DDP:
-            raise ValueError(f"{self.run} is not a DDP training run: only those are calibrated")
+        if not isinstance(facts, dict) or not _calibrated(facts):
+            raise ValueError(f"{self.run} is not a DDP or DeepSpeed training run: only those are calibrated (their "
+                             "what-ifs cost all-reduces)")
         world = facts.get("world_size") or facts.get("nproc_per_node")
         if not isinstance(world, int) or not 2 <= world:
             raise ValueError(f"{self.run}: run.json has no usable world size ({world!r}); calibrate needs 2 or more")
@@ -107,6 +108,14 @@ class CalibrateConfig:
         return LaunchConfig(target="ddpscope.tracer.workloads.calibrate_job", args=args, nproc=self.nproc,
                             nnodes=self.nnodes, node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
                             log_dir=self.log_dir, timeout_s=self.timeout_s)
+
+
+def _calibrated(facts: dict) -> bool:
+    """Whether a run's what-if reads a calibration: DDP's, and DeepSpeed's buckets."""
+    kind = str(facts.get("kind") or fmt.KIND_DDP)
+    sharding = facts.get("sharding")
+    return kind == fmt.KIND_DDP or (kind == fmt.KIND_SHARDED and isinstance(sharding, dict)
+                                    and sharding.get("framework") == "deepspeed")
 
 
 def run_calibrate(cfg: CalibrateConfig, on_progress: Callable[[dict], None] = lambda p: None,

@@ -13,17 +13,18 @@ per micro-batch they are the gradients in ready order, which the size does not m
 against real reruns).
 
 Time (a model): a bucket's reduction costs what the run's own cost for their size
-(``bucket_cost``): a line through them (one point per bucket and micro-batch, its calls'
-time against their bytes; the ``AllReduceCost`` DDP's what-if fits), or, where the run
-folder holds a calibration of these ranks (``ddpscope calibrate``), its all-reduce curve
-scaled to the run's buckets: a run whose buckets are all one size cannot tell a fixed cost
-per reduction from bandwidth, and a calibration can. The step changes by the
-new buckets' cost less the run's buckets' cost on the same line, times the share of the
-run's bucket time no compute covered: on gloo (DeepSpeed's CPU accelerator) a reduction
-runs on the training thread, so all of it; where ``overlap_comm`` overlapped reductions
-with backward (CUDA) that share is kept as it was, which a different size may move. At
-the run's own size the prediction is the run. A bucket reduced in several calls (a
-message over DeepSpeed's chunk) is costed as one.
+(``bucket_cost``): a line through them (one point per bucket and micro-batch: its whole
+reduction on the training thread, DeepSpeed's own copies and bookkeeping around its
+collectives included, against its bytes; the ``AllReduceCost`` DDP's what-if fits). A
+run whose buckets are all one size cannot tell a fixed cost per reduction from
+bandwidth: there, where the run folder holds a calibration of these ranks (``ddpscope
+calibrate``), its all-reduce curve scaled to the run's reductions. The step changes by the new
+buckets' cost less the run's buckets' cost on the same line: a reduction holds the
+training thread (on gloo, DeepSpeed's CPU accelerator, its collectives too). On CUDA with
+``overlap_comm`` the collectives run on DeepSpeed's own stream and this counts the host's
+part only. At the run's own size the prediction is the run. A bucket reduced in several
+calls (a message over DeepSpeed's chunk) is costed as one. Traces made before the whole
+reduction was timed are costed on their collectives' time and its exposed share.
 """
 
 from __future__ import annotations
@@ -73,45 +74,67 @@ def reductions(trace) -> pd.DataFrame:
     """The run's gradient-bucket reductions of its real steps, one row per rank, step,
     micro-batch and bucket: ``numels`` (its parameters' elements in order; None where the
     trace lists none), ``elements``, ``bytes`` (its calls' messages), ``ms`` and
-    ``exposed_ms`` (its calls', ``with_exposed``), in reduction order."""
+    ``exposed_ms`` (its calls', ``with_exposed``) and ``held_ms`` (the whole reduction on
+    the training thread, DeepSpeed's own work included; NaN in traces before it), in
+    reduction order."""
     colls = with_exposed(trace)
     colls = colls[colls["bucket"].notna() & colls["step"].isin(real_steps(trace))]
-    columns = ["rank", "step", "micro", "bucket", "numels", "elements", "bytes", "ms", "exposed_ms"]
+    columns = ["rank", "step", "micro", "bucket", "numels", "elements", "bytes", "ms", "exposed_ms", "held_ms"]
     if colls.empty:
         return pd.DataFrame(columns=columns)
     out = colls.groupby(["rank", "step", "micro", "bucket"], sort=True).agg(
         numels=("bucket_numels", "first"), bytes=("bytes", "sum"), ms=("ms", "sum"),
-        exposed_ms=("exposed_ms", "sum")).reset_index()
+        exposed_ms=("exposed_ms", "sum"), held_us=("bucket_reduce_us", "first")).reset_index()
     out["elements"] = [float(sum(n)) if isinstance(n, tuple) else np.nan for n in out["numels"]]
+    out["held_ms"] = out.pop("held_us") / 1e3
     return out[columns]
 
 
+def _took(table: pd.DataFrame) -> tuple[np.ndarray, bool]:
+    """Each reduction's time (ms): its whole time on the training thread where the trace
+    has it for every row (True), else its collectives' (False)."""
+    held = table["held_ms"].to_numpy(float)
+    if len(held) and np.isfinite(held).all():
+        return held, True
+    return table["ms"].to_numpy(float), False
+
+
 def bucket_cost(trace, table: pd.DataFrame | None = None) -> AllReduceCost | None:
-    """A bucket's reduction time (µs) against its bytes: the calibration in the run folder
-    where it fits these ranks, scaled by the median of the run's reductions over it, else a
-    line through ``reductions``' rows (``table``: the trace's where not given). None where
-    the trace lists no bucket sizes (a trace before them) or reduced nothing."""
+    """A bucket's reduction time (µs) against its bytes: a line through ``reductions``'
+    rows (``table``: the trace's where not given) where they give one with a fixed cost a
+    reduction (two sizes or more); else, where the run folder holds a calibration of these
+    ranks (``ddpscope calibrate``), its all-reduce curve scaled by the median of the run's
+    reductions over it; else the line through the origin (bandwidth only: fewer buckets
+    cost the same). None where the trace lists no bucket sizes (a trace before them) or
+    reduced nothing."""
     table = reductions(trace) if table is None else table
     if not len(table) or not table["numels"].map(lambda n: isinstance(n, tuple)).all():
         return None
-    nbytes, us = table["bytes"].to_numpy(float), table["ms"].to_numpy(float) * 1e3
+    took, whole = _took(table)
+    nbytes, us = table["bytes"].to_numpy(float), took * 1e3
+    what = "bucket reductions" if whole else "bucket reductions' collectives"
     try:
-        own = fit_line(nbytes, us, f"the run's own {len(table)} bucket reductions")
+        own = fit_line(nbytes, us, f"the run's own {len(table)} {what}")
     except ValueError:  # none took time or moved bytes
         return None
+    if own.latency_us > 0:
+        return own
     calibration = read_calibration(trace.path) if trace.path is not None else None
     if calibration is None or calibration.unlike(trace.run, trace.world_size):
         return own
+    # scaled, not shifted: what DeepSpeed does around a collective grows with its bytes (a fixed
+    # cost read off one 16 MiB bucket put a 2 KiB one at 11 ms: benchmarks/deepspeed_buckets.py)
     base = calibration.cost()
     scale = float(np.median(us / base.time_us(nbytes)))
-    return base.with_scale(scale, f"calibration x {scale:.2f} (the run's {len(table)} bucket reductions over it)")
+    return base.with_scale(scale, f"calibration x {scale:.2f}, the median of the run's {len(table)} {what} over "
+                                  "it: their own line had no fixed cost")
 
 
 def predict_deepspeed_step_ms(trace, bucket_mib: float) -> pd.DataFrame:
     """Per rank at ``reduce_bucket_size`` = ``bucket_mib`` MiB (as ``--bucket-cap-mb``):
     measured_step_ms and predicted_step_ms (medians over real steps, ms), measured_buckets
-    and predicted_buckets (reductions a step), measured_bucket_ms (the run's buckets'
-    exposed time a step, median) and predicted_bucket_ms (the new ones', ms). NaN where
+    and predicted_buckets (reductions a step), measured_bucket_ms (the run's reductions'
+    time a step on the training thread, median) and predicted_bucket_ms (the new ones', ms). NaN where
     the trace lists no bucket sizes (a trace before them) or measured no step. The cost
     is ``bucket_cost``'s, over every rank's reductions; the share of it exposed is each
     rank's own."""
@@ -136,8 +159,13 @@ def predict_deepspeed_step_ms(trace, bucket_mib: float) -> pd.DataFrame:
 
 def _predict(mine: pd.DataFrame, step_ms: pd.Series, cost: AllReduceCost, elements: int) -> dict:
     """One rank's prediction (``predict_deepspeed_step_ms``'s columns but rank and measured_step_ms)."""
+    took, whole = _took(mine)
+    mine = mine.assign(took=took)
+    if not mine["elements"].sum() > 0:
+        return {}
     per_byte = float(mine["bytes"].sum() / mine["elements"].sum())  # the message per element (dtype)
-    share = float(mine["exposed_ms"].sum() / mine["ms"].sum()) if mine["ms"].sum() > 0 else 1.0
+    # the whole reduction runs on the training thread; of its collectives alone, what no compute covered
+    share = 1.0 if whole else float(mine["exposed_ms"].sum() / mine["ms"].sum()) if mine["ms"].sum() > 0 else 1.0
     predicted, counts, own_counts, own_ms, new_ms = [], [], [], [], []
     for step, in_step in mine.groupby("step"):
         now, new, n_now, n_new = 0.0, 0.0, 0, 0
@@ -152,9 +180,9 @@ def _predict(mine: pd.DataFrame, step_ms: pd.Series, cost: AllReduceCost, elemen
         predicted.append(float(step_ms[step]) + share * (new - now))
         counts.append(n_new)
         own_counts.append(n_now)
-        exposed = float(in_step["exposed_ms"].sum())
-        own_ms.append(exposed)
-        new_ms.append(max(0.0, exposed + share * (new - now)))
+        spent = float(in_step["took"].sum() if whole else in_step["exposed_ms"].sum())
+        own_ms.append(spent)
+        new_ms.append(max(0.0, spent + share * (new - now)))
     if not predicted:
         return {}
     return {"predicted_step_ms": float(np.median(predicted)), "measured_buckets": float(np.median(own_counts)),

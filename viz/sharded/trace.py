@@ -17,7 +17,8 @@ Tables (times µs on rank 0's clock, bytes):
   param_fetch, param_allgather, other) and, for a gradient bucket, its number in the
   step (``bucket``), its parameters' count and its first and last parameter, and each
   parameter's elements in the bucket's order (``bucket_numels``, a tuple; None in traces
-  before it)
+  before it) and its whole reduction on the training thread (``bucket_reduce_us``, µs:
+  DeepSpeed's own work around its collectives; NaN in traces before it)
 - ``memory``: rank, step, ts_us, unit, name, phase, at (start / end of the unit's
   phase), and bytes per category (``tracer.format.MEMORY_CATEGORIES``; "other" on CUDA
   only), total_bytes
@@ -39,7 +40,8 @@ UNIT_COLUMNS = ["unit", "name", "numel", "sharded_bytes", "unsharded_bytes", "re
                 "shard_size", "replicate_size"]
 SEGMENT_COLUMNS = ["rank", "step", "unit", "name", "phase", "start_us", "end_us"]
 COLL_COLUMNS = ["rank", "step", "unit", "name", "collective", "phase", "bytes", "prefetch", "sent_as", "start_us",
-                "end_us", "issued_by", "bucket", "micro", "bucket_params", "first_param", "last_param", "bucket_numels"]
+                "end_us", "issued_by", "bucket", "micro", "bucket_params", "first_param", "last_param", "bucket_numels",
+                "bucket_reduce_us"]
 MEMORY_COLUMNS = ["rank", "step", "ts_us", "unit", "name", "phase", "at", *fmt.MEMORY_CATEGORIES, "total_bytes"]
 
 
@@ -134,7 +136,8 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
                               "bucket_params": _count(a.get("params", 0)) if "bucket" in a else None,
                               "first_param": a.get("first_param") if isinstance(a.get("first_param"), str) else None,
                               "last_param": a.get("last_param") if isinstance(a.get("last_param"), str) else None,
-                              "bucket_numels": _numels(a.get("numels"))})
+                              "bucket_numels": _numels(a.get("numels")),
+                              "bucket_reduce_us": _time(a["reduce_us"]) if "reduce_us" in a else math.nan})
     sharding = run["sharding"]
     stage = sharding.get("stage")
     framework = str(sharding.get("framework") or "fsdp2")

@@ -11,7 +11,13 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from ddpscope.viz.sharded.deepspeed_buckets import bucket_elements, predict_deepspeed_step_ms, recut, reductions
+from ddpscope.viz.sharded.deepspeed_buckets import (
+    bucket_cost,
+    bucket_elements,
+    predict_deepspeed_step_ms,
+    recut,
+    reductions,
+)
 from ddpscope.viz.sharded.metrics import compute_memory_over_step, compute_sharded_run_comparison
 from ddpscope.viz.sharded.predict import predict_deepspeed_peak
 from ddpscope.viz.trace import load_run
@@ -92,6 +98,24 @@ def test_the_peak_and_buckets_at_another_reduce_bucket_size_are_the_reruns(tmp_p
     # at its own size, the prediction is the run
     own_peak = predict_deepspeed_peak(traced, 80_000)
     assert (own_peak["predicted_peak_bytes"] == own_peak["measured_peak_bytes"]).all()
+
+    if stage == 2:  # the buckets of one size give no fixed cost a reduction: a calibration of these ranks does
+        table_all = reductions(traced)
+        one_size = table_all[table_all["bytes"] == table_all["bytes"].max()]
+        own_line = bucket_cost(traced, one_size)
+        assert own_line.latency_us == 0 and "calibration" not in own_line.source
+        said = run_cli("whatif", str(out), "--caps", repr(RERUN_MIB))
+        calibrated = run_cli("calibrate", str(out), "--max-mb", "1", "--quiet")
+        assert calibrated.returncode == 0, calibrated.stderr
+        cost = bucket_cost(traced, one_size)
+        assert len(cost.points) >= 2 and cost.source.startswith("calibration x") and cost.latency_us > 0
+        # where the run's own sizes give a line with a fixed cost, it is kept
+        line = bucket_cost(traced)
+        assert ("calibration" in line.source) == (line.latency_us == 0 or bool(line.points)), line
+        assert (run_cli("whatif", str(out), "--caps", repr(RERUN_MIB)).stdout == said.stdout) == (not line.points)
+        saved = json.loads((out / "calibration.json").read_text())
+        (out / "calibration.json").write_text(json.dumps({**saved, "world_size": 3}))  # other ranks: not used
+        assert bucket_cost(traced, one_size).source == own_line.source
 
     # bad input: one line, no table
     with pytest.raises(ValueError, match="must be > 0 bytes"):

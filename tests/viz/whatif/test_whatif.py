@@ -300,7 +300,8 @@ def test_a_malformed_calibration_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("target, facts, args, message", [
-    ("ring", {}, [], "not a DDP training run"),
+    ("ring", {}, [], "not a DDP or DeepSpeed training run"),
+    ("gpt", {"kind": "sharded", "sharding": {"framework": "fsdp2"}}, [], "not a DDP or DeepSpeed training run"),
     ("none", {}, [], "not a run folder"),
     ("gpt", {"nnodes": 2}, [], "ran on 2 nodes: calibrate with --nnodes 2 --node-rank K --rdzv-endpoint HOST:PORT"),
     ("gpt", {"nnodes": 2}, ["--nnodes", "2"], "--rdzv-endpoint HOST:PORT is required"),

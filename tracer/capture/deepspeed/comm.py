@@ -76,16 +76,21 @@ def nbytes(value: Any) -> int:
 
 
 def bucket_args(index: int, params: int, first: str, last: str, micro: int = 0,
-                numels: list[int] | None = None) -> dict:
+                numels: list[int] | None = None, reduce_us: float | None = None) -> dict:
     """A gradient bucket's event args, made when its step is emitted: ``index``, its number
     in micro-batch ``micro``'s reductions (with gradient accumulation DeepSpeed reduces the
     same buckets again in each micro-batch it reduces in); ``numels``: each parameter's
     elements in the order DeepSpeed added them to the bucket (their gradients' ready order),
-    what a prediction at another ``reduce_bucket_size`` cuts its buckets from."""
+    what a prediction at another ``reduce_bucket_size`` cuts its buckets from;
+    ``reduce_us``: the bucket's whole reduction on the training thread (µs): DeepSpeed's
+    own work (copies, averaging, partition bookkeeping) around its collectives, what one
+    bucket more or less costs a step."""
     args = {"zero": GRAD_BUCKET, "bucket": index, "micro": micro, "params": params, "first_param": first,
             "last_param": last}
     if numels is not None:
         args["numels"] = numels
+    if reduce_us is not None:
+        args["reduce_us"] = round(reduce_us, 3)
     return args
 
 
@@ -95,10 +100,16 @@ _MARK = "_ddpscope_bucket"  # a record's bucket mark in its args until the step 
 
 def bucket_mark(entries) -> tuple:
     """A gradient bucket about to be reduced (``CommTap.bucket``): its entries as DeepSpeed
-    lists them, copied (DeepSpeed empties its list once the bucket is reduced). Nothing
-    more is read while the bucket reduces: its unit, names, sizes and number in the step
-    are found when the step is emitted."""
-    return (_BUCKET, tuple(entries))
+    lists them, copied (DeepSpeed empties its list once the bucket is reduced), and when
+    its reduction began and ended (``perf_counter_ns``; the end set by ``bucket_done``).
+    Nothing more is read while the bucket reduces: its unit, names, sizes and number in the
+    step are found when the step is emitted."""
+    return (_BUCKET, tuple(entries), [perf_counter_ns(), None])
+
+
+def bucket_done(mark: tuple) -> None:
+    """The bucket ``mark`` names has been reduced: its end stamp."""
+    mark[2][1] = perf_counter_ns()
 
 
 def _numel(param: Any) -> int:
@@ -247,9 +258,10 @@ class CommTap:
         params = [self.param_of(e) for e in mark[1]]
         first, last = params[0], params[-1]
         names = self.names
+        start, end = mark[2]
         return (self.unit_of.get(id(first), -1),
                 bucket_args(index, len(params), names.get(id(first), "?"), names.get(id(last), "?"), micro,
-                            [_numel(p) for p in params]))
+                            [_numel(p) for p in params], None if end is None else (end - start) / 1000.0))
 
     def where(self) -> tuple[int, str, str | None]:
         """The recorder's ``where`` with the short path's issuer in it resolved (its unit,

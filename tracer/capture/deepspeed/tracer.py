@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ddpscope.tracer.capture.clock import make_clock
-from ddpscope.tracer.capture.deepspeed.comm import CommTap, bucket_mark
+from ddpscope.tracer.capture.deepspeed.comm import CommTap, bucket_done, bucket_mark
 from ddpscope.tracer.capture.deepspeed.engine_facts import ITEMSIZE
 from ddpscope.tracer.capture.deepspeed.memory import DeepSpeedMemory
 from ddpscope.tracer.capture.deepspeed.units import find_units
@@ -203,9 +203,10 @@ class DeepSpeedTracer(FSDPTracer):
     def _wrap_bucket(self, opt, method: str) -> None:
         """Mark the bucket being reduced for the collectives it issues (``CommTap.bucket``
         while it runs): its entries as DeepSpeed lists them (stages 1-2: ``(group, index
-        in group, id)``; 3: the parameters themselves), copied. Its number in the step,
-        unit, names and sizes are found when the step is emitted: this runs on caches the
-        gradients have just flushed, where each thing read is a miss."""
+        in group, id)``; 3: the parameters themselves), copied, and the reduction's start
+        and end (``perf_counter_ns``). Its number in the step, unit, names and sizes are
+        found when the step is emitted: this runs on caches the gradients have just
+        flushed, where each thing read is a miss."""
         original, rec, tap, guard = getattr(opt, method), self.recorder, self.tap, self._guard
 
         @functools.wraps(original)
@@ -224,6 +225,8 @@ class DeepSpeedTracer(FSDPTracer):
             try:
                 return original(*args, **kwargs)
             finally:
+                if tap.bucket is not None:
+                    bucket_done(tap.bucket)
                 tap.bucket = None
 
         self._set(opt, method, traced_bucket)

@@ -115,10 +115,12 @@ def test_synchronous_collectives_on_the_short_path_become_the_records_of_their_i
         rec.on_forward_start()
         rec.enter(ROOT, BACKWARD)
         tap.bucket = comm.bucket_mark([a_w, c_w, d_w, c_w, b_b])
+        first = tap.bucket
         assert b.all_reduce(torch.zeros(10), None, None, False) is None  # positional, as DeepSpeed calls it
         assert seen_where[-1] == (2, BACKWARD, "all_reduce") and rec.where != seen_where[-1]
         tap.bucket = None
         b.all_gather_into_tensor(torch.zeros(8), torch.zeros(4), async_op=True)  # async: recorded as launched
+        comm.bucket_done(first)
         tap.bucket = comm.bucket_mark([c_w])
         b.all_reduce(tensor=torch.zeros(4, dtype=torch.float64))
         with pytest.raises(RuntimeError, match="the script's own error"):
@@ -151,6 +153,9 @@ def test_synchronous_collectives_on_the_short_path_become_the_records_of_their_i
     assert s.colls[0].extra["first_param"] == "a.weight" and s.colls[0].extra["params"] == 5
     assert s.colls[0].extra["numels"] == [6, 5, 7, 5, 4]  # each entry's elements, in the bucket's order
     assert s.colls[2].extra["numels"] == s.colls[3].extra["numels"] == [5]
+    # the whole reduction's time where its end was stamped (bucket_done), none where it never ended
+    assert s.colls[0].extra["reduce_us"] >= (s.colls[0].end - s.colls[0].start) - 1e-3
+    assert "reduce_us" not in s.colls[2].extra
     assert not any(c.prefetch for c in s.colls)
     starts = [c.start for c in s.colls]
     assert starts == sorted(starts) and all(c.end >= c.start for c in s.colls)

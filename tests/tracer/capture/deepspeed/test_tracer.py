@@ -243,6 +243,17 @@ def test_bf16_with_overlap_comm_and_accumulation_reduces_every_micro_batch(tmp_p
     table = compute_bucket_table(trace)  # a row per bucket, reduced twice a step: not one per reduction
     assert len(table) == buckets.groupby(["rank", "step", "micro"]).size().max()
     assert table["micro_batches"].eq(2).all() and table["bytes"].sum() == 2 * 2 * numel
+    # each reduction whole on the training thread holds its collectives; each micro-batch's
+    # buckets list every parameter once (the worker's own count), in an order the run's
+    # size cuts into the buckets it reduced
+    assert (table["reduce_ms"] >= table["ms"]).all(), table[["ms", "reduce_ms"]]
+    from ddpscope.viz.sharded.deepspeed_buckets import recut, reductions
+
+    done = reductions(trace)
+    size = run["deepspeed"]["reduce_bucket_size"]
+    for _, micro in done.groupby(["rank", "step", "micro"]):
+        order = [n for t in micro["numels"] for n in t]
+        assert sum(order) == numel and recut(order, size) == micro["elements"].astype(int).tolist()
     from ddpscope.viz.sharded.comm_volume import comm_honesty_lines
 
     said = [line for line in comm_honesty_lines(trace) if line.startswith("A step here is 2 micro-batches")]
