@@ -150,7 +150,9 @@ def _deepspeed(trace, args) -> int:
                             "accuracy: docs/sharded.md#predictions), each reduction costed at "
                             f"{_cost_line(cost)}" + ("" if cost.latency_us or cost.overhead_us else
                                                      "; with no fixed cost a reduction, fewer buckets cost the same: "
-                                                     f"`ddpscope calibrate {trace.path}` measures it")))
+                                                     "predict from a rerun whose buckets differ in size (a smaller "
+                                                     f"--bucket-cap-mb), or `ddpscope calibrate {trace.path}` (its "
+                                                     "all-reduces alone: a lower bound)")))
     print("  a rerun at another stage is predicted in memory only: the rerun measures its step")
     print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run)}")
     return 0

@@ -134,10 +134,9 @@ def predict_deepspeed_step_ms(trace, bucket_mib: float) -> pd.DataFrame:
     """Per rank at ``reduce_bucket_size`` = ``bucket_mib`` MiB (as ``--bucket-cap-mb``):
     measured_step_ms and predicted_step_ms (medians over real steps, ms), measured_buckets
     and predicted_buckets (reductions a step), measured_bucket_ms (the run's reductions'
-    time a step on the training thread, median) and predicted_bucket_ms (the new ones', ms). NaN where
-    the trace lists no bucket sizes (a trace before them) or measured no step. The cost
-    is ``bucket_cost``'s, over every rank's reductions; the share of it exposed is each
-    rank's own."""
+    time a step on the training thread, median) and predicted_bucket_ms (the new ones',
+    ms). NaN where the trace lists no bucket sizes (a trace before them) or measured no
+    step. The cost is ``bucket_cost``'s, over every rank's reductions."""
     elements = bucket_elements(trace, bucket_mib)
     table = reductions(trace)
     steps = compute_sharded_steps(trace)

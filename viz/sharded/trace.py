@@ -80,6 +80,26 @@ def _count(v) -> int:
     return v
 
 
+# run.json's DeepSpeed settings the tables and predictions count with (engine_facts.py)
+_DEEPSPEED_COUNTS = ("reduce_bucket_size", "reduce_bucket_bytes", "stage3_persistent_numel",
+                     "stage3_param_persistence_threshold", "gradient_accumulation_steps", "world_size")
+
+
+def _check_deepspeed(run: dict) -> None:
+    """run.json's ``deepspeed`` (a DeepSpeed run's engine settings) is an object whose
+    counts are numbers >= 0 or null; ``ValueError`` naming the first that is not."""
+    ds = run.get("deepspeed")
+    if ds is None:
+        return
+    if not isinstance(ds, dict):
+        raise ValueError(f"run.json's deepspeed is a {type(ds).__name__}, not an object")
+    for key in _DEEPSPEED_COUNTS:
+        v = ds.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                              or v < 0 or abs(v) > 2**62):
+            raise ValueError(f"run.json's deepspeed.{key} is {str(v)[:40]!r}, not a count")
+
+
 def _time(v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise ValueError(f"{v!r} is not a time")
@@ -89,6 +109,7 @@ def _time(v) -> float:
 def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> ShardedTables:
     """The sharded tables of a run whose rank files are ``files`` ({rank: (meta, events)});
     ``align_of(meta)`` maps a rank's µs onto rank 0's clock. ``ValueError`` if malformed."""
+    _check_deepspeed(run)
     units = _units(run)
     names = units["name"].tolist()
     n_units = len(names)

@@ -6,6 +6,7 @@ the Run page makes it (``ddpscope run --bucket-cap-mb``)."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pandas as pd
@@ -20,7 +21,7 @@ from ddpscope.viz.sharded.deepspeed_buckets import (
 )
 from ddpscope.viz.sharded.metrics import compute_memory_over_step, compute_sharded_run_comparison
 from ddpscope.viz.sharded.predict import predict_deepspeed_peak
-from ddpscope.viz.trace import load_run
+from ddpscope.viz.trace import TraceError, load_run
 from tests.conftest import ROOT, run_cli
 from tests.tracer.capture.autotrace.test_autotrace import trace_script
 
@@ -122,6 +123,17 @@ def test_the_peak_and_buckets_at_another_reduce_bucket_size_are_the_reruns(tmp_p
         predict_deepspeed_peak(traced, 0)
     with pytest.raises(ValueError, match="must be > 0 MiB"):
         predict_deepspeed_step_ms(traced, float("nan"))
+    for bad, said in (([1, 2], "run.json's deepspeed is a list, not an object"),
+                      ({**traced.run["deepspeed"], "reduce_bucket_bytes": "x"},
+                       "run.json's deepspeed.reduce_bucket_bytes is 'x', not a count")):
+        broken = tmp_path / f"broken-{stage}-{len(said)}"
+        shutil.copytree(out, broken)
+        (broken / "run.json").write_text(json.dumps({**traced.run, "deepspeed": bad}))
+        with pytest.raises(TraceError, match=said):
+            load_run(broken)
+        for command in (("summary",), ("whatif",), ("whatif", "--json")):
+            proc = run_cli(*command, str(broken))
+            assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     untold = replace(traced, run={**traced.run, "deepspeed": {}}, cache={})
     with pytest.raises(ValueError, match="did not record DeepSpeed's reduce_bucket_size"):
         predict_deepspeed_peak(untold, 2**19)
