@@ -162,8 +162,7 @@ def _cost_line(cost) -> str:
     """A bucket reduction's cost model in words (``deepspeed_buckets.bucket_cost``)."""
     if len(cost.points) >= 2:
         return f"the calibration's all-reduce curve ({cost.source})"
-    return f"{cost.latency_us * cost.scale + cost.overhead_us:.0f} µs + {cost.bandwidth_gbps / cost.scale:.2f} GB/s " \
-           f"({cost.source})"
+    return f"{cost.in_words()} ({cost.source})"
 
 
 def _rank0_and_largest(table: pd.DataFrame, keys: list[str], values: dict) -> pd.DataFrame:

@@ -24,7 +24,7 @@ training thread (on gloo, DeepSpeed's CPU accelerator, its collectives too). On 
 ``overlap_comm`` the collectives run on DeepSpeed's own stream and this counts the host's
 part only. At the run's own size the prediction is the run. A bucket reduced in several
 calls (a message over DeepSpeed's chunk) is costed as one. Traces made before the whole
-reduction was timed are costed on their collectives' time and its exposed share.
+reduction was timed are not costed (the step is not predicted; their buckets are).
 """
 
 from __future__ import annotations
@@ -76,7 +76,14 @@ def reductions(trace) -> pd.DataFrame:
     trace lists none), ``elements``, ``bytes`` (its calls' messages), ``ms`` and
     ``exposed_ms`` (its calls', ``with_exposed``) and ``held_ms`` (the whole reduction on
     the training thread, DeepSpeed's own work included; NaN in traces before it), in
-    reduction order."""
+    reduction order; made once per trace (the page's table and every size's prediction
+    read it)."""
+    if "deepspeed_reductions" not in trace.cache:
+        trace.cache["deepspeed_reductions"] = _reductions(trace)
+    return trace.cache["deepspeed_reductions"]
+
+
+def _reductions(trace) -> pd.DataFrame:
     colls = with_exposed(trace)
     colls = colls[colls["bucket"].notna() & colls["step"].isin(real_steps(trace))]
     columns = ["rank", "step", "micro", "bucket", "numels", "elements", "bytes", "ms", "exposed_ms", "held_ms"]
@@ -90,13 +97,12 @@ def reductions(trace) -> pd.DataFrame:
     return out[columns]
 
 
-def _took(table: pd.DataFrame) -> tuple[np.ndarray, bool]:
-    """Each reduction's time (ms): its whole time on the training thread where the trace
-    has it for every row (True), else its collectives' (False)."""
-    held = table["held_ms"].to_numpy(float)
-    if len(held) and np.isfinite(held).all():
-        return held, True
-    return table["ms"].to_numpy(float), False
+def _real_steps_ms(trace) -> pd.DataFrame:
+    """``compute_sharded_steps`` of the real steps; made once per trace (every size's prediction reads it)."""
+    if "deepspeed_real_steps" not in trace.cache:
+        steps = compute_sharded_steps(trace)
+        trace.cache["deepspeed_real_steps"] = steps[steps["step"].isin(real_steps(trace))]
+    return trace.cache["deepspeed_real_steps"]
 
 
 def bucket_cost(trace, table: pd.DataFrame | None = None) -> AllReduceCost | None:
@@ -105,14 +111,15 @@ def bucket_cost(trace, table: pd.DataFrame | None = None) -> AllReduceCost | Non
     reduction (two sizes or more); else, where the run folder holds a calibration of these
     ranks (``ddpscope calibrate``), its all-reduce curve scaled by the median of the run's
     reductions over it; else the line through the origin (bandwidth only: fewer buckets
-    cost the same). None where the trace lists no bucket sizes (a trace before them) or
-    reduced nothing."""
+    cost the same). None where the trace lists no bucket sizes or did not time the whole
+    reductions (traces before them) or reduced nothing."""
     table = reductions(trace) if table is None else table
     if not len(table) or not table["numels"].map(lambda n: isinstance(n, tuple)).all():
         return None
-    took, whole = _took(table)
-    nbytes, us = table["bytes"].to_numpy(float), took * 1e3
-    what = "bucket reductions" if whole else "bucket reductions' collectives"
+    us = table["held_ms"].to_numpy(float) * 1e3
+    if not np.isfinite(us).all():  # a trace before the whole reduction was timed
+        return None
+    nbytes, what = table["bytes"].to_numpy(float), "bucket reductions"
     try:
         own = fit_line(nbytes, us, f"the run's own {len(table)} {what}")
     except ValueError:  # none took time or moved bytes
@@ -139,8 +146,7 @@ def predict_deepspeed_step_ms(trace, bucket_mib: float) -> pd.DataFrame:
     step. The cost is ``bucket_cost``'s, over every rank's reductions."""
     elements = bucket_elements(trace, bucket_mib)
     table = reductions(trace)
-    steps = compute_sharded_steps(trace)
-    steps = steps[steps["step"].isin(real_steps(trace))]
+    steps = _real_steps_ms(trace)
     cost = bucket_cost(trace, table)
     rows = []
     for rank in sorted({int(r) for r in steps["rank"].unique()}):
@@ -158,13 +164,9 @@ def predict_deepspeed_step_ms(trace, bucket_mib: float) -> pd.DataFrame:
 
 def _predict(mine: pd.DataFrame, step_ms: pd.Series, cost: AllReduceCost, elements: int) -> dict:
     """One rank's prediction (``predict_deepspeed_step_ms``'s columns but rank and measured_step_ms)."""
-    took, whole = _took(mine)
-    mine = mine.assign(took=took)
     if not mine["elements"].sum() > 0:
         return {}
     per_byte = float(mine["bytes"].sum() / mine["elements"].sum())  # the message per element (dtype)
-    # the whole reduction runs on the training thread; of its collectives alone, what no compute covered
-    share = 1.0 if whole else float(mine["exposed_ms"].sum() / mine["ms"].sum()) if mine["ms"].sum() > 0 else 1.0
     predicted, counts, own_counts, own_ms, new_ms = [], [], [], [], []
     for step, in_step in mine.groupby("step"):
         now, new, n_now, n_new = 0.0, 0.0, 0, 0
@@ -176,12 +178,14 @@ def _predict(mine: pd.DataFrame, step_ms: pd.Series, cost: AllReduceCost, elemen
             n_now, n_new = n_now + len(own), n_new + len(cut)
         if step not in step_ms.index:
             continue
-        predicted.append(float(step_ms[step]) + share * (new - now))
+        # the whole reduction holds the training thread: the step moves by the difference
+        # (parenthesised: at the run's own size new == now and the step is the run's, exactly)
+        predicted.append(float(step_ms[step]) + (new - now))
         counts.append(n_new)
         own_counts.append(n_now)
-        spent = float(in_step["took"].sum() if whole else in_step["exposed_ms"].sum())
+        spent = float(in_step["held_ms"].sum())
         own_ms.append(spent)
-        new_ms.append(max(0.0, spent + share * (new - now)))
+        new_ms.append(max(0.0, spent + (new - now)))
     if not predicted:
         return {}
     return {"predicted_step_ms": float(np.median(predicted)), "measured_buckets": float(np.median(own_counts)),

@@ -62,6 +62,10 @@ class AllReduceCost:
             line = np.where(inside, np.interp(m, xs, ys), line)
         return self.scale * line + self.overhead_us
 
+    def in_words(self) -> str:
+        """The line as said to the user: fixed µs an all-reduce + bandwidth (GB/s), scale and overhead applied."""
+        return f"{self.latency_us * self.scale + self.overhead_us:.0f} µs + {self.bandwidth_gbps / self.scale:.2f} GB/s"
+
     def with_scale(self, scale: float, source: str) -> AllReduceCost:
         return replace(self, scale=float(scale), overhead_us=0.0, source=source)
 

@@ -394,8 +394,8 @@ def fit_comm(trace: RunTrace, lanes: int, calibration: Calibration | None, share
             best = (err, cost, float(kappa))
     _, cost, kappa = best
     sizes = len(np.unique(nbytes))
-    note = (f"all-reduce cost from {cost.source} ({sizes} sizes): {cost.latency_us * cost.scale + cost.overhead_us:.0f} µs + "
-            f"{cost.bandwidth_gbps / cost.scale:.2f} GB/s; {kappa:.2f} slower beside backward compute")
+    note = (f"all-reduce cost from {cost.source} ({sizes} sizes): {cost.in_words()}; "
+            f"{kappa:.2f} slower beside backward compute")
     return cost, kappa, note
 
 

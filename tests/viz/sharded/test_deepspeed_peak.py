@@ -19,7 +19,11 @@ from ddpscope.viz.sharded.deepspeed_buckets import (
     recut,
     reductions,
 )
-from ddpscope.viz.sharded.metrics import compute_memory_over_step, compute_sharded_run_comparison
+from ddpscope.viz.sharded.metrics import (
+    compute_memory_over_step,
+    compute_sharded_run_comparison,
+    compute_sharded_steps,
+)
 from ddpscope.viz.sharded.predict import predict_deepspeed_peak
 from ddpscope.viz.trace import TraceError, load_run
 from tests.conftest import ROOT, run_cli
@@ -37,6 +41,28 @@ def layouts(trace) -> dict:
     """(rank, step, micro) -> the elements of each bucket reduced there, in order."""
     table = reductions(trace)
     return {k: [int(e) for e in g["elements"]] for k, g in table.groupby(["rank", "step", "micro"])}
+
+
+def assert_each_step_moves_by_its_buckets(traced, own: pd.DataFrame, steps: pd.DataFrame) -> None:
+    """Each step's prediction at RERUN_MIB is the step as run moved by its new buckets' cost
+    less its own on the one cost line (``bucket_cost``): recomputed here from ``recut``, on
+    a line that is not bandwidth alone (a calibration is present), so a prediction that
+    ignored the buckets (the run's own step) fails."""
+    order = {k: [n for t in g["numels"] for n in t] for k, g in own.groupby(["rank", "step", "micro"])}
+    cost, step_ms = bucket_cost(traced), compute_sharded_steps(traced).set_index(["rank", "step"])["step_ms"]
+    assert cost.latency_us > 0 or len(cost.points) >= 2, cost  # else fewer buckets cost the same
+    for rank in (0, 1):
+        mine = own[own["rank"] == rank]
+        per_element = mine["bytes"].sum() / mine["elements"].sum()
+        assert per_element == pytest.approx(4.0, rel=0.01)  # fp32 messages, whole buckets
+        moved = {}
+        for step, g in mine.groupby("step"):
+            new = [recut(order[(rank, step, micro)], 70_000) for micro in g["micro"].unique()]
+            moved[step] = (sum(cost.time_us(per_element * pd.Series(n, dtype=float)).sum() for n in new)
+                           - cost.time_us(per_element * g["elements"]).sum()) / 1e3
+        expected = pd.Series({s: step_ms[(rank, s)] + m for s, m in moved.items()}).median()
+        assert steps.loc[rank, "predicted_step_ms"] == pytest.approx(expected, rel=1e-9)
+        assert any(m != 0 for m in moved.values()), moved
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -100,16 +126,19 @@ def test_the_peak_and_buckets_at_another_reduce_bucket_size_are_the_reruns(tmp_p
     own_peak = predict_deepspeed_peak(traced, 80_000)
     assert (own_peak["predicted_peak_bytes"] == own_peak["measured_peak_bytes"]).all()
 
-    if stage == 2:  # the buckets of one size give no fixed cost a reduction: a calibration of these ranks does
-        table_all = reductions(traced)
-        one_size = table_all[table_all["bytes"] == table_all["bytes"].max()]
-        own_line = bucket_cost(traced, one_size)
-        assert own_line.latency_us == 0 and "calibration" not in own_line.source
-        said = run_cli("whatif", str(out), "--caps", repr(RERUN_MIB))
-        calibrated = run_cli("calibrate", str(out), "--max-mb", "1", "--quiet")
-        assert calibrated.returncode == 0, calibrated.stderr
+    table_all = reductions(traced)
+    one_size = table_all[table_all["bytes"] == table_all["bytes"].max()]
+    own_line = bucket_cost(traced, one_size)  # the buckets of one size give no fixed cost a reduction
+    assert own_line.latency_us == 0 and "calibration" not in own_line.source
+    said = run_cli("whatif", str(out), "--caps", repr(RERUN_MIB))
+    calibrated = run_cli("calibrate", str(out), "--max-mb", "1", "--quiet")
+    assert calibrated.returncode == 0, calibrated.stderr
+    assert_each_step_moves_by_its_buckets(traced, own, predict_deepspeed_step_ms(traced, RERUN_MIB).set_index("rank"))
+
+    if stage == 2:  # a calibration of these ranks gives the one-size table its fixed cost
         cost = bucket_cost(traced, one_size)
-        assert len(cost.points) >= 2 and cost.source.startswith("calibration x") and cost.latency_us > 0
+        # the calibration's own fit may go through the origin (one slow size): its points and source are the check
+        assert len(cost.points) >= 2 and cost.source.startswith("calibration x")
         # where the run's own sizes give a line with a fixed cost, it is kept
         line = bucket_cost(traced)
         assert ("calibration" in line.source) == (line.latency_us == 0 or bool(line.points)), line

@@ -252,6 +252,10 @@ class CommTap:
                 c.unit, args = found[id(mark)]
                 c.extra = {**args, **c.extra}
 
+    def _unit_of(self, mark: tuple) -> int:
+        """The unit of the bucket ``mark``: its first parameter's (-1: none known)."""
+        return self.unit_of.get(id(self.param_of(mark[1][0])), -1)
+
     def _bucket(self, mark: tuple, index: int, micro: int = 0) -> tuple[int, dict]:
         """(unit, event args) of the bucket ``mark``, the ``index``-th reduced in micro-batch
         ``micro`` of its step."""
@@ -259,7 +263,7 @@ class CommTap:
         first, last = params[0], params[-1]
         names = self.names
         start, end = mark[2]
-        return (self.unit_of.get(id(first), -1),
+        return (self._unit_of(mark),
                 bucket_args(index, len(params), names.get(id(first), "?"), names.get(id(last), "?"), micro,
                             [_numel(p) for p in params], None if end is None else (end - start) / 1000.0))
 
@@ -268,7 +272,7 @@ class CommTap:
         the pass now): for the live file's thread, off the training thread."""
         unit, phase, coll = self.recorder.where
         if isinstance(unit, tuple):
-            unit = self._bucket(unit, 0)[0] if unit[0] is _BUCKET else unit[0]
+            unit = self._unit_of(unit) if unit[0] is _BUCKET else unit[0]  # per live tick: no names built
             cur = self.recorder.current
             phase = "optimizer" if self.in_step else phase_at(cur, self.recorder.clock.stamp()) if cur else ""
         return unit, phase, coll
