@@ -8,9 +8,10 @@ plus the parameter's over ``reduce_bucket_size`` (stages 1-2,
 ``reduce_ready_partitions_and_remove_grads``: a parameter larger than the size goes
 alone); what is left is reduced when the backward ends. The trace lists each bucket's
 parameters' elements in the order they were added (``bucket_numels``); set end to end
-per micro-batch they are the gradients in ready order, which the size does not move, so
-``recut`` at another size gives the rerun's buckets (tests/viz/sharded/test_deepspeed_peak.py:
-against real reruns).
+per micro-batch they are the gradients in the order ZeRO takes them (as they become
+ready; stage 1 without ``overlap_comm``: in parameter order once the backward ends),
+which the size does not move, so ``recut`` at another size gives the rerun's buckets
+(tests/viz/sharded/test_deepspeed_peak.py: against real reruns, stages 1-3).
 
 Time (a model): a bucket's reduction costs what the run's own cost for their size
 (``bucket_cost``): a line through them (one point per bucket and micro-batch: its whole

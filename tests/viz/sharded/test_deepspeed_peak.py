@@ -65,13 +65,14 @@ def assert_each_step_moves_by_its_buckets(traced, own: pd.DataFrame, steps: pd.D
         assert any(m != 0 for m in moved.values()), moved
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_peak_and_buckets_at_another_reduce_bucket_size_are_the_reruns(tmp_path, stage):
     """Traced at 20,000 elements, predicted at 70,000, rerun there: the rerun's peak per rank
     is the prediction, to the byte, and so is every bucket it reduced (elements, in order, in
     every step and rank). ZeRO-3 allocates its bucket whole, so its peak grows by the
-    bucket's growth; these stage-2 runs hold no bucket buffer when memory is sampled, so
-    their peak stays."""
+    bucket's growth; these stage-1 and 2 runs hold no bucket buffer when memory is sampled,
+    so their peak stays. Stage 1 (no overlap_comm) takes the gradients in parameter order
+    once the backward ends, stages 2-3 as they become ready: the trace's lists have both."""
     script = (WORKER, "--stage", str(stage), "--steps", "3", "--reduce-bucket-size", "20000")
     proc, out, _ = trace_script(tmp_path, *script, name="traced", env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
