@@ -65,6 +65,7 @@ def refuse_fsdp2_flags(args, why: str) -> None:
 
 
 def _fsdp2(trace, args) -> int:
+    from ddpscope.viz.sharded.metrics import sharded_step_noise_ms
     from ddpscope.viz.sharded.predict import compute_reshard_whatif, reshard_choices
 
     if getattr(args, "caps", None) is not None:
@@ -82,8 +83,9 @@ def _fsdp2(trace, args) -> int:
                              f"the ranks, between 2 and {world} - 1), got {n}")
     table = compute_reshard_whatif(trace, settings)
     keys = ["reshard_after_forward", "forward_prefetch", "backward_prefetch", "predicted"]
+    noise = sharded_step_noise_ms(trace)
     if args.json:
-        return _print_json(trace, {"settings": _records(table)})
+        return _print_json(trace, {"settings": _records(table), "step_noise_ms": _finite(noise)})
     print(f"{trace.path}  ranks={world}  FSDP2, ZeRO stage {trace.shards.stage}  (first row: this run, measured; "
           "the others predicted from it)")
     print(_rank0_and_largest(table, keys, {"peak_bytes": ("peak_MiB", MIB, "max"),
@@ -96,12 +98,14 @@ def _fsdp2(trace, args) -> int:
     print("  peak_MiB, step_ms: rank 0's (the dashboard's Run page); largest_peak_MiB: the largest rank's; "
           "step_ms_median: over ranks; memory: which units are gathered when, the rest as measured")
     print(f"  {STEP_NOTE}")
+    print(f"  {noise_line(noise)}")
     print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run)}")
     return 0
 
 
 def _deepspeed(trace, args) -> int:
     from ddpscope.viz.sharded.deepspeed_buckets import bucket_cost
+    from ddpscope.viz.sharded.metrics import sharded_step_noise_ms
     from ddpscope.viz.sharded.predict import (
         DEEPSPEED_BUCKET_MIB,
         STATE_COLUMNS,
@@ -117,10 +121,12 @@ def _deepspeed(trace, args) -> int:
     sizes = compute_deepspeed_bucket_whatif(trace, caps) if recorded else None
     why = None if recorded else "this run did not record DeepSpeed's reduce_bucket_size: nothing is predicted at another"
     cost = bucket_cost(trace) if recorded else None
+    noise = sharded_step_noise_ms(trace)
     if args.json:
         return _print_json(trace, {"stages": _records(states),
                                    "bucket_sizes": [] if sizes is None else _records(sizes), "no_bucket_sizes": why,
-                                   "bucket_cost": None if cost is None else _cost_line(cost)})
+                                   "bucket_cost": None if cost is None else _cost_line(cost),
+                                   "step_noise_ms": _finite(noise)})
     size = f"reduce_bucket_size {recorded / MIB:.4g} MiB" if recorded else "reduce_bucket_size not recorded"
     print(f"{trace.path}  ranks={trace.world_size}  DeepSpeed ZeRO stage {trace.shards.stage}  {size}")
     print("model states a rerun at each stage would keep (MiB per rank):")
@@ -146,13 +152,14 @@ def _deepspeed(trace, args) -> int:
                                                     "the peak stays at any size")))
         print("  step: " + ("this trace lists no bucket's parameter sizes (traced before ddpscope recorded them): "
                             "not predicted" if cost is None else
-                            "the buckets cut again from the gradients' ready order (exact); the step a model (its "
+                            "the buckets cut again from the order ZeRO took the gradients in (exact); the step a model (its "
                             "accuracy: docs/sharded.md#predictions), each reduction costed at "
                             f"{_cost_line(cost)}" + ("" if cost.latency_us or cost.overhead_us else
                                                      "; with no fixed cost a reduction, fewer buckets cost the same: "
                                                      "predict from a rerun whose buckets differ in size (a smaller "
                                                      f"--bucket-cap-mb), or `ddpscope calibrate {trace.path}` (its "
                                                      "all-reduces alone: a lower bound)")))
+        print(f"  {noise_line(noise)}")
     print("  a rerun at another stage is predicted in memory only: the rerun measures its step")
     print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run)}")
     return 0
@@ -182,6 +189,18 @@ def _rank0_and_largest(table: pd.DataFrame, keys: list[str], values: dict) -> pd
                 row[f"{name}_median"] = float(group[column].median()) / scale
         rows.append(row)
     return pd.DataFrame(rows).round(3)
+
+
+def noise_line(noise_ms: float) -> str:
+    """The run's step noise in words (``sharded_step_noise_ms``)."""
+    if not math.isfinite(noise_ms):
+        return "noise: this run has fewer than 2 real steps: how far a rerun may land from it is not known"
+    return (f"noise: a predicted step within ±{noise_ms:.1f} ms of this run's cannot be told from it (its median "
+            "step's 95 % bootstrap interval, x √2 for the rerun's own)")
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _records(table: pd.DataFrame) -> list[dict]:

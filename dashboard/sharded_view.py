@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pandas as pd
 import streamlit as st
 
@@ -34,6 +35,7 @@ from ddpscope.viz.sharded.metrics import (
     compute_unit_table,
     idle_units_line,
     reshard_setting,
+    sharded_step_noise_ms,
     stage_differences,
 )
 from ddpscope.viz.sharded.predict import (
@@ -189,7 +191,7 @@ def sharded_rerun_settings(trace) -> dict:
                        "This run measured no step's memory: no peak is predicted.")
     _prediction_metric(m[1], "predicted step (rank 0)", "step_ms", 1.0, "ms",
                        predict_step_ms(trace, setting) if len(trace.steps) else None,
-                       "This run finished no step: no step time is predicted.")
+                       "This run finished no step: no step time is predicted.", sharded_step_noise_ms(trace))
     if not measured:
         return settings
     with st.expander("Predicted memory over a step"):
@@ -199,20 +201,29 @@ def sharded_rerun_settings(trace) -> dict:
     return settings
 
 
-def _prediction_metric(where, label: str, what: str, scale: float, unit: str, table, missing: str) -> None:
+def _prediction_metric(where, label: str, what: str, scale: float, unit: str, table, missing: str,
+                       noise: float | None = None) -> None:
     """``predicted_<what>`` beside ``measured_<what>`` (rank 0's row of ``table``), or what
-    is missing, said, when the run cannot give it (no table, or an empty one)."""
+    is missing, said, when the run cannot give it (no table, or an empty one). ``noise``
+    (in the shown unit; ``sharded_step_noise_ms``): a change within it is drawn gray, and
+    the metric's help says so."""
     if table is None or not len(table) or f"predicted_{what}" not in table:
         where.info(missing)
         return
     predicted, measured = table[f"predicted_{what}"].iloc[0], table[f"measured_{what}"].iloc[0]
     digits = 2 if unit == "MiB" else 1
     change = round((predicted - measured) * scale, digits)
+    known = noise is not None and np.isfinite(noise)
+    inside = known and abs(change) <= noise
+    said = {"help": (f"Inside this run's noise (±{noise:.{digits}f} {unit}): a rerun cannot be told from this run"
+                     if inside else f"Beyond this run's noise (±{noise:.{digits}f} {unit})")
+            + ": its median step's 95 % bootstrap interval, x √2 for the rerun's own."} if known else {}
     if change:
         where.metric(label, f"{predicted * scale:.{digits}f} {unit}", f"{change:+.{digits}f} {unit}",
-                     delta_color="inverse")
+                     delta_color="off" if inside else "inverse", **said)
     else:  # gray and with no arrow (Streamlit draws one for any text), not a red "+0.00"
-        where.metric(label, f"{predicted * scale:.{digits}f} {unit}", "as this run", delta_color="off", **_NO_ARROW)
+        where.metric(label, f"{predicted * scale:.{digits}f} {unit}", "as this run", delta_color="off", **_NO_ARROW,
+                     **said)
 
 
 def deepspeed_rerun_settings(trace) -> dict:
@@ -247,13 +258,13 @@ def deepspeed_rerun_settings(trace) -> dict:
         step = None
     _prediction_metric(m[1], f"predicted step at stage {trace.shards.stage} (rank 0)", "step_ms", 1.0, "ms", step,
                        "This trace lists no bucket's parameter sizes (traced before ddpscope recorded them) or no "
-                       "reduce_bucket_size: no step is predicted.")
+                       "reduce_bucket_size: no step is predicted.", sharded_step_noise_ms(trace))
     held = len(mem) and mem["comm_buffers_bytes"].fillna(0).max() > 0
     st.caption("At another reduce_bucket_size, at this run's stage: DeepSpeed allocates its gradient buckets "
                "whole (reduce_bucket_size elements), so they scale and nothing else moves"
                + ("" if held else "; this run's memory samples (taken between the model's forward and backward, "
                   "where DeepSpeed's compute is timed) hold no bucket, so the peak they read stays at any size")
-               + ". The step: the buckets cut again from the gradients' ready order (exact), each reduction costed "
+               + ". The step: the buckets cut again from the order ZeRO took the gradients in (exact), each reduction costed "
                  "as this run's were for their size: a model, which the rerun checks (`ddpscope whatif` prints the "
                  "cost line). A rerun at another stage is predicted in memory only.")
     return {"zero_stage": stage if stage != trace.shards.stage else None, "bucket_cap_mb": None if same else cap}

@@ -11,7 +11,7 @@ from streamlit.testing.v1 import AppTest
 
 from ddpscope.dashboard.sharded_view import AS_THE_SCRIPT
 from ddpscope.viz.sharded.deepspeed_buckets import predict_deepspeed_step_ms
-from ddpscope.viz.sharded.metrics import NO_UNIT
+from ddpscope.viz.sharded.metrics import NO_UNIT, sharded_step_noise_ms
 from ddpscope.viz.trace import load_run
 from tests.conftest import ROOT
 from tests.dashboard.app_driver import chart_spec, chart_specs, metric_value, open_page, open_traced
@@ -51,6 +51,9 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     assert deltas == {"predicted peak (rank 0)": "as this run", "predicted step (rank 0)": "as this run"}  # not "+0.0"
     same = [m.proto for m in at.metric if m.label.startswith("predicted")]
     assert all(p.direction == p.MetricDirection.NONE for p in same)  # gray and with no arrow: nothing went up
+    step = next(m for m in at.metric if m.label == "predicted step (rank 0)")
+    noise = sharded_step_noise_ms(load_run(out))  # the run's step noise, said where the step is predicted
+    assert step.help.startswith(f"Inside this run's noise (±{noise:.1f} ms)")
     at.selectbox(key="run_reshard").set_value("false (ZeRO-2)").run()
     assert not at.exception
     peak = next(m for m in at.metric if m.label == "predicted peak (rank 0)")
@@ -184,6 +187,9 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     step = next(m for m in at.metric if m.label == "predicted step at stage 2 (rank 0)")
     assert step.value == f"{want['predicted_step_ms']:.1f} ms"
     assert step.delta == (f"{change:+.1f} ms" if change else "as this run")
+    noise = sharded_step_noise_ms(trace)  # a change within the run's noise is drawn gray, and said
+    assert step.help.startswith("Inside" if abs(change) <= noise else "Beyond") and f"(±{noise:.1f} ms)" in step.help
+    assert (step.proto.color == step.proto.MetricColor.GRAY) == (abs(change) <= noise)
 
 
 @pytest.mark.deepspeed

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.tracer import format as fmt
+from ddpscope.viz.ddp.compare import median_interval
 from ddpscope.viz.sharded.comm_volume import (  # noqa: F401 - moved there; 0.2's viz.sharded_metrics gave them
     accumulation_line,
     comm_honesty_lines,
@@ -156,6 +157,18 @@ def compute_sharded_steps(trace) -> pd.DataFrame:
     out["exposed_ms"] = exposed.reindex(idx).fillna(0.0).to_numpy() if len(exposed) else 0.0
     order = ["compute_ms", "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "wait_ms", "peak_bytes", "exposed_ms"]
     return out[[c for c in out.columns if c not in order] + order].reset_index(drop=True)
+
+
+def sharded_step_noise_ms(trace) -> float:
+    """How far (ms) a predicted step may sit from this run's and not be told apart from it:
+    √2 x the half-width of the 95 % bootstrap interval of the run's median step (its real
+    steps, every rank's time in each; ``viz.ddp.compare.median_interval``, the interval
+    Compare gives a run), √2 for the rerun's own noise, as DDP's what-if counts it
+    (``viz.whatif.advisor.gain_noise_ms``). NaN with fewer than 2 real steps."""
+    steps = compute_sharded_steps(trace)
+    steps = steps[steps["step"].isin(real_steps(trace))]
+    _, lo, hi = median_interval(steps[["rank", "step", "step_ms"]])
+    return float(np.sqrt(2.0) * (hi - lo) / 2.0) if np.isfinite(lo) and np.isfinite(hi) else float("nan")
 
 
 def compute_memory_over_step(trace, rank: int, step: int | None = None) -> pd.DataFrame:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -15,6 +16,7 @@ from ddpscope.viz.sharded.metrics import (
     compute_unit_table,
     idle_units_line,
     reshard_setting,
+    sharded_step_noise_ms,
 )
 
 
@@ -87,3 +89,34 @@ def test_reshard_setting_is_the_units_own_not_the_roots_nor_deepspeeds(framework
                           for k, v in enumerate([root, *others])])
     trace = SimpleNamespace(shards=SimpleNamespace(framework=framework, units=units))
     assert reshard_setting(trace) == said
+
+
+def _steps_of(durations_us: dict[int, list[float]]) -> SimpleNamespace:
+    """A trace of steps only: ``durations_us`` per rank, steps numbered from 1 after a warm-up step 0."""
+    rows = []
+    for rank, durations in durations_us.items():
+        t = 0.0
+        for step, d in enumerate([5000.0, *durations]):
+            rows.append({"rank": rank, "step": step, "warmup": step == 0, "incomplete": False,
+                         "start_us": t, "end_us": t + d})
+            t += d
+    empty = pd.DataFrame(columns=["rank", "step", "unit", "collective", "bytes", "start_us", "end_us"])
+    shards = SimpleNamespace(colls=empty, waits=empty.drop(columns=["collective", "bytes"]),
+                             segments=empty.drop(columns=["collective", "bytes"]).assign(phase=[]),
+                             units=pd.DataFrame(), framework="fsdp2",
+                             memory=pd.DataFrame(columns=["rank", "step", "total_bytes"]))
+    return SimpleNamespace(shards=shards, steps=pd.DataFrame(rows), cache={})
+
+
+def test_the_step_noise_is_none_for_steady_steps_bounded_by_their_spread_and_unknown_from_one():
+    """A run whose steps all take 100 ms has no noise; one whose steps spread has some, within
+    √2 x half their spread (a median's interval lies inside its values), more as they spread
+    more; the warm-up step counts for nothing; with one real step it is not known (NaN)."""
+    assert sharded_step_noise_ms(_steps_of({0: [100e3] * 8, 1: [100e3] * 8})) == 0.0
+    rng = np.random.default_rng(1)
+    ms = 100 + rng.normal(0, 5, size=(2, 12))
+    noise = sharded_step_noise_ms(_steps_of({r: list(ms[r] * 1e3) for r in (0, 1)}))
+    assert 0 < noise <= np.sqrt(2) * (ms.max() - ms.min()) / 2
+    wider = sharded_step_noise_ms(_steps_of({r: list((100 + (ms[r] - 100) * 4) * 1e3) for r in (0, 1)}))
+    assert wider == pytest.approx(4 * noise, rel=1e-9)  # the bootstrap resamples the same steps, seeded
+    assert np.isnan(sharded_step_noise_ms(_steps_of({0: [100e3], 1: [90e3]})))

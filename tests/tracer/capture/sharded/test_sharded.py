@@ -20,6 +20,7 @@ from ddpscope.viz.sharded.metrics import (
     compute_sharded_steps,
     compute_stage_comparison,
     compute_unit_table,
+    sharded_step_noise_ms,
     stage_differences,
 )
 from ddpscope.viz.sharded.predict import predict_peak
@@ -152,7 +153,9 @@ def test_rerun_with_reshard_false_is_stage_2_as_predicted(zero3, tmp_path):
     # its row for false is this prediction, its first row the run as measured
     proc = run_cli("whatif", str(out), "--json")
     assert proc.returncode == 0, proc.stderr
-    rows = pd.DataFrame(json.loads(proc.stdout)["settings"])
+    body = json.loads(proc.stdout)
+    rows = pd.DataFrame(body["settings"])
+    assert body["step_noise_ms"] == sharded_step_noise_ms(first)
     assert rows[~rows["predicted"]]["reshard_after_forward"].unique().tolist() == ["true"]
     assert rows[~rows["predicted"]].set_index("rank")["peak_bytes"].to_dict() == \
         predicted.set_index("rank")["measured_peak_bytes"].to_dict()
@@ -192,6 +195,13 @@ def test_whatif_prints_each_setting_and_refuses_flags_the_run_does_not_take(zero
     assert sharded_whatif(blind, args) == 0
     text = capsys.readouterr().out
     assert "no peak is predicted" in text and text.splitlines()[2].split()[4:6] == ["-", "-"]
+    # the step's noise, said beside the predictions: this run's (3 real steps), and unknown from one
+    noise = sharded_step_noise_ms(trace)
+    assert 0 < noise < float(compute_sharded_steps(trace)["step_ms"].max())
+    assert f"noise: a predicted step within ±{noise:.1f} ms of this run's cannot be told from it" in text
+    one = replace(trace, steps=trace.steps.assign(warmup=trace.steps["step"] != trace.steps["step"].max()), cache={})
+    assert sharded_whatif(one, args) == 0
+    assert "noise: this run has fewer than 2 real steps" in capsys.readouterr().out
     for flags, said in ((["--caps", "1"], "--caps sets a bucket size"),
                         (["--cap-list", "1,2"], "--cap-list is DDP's"),
                         (["--reshard-after-forward", "2"], "on a run of 2 ranks is true or false"),
