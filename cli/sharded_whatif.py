@@ -195,8 +195,9 @@ def noise_line(noise_ms: float) -> str:
     """The run's step noise in words (``sharded_step_noise_ms``)."""
     if not math.isfinite(noise_ms):
         return "noise: this run has fewer than 2 real steps: how far a rerun may land from it is not known"
-    return (f"noise: a predicted step within ±{noise_ms:.1f} ms of this run's cannot be told from it (its median "
-            "step's 95 % bootstrap interval, x √2 for the rerun's own)")
+    from ddpscope.viz.sharded.metrics import STEP_NOISE_MEANING
+
+    return f"noise: a predicted step within ±{noise_ms:.1f} ms of this run's cannot be told from it ({STEP_NOISE_MEANING})"
 
 
 def _finite(value: float) -> float | None:

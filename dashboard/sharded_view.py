@@ -26,6 +26,7 @@ from ddpscope.viz.sharded.figures import (
     make_stage_comparison_figure,
 )
 from ddpscope.viz.sharded.metrics import (
+    STEP_NOISE_MEANING,
     UNTIMED_UNITS,
     active_units,
     compute_memory_over_step,
@@ -217,7 +218,7 @@ def _prediction_metric(where, label: str, what: str, scale: float, unit: str, ta
     inside = known and abs(change) <= noise
     said = {"help": (f"Inside this run's noise (±{noise:.{digits}f} {unit}): a rerun cannot be told from this run"
                      if inside else f"Beyond this run's noise (±{noise:.{digits}f} {unit})")
-            + ": its median step's 95 % bootstrap interval, x √2 for the rerun's own."} if known else {}
+            + f": {STEP_NOISE_MEANING}."} if known else {}
     if change:
         where.metric(label, f"{predicted * scale:.{digits}f} {unit}", f"{change:+.{digits}f} {unit}",
                      delta_color="off" if inside else "inverse", **said)

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.viz.sharded.exposed import with_exposed
-from ddpscope.viz.sharded.metrics import compute_sharded_steps
+from ddpscope.viz.sharded.metrics import real_sharded_steps
 from ddpscope.viz.sharded.trace import real_steps
 from ddpscope.viz.whatif.cost import AllReduceCost, fit_line, read_calibration
 
@@ -98,14 +98,6 @@ def _reductions(trace) -> pd.DataFrame:
     return out[columns]
 
 
-def _real_steps_ms(trace) -> pd.DataFrame:
-    """``compute_sharded_steps`` of the real steps; made once per trace (every size's prediction reads it)."""
-    if "deepspeed_real_steps" not in trace.cache:
-        steps = compute_sharded_steps(trace)
-        trace.cache["deepspeed_real_steps"] = steps[steps["step"].isin(real_steps(trace))]
-    return trace.cache["deepspeed_real_steps"]
-
-
 def bucket_cost(trace, table: pd.DataFrame | None = None) -> AllReduceCost | None:
     """A bucket's reduction time (µs) against its bytes: a line through ``reductions``'
     rows (``table``: the trace's where not given) where they give one with a fixed cost a
@@ -147,7 +139,7 @@ def predict_deepspeed_step_ms(trace, bucket_mib: float) -> pd.DataFrame:
     step. The cost is ``bucket_cost``'s, over every rank's reductions."""
     elements = bucket_elements(trace, bucket_mib)
     table = reductions(trace)
-    steps = _real_steps_ms(trace)
+    steps = real_sharded_steps(trace)
     cost = bucket_cost(trace, table)
     rows = []
     for rank in sorted({int(r) for r in steps["rank"].unique()}):

@@ -159,16 +159,31 @@ def compute_sharded_steps(trace) -> pd.DataFrame:
     return out[[c for c in out.columns if c not in order] + order].reset_index(drop=True)
 
 
+def real_sharded_steps(trace) -> pd.DataFrame:
+    """``compute_sharded_steps`` of the real steps (``real_steps``); made once per trace (the
+    step predictions and the step noise read it for every setting the page shows)."""
+    if "sharded_real_steps" not in trace.cache:
+        steps = compute_sharded_steps(trace)
+        trace.cache["sharded_real_steps"] = steps[steps["step"].isin(real_steps(trace))]
+    return trace.cache["sharded_real_steps"]
+
+
+#: what ``sharded_step_noise_ms`` is, said beside it (``ddpscope whatif`` and the Run page)
+STEP_NOISE_MEANING = "its median step's 95 % bootstrap interval, x √2 for the rerun's own"
+
+
 def sharded_step_noise_ms(trace) -> float:
     """How far (ms) a predicted step may sit from this run's and not be told apart from it:
     √2 x the half-width of the 95 % bootstrap interval of the run's median step (its real
     steps, every rank's time in each; ``viz.ddp.compare.median_interval``, the interval
     Compare gives a run), √2 for the rerun's own noise, as DDP's what-if counts it
-    (``viz.whatif.advisor.gain_noise_ms``). NaN with fewer than 2 real steps."""
-    steps = compute_sharded_steps(trace)
-    steps = steps[steps["step"].isin(real_steps(trace))]
-    _, lo, hi = median_interval(steps[["rank", "step", "step_ms"]])
-    return float(np.sqrt(2.0) * (hi - lo) / 2.0) if np.isfinite(lo) and np.isfinite(hi) else float("nan")
+    (``viz.whatif.advisor.gain_noise_ms``). NaN with fewer than 2 real steps. Made once per
+    trace (a bootstrap; the page asks on every rerun)."""
+    if "sharded_step_noise_ms" not in trace.cache:
+        _, lo, hi = median_interval(real_sharded_steps(trace)[["rank", "step", "step_ms"]])
+        trace.cache["sharded_step_noise_ms"] = (float(np.sqrt(2.0) * (hi - lo) / 2.0)
+                                                if np.isfinite(lo) and np.isfinite(hi) else float("nan"))
+    return trace.cache["sharded_step_noise_ms"]
 
 
 def compute_memory_over_step(trace, rank: int, step: int | None = None) -> pd.DataFrame:

@@ -29,7 +29,12 @@ import pandas as pd
 from ddpscope.viz.sharded.deepspeed_buckets import predict_deepspeed_step_ms
 from ddpscope.viz.sharded.deepspeed_states import measured_states, predict_states
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
-from ddpscope.viz.sharded.metrics import compute_memory_over_step, compute_sharded_steps, reshard_setting
+from ddpscope.viz.sharded.metrics import (
+    compute_memory_over_step,
+    compute_sharded_steps,
+    real_sharded_steps,
+    reshard_setting,
+)
 from ddpscope.viz.sharded.trace import real_steps
 
 
@@ -106,8 +111,7 @@ def predict_step_ms(trace, reshard_after_forward: bool | int | None = None) -> p
     when every non-root unit reshards after forward (True / N) or not (False)."""
     sh = trace.shards
     real = real_steps(trace)
-    steps = compute_sharded_steps(trace)
-    steps = steps[steps["step"].isin(real)]
+    steps = real_sharded_steps(trace)
     colls = with_exposed(trace)
     colls = colls[colls["step"].isin(real) & (colls["collective"] == "all_gather")]
     waits = sh.waits[sh.waits["step"].isin(real)]
