@@ -28,7 +28,15 @@ from ddpscope.viz.whatif.model import fit_model
 from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model
 from ddpscope.viz.whatif.report import regime
 from ddpscope.viz.whatif.simulate import predict_run, traced_cap
-from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, MIN_GAIN, compute_cap_sweep, compute_measured_points, recommend_cap
+from ddpscope.viz.whatif.sweep import (
+    DEFAULT_CAPS,
+    MIN_GAIN,
+    compute_cap_sweep,
+    compute_measured_points,
+    compute_replay_check,
+    recommend_cap,
+    replay_check_text,
+)
 
 
 @st.cache_data(show_spinner="Fitting the model to the trace...", max_entries=8)
@@ -52,6 +60,7 @@ def cap_sweep(path: str, stamp: float, caps: tuple[float, ...], world_size: int 
     if world_size is None:  # this run's step-to-step noise; a projection's is not this run's
         best["noise_ms"] = gain_noise_ms(trace)
         sweep = mark_within_noise(sweep, best["noise_ms"])
+        best["replay_check"] = replay_check_text(compute_replay_check(trace, sweep))  # a projection has no own run
     note = sweep.attrs.get("note")  # a torch.compile'd model: caps it refuses are left out
     table = pd.DataFrame(sweep)
     table.attrs = {}  # the predicted traces stay out of the cache
@@ -134,6 +143,8 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
     noise = best.get("noise_ms", float("nan"))
     st.plotly_chart(make_cap_sweep_figure(sweep, points, best["bucket_cap_mb"], noise_ms=noise), key="predict_curve")
     st.caption(sweep_caption(sweep, best, noise))
+    if best.get("replay_check"):
+        st.caption(best["replay_check"][0].upper() + best["replay_check"][1:] + ".")
     render_advisor(path, stamp, trace, whatif_model(str(path), stamp), jobs, busy, policy)
     with st.expander("Predicted table and how the model was fitted"):
         show_table(sweep.round(2), key="predict_table")

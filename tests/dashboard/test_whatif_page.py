@@ -10,7 +10,7 @@ import shutil
 import pytest
 from streamlit import config as st_config
 
-from tests.conftest import SAMPLES
+from tests.conftest import SAMPLES, run_cli
 from tests.dashboard.app_driver import chart_specs, chart_titled, open_page, open_traced, wait_for_job
 
 
@@ -43,6 +43,12 @@ def test_whatif_page_draws_the_predicted_curve_with_the_measured_runs_on_it(app)
     assert spec["layout"]["xaxis"]["ticktext"][:4] == ["0.25", "0.5", "1", "2"]  # the caps, not 2 5 1 2 5
     assert sorted(traces["step (measured runs)"]["x"]) == [1.0, 25.0]
     assert traces["traced cap (replayed)"]["x"] == [1.0]
+    # under the curve, the traced cap's replay beside what the open run measured (the CLI's replay_check)
+    check = json.loads(run_cli("whatif", str(SAMPLES / "gpt-2rank-cap1mb"), "--caps", "1", "--json").stdout)
+    check = check["replay_check"]
+    said = next(c.value for c in app.caption if c.value.startswith("At its own setting the replay reads"))
+    assert (f"{check['step_ms']['replayed']:.1f} ms a step and {check['exposed_ms']['replayed']:.1f} ms exposed where "
+            f"this run measured {check['step_ms']['measured']:.1f} and {check['exposed_ms']['measured']:.1f} ms") in said
     app.select_slider(key="predict_cap").set_value(25.0).run()
     assert not app.exception
     vs = _vs_table(app)

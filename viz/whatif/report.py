@@ -54,7 +54,7 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
     from ddpscope.tracer.options import WHATIF_CAP_LIST, mib_list, parse_caps
     from ddpscope.viz.sources import KINETO, folder_kind
     from ddpscope.viz.whatif.cost import read_calibration
-    from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep
+    from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, compute_cap_sweep, compute_replay_check, replay_check_text
 
     wanted = parse_caps(caps) if caps is not None else list(DEFAULT_CAPS)
     if cap_list is not None:
@@ -74,12 +74,15 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
     model = sweep.attrs["model"]
     advice = advise(trace, model, caps=wanted, lists=lists)
     sweep = mark_within_noise(sweep, advice.noise_ms)
+    check = compute_replay_check(trace, sweep)
     if as_json:
         top = advice.candidates.head(10)
         print(json.dumps(_safe({"path": str(trace.path), "world_size": trace.world_size,
                                 "traced_bucket_cap_mb": trace.run.get("bucket_cap_mb"),
                                 "caps": sweep[_SWEEP_COLS].astype(object).to_dict("records"),
                                 "recommended": advice.as_json(),
+                                "replay_check": {k: {c: float(v) for c, v in row.items()}
+                                                 for k, row in check.iterrows()},
                                 "candidates": [{"kind": r.kind, "setting": r.label, "buckets": int(r.buckets),
                                                 "step_ms": float(r.step_ms), "within_noise": bool(r.within_noise)}
                                                for r in top.itertuples()],
@@ -93,6 +96,8 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
     if math.isfinite(advice.noise_ms):
         print(f"  within_noise: the step cannot be told from the fastest's, {advice.noise_ms:.1f} ms (this run's "
               "step-to-step noise, two medians)")
+    if len(check):
+        print(f"  measured: {replay_check_text(check)}")
     for note in model.notes:
         print(f"  model: {note}")
     if sweep.attrs.get("note"):

@@ -73,6 +73,40 @@ def recommend_cap(sweep: pd.DataFrame) -> dict:
             "gain_pct": 100.0 * gain / base_ms if base_ms > 0 else float("nan")}
 
 
+#: what ``compute_replay_check`` sets side by side
+CHECKED = ("step_ms", "exposed_ms", "comm_ms", "backward_ms")
+
+
+def compute_replay_check(trace: RunTrace, sweep: pd.DataFrame) -> pd.DataFrame:
+    """The run's own setting, replayed (the sweep's ``traced`` row) against what the run
+    measured, medians over steps and ranks (ms): per quantity (index: step_ms,
+    exposed_ms, comm_ms, backward_ms) ``replayed``, ``measured`` (as the advisor's
+    measured step) and ``miss`` (replayed - measured). The miss is the model's at the
+    setting it knows best, and it is in every other row of the sweep too: a row is read
+    against the traced row, not against the measurement (on 2 shared CPU cores the
+    replay reads exposed communication low: docs/whatif.md). Empty where the sweep has
+    no traced row."""
+    own = sweep[sweep["traced"]] if "traced" in sweep else sweep.iloc[0:0]
+    if not len(own):
+        return pd.DataFrame(columns=["replayed", "measured", "miss"], dtype=float)
+    measured = _medians(trace)
+    rows = {k: {"replayed": float(own[k].iloc[0]), "measured": measured[k]} for k in CHECKED}
+    df = pd.DataFrame.from_dict(rows, orient="index")
+    df["miss"] = df["replayed"] - df["measured"]
+    return df
+
+
+def replay_check_text(check: pd.DataFrame) -> str:
+    """``compute_replay_check`` in one sentence (the CLI's line, the What-if page's caption)."""
+    if not len(check):
+        return ""
+    step, ex = check.loc["step_ms"], check.loc["exposed_ms"]
+    return (f"at its own setting the replay reads {step['replayed']:.1f} ms a step and {ex['replayed']:.1f} ms "
+            f"exposed where this run measured {step['measured']:.1f} and {ex['measured']:.1f} ms (medians over "
+            f"steps and ranks): the model's miss there ({step['miss']:+.1f} and {ex['miss']:+.1f} ms) is in every "
+            "row, so read a setting against the traced row")
+
+
 def measured_setting(trace: RunTrace) -> str:
     """The bucket setting a measured run ran with, as its point on the axes says it: DDP's
     default and an explicit 25 MiB both sit at 25 and are other layouts (a 1 MiB first

@@ -571,3 +571,31 @@ def test_a_backward_span_run_on_past_its_last_gradient_is_waiting_not_work():
     after = {s.step: s.ranks[0] for s in step_inputs(replace(t, steps=steps), model)}[k]
     assert after.work_end == pytest.approx(before[k].work_end)
     assert after.finalize == pytest.approx(before[k].finalize)
+
+
+def test_whatif_sets_its_replay_of_the_traced_setting_beside_the_run():
+    """``whatif`` on the GPT sample (1 MiB): its ``replay_check`` holds the traced row's
+    replayed numbers and the run's own, read here straight off the trace's step spans and
+    communication columns (non-warm-up, finished steps, every rank), and the miss between
+    them; the text line says the same numbers."""
+    path = SAMPLES / "gpt-2rank-cap1mb"
+    proc = run_cli("whatif", str(path), "--caps", "1,64", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    check = out["replay_check"]
+    traced = next(c for c in out["caps"] if c["traced"])
+    s = load_run(path).steps
+    s = s[~s["warmup"] & ~s["incomplete"]]
+    measured = {"step_ms": float(((s["end_us"] - s["start_us"]) / 1e3).median()),
+                "exposed_ms": float(((s["comm_us"] - s["overlapped_us"]) / 1e3).median()),
+                "comm_ms": float((s["comm_us"] / 1e3).median())}
+    for k, v in measured.items():
+        assert check[k]["replayed"] == pytest.approx(traced[k], rel=1e-9)
+        assert check[k]["measured"] == pytest.approx(v, rel=1e-6)
+        assert check[k]["miss"] == pytest.approx(traced[k] - v, rel=1e-6, abs=1e-9)
+    assert check["step_ms"]["measured"] == pytest.approx(out["recommended"]["measured_step_ms"], rel=1e-9)
+    text = run_cli("whatif", str(path), "--caps", "1,64").stdout
+    line = next(x for x in text.splitlines() if x.strip().startswith("measured: at its own setting"))
+    assert (f"reads {check['step_ms']['replayed']:.1f} ms a step and {check['exposed_ms']['replayed']:.1f} ms exposed "
+            f"where this run measured {check['step_ms']['measured']:.1f} and {check['exposed_ms']['measured']:.1f} ms"
+            ) in line
