@@ -35,6 +35,9 @@ MIB = 2**20
 STEP_NOTE = ("step: the gathers a setting adds or saves, at the run's own speed; gloo runs collectives on the "
              "training thread, so all of that is exposed; on NCCL they overlap compute and the step is an upper bound")
 
+HYBRID_STEP_NOTE = ("step resharded to N ranks: as true's (its backward all-gathers run within N ranks, but on gloo they "
+                    "did not shrink by the bytes they no longer move: docs/sharded.md)")
+
 
 def sharded_whatif(trace, args) -> int:
     """Print (or ``--json``) the predictions for a sharded run; returns the exit code."""
@@ -98,6 +101,8 @@ def _fsdp2(trace, args) -> int:
     print("  peak_MiB, step_ms: rank 0's (the dashboard's Run page); largest_peak_MiB: the largest rank's; "
           "step_ms_median: over ranks; memory: which units are gathered when, the rest as measured")
     print(f"  {STEP_NOTE}")
+    if hybrids:
+        print(f"  {HYBRID_STEP_NOTE}")
     print(f"  {noise_line(noise)}")
     print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run)}")
     return 0

@@ -195,6 +195,7 @@ def test_whatif_prints_each_setting_and_refuses_flags_the_run_does_not_take(zero
     assert sharded_whatif(blind, args) == 0
     text = capsys.readouterr().out
     assert "no peak is predicted" in text and text.splitlines()[2].split()[4:6] == ["-", "-"]
+    assert "step resharded to N ranks" not in text  # 2 ranks: no N to reshard to
     # the step's noise, said beside the predictions: this run's (3 real steps), and unknown from one
     noise = sharded_step_noise_ms(trace)
     assert 0 < noise < float(compute_sharded_steps(trace)["step_ms"].max())
@@ -254,6 +255,11 @@ def test_a_rerun_resharded_to_n_ranks_is_fully_shards_own_and_peaks_where_predic
     assert set(rows[rows["predicted"]]["reshard_after_forward"]) == {"true", "false", "2"}  # 4 ranks: the hybrid
     row = rows[rows["predicted"] & (rows["reshard_after_forward"] == "2")].set_index("rank")["peak_bytes"]
     assert row.to_dict() == predicted.to_dict()
+    # its step is true's, and the text says so (docs/sharded.md has the reruns behind it)
+    steps = rows[rows["predicted"]].pivot(index="rank", columns="reshard_after_forward", values="step_ms")
+    assert (steps["2"] == steps["true"]).all()
+    text = run_cli("whatif", str(runs["true"][0].path)).stdout
+    assert "step resharded to N ranks: as true's" in text
 
 
 def test_accumulation_and_mixed_precision_are_traced(tmp_path):
