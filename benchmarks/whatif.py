@@ -1,7 +1,8 @@
 """What-if accuracy: predictions from one trace against real reruns at each cap.
 
     python -m benchmarks.whatif [--steps 20] [--rounds 2] [--models gpt,mlp,wide,compiled] [--no-calibrate]
-                                [--link loopback|1gbit|200mbit|...] [--smoke]
+                                [--link loopback|1gbit|200mbit|...] [--work DIR] [--smoke]
+    python -m benchmarks.whatif --from DIR [--models ...]
 
 For each model (the demo GPT and MLP, and ``wide``: a script with a few large
 parameters, an 8192-row embedding and 2048-wide layers, written below as a user would;
@@ -25,6 +26,11 @@ the sweep <= 10 % on step time on loopback, <= 5 % in the lab; on exposed
 communication, within 15 % or 2 ms.
 Benchmarks are not tests: the numbers are printed, nothing is asserted; ``--smoke`` runs
 the MLP at two caps, 4 steps, one round, no calibration: the script runs, nothing more.
+
+The runs are kept (``--work DIR``, else a new temporary folder, named at the end; a smoke
+run's is removed unless given). ``--from DIR`` predicts again from the traces and reruns a
+previous run kept there, tracing and running nothing: a change to the model is compared
+with the one before on the same runs, which no two rounds on this machine are.
 """
 
 from __future__ import annotations
@@ -139,18 +145,37 @@ def main() -> None:
     p.add_argument("--link", default="loopback",
                    help="loopback (2 ranks on this machine) or a link rate (1gbit, 200mbit, ...): 2 emulated nodes "
                         "of 1 rank over it (root: network namespaces)")
+    p.add_argument("--work", help="the folder to keep the runs in (default: a new temporary one)")
+    p.add_argument("--from", dest="again", metavar="DIR",
+                   help="predict again from the runs kept in DIR; nothing is traced or run")
     p.add_argument("--smoke", action="store_true", help="the MLP, 2 caps, 4 steps, one round, no calibration")
     args = p.parse_args()
     all_caps = CAPS
     if args.smoke:
         args.steps, args.rounds, args.models, args.no_calibrate, all_caps = 4, 1, "mlp", True, (1.0, 64.0)
+    if args.again is not None:
+        kept = Path(args.again)
+        if not kept.is_dir():
+            raise SystemExit(f"--from {kept}: no such folder")
+        bases = sorted(kept.glob("*-r*-base"))
+        if not bases:
+            raise SystemExit(f"--from {kept}: no runs of this benchmark in it (MODEL-rN-base folders)")
+        models = list(dict.fromkeys(b.name.split("-r")[0] for b in bases))
+        args.models = ",".join(m for m in args.models.split(",") if m in models) if args.models != "gpt,mlp,wide" \
+            else ",".join(models)
+        args.rounds = max(int(b.name.rsplit("-r", 1)[1].split("-")[0]) for b in bases) + 1
+        all_caps = tuple(sorted({float(d.name.rsplit("-", 1)[1]) for d in kept.glob("*-r0-*")
+                                 if d.is_dir() and not d.name.endswith("-base")}))
     from ddpscope.viz.trace import load_run
     from ddpscope.viz.whatif.model import fit_model
     from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 
-    work = Path(tempfile.mkdtemp(prefix="ddpscope-whatif-"))
+    again = args.again is not None
+    work = Path(args.again) if again else Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="ddpscope-whatif-"))
+    work.mkdir(parents=True, exist_ok=True)
     for name, text in SCRIPTS.items():
-        (work / f"{name}_train.py").write_text(text)
+        if not again:
+            (work / f"{name}_train.py").write_text(text)
     summary = []
     for model in args.models.split(","):
         cal, cal_s, notes = None, 0.0, []
@@ -159,13 +184,14 @@ def main() -> None:
         predict_s = run_s = 0.0
         for rnd in range(args.rounds):
             base = work / f"{model}-r{rnd}-base"
-            trace(model, base, None, args.steps, work, args.link)
-            if rnd == 0 and not args.no_calibrate:
-                t0 = time.perf_counter()
-                ddpscope("calibrate", str(base))
-                cal_s, cal = time.perf_counter() - t0, base / "calibration.json"
-            elif cal is not None:  # the same machine and ranks: measured once
-                shutil.copy(cal, base / "calibration.json")
+            if not again:  # else traced (and calibrated) before
+                trace(model, base, None, args.steps, work, args.link)
+                if rnd == 0 and not args.no_calibrate:
+                    t0 = time.perf_counter()
+                    ddpscope("calibrate", str(base))
+                    cal_s, cal = time.perf_counter() - t0, base / "calibration.json"
+                elif cal is not None:  # the same machine and ranks: measured once
+                    shutil.copy(cal, base / "calibration.json")
             t = load_run(base)
             t0 = time.perf_counter()
             m = fit_model(t)
@@ -176,12 +202,13 @@ def main() -> None:
             notes = list(m.notes)
             for cap in caps:
                 out = work / f"{model}-r{rnd}-{cap:g}"
-                run_s += trace(model, out, cap, args.steps, work, args.link)
+                run_s += 0.0 if again else trace(model, out, cap, args.steps, work, args.link)
                 real = medians(load_run(out))
                 rows[cap].append((preds[cap], real, real[2] / traced[2]))  # forward: the machine's speed
         print(f"\n== {model} over {args.link}: traced at its script's own cap ({len(t.run['bucket_layout'])} buckets), "
               f"{t.world_size} ranks, {args.steps} steps; {args.rounds} rounds of trace + a real run per cap"
-              + ("" if args.no_calibrate else f"; calibrate took {cal_s:.1f} s"), flush=True)
+              + (f"; predicted again from the runs kept in {work}" if again else
+                 "" if args.no_calibrate else f"; calibrate took {cal_s:.1f} s"), flush=True)
         for note in notes:
             print(f"   model (last round): {note}")
         print(f"{'cap MiB':>8} {'step pred':>9} {'step meas':>9} {'|err| %':>7} {'drift-adj':>9} | "
@@ -214,7 +241,7 @@ def main() -> None:
     print("\nmodel   replay%  stepMAE%  drift-adj%  exposed-ok  exposedMAE(ms)  forward-drift%")
     for model, rep, mae, adj, ok, n, emae, drift in summary:
         print(f"{model:6} {rep:8.1f} {mae:9.1f} {adj:11.1f} {ok:6d}/{n}  {emae:12.1f}  {drift:13.1f}")
-    if args.smoke:
+    if args.smoke and not again and not args.work:
         shutil.rmtree(work, ignore_errors=True)
     else:
         print(f"(runs kept in {work})")

@@ -6,6 +6,7 @@ tests (``pytest -m benchmarks``)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,3 +66,31 @@ def test_benchmark_runs_in_its_smoke_mode_and_prints_its_table(name):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert PRINTS[name] in proc.stdout, proc.stdout[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_whatif_predicts_again_from_the_runs_it_kept(tmp_path):
+    """``benchmarks.whatif --smoke --work DIR`` keeps its runs there; ``--from DIR``
+    predicts again from them, tracing and running nothing (no folder added or changed),
+    and prints the same table: a model change is compared on the same runs. A folder
+    without its runs is refused."""
+    work = tmp_path / "kept"
+
+    def bench(*args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.whatif", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    def table(out: str) -> list[str]:
+        return [line for line in out.splitlines() if re.match(r"\s*(replay|1|64)\s+[\d.]+\s", line)]
+
+    first = bench("--smoke", "--work", str(work))
+    kept = {p.relative_to(work): p.stat().st_mtime_ns for p in work.rglob("*")}
+    assert {p.name for p in work.iterdir() if p.is_dir()} == {"mlp-r0-base", "mlp-r0-1", "mlp-r0-64"}
+    again = bench("--from", str(work))
+    assert len(table(first)) == 3 and table(again) == table(first)
+    assert "predicted again from the runs kept in" in again
+    assert {p.relative_to(work): p.stat().st_mtime_ns for p in work.rglob("*")} == kept
+    empty = subprocess.run([sys.executable, "-m", "benchmarks.whatif", "--from", str(tmp_path)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode != 0 and "no runs of this benchmark" in empty.stderr
