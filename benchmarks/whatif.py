@@ -136,11 +136,25 @@ def medians(t) -> tuple[float, float, float]:
     return float(b["step_ms"].median()), float(b["exposed_ms"].median()), float(b["forward_ms"].median())
 
 
+def _kept_runs(kept: Path) -> tuple[list[str], int, tuple[float, ...]]:
+    """The models, rounds and caps of a previous run's folder (``--from``)."""
+    if not kept.is_dir():
+        raise SystemExit(f"--from {kept}: no such folder")
+    bases = sorted(kept.glob("*-r*-base"))
+    if not bases:
+        raise SystemExit(f"--from {kept}: no runs of this benchmark in it (MODEL-rN-base folders)")
+    models = list(dict.fromkeys(b.name.split("-r")[0] for b in bases))
+    rounds = max(int(b.name.rsplit("-r", 1)[1].split("-")[0]) for b in bases) + 1
+    caps = tuple(sorted({float(d.name.rsplit("-", 1)[1]) for d in kept.glob("*-r0-*")
+                         if d.is_dir() and not d.name.endswith("-base")}))
+    return models, rounds, caps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2, help="rounds of trace + real runs at every cap")
-    p.add_argument("--models", default="gpt,mlp,wide")
+    p.add_argument("--models", help="comma-separated (default gpt,mlp,wide; with --from, every model kept there)")
     p.add_argument("--no-calibrate", action="store_true")
     p.add_argument("--link", default="loopback",
                    help="loopback (2 ranks on this machine) or a link rate (1gbit, 200mbit, ...): 2 emulated nodes "
@@ -152,20 +166,12 @@ def main() -> None:
     args = p.parse_args()
     all_caps = CAPS
     if args.smoke:
-        args.steps, args.rounds, args.models, args.no_calibrate, all_caps = 4, 1, "mlp", True, (1.0, 64.0)
+        args.steps, args.rounds, args.no_calibrate, all_caps = 4, 1, True, (1.0, 64.0)
+        args.models = args.models or "mlp"
     if args.again is not None:
-        kept = Path(args.again)
-        if not kept.is_dir():
-            raise SystemExit(f"--from {kept}: no such folder")
-        bases = sorted(kept.glob("*-r*-base"))
-        if not bases:
-            raise SystemExit(f"--from {kept}: no runs of this benchmark in it (MODEL-rN-base folders)")
-        models = list(dict.fromkeys(b.name.split("-r")[0] for b in bases))
-        args.models = ",".join(m for m in args.models.split(",") if m in models) if args.models != "gpt,mlp,wide" \
-            else ",".join(models)
-        args.rounds = max(int(b.name.rsplit("-r", 1)[1].split("-")[0]) for b in bases) + 1
-        all_caps = tuple(sorted({float(d.name.rsplit("-", 1)[1]) for d in kept.glob("*-r0-*")
-                                 if d.is_dir() and not d.name.endswith("-base")}))
+        models, args.rounds, all_caps = _kept_runs(Path(args.again))
+        args.models = ",".join(m for m in (args.models or ",".join(models)).split(",") if m in models)
+    args.models = args.models or "gpt,mlp,wide"
     from ddpscope.viz.trace import load_run
     from ddpscope.viz.whatif.model import fit_model
     from ddpscope.viz.whatif.simulate import predict_run, traced_cap
