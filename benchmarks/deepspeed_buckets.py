@@ -12,11 +12,12 @@ floor: the same setting twice). Every run is then a trace to predict every other
 from (``viz.sharded.deepspeed_buckets.predict_deepspeed_step_ms``, what ``ddpscope whatif``
 and the Run page show): for each pair it prints the buckets a step predicted and
 measured, and the step predicted against the rerun's measured median (non-warm-up
-steps, rank 0), first on each run's own cost line, then with a calibration of these
-ranks (``ddpscope calibrate`` on the first run, copied into every folder), which a run
-uses where its own line has no fixed cost a reduction (its buckets all one size). The
-summary is
-the mean absolute error over pairs, beside the noise floor. Goal: buckets exact; step
+steps, rank 0), three ways that differ only where a run's own buckets give no fixed cost
+a reduction (its buckets all one size, or a few large ones): "own line" takes none
+(bandwidth only); "in situ", what ``whatif`` does, the fixed cost of the run's own small
+all-reduces (``in_situ_latency``); "with calibration" a calibration of these ranks
+(``ddpscope calibrate`` on the first run, copied into every folder) instead. The summary
+is the mean absolute error over pairs, beside the noise floor. Goal: buckets exact; step
 error within twice the noise floor or 5 %.
 
 Benchmarks are not tests: nothing is asserted; ``--smoke`` runs tiny sizes once.
@@ -36,6 +37,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("own line", "in situ", "with calibration")
 
 SCRIPT = textwrap.dedent('''
     import argparse, os
@@ -110,8 +112,10 @@ def stage_table(tmp: Path, stage: int, args) -> dict[str, tuple[list[float], lis
     print(f"  noise floor: {sizes[0]:g} MiB twice: {measured(again)[0]:.2f} against {truth[sizes[0]][0]:.2f} ms "
           f"({noise:.1f} %)")
     out = {}
-    # the run's own line first; then with a calibration of these ranks (`ddpscope calibrate`) in every folder
-    for model in ("own line", "with calibration"):
+    # side by side on the same runs, where a run's own buckets give no fixed cost a reduction: nothing
+    # (bandwidth only), the run's own small all-reduces (what whatif uses), a calibration of these ranks
+    # (`ddpscope calibrate`, copied into every folder; in_situ off so that it is the one read)
+    for model in MODELS:
         if model == "with calibration":
             calibration = calibrate(tmp, runs[sizes[0]].path)
             for t in runs.values():
@@ -121,20 +125,27 @@ def stage_table(tmp: Path, stage: int, args) -> dict[str, tuple[list[float], lis
         print(f"  {'from':>8} {'to':>8} {'buckets p/m':>12} {'step pred':>10} {'measured':>9} {'err %':>7}  cost")
         errors, exact = [], []
         for src, trace in runs.items():
-            line = bucket_cost(trace)
+            line = bucket_cost(trace, in_situ=model == "in situ")
             for mib in sizes:
                 if mib == src:
                     continue
-                row = predict_deepspeed_step_ms(trace, mib).set_index("rank").loc[0]
+                row = predict_deepspeed_step_ms(trace, mib, cost=line).set_index("rank").loc[0]
                 err = (row["predicted_step_ms"] / truth[mib][0] - 1) * 100
                 errors.append(abs(err))
                 exact.append(int(row["predicted_buckets"] == truth[mib][1]))
                 print(f"  {src:>8g} {mib:>8g} {row['predicted_buckets']:5.0f}/{truth[mib][1]:<6.0f} "
                       f"{row['predicted_step_ms']:10.2f} {truth[mib][0]:9.2f} {err:+7.1f}  "
-                      f"{line.latency_us * line.scale:.0f} us fixed{' (calibration)' if line.points else ''}")
+                      f"{line.latency_us * line.scale:.0f} us fixed ({_origin(line)})")
         out[model] = (errors, exact)
     out["noise"] = ([noise], [])
     return out
+
+
+def _origin(line) -> str:
+    """Where a cost line's fixed cost came from, in a word."""
+    if line.points:
+        return "calibration"
+    return "small all-reduces" if line.source.startswith("fixed: ") else "own buckets"
 
 
 def calibrate(tmp: Path, folder: Path) -> Path:
@@ -166,7 +177,7 @@ def main() -> None:
           ) as tmp:
         for stage in (int(s) for s in args.stages.split(",")):
             table = stage_table(Path(tmp), stage, args)
-            for model in ("own line", "with calibration"):
+            for model in MODELS:
                 errors, exact = table[model]
                 print(f"stage {stage}, {model}: buckets exact {sum(exact)}/{len(exact)}; step MAE "
                       f"{statistics.mean(errors):.1f} % (max {max(errors):.1f} %) over {len(errors)} predictions; "

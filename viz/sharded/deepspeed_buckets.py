@@ -17,8 +17,11 @@ Time (a model): a bucket's reduction costs what the run's own cost for their siz
 (``bucket_cost``): a line through them (one point per bucket and micro-batch: its whole
 reduction on the training thread, DeepSpeed's own copies and bookkeeping around its
 collectives included, against its bytes; the ``AllReduceCost`` DDP's what-if fits). A
-run whose buckets are all one size cannot tell a fixed cost per reduction from
-bandwidth: there, where the run folder holds a calibration of these ranks (``ddpscope
+run whose buckets are all one size (or a few large ones) cannot tell a fixed cost per
+reduction from bandwidth: there the fixed cost is what the run's own small all-reduces
+outside its buckets held the training thread, on average (``in_situ_latency``: ZeRO's
+gradient-norm all-reduce, every step and rank), and the buckets' time beyond it is per
+byte; where the run has none, a calibration of these ranks in the run folder (``ddpscope
 calibrate``), its all-reduce curve scaled to the run's reductions. The step changes by the new
 buckets' cost less the run's buckets' cost on the same line: a reduction holds the
 training thread (on gloo, DeepSpeed's CPU accelerator, its collectives too). On CUDA with
@@ -39,6 +42,8 @@ from ddpscope.viz.sharded.trace import real_steps
 from ddpscope.viz.whatif.cost import AllReduceCost, fit_line, read_calibration
 
 MIB = 2**20
+SMALL_ALL_REDUCE_BYTES = 64 * 1024  # latency alone: at this machine's ~0.7 GB/s, 0.1 ms of bandwidth
+MIN_IN_SITU = 5  # fewer small all-reduces than this say nothing of their mean
 
 
 def recut(numels, bucket_elements: int) -> list[int]:
@@ -98,14 +103,36 @@ def _reductions(trace) -> pd.DataFrame:
     return out[columns]
 
 
-def bucket_cost(trace, table: pd.DataFrame | None = None) -> AllReduceCost | None:
+def in_situ_latency(trace) -> tuple[float, int] | None:
+    """What an all-reduce's fixed cost was in this run: the mean time (µs) the run's own
+    small all-reduces outside its gradient buckets (``SMALL_ALL_REDUCE_BYTES`` or less: ZeRO's
+    gradient norm, every step and rank; an overflow check) held the training thread
+    (``exposed_ms``: compute paused), over its real steps and every rank, and how many
+    there were; None with fewer than ``MIN_IN_SITU``. Their time is latency alone, taken
+    among the run's own compute, threads and ranks: waiting for the last rank to arrive,
+    a gloo thread descheduled, what a bucket's reduction meets too; a calibration times
+    all-reduces back to back with nothing else running (docs/sharded.md#predictions has
+    both against reruns). The mean, not the median: on 2 ranks sharing 2 cores a quarter
+    of a BERT's 1-7 KB bucket all-reduces took 2-6 ms, most 0.3-0.5, and a step pays each."""
+    colls = with_exposed(trace)
+    small = colls[colls["bucket"].isna() & (colls["collective"] == "all_reduce")
+                  & (colls["bytes"] <= SMALL_ALL_REDUCE_BYTES) & colls["step"].isin(real_steps(trace))]
+    held = small["exposed_ms"].to_numpy(float) * 1e3
+    held = held[np.isfinite(held)]
+    return (float(held.mean()), len(held)) if len(held) >= MIN_IN_SITU else None
+
+
+def bucket_cost(trace, table: pd.DataFrame | None = None, *, in_situ: bool = True) -> AllReduceCost | None:
     """A bucket's reduction time (µs) against its bytes: a line through ``reductions``'
     rows (``table``: the trace's where not given) where they give one with a fixed cost a
-    reduction (two sizes or more); else, where the run folder holds a calibration of these
-    ranks (``ddpscope calibrate``), its all-reduce curve scaled by the median of the run's
-    reductions over it; else the line through the origin (bandwidth only: fewer buckets
-    cost the same). None where the trace lists no bucket sizes or did not time the whole
-    reductions (traces before them) or reduced nothing."""
+    reduction (two sizes or more); else, with ``in_situ`` and where the run has them, the
+    fixed cost of its own small all-reduces (``in_situ_latency``) and the rows' time beyond
+    it per byte; else, where the run folder holds a calibration of these ranks (``ddpscope
+    calibrate``), its all-reduce curve scaled by the median of the run's reductions over
+    it; else the line through the origin (bandwidth only: fewer buckets cost the same).
+    None where the trace lists no bucket sizes or did not time the whole reductions
+    (traces before them) or reduced nothing. At the run's own buckets every one of these
+    sums to the time they took."""
     table = reductions(trace) if table is None else table
     if not len(table) or not table["numels"].map(lambda n: isinstance(n, tuple)).all():
         return None
@@ -119,6 +146,14 @@ def bucket_cost(trace, table: pd.DataFrame | None = None) -> AllReduceCost | Non
         return None
     if own.latency_us > 0:
         return own
+    anchor = in_situ_latency(trace) if in_situ else None
+    if anchor is not None:
+        latency, count = anchor
+        beyond = float(us.sum() - latency * len(us))
+        if beyond > 0 and nbytes.sum() > 0:  # else the buckets took less than the fixed cost: not this line
+            return AllReduceCost(latency_us=latency, us_per_byte=beyond / float(nbytes.sum()),
+                                 source=f"fixed: the mean of the run's own {count} small all-reduces outside its "
+                                        f"buckets (the gradient norm's); per byte: the rest of its {len(table)} {what}")
     calibration = read_calibration(trace.path) if trace.path is not None else None
     if calibration is None or calibration.unlike(trace.run, trace.world_size):
         return own
@@ -130,17 +165,17 @@ def bucket_cost(trace, table: pd.DataFrame | None = None) -> AllReduceCost | Non
                                   "it: their own line had no fixed cost")
 
 
-def predict_deepspeed_step_ms(trace, bucket_mib: float) -> pd.DataFrame:
+def predict_deepspeed_step_ms(trace, bucket_mib: float, cost: AllReduceCost | None = None) -> pd.DataFrame:
     """Per rank at ``reduce_bucket_size`` = ``bucket_mib`` MiB (as ``--bucket-cap-mb``):
     measured_step_ms and predicted_step_ms (medians over real steps, ms), measured_buckets
     and predicted_buckets (reductions a step), measured_bucket_ms (the run's reductions'
     time a step on the training thread, median) and predicted_bucket_ms (the new ones',
     ms). NaN where the trace lists no bucket sizes (a trace before them) or measured no
-    step. The cost is ``bucket_cost``'s, over every rank's reductions."""
+    step. The cost is ``cost``, or ``bucket_cost``'s over every rank's reductions."""
     elements = bucket_elements(trace, bucket_mib)
     table = reductions(trace)
     steps = real_sharded_steps(trace)
-    cost = bucket_cost(trace, table)
+    cost = bucket_cost(trace, table) if cost is None else cost
     rows = []
     for rank in sorted({int(r) for r in steps["rank"].unique()}):
         mine = table[table["rank"] == rank]

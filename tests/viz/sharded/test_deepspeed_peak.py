@@ -25,6 +25,7 @@ from ddpscope.viz.sharded.metrics import (
     compute_sharded_steps,
 )
 from ddpscope.viz.sharded.predict import predict_deepspeed_peak
+from ddpscope.viz.sharded.trace import real_steps
 from ddpscope.viz.trace import TraceError, load_run
 from tests.conftest import ROOT, run_cli
 from tests.tracer.capture.autotrace.test_autotrace import trace_script
@@ -73,7 +74,7 @@ def test_the_peak_and_buckets_at_another_reduce_bucket_size_are_the_reruns(tmp_p
     bucket's growth; these stage-1 and 2 runs hold no bucket buffer when memory is sampled,
     so their peak stays. Stage 1 (no overlap_comm) takes the gradients in parameter order
     once the backward ends, stages 2-3 as they become ready: the trace's lists have both."""
-    script = (WORKER, "--stage", str(stage), "--steps", "3", "--reduce-bucket-size", "20000")
+    script = (WORKER, "--stage", str(stage), "--steps", "5", "--reduce-bucket-size", "20000")
     proc, out, _ = trace_script(tmp_path, *script, name="traced", env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc, again, _ = trace_script(tmp_path, *script, ddpscope=("--bucket-cap-mb", repr(RERUN_MIB)), name="rerun",
@@ -129,24 +130,36 @@ def test_the_peak_and_buckets_at_another_reduce_bucket_size_are_the_reruns(tmp_p
 
     table_all = reductions(traced)
     one_size = table_all[table_all["bytes"] == table_all["bytes"].max()]
-    own_line = bucket_cost(traced, one_size)  # the buckets of one size give no fixed cost a reduction
-    assert own_line.latency_us == 0 and "calibration" not in own_line.source
+    bare = bucket_cost(traced, one_size, in_situ=False)  # the buckets of one size give no fixed cost a reduction
+    assert bare.latency_us == 0 and "calibration" not in bare.source
+    # the run's own small all-reduces outside its buckets (ZeRO's gradient norm, every step and rank) give it:
+    # their mean time, read here from the raw collectives by who issued them, and the buckets' time beyond it
+    # per byte, which at the run's own buckets adds up to the time they held the training thread
+    colls = traced.shards.colls
+    small = colls[(colls["issued_by"] == "other") & (colls["collective"] == "all_reduce")
+                  & (colls["bytes"] <= 64 * 1024) & colls["step"].isin(real_steps(traced))]
+    assert len(small) >= 2 * 4, small  # 4 real steps a rank
+    anchored = bucket_cost(traced, one_size)
+    assert anchored.source.startswith("fixed: the mean of the run's own") and not anchored.points
+    assert anchored.latency_us == pytest.approx((small["end_us"] - small["start_us"]).mean(), rel=1e-9)
+    assert anchored.time_us(one_size["bytes"]).sum() == pytest.approx(one_size["held_ms"].sum() * 1e3, rel=1e-9)
     said = run_cli("whatif", str(out), "--caps", repr(RERUN_MIB))
     calibrated = run_cli("calibrate", str(out), "--max-mb", "1", "--quiet")
     assert calibrated.returncode == 0, calibrated.stderr
     assert_each_step_moves_by_its_buckets(traced, own, predict_deepspeed_step_ms(traced, RERUN_MIB).set_index("rank"))
 
-    if stage == 2:  # a calibration of these ranks gives the one-size table its fixed cost
-        cost = bucket_cost(traced, one_size)
-        # the calibration's own fit may go through the origin (one slow size): its points and source are the check
+    if stage == 2:  # a calibration of these ranks gives the one-size table its fixed cost where the run has no
+        # small all-reduce of its own (in_situ off); its own fit may go through the origin (one slow size): its
+        # points and source are the check
+        cost = bucket_cost(traced, one_size, in_situ=False)
         assert len(cost.points) >= 2 and cost.source.startswith("calibration x")
-        # where the run's own sizes give a line with a fixed cost, it is kept
-        line = bucket_cost(traced)
-        assert ("calibration" in line.source) == (line.latency_us == 0 or bool(line.points)), line
-        assert (run_cli("whatif", str(out), "--caps", repr(RERUN_MIB)).stdout == said.stdout) == (not line.points)
+        # where the run has them, they come first: the calibration changes nothing whatif says
+        assert bucket_cost(traced, one_size).source == anchored.source
+        assert not bucket_cost(traced).points
+        assert run_cli("whatif", str(out), "--caps", repr(RERUN_MIB)).stdout == said.stdout
         saved = json.loads((out / "calibration.json").read_text())
         (out / "calibration.json").write_text(json.dumps({**saved, "world_size": 3}))  # other ranks: not used
-        assert bucket_cost(traced, one_size).source == own_line.source
+        assert bucket_cost(traced, one_size, in_situ=False).source == bare.source
 
     # bad input: one line, no table
     with pytest.raises(ValueError, match="must be > 0 bytes"):
