@@ -109,7 +109,7 @@ def _fsdp2(trace, args) -> int:
 
 
 def _deepspeed(trace, args) -> int:
-    from ddpscope.viz.sharded.deepspeed_buckets import bucket_cost
+    from ddpscope.viz.sharded.deepspeed_buckets import bucket_cost, cost_in_words
     from ddpscope.viz.sharded.metrics import sharded_step_noise_ms
     from ddpscope.viz.sharded.predict import (
         DEEPSPEED_BUCKET_MIB,
@@ -130,7 +130,7 @@ def _deepspeed(trace, args) -> int:
     if args.json:
         return _print_json(trace, {"stages": _records(states),
                                    "bucket_sizes": [] if sizes is None else _records(sizes), "no_bucket_sizes": why,
-                                   "bucket_cost": None if cost is None else _cost_line(cost),
+                                   "bucket_cost": None if cost is None else cost_in_words(cost, trace.path),
                                    "step_noise_ms": _finite(noise)})
     size = f"reduce_bucket_size {recorded / MIB:.4g} MiB" if recorded else "reduce_bucket_size not recorded"
     print(f"{trace.path}  ranks={trace.world_size}  DeepSpeed ZeRO stage {trace.shards.stage}  {size}")
@@ -159,22 +159,11 @@ def _deepspeed(trace, args) -> int:
                             "not predicted" if cost is None else
                             "the buckets cut again from the order ZeRO took the gradients in (exact); the step a model (its "
                             "accuracy: docs/sharded.md#predictions), each reduction costed at "
-                            f"{_cost_line(cost)}" + ("" if cost.latency_us or cost.overhead_us else
-                                                     "; with no fixed cost a reduction, fewer buckets cost the same: "
-                                                     "predict from a rerun whose buckets differ in size (a smaller "
-                                                     f"--bucket-cap-mb), or `ddpscope calibrate {trace.path}` (its "
-                                                     "all-reduces alone: a lower bound)")))
+                            f"{cost_in_words(cost, trace.path)}"))
         print(f"  {noise_line(noise)}")
     print("  a rerun at another stage is predicted in memory only: the rerun measures its step")
     print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run)}")
     return 0
-
-
-def _cost_line(cost) -> str:
-    """A bucket reduction's cost model in words (``deepspeed_buckets.bucket_cost``)."""
-    if len(cost.points) >= 2:
-        return f"the calibration's all-reduce curve ({cost.source})"
-    return f"{cost.in_words()} ({cost.source})"
 
 
 def _rank0_and_largest(table: pd.DataFrame, keys: list[str], values: dict) -> pd.DataFrame:

@@ -18,7 +18,7 @@ from ddpscope.dashboard.widget_defaults import start_from
 from ddpscope.tracer.capture.sharded.settings import parse_reshard
 from ddpscope.viz.sharded.buckets import compute_bucket_table
 from ddpscope.viz.sharded.comm_volume import comm_honesty_lines, compute_comm_volume
-from ddpscope.viz.sharded.deepspeed_buckets import predict_deepspeed_step_ms
+from ddpscope.viz.sharded.deepspeed_buckets import bucket_cost, cost_in_words, predict_deepspeed_step_ms
 from ddpscope.viz.sharded.deepspeed_states import precision
 from ddpscope.viz.sharded.figures import (
     make_memory_over_step_figure,
@@ -254,7 +254,8 @@ def deepspeed_rerun_settings(trace) -> dict:
     m = st.columns(2)
     _prediction_metric(m[0], f"predicted peak at stage {trace.shards.stage} (rank 0)", "peak_bytes",
                        1 / MIB, "MiB", peak, "This run recorded no memory or no reduce_bucket_size: no peak is predicted.")
-    step = predict_deepspeed_step_ms(trace, now if same else cap) if now else None
+    cost = bucket_cost(trace) if now else None
+    step = predict_deepspeed_step_ms(trace, now if same else cap, cost) if now else None
     if step is not None and step["predicted_step_ms"].isna().all():
         step = None
     _prediction_metric(m[1], f"predicted step at stage {trace.shards.stage} (rank 0)", "step_ms", 1.0, "ms", step,
@@ -266,8 +267,8 @@ def deepspeed_rerun_settings(trace) -> dict:
                + ("" if held else "; this run's memory samples (taken between the model's forward and backward, "
                   "where DeepSpeed's compute is timed) hold no bucket, so the peak they read stays at any size")
                + ". The step: the buckets cut again from the order ZeRO took the gradients in (exact), each reduction costed "
-                 "as this run's were for their size: a model, which the rerun checks (`ddpscope whatif` prints the "
-                 "cost line). A rerun at another stage is predicted in memory only.")
+                 "as this run's were for their size" + (f", {cost_in_words(cost, trace.path)}" if cost is not None else "")
+               + ": a model, which the rerun checks. A rerun at another stage is predicted in memory only.")
     return {"zero_stage": stage if stage != trace.shards.stage else None, "bucket_cap_mb": None if same else cap}
 
 

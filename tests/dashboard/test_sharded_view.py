@@ -13,7 +13,7 @@ from ddpscope.dashboard.sharded_view import AS_THE_SCRIPT
 from ddpscope.viz.sharded.deepspeed_buckets import predict_deepspeed_step_ms
 from ddpscope.viz.sharded.metrics import NO_UNIT, sharded_step_noise_ms
 from ddpscope.viz.trace import load_run
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 from tests.dashboard.app_driver import chart_spec, chart_specs, metric_value, open_page, open_traced
 
 
@@ -190,6 +190,11 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     noise = sharded_step_noise_ms(trace)  # a change within the run's noise is drawn gray, and said
     assert step.help.startswith("Inside" if abs(change) <= noise else "Beyond") and f"(±{noise:.1f} ms)" in step.help
     assert (step.proto.color == step.proto.MetricColor.GRAY) == (abs(change) <= noise)
+    # the cost line under it is the one `ddpscope whatif` prints (its fixed cost and where it came from)
+    said = run_cli("whatif", str(out), "--json")
+    assert said.returncode == 0, said.stderr
+    words = json.loads(said.stdout)["bucket_cost"]
+    assert words and any(f"for their size, {words}: a model" in c.value for c in at.caption), words
 
 
 @pytest.mark.deepspeed

@@ -165,6 +165,20 @@ def bucket_cost(trace, table: pd.DataFrame | None = None, *, in_situ: bool = Tru
                                   "it: their own line had no fixed cost")
 
 
+def cost_in_words(cost: AllReduceCost, run_dir) -> str:
+    """``bucket_cost``'s line as ``whatif`` and the page say it: fixed µs + GB/s and where
+    they came from (the calibration's curve where it has one), and, where it has no fixed
+    cost a reduction, what would give it one (``run_dir``: the run folder, for the command)."""
+    if len(cost.points) >= 2:
+        return f"the calibration's all-reduce curve ({cost.source})"
+    words = f"{cost.in_words()} ({cost.source})"
+    if cost.latency_us or cost.overhead_us:
+        return words
+    return (f"{words}; with no fixed cost a reduction, fewer buckets cost the same: predict from a rerun whose "
+            f"buckets differ in size (a smaller --bucket-cap-mb), or `ddpscope calibrate {run_dir}` (its all-reduces "
+            "alone: a lower bound)")
+
+
 def predict_deepspeed_step_ms(trace, bucket_mib: float, cost: AllReduceCost | None = None) -> pd.DataFrame:
     """Per rank at ``reduce_bucket_size`` = ``bucket_mib`` MiB (as ``--bucket-cap-mb``):
     measured_step_ms and predicted_step_ms (medians over real steps, ms), measured_buckets
