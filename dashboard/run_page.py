@@ -20,7 +20,12 @@ from ddpscope.dashboard.job_controls import (
     widget_now,
 )
 from ddpscope.dashboard.loaders import load_trace
-from ddpscope.dashboard.sharded_view import deepspeed_rerun_settings, sharded_rerun_settings, show_sharded_comparison
+from ddpscope.dashboard.sharded_view import (
+    deepspeed_rerun_settings,
+    sharded_rerun_settings,
+    show_rerun_check,
+    show_sharded_comparison,
+)
 from ddpscope.dashboard.timeline_page import show_comparison
 from ddpscope.dashboard.widget_defaults import start_from
 from ddpscope.tracer.launch.jobs import JobManager
@@ -235,6 +240,7 @@ def _live_body(jobs: JobManager) -> None:
     if len(loaded) == 2 and all(t.shards is not None for t in loaded.values()):
         st.subheader("The rerun beside the run it came from (one time scale)")
         show_sharded_comparison(loaded)
+        show_rerun_check(*loaded.values())
     elif len(loaded) == 2:
         st.subheader("The rerun beside the run it came from (one time scale; deltas against the first)")
         show_comparison(loaded, key="rerun", layouts=True)

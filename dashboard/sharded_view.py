@@ -50,6 +50,7 @@ from ddpscope.viz.sharded.predict import (
     reshard_choices,
 )
 from ddpscope.viz.sharded.profile_check import compute_sharded_profile_agreement
+from ddpscope.viz.sharded.rerun_check import compute_rerun_check, rerun_setting
 from ddpscope.viz.sources.run_profile import profile_folder
 from ddpscope.viz.units import UNITS
 
@@ -275,6 +276,26 @@ def deepspeed_rerun_settings(trace) -> dict:
 def _mib(column: str) -> str:
     """A byte count's column once its values are MiB: its header reads "(MiB)", not "(bytes)"."""
     return column.removesuffix("_bytes") + "_mib"
+
+
+def show_rerun_check(source, rerun) -> None:
+    """What the Run page predicted for the rerun's setting from the run it came from,
+    beside what the rerun measured (``viz.sharded.rerun_check``): the loop's last step."""
+    try:
+        table = compute_rerun_check(source, rerun)
+    except ValueError as e:
+        st.info(f"No prediction to check: {e}.")
+        return
+    setting = rerun_setting(rerun)["words"]
+    if not len(table):
+        st.info(f"No prediction to check: nothing the Run page predicts was measured by both runs at {setting}.")
+        return
+    st.markdown(f"**Predicted for this rerun, beside what it measured** ({setting}; rank 0):")
+    show_table(table.round({"predicted": 2, "measured": 2, "error_pct": 1}), key="sharded_rerun_check")
+    st.caption("Predicted: what the Run page showed for this setting, from the run it came from; measured: the "
+               "rerun's own, read alike (medians over non-warm-up steps; the largest memory sample of those steps). "
+               "DeepSpeed's buckets and peak are replayed exactly, the step is a model "
+               "(docs/sharded.md#predictions); a rerun at another stage is checked on the model states it kept.")
 
 
 def show_sharded_comparison(loaded: dict) -> None:

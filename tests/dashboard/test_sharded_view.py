@@ -10,11 +10,24 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from ddpscope.dashboard.sharded_view import AS_THE_SCRIPT
-from ddpscope.viz.sharded.deepspeed_buckets import predict_deepspeed_step_ms
-from ddpscope.viz.sharded.metrics import NO_UNIT, sharded_step_noise_ms
+from ddpscope.viz.sharded.deepspeed_buckets import predict_deepspeed_step_ms, reductions
+from ddpscope.viz.sharded.metrics import (
+    NO_UNIT,
+    compute_memory_over_step,
+    compute_sharded_steps,
+    sharded_step_noise_ms,
+)
+from ddpscope.viz.sharded.trace import real_steps
 from ddpscope.viz.trace import load_run
 from tests.conftest import ROOT, run_cli
-from tests.dashboard.app_driver import chart_spec, chart_specs, metric_value, open_page, open_traced
+from tests.dashboard.app_driver import (
+    chart_spec,
+    chart_specs,
+    metric_value,
+    open_page,
+    open_traced,
+    wait_for_job,
+)
 
 
 @pytest.mark.ddp
@@ -195,6 +208,34 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     assert said.returncode == 0, said.stderr
     words = json.loads(said.stdout)["bucket_cost"]
     assert words and any(f"for their size, {words}: a model" in c.value for c in at.caption), words
+
+    # rerun there at its own stage from the page: what it predicted, set beside what the rerun measured
+    at.selectbox(key="run_zero_stage").set_value(2).run()
+    shown = next(m for m in at.metric if m.label == "predicted step at stage 2 (rank 0)").value
+    at.slider(key="run_steps").set_value(3)
+    at.button(key="run_button").click().run()
+    wait_for_job(at, timeout=240)
+    reruns = [p for p in out.parent.iterdir() if p != out and (p / "run.json").exists()]
+    assert len(reruns) == 1, reruns
+    rerun = load_run(reruns[0])
+    assert rerun.run["deepspeed"]["reduce_bucket_bytes"] == 16 * 2**20 and rerun.shards.stage == 2
+    check = next(d.value for d in at.dataframe if "error_pct" in d.value.columns).set_index("quantity")
+    assert list(check.index) == ["buckets a step", "step (ms)", "peak (MiB)"]
+    assert any("(ZeRO stage 2, reduce_bucket_size 16 MiB; rank 0)" in m.value for m in at.markdown)
+    # buckets and peak: replayed exactly, against the rerun's own reductions and memory samples
+    mine = reductions(rerun)
+    per_step = mine[mine["rank"] == 0].groupby("step").size().median()
+    assert check.loc["buckets a step", "predicted"] == check.loc["buckets a step", "measured"] == per_step == 1
+    peak = compute_memory_over_step(rerun, 0)["total_bytes"].max() / 2**20
+    assert check.loc["peak (MiB)", "measured"] == pytest.approx(peak, abs=0.005)
+    assert check.loc["peak (MiB)", "predicted"] == pytest.approx(peak, abs=0.005)
+    # the step: the one the page showed before the rerun, beside the rerun's median step
+    assert f"{check.loc['step (ms)', 'predicted']:.1f} ms" == shown
+    steps = compute_sharded_steps(rerun)
+    steps = steps[(steps["rank"] == 0) & steps["step"].isin(real_steps(rerun))]
+    assert check.loc["step (ms)", "measured"] == pytest.approx(steps["step_ms"].median(), abs=0.005)
+    assert check.loc["step (ms)", "error_pct"] == pytest.approx(
+        (check.loc["step (ms)", "predicted"] / check.loc["step (ms)", "measured"] - 1) * 100, abs=0.1)
 
 
 @pytest.mark.deepspeed
