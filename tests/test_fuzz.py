@@ -51,6 +51,7 @@ from ddpscope.viz.sharded.metrics import (
     compute_unit_table,
 )
 from ddpscope.viz.sharded.predict import predict_peak, predict_step_ms
+from ddpscope.viz.sharded.rerun_check import compute_rerun_check
 from ddpscope.viz.sources import folder_kind, load_training_trace
 from ddpscope.viz.trace import TraceError
 from ddpscope.viz.whatif import advisor
@@ -285,6 +286,7 @@ def _sharded(path: Path) -> None:
         compute_memory_over_step(t, int(rank))
     predict_peak(t, reshard_after_forward=False)
     predict_step_ms(t, False)
+    compute_rerun_check(t, t)  # the Run page after a rerun: the run beside itself, as predicted and measured
 
 
 @pytest.fixture(scope="module")

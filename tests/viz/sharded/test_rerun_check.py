@@ -61,3 +61,30 @@ def test_an_fsdp2_rerun_is_set_beside_what_its_run_predicted_for_it(tmp_path):
     assert (same["predicted"] == same["measured"]).all() and (same["error_pct"] == 0).all()
     with pytest.raises(ValueError, match="both runs must be sharded"):
         compute_rerun_check(source, load_run(SAMPLES / "gpt-2rank-cap1mb"))
+
+
+@pytest.mark.deepspeed
+def test_a_deepspeed_rerun_at_another_stage_is_checked_on_the_model_states_it_kept(tmp_path):
+    """Traced at ZeRO-2, rerun at ZeRO-3 (``--zero-stage 3``): a step at another stage is not
+    predicted, so the check holds one row, the model states the rerun kept (parameters,
+    master, moments; rank 0) against the Run page's prediction for stage 3, which ZeRO's
+    own partitioning meets."""
+    pytest.importorskip("deepspeed")
+    from ddpscope.viz.sharded.deepspeed_states import measured_states
+    from ddpscope.viz.sharded.predict import compute_deepspeed_stage_whatif
+
+    env = {"DS_ACCELERATOR": "cpu"}
+    script = (str(WORKERS / "deepspeed_train.py"), "--stage", "2", "--steps", "3", "--reduce-bucket-size", "20000")
+    proc, out, _ = trace_script(tmp_path, *script, name="two", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, again, _ = trace_script(tmp_path, *script, name="three", env=env, ddpscope=("--zero-stage", "3"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    source, rerun = load_run(out), load_run(again)
+    assert rerun.shards.stage == 3 and rerun_setting(rerun)["words"].startswith("ZeRO stage 3, reduce_bucket_size")
+    check = compute_rerun_check(source, rerun).set_index("quantity")
+    assert list(check.index) == ["model states kept (MiB)"]
+    states = compute_deepspeed_stage_whatif(source, [3])
+    assert check.iloc[0]["predicted"] == states[states["predicted"]]["persistent_bytes"].iloc[0] / MIB
+    kept = measured_states(rerun)
+    assert check.iloc[0]["measured"] == kept[kept["rank"] == 0]["persistent_bytes"].iloc[0] / MIB
+    assert abs(check.iloc[0]["error_pct"]) < 1.0, check  # the partitions' padding at most
