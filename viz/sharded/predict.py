@@ -207,8 +207,8 @@ def compute_reshard_whatif(trace, settings: list[dict] | None = None) -> pd.Data
         for rank in sorted(ranks):
             rows.append({"reshard_after_forward": name, "forward_prefetch": kw["forward_prefetch"],
                          "backward_prefetch": kw["backward_prefetch"], "rank": rank, "predicted": which != "measured",
-                         "peak_bytes": _at(peaks, rank, f"{which}_peak_bytes"),
-                         "step_ms": _at(steps, rank, f"{which}_step_ms")})
+                         "peak_bytes": at_rank(peaks, rank, f"{which}_peak_bytes"),
+                         "step_ms": at_rank(steps, rank, f"{which}_step_ms")})
     return pd.DataFrame(rows, columns=["reshard_after_forward", "forward_prefetch", "backward_prefetch", "rank",
                                        "predicted", "peak_bytes", "step_ms"])
 
@@ -257,14 +257,15 @@ def compute_deepspeed_bucket_whatif(trace, bucket_mib: list[float]) -> pd.DataFr
         ranks = sorted(set(steps.index) | (set(peaks.index) if peaks is not None else set()))
         for rank in ranks:
             rows.append({"reduce_bucket_MiB": mib, "rank": int(rank), "predicted": bool(k),
-                         "peak_bytes": _at(peaks, rank, f"{which}_peak_bytes"),
-                         "buckets": _at(steps, rank, f"{which}_buckets"),
-                         "step_ms": _at(steps, rank, f"{which}_step_ms")})
+                         "peak_bytes": at_rank(peaks, rank, f"{which}_peak_bytes"),
+                         "buckets": at_rank(steps, rank, f"{which}_buckets"),
+                         "step_ms": at_rank(steps, rank, f"{which}_step_ms")})
     return pd.DataFrame(rows, columns=["reduce_bucket_MiB", "rank", "predicted", "peak_bytes", "buckets", "step_ms"])
 
 
-def _at(table: pd.DataFrame | None, rank: int, column: str) -> float:
-    """``table.loc[rank, column]`` as a float, NaN where there is no such row."""
+def at_rank(table: pd.DataFrame | None, rank: int, column: str) -> float:
+    """``table.loc[rank, column]`` (a table indexed by rank) as a float, NaN where there is
+    no such row or no table."""
     if table is None or rank not in table.index:
         return float("nan")
     return float(table.loc[rank, column])

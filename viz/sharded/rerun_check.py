@@ -20,7 +20,13 @@ import pandas as pd
 from ddpscope.viz.sharded.deepspeed_buckets import predict_deepspeed_step_ms
 from ddpscope.viz.sharded.deepspeed_states import measured_states, predict_states
 from ddpscope.viz.sharded.metrics import reshard_setting
-from ddpscope.viz.sharded.predict import predict_deepspeed_peak, predict_peak, predict_step_ms, setting_name
+from ddpscope.viz.sharded.predict import (
+    at_rank,
+    predict_deepspeed_peak,
+    predict_peak,
+    predict_step_ms,
+    setting_name,
+)
 
 MIB = 2**20
 COLUMNS = ["quantity", "predicted", "measured", "error_pct"]
@@ -69,16 +75,13 @@ def compute_rerun_check(source, rerun) -> pd.DataFrame:
     rows = _deepspeed_rows(source, rerun, setting) if setting["framework"] == "deepspeed" \
         else _fsdp_rows(source, rerun, setting)
     out = pd.DataFrame([r for r in rows if np.isfinite(r[1]) and np.isfinite(r[2])], columns=COLUMNS[:3])
-    out["error_pct"] = np.where(out["measured"] != 0, (out["predicted"] / out["measured"].where(out["measured"] != 0)
-                                                       - 1) * 100, np.nan)
+    out["error_pct"] = (out["predicted"] / out["measured"].where(out["measured"] != 0) - 1) * 100
     return out[COLUMNS]
 
 
-def _rank0(table: pd.DataFrame | None, column: str) -> float:
-    if table is None or not len(table) or column not in table:
-        return float("nan")
-    rows = table[table["rank"] == 0]
-    return float(rows[column].iloc[0]) if len(rows) else float("nan")
+def _rank0(table: pd.DataFrame, column: str) -> float:
+    """Rank 0's ``column`` of a per-rank prediction table (NaN where rank 0 has no row)."""
+    return at_rank(table.set_index("rank") if "rank" in table else None, 0, column)
 
 
 def _deepspeed_rows(source, rerun, setting: dict) -> list[tuple]:
