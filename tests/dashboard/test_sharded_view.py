@@ -235,8 +235,9 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     steps = compute_sharded_steps(rerun)
     steps = steps[(steps["rank"] == 0) & steps["step"].isin(real_steps(rerun))]
     assert check.loc["step (ms)", "measured"] == pytest.approx(steps["step_ms"].median(), abs=0.005)
-    assert check.loc["step (ms)", "error_pct"] == pytest.approx(
-        (check.loc["step (ms)", "predicted"] / check.loc["step (ms)", "measured"] - 1) * 100, abs=0.1)
+    # the error from the unrounded values (the shown ones are rounded: 2 decimals, 1 for the error)
+    step_ms = want["predicted_step_ms"], steps["step_ms"].median()
+    assert check.loc["step (ms)", "error_pct"] == pytest.approx((step_ms[0] / step_ms[1] - 1) * 100, abs=0.051)
 
 
 @pytest.mark.deepspeed
