@@ -312,20 +312,29 @@ def fill_comm_columns(steps: pd.DataFrame, buckets: pd.DataFrame, passes: pd.Dat
     for c in COMM_FIELDS:
         if c not in steps:
             steps[c] = np.nan
-    by_bucket = {k: g for k, g in buckets.groupby(["rank", "step"])} if len(buckets) else {}
-    by_pass = {k: g for k, g in passes.groupby(["rank", "step"])} if len(passes) and "backward_start_us" in passes else {}
-    for i in steps.index[need]:
+    # grouped once, not filtered per row (a sweep fills every predicted step of every cap)
+    by_bucket = ({k: list(zip(g["launch_us"], g["done_us"], g["bytes"])) for k, g in buckets.groupby(["rank", "step"])}
+                 if len(buckets) else {})
+    by_pass: dict = {}
+    if len(passes) and "backward_start_us" in passes:
+        by_pass = {k: [] for k in passes.groupby(["rank", "step"]).groups}  # a step whose passes have no span: none
+        timed = passes.dropna(subset=["backward_start_us", "backward_end_us"])
+        timed = timed.assign(_compute_end=compute_end(timed))
+        for k, g in timed.groupby(["rank", "step"]):
+            by_pass[k] = list(zip(g["backward_start_us"], g["_compute_end"]))
+    rows = steps.index[need]
+    filled: dict[str, list] = {c: [] for c in COMM_FIELDS}
+    for i in rows:
         key = (steps.at[i, "rank"], steps.at[i, "step"])
-        b, p = by_bucket.get(key), by_pass.get(key)
-        calls = [] if b is None else list(zip(b["launch_us"], b["done_us"], b["bytes"]))
-        if p is not None:
-            p = p.dropna(subset=["backward_start_us", "backward_end_us"])
-            backwards = list(zip(p["backward_start_us"], compute_end(p)))
-        else:
+        backwards = by_pass.get(key)
+        if backwards is None:
             lo, hi = steps.at[i, "backward_start_us"], steps.at[i, "backward_end_us"]
             backwards = [(lo, hi)] if pd.notna(lo) and pd.notna(hi) else []
-        for c, v in comm_fields(calls, backwards).items():
-            steps.at[i, c] = v
+        fields = comm_fields(by_bucket.get(key, []), backwards)
+        for c in COMM_FIELDS:
+            filled[c].append(fields[c] if c in fields else steps.at[i, c])
+    for c in COMM_FIELDS:
+        steps.loc[rows, c] = pd.Series(filled[c], index=rows)
     return steps
 
 
