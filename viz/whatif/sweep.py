@@ -17,6 +17,16 @@ DEFAULT_CAPS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 32.0, 64.0, 128.0, 25
 MIN_GAIN = 0.02
 
 
+class _Shared(list):
+    """The sweep's predicted runs in ``df.attrs``, shared and not copied: pandas deep-copies
+    a frame's ``attrs`` into every frame derived from it (a column, a rounded copy), and a
+    copy of every predicted run's tables each time cost the dashboard's What-if page and
+    ``whatif`` most of a second. They are read, never changed."""
+
+    def __deepcopy__(self, memo) -> "_Shared":
+        return self
+
+
 def _medians(trace: RunTrace) -> dict:
     b = compute_step_breakdown(trace)
     return {k: float(b[k].median()) if len(b) else np.nan
@@ -50,7 +60,7 @@ def compute_cap_sweep(trace: RunTrace, caps=DEFAULT_CAPS, model: WhatIfModel | N
                      "first_bucket_mb": pred.run["first_bucket_cap_bytes"] / 2**20, **_medians(pred),
                      "traced": cap == own})
     df = pd.DataFrame(rows)
-    df.attrs["predictions"] = preds
+    df.attrs["predictions"] = _Shared(preds)
     df.attrs["model"] = model
     df.attrs["note"] = compile_note(trace.run)
     return df
