@@ -308,10 +308,7 @@ def fill_comm_columns(steps: pd.DataFrame, buckets: pd.DataFrame, passes: pd.Dat
     need = steps["comm_us"].isna() if "comm_us" in steps else pd.Series(True, index=steps.index)
     if not need.any():
         return steps
-    steps = steps.copy()
-    for c in COMM_FIELDS:
-        if c not in steps:
-            steps[c] = np.nan
+    steps = steps.assign(**{c: np.nan for c in COMM_FIELDS if c not in steps})  # a copy
     # grouped once, not filtered per row (a sweep fills every predicted step of every cap)
     by_bucket = ({k: list(zip(g["launch_us"], g["done_us"], g["bytes"])) for k, g in buckets.groupby(["rank", "step"])}
                  if len(buckets) else {})
