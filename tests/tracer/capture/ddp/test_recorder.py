@@ -1,7 +1,8 @@
 """The step recorder's gradient marks under ``--grad-marks-every``: every parameter's on
 the first steps and every Nth, one stamp (where backward compute ends) on the others,
-on both capture paths, run for real (``ddpscope run``, 2 gloo ranks, gradient
-accumulation) and read back as a user's dashboard reads it."""
+on both capture paths (the Python one's runs in the breadth suite), run for real
+(``ddpscope run``, 2 gloo ranks, gradient accumulation) and read back as a user's dashboard
+reads it."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.ddp
 EVERY, STEPS = 3, 12
 
 
-@pytest.mark.parametrize("capture", ["compiled", "python"])
+@pytest.mark.parametrize("capture", ["compiled", pytest.param("python", marks=pytest.mark.breadth)])
 def test_steps_between_marked_ones_keep_their_spans_and_compute_end_and_no_marks(tmp_path, capture, monkeypatch):
     script = (USER, "--steps", str(STEPS), "--accumulate", "2", "--bucket-cap-mb", "1")
     proc, out, _ = trace_script(tmp_path, *script, ddpscope=("--grad-marks-every", str(EVERY), "--capture",
@@ -75,7 +76,7 @@ def test_steps_between_marked_ones_keep_their_spans_and_compute_end_and_no_marks
         assert not at.exception and not at.error and len(at.dataframe)
 
 
-@pytest.mark.parametrize("capture", ["compiled", "python"])
+@pytest.mark.parametrize("capture", ["compiled", pytest.param("python", marks=pytest.mark.breadth)])
 def test_a_step_without_marks_stamps_one_gradient_and_training_is_unchanged(tmp_path, capture):
     """What makes the marks cheap to leave out: a step without them stamps one gradient
     (the C++ hooks on the compiled path, the Python hooks on the other), the one ready
