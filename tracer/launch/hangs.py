@@ -15,7 +15,10 @@ whenever its training thread records anything. When no rank's activity changes f
   ``RUN/logs/stacks-rank-<r>.txt``) and says where a stack could not be had.
 
 Jobs with no live files (nothing traced yet, or a script without DDP) are left to the
-total timeout.
+total timeout, and so is a rank whose trace could no longer be written (it says so, and its
+live file cannot move either), and so is the whole job when, at the moment it would be called
+hung, its live files' folder cannot be written (a full disk: the ranks' messages cannot reach
+their logs there either).
 """
 
 from __future__ import annotations
@@ -63,7 +66,14 @@ class HangWatch:
         self._since: float | None = None
         self._stepped = False
         self._last_poll = 0.0
+        self._unwatched: set[int] = set()
         self.fired = False
+        self.stood_down = False  # the live files' folder could not be written: not watched
+
+    def tracing_stopped(self, rank: int) -> None:
+        """``rank`` can no longer write its trace (it said so): its live file stands still
+        while it trains on, which is no hang; it is not watched from now on."""
+        self._unwatched.add(rank)
 
     def poll(self) -> Hang | None:
         now = self.clock()
@@ -71,7 +81,8 @@ class HangWatch:
             return None
         self._last_poll = now
         pos = read_positions(self.out)
-        running = {r: p for r, p in pos.items() if p.get("status", "running") == "running"}
+        running = {r: p for r, p in pos.items()
+                   if p.get("status", "running") == "running" and r not in self._unwatched}
         if not running:
             self._since = None
             return None
@@ -83,8 +94,29 @@ class HangWatch:
         limit = self.hang_timeout_s + (0 if self._stepped else self.first_step_grace_s)
         if now - self._since < limit:
             return None
+        if not _writable(self.out / fmt.LIVE_DIR):  # a full disk: no rank can refresh its file, all may train on
+            self.fired = self.stood_down = True  # left to the total timeout from now on
+            return None
         self.fired = True
         return diagnose(self.out, pos, now - self._since)
+
+
+def _writable(folder: Path) -> bool:
+    """Whether a byte can be written to ``folder`` now (a full or read-only disk: no)."""
+    probe = folder / f".probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0")
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+    except OSError:
+        return False
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
 
 
 def _key(p: dict) -> tuple[int, int]:

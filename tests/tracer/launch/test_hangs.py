@@ -3,6 +3,7 @@ watchdog's and the root-cause parser's logic on their own."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -73,6 +74,66 @@ def test_the_watchdog_waits_its_timeout_then_names_the_rank_behind(tmp_path):
     assert "rank 1 stopped progressing" in hang.reason and "step 4, forward" in hang.reason
     assert "rank 0: step 4, waiting for the all-reduces; bucket 0 in flight, launched by rank 0 of 2" in hang.details
     assert watch.poll() is None  # once
+
+
+def test_a_rank_that_can_no_longer_write_its_trace_is_not_watched(tmp_path):
+    """A full disk: the rank says its tracing stops and trains on, its live file standing
+    still. That is no hang: the watchdog leaves the rank to the total timeout, and watches
+    the ranks still tracing as before (found when a loaded CI made a 1000-step run on a
+    filled disk outlast the 60-s default and ddpscope stopped a job that was training)."""
+    now = [0.0]
+    watch = HangWatch(tmp_path, hang_timeout_s=10, first_step_grace_s=0, clock=lambda: now[0])
+    _live(tmp_path, 0, step=5, steps_done=5, phase="backward", activity=[5, 1])
+    _live(tmp_path, 1, step=5, steps_done=5, phase="backward", activity=[5, 1])
+    assert watch.poll() is None
+    watch.tracing_stopped(0)
+    for t in (5, 12, 30):  # rank 1 still moves: rank 0's standing file is not a hang
+        now[0] = t
+        _live(tmp_path, 1, step=t, steps_done=t, phase="forward", activity=[t, 1])
+        assert watch.poll() is None
+    watch.tracing_stopped(1)
+    for t in (31, 60, 600):  # neither is watched: left to the total timeout
+        now[0] = t
+        assert watch.poll() is None
+    # a rank still tracing that stops moving is named as before
+    other = HangWatch(tmp_path / "b", hang_timeout_s=10, first_step_grace_s=0, clock=lambda: now[0])
+    _live(tmp_path / "b", 0, step=5, steps_done=5, phase="backward", activity=[5, 1])
+    _live(tmp_path / "b", 1, step=4, steps_done=4, phase="forward", activity=[4, 1])
+    other.tracing_stopped(0)
+    now[0] = 700
+    assert other.poll() is None
+    now[0] = 711
+    hang = other.poll()
+    assert hang is not None and hang.stuck == [1]
+
+
+def test_on_a_full_disk_the_watchdog_stands_down_rather_than_stop_a_training_job(tmp_path):
+    """A real full disk (a small tmpfs, filled): no live file can move and no rank's message
+    can reach its log there, so at the moment the job would be called hung the watchdog
+    finds the folder unwritable and stands down, once, leaving the job to its total timeout.
+    (The disk-fill test in test_unwritable.py runs it end to end.)"""
+    from tests.tracer.capture.test_unwritable import small_disk
+
+    now = [0.0]
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        watch = HangWatch(disk, hang_timeout_s=10, first_step_grace_s=0, clock=lambda: now[0])
+        _live(disk, 0, step=5, steps_done=5, phase="backward", activity=[5, 1])
+        _live(disk, 1, step=5, steps_done=5, phase="backward", activity=[5, 1])
+        assert watch.poll() is None
+        with open(disk / "filler", "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        for t in (11, 12, 600):
+            now[0] = t
+            assert watch.poll() is None
+        assert watch.stood_down
+        # the same standing files on a disk with room: a hang, named
+        again = HangWatch(disk, hang_timeout_s=10, first_step_grace_s=0, clock=lambda: now[0])
+        (disk / "filler").unlink()
+        assert again.poll() is None
+        now[0] = 611
+        assert again.poll() is not None and not again.stood_down
 
 
 def test_a_rank_without_heartbeat_is_the_one_named(tmp_path):
