@@ -36,9 +36,6 @@ from ddpscope.tracer import format as fmt
 from ddpscope.tracer.step_summary import summarize_steps
 
 _SEP = (",", ":")
-# what a rank says when its trace can no longer be written (the launcher's hang watchdog
-# then stops watching that rank: its live file cannot move either)
-TRACING_STOPS = "tracing stops here, training goes on"
 
 
 def write_bytes_atomic(path: Path, chunks: Iterable[bytes]) -> None:
@@ -196,8 +193,8 @@ class TraceWriter:
             try:
                 self._flush()
             except OSError as e:  # never raise into training; the tracer stops at its next step
-                print(f"ddpscope: cannot write {self.path} ({e.strerror or e}): {TRACING_STOPS}", file=sys.stderr,
-                      flush=True)
+                print(f"ddpscope: cannot write {self.path} ({e.strerror or e}): tracing stops here, "
+                      "training goes on", file=sys.stderr, flush=True)
                 self._error = e
                 return
             # Coalesce steps: sleep the interval out whatever add() says meanwhile (waking

@@ -15,10 +15,9 @@ whenever its training thread records anything. When no rank's activity changes f
   ``RUN/logs/stacks-rank-<r>.txt``) and says where a stack could not be had.
 
 Jobs with no live files (nothing traced yet, or a script without DDP) are left to the
-total timeout, and so is a rank whose trace could no longer be written (it says so, and its
-live file cannot move either), and so is the whole job when, at the moment it would be called
-hung, its live files' folder cannot be written (a full disk: the ranks' messages cannot reach
-their logs there either).
+total timeout, as are ranks whose tracing stopped (their live file says so: no longer
+"running"), and so is the whole job when, at the moment it would be called hung, its live
+files' folder cannot be written (a full disk: no rank can say so there).
 """
 
 from __future__ import annotations
@@ -66,14 +65,8 @@ class HangWatch:
         self._since: float | None = None
         self._stepped = False
         self._last_poll = 0.0
-        self._unwatched: set[int] = set()
         self.fired = False
         self.stood_down = False  # the live files' folder could not be written: not watched
-
-    def tracing_stopped(self, rank: int) -> None:
-        """``rank`` can no longer write its trace (it said so): its live file stands still
-        while it trains on, which is no hang; it is not watched from now on."""
-        self._unwatched.add(rank)
 
     def poll(self) -> Hang | None:
         now = self.clock()
@@ -81,8 +74,7 @@ class HangWatch:
             return None
         self._last_poll = now
         pos = read_positions(self.out)
-        running = {r: p for r, p in pos.items()
-                   if p.get("status", "running") == "running" and r not in self._unwatched}
+        running = {r: p for r, p in pos.items() if p.get("status", "running") == "running"}
         if not running:
             self._since = None
             return None

@@ -27,7 +27,6 @@ from typing import Callable
 from ddpscope.tracer.launch.hangs import Hang, HangWatch, read_positions
 from ddpscope.tracer.launch.known_failures import known_cause
 from ddpscope.tracer.launch.procfs import alive, descendants
-from ddpscope.tracer.writer import TRACING_STOPS
 
 # A rank that failed only because a peer died says so; it is not the root cause.
 _PEER_FAILURE = re.compile(
@@ -137,7 +136,6 @@ def launch(cfg: LaunchConfig, on_line: OnLine = lambda r, l, e: None) -> LaunchR
     deadline = time.monotonic() + cfg.timeout_s
     timed_out = interrupted = False
     hang = None
-    said_stood_down = False
     watch = HangWatch(cfg.run_dir, cfg.hang_timeout_s) if cfg.run_dir is not None and cfg.hang_timeout_s > 0 else None
     agent: deque[str] = deque(maxlen=400)  # torchrun's own lines: its summary of how each rank ended
     workers: set[int] = set()
@@ -153,8 +151,8 @@ def launch(cfg: LaunchConfig, on_line: OnLine = lambda r, l, e: None) -> LaunchR
                     break
                 if watch is not None and (hang := watch.poll()) is not None:
                     break
-                if watch is not None and watch.stood_down and not said_stood_down:
-                    said_stood_down = True
+                if watch is not None and watch.stood_down:  # said once: nothing is watched from now on
+                    watch = None
                     print(f"ddpscope run: {cfg.run_dir} cannot be written: the hang watchdog stands down "
                           f"(the --timeout of {cfg.timeout_s:.0f} s still applies)", file=sys.stderr, flush=True)
                 try:
@@ -171,8 +169,6 @@ def launch(cfg: LaunchConfig, on_line: OnLine = lambda r, l, e: None) -> LaunchR
                 line, err = item
                 m = _RANK_PREFIX.match(line)
                 if m:
-                    if watch is not None and TRACING_STOPS in m.group(2):  # its live file stands still from now on
-                        watch.tracing_stopped(cfg.node_rank * cfg.nproc + int(m.group(1)))
                     on_line(int(m.group(1)), m.group(2), err)
                 else:
                     agent.append(line)

@@ -77,29 +77,29 @@ def test_the_watchdog_waits_its_timeout_then_names_the_rank_behind(tmp_path):
 
 
 def test_a_rank_that_can_no_longer_write_its_trace_is_not_watched(tmp_path):
-    """A full disk: the rank says its tracing stops and trains on, its live file standing
-    still. That is no hang: the watchdog leaves the rank to the total timeout, and watches
-    the ranks still tracing as before (found when a loaded CI made a 1000-step run on a
+    """A rank whose tracing stopped (its trace could not be written) trains on, its live
+    file standing still but saying so (``failed``, as the tracer closes it). That is no
+    hang: the watchdog leaves the rank to the total timeout, and watches the ranks still
+    tracing as before (found when a loaded CI made a 1000-step run on a
     filled disk outlast the 60-s default and ddpscope stopped a job that was training)."""
     now = [0.0]
     watch = HangWatch(tmp_path, hang_timeout_s=10, first_step_grace_s=0, clock=lambda: now[0])
     _live(tmp_path, 0, step=5, steps_done=5, phase="backward", activity=[5, 1])
     _live(tmp_path, 1, step=5, steps_done=5, phase="backward", activity=[5, 1])
     assert watch.poll() is None
-    watch.tracing_stopped(0)
+    _live(tmp_path, 0, step=5, steps_done=5, phase="backward", activity=[5, 1], status=fmt.FAILED)
     for t in (5, 12, 30):  # rank 1 still moves: rank 0's standing file is not a hang
         now[0] = t
         _live(tmp_path, 1, step=t, steps_done=t, phase="forward", activity=[t, 1])
         assert watch.poll() is None
-    watch.tracing_stopped(1)
+    _live(tmp_path, 1, step=30, steps_done=30, phase="forward", activity=[30, 1], status=fmt.FAILED)
     for t in (31, 60, 600):  # neither is watched: left to the total timeout
         now[0] = t
         assert watch.poll() is None
     # a rank still tracing that stops moving is named as before
     other = HangWatch(tmp_path / "b", hang_timeout_s=10, first_step_grace_s=0, clock=lambda: now[0])
-    _live(tmp_path / "b", 0, step=5, steps_done=5, phase="backward", activity=[5, 1])
+    _live(tmp_path / "b", 0, step=5, steps_done=5, phase="backward", activity=[5, 1], status=fmt.FAILED)
     _live(tmp_path / "b", 1, step=4, steps_done=4, phase="forward", activity=[4, 1])
-    other.tracing_stopped(0)
     now[0] = 700
     assert other.poll() is None
     now[0] = 711
