@@ -1,5 +1,5 @@
 """The overview of every rank (viz/ddp/rank_overview.py, and the Timeline's section above the
-Gantt), on a real 8-rank DDP run in which one rank is slow (its forward sleeps 40 ms)."""
+Gantt), on a real 8-rank DDP run in which one rank is slow (its forward sleeps 150 ms)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ from tests.tracer.capture.autotrace.test_autotrace import USER, trace_script
 # (tests/tracer/test_step_summary.py) and on a real delayed rank (tests/viz/ddp/test_stragglers.py)
 pytestmark = pytest.mark.breadth
 
-SLOW, SLOW_MS, RANKS, STEPS = 5, 40, 8, 8
+# 150 ms, not 40: 8 ranks share 2 cores, and beside another suite (.ci/run's lanes) their
+# scheduling noise once passed 40 ms (the slow rank late in 6 of 7 steps, not 7)
+SLOW, SLOW_MS, RANKS, STEPS = 5, 150, 8, 8
 
 
 @pytest.fixture(scope="module")
