@@ -28,7 +28,8 @@ def merge_intervals(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     s, e = np.asarray(starts, float)[order], np.asarray(ends, float)[order]
     # one group: merge_sorted_runs' running end without its per-group pandas cummax (this is
     # called per rank and step, thousands of times for a page: ~0.4 ms a call that way)
-    reach = np.maximum.accumulate(e)
+    reach = np.fmax.accumulate(e)  # as pandas' cummax: a NaN end is skipped, and stays NaN in place
+    reach[np.isnan(e)] = np.nan
     idx = np.flatnonzero(np.r_[True, s[1:] > reach[:-1]])
     return np.column_stack([s[idx], np.maximum.reduceat(e, idx)])
 
