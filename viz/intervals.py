@@ -14,7 +14,11 @@ def merge_sorted_runs(first: np.ndarray, starts: np.ndarray, ends: np.ndarray) -
     merged interval k starts at ``starts[idx[k]]`` (and belongs to that row's group) and
     ends at ``merged_ends[k]``."""
     first = np.asarray(first, bool)
-    reach = pd.Series(ends).groupby(np.cumsum(first) - 1).cummax().to_numpy()  # running end, per group
+    if first[1:].any():
+        reach = pd.Series(ends).groupby(np.cumsum(first) - 1).cummax().to_numpy()  # running end, per group
+    else:  # one group (merge_intervals: per rank and step, thousands of calls a page): numpy, not a groupby
+        reach = np.fmax.accumulate(np.asarray(ends, float))  # as pandas' cummax: a NaN end is skipped,
+        reach[np.isnan(reach) | np.isnan(np.asarray(ends, float))] = np.nan  # and stays NaN in place
     new = first | np.r_[True, starts[1:] > reach[:-1]]  # a gap before this interval starts a new run
     idx = np.flatnonzero(new)
     return idx, np.maximum.reduceat(ends, idx)
@@ -26,12 +30,8 @@ def merge_intervals(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         return np.empty((0, 2))
     order = np.argsort(starts, kind="stable")
     s, e = np.asarray(starts, float)[order], np.asarray(ends, float)[order]
-    # one group: merge_sorted_runs' running end without its per-group pandas cummax (this is
-    # called per rank and step, thousands of times for a page: ~0.4 ms a call that way)
-    reach = np.fmax.accumulate(e)  # as pandas' cummax: a NaN end is skipped, and stays NaN in place
-    reach[np.isnan(e)] = np.nan
-    idx = np.flatnonzero(np.r_[True, s[1:] > reach[:-1]])
-    return np.column_stack([s[idx], np.maximum.reduceat(e, idx)])
+    idx, merged_ends = merge_sorted_runs(np.r_[True, np.zeros(len(s) - 1, bool)], s, e)
+    return np.column_stack([s[idx], merged_ends])
 
 
 def covered(merged: np.ndarray, lo: float, hi: float) -> float:

@@ -22,6 +22,7 @@ files' folder cannot be written (a full disk: no rank can say so there).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -105,10 +106,8 @@ def _writable(folder: Path) -> bool:
     except OSError:
         return False
     finally:
-        try:
+        with contextlib.suppress(OSError):
             probe.unlink()
-        except OSError:
-            pass
 
 
 def _key(p: dict) -> tuple[int, int]:
