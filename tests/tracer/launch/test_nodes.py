@@ -100,11 +100,22 @@ def test_two_nodes_over_their_own_link_share_one_folder(tmp_path, two_hosts):
     assert records[0]["job"] == records[1]["job"] == trace.run["job"] and records[1]["ranks"] == [1]
     assert all(list((out / "logs" / f"node-{k}").glob("*/attempt_0/0/stdout.log")) for k in (0, 1))
 
-    # node 1's clock was 400 ms ahead: found, and each bucket completes on both ranks together
+    # node 1's clock was 400 ms ahead: found, to within 5 ms
     assert abs(trace.ranks[1]["clock_offset"]["start"]["offset_us"] + 400_000) < 5_000
-    b = trace.buckets[trace.buckets.step >= 1].pivot_table(index=["step", "bucket"], columns="rank", values="done_us")
-    diff = (b[0] - b[1]).abs()
-    assert len(b) >= 5 * 10 and diff.median() < 2_500 and diff.max() < 100_000, diff.describe()
+    # and the aligned times obey causality: an all-reduce completes on no rank before every
+    # rank has launched it. This holds however loaded the machine is (a late observer only
+    # makes done later), where the gap between the ranks' completions does not: beside
+    # another CI lane it drew a 2.7 ms median. Unaligned, rank 0 would finish ~400 ms before
+    # rank 1 launched.
+    b = trace.buckets[trace.buckets.step >= 1].pivot_table(index=["step", "bucket"], columns="rank",
+                                                           values=["launch_us", "done_us"])
+    assert len(b) >= 5 * 10
+    first_done = b["done_us"].min(axis=1)
+    last_launch = b["launch_us"].max(axis=1)
+    early = first_done - last_launch
+    assert early.min() > -5_000, early.describe()
+    diff = (b["done_us"][0] - b["done_us"][1]).abs()
+    assert diff.median() < 10_000, diff.describe()
 
     # the gradients went over the veth pair: node 1 sent at least its half of every all-reduce
     grad_bytes = int(trace.buckets[trace.buckets["rank"] == 1].bytes.sum())
