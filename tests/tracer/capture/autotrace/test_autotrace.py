@@ -157,7 +157,8 @@ def test_gradient_accumulation_every_micro_batch_is_its_own_pass(tmp_path):
                 theirs, mine = rec[key] / 1e6, view.loc[(r, rec["step"]), col]
                 if abs(mine - theirs) > max(0.10 * theirs, 2.0):
                     off.append(f"rank {r} step {rec['step']} {key}: {mine:.2f} vs DDP {theirs:.2f} ms")
-    assert compared >= 2 * 5 and len(off) <= 2, off
+    # as above: a preempted pass now and then, at most 1 figure in 10 off (a wrong view puts most off)
+    assert compared >= 2 * 5 and len(off) <= max(2, compared * len(keys) // 10), off
 
 
 # a script's Python hook in the default suite: test_compiled's test_the_scripts_own_hook_is_timed_in_python_and_said
