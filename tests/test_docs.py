@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SETUP = ["python3 -m venv .venv && .venv/bin/pip install -r requirements.txt && .venv/bin/ddpscope dashboard",
-         "python3 -m venv .venv && .venv/bin/pip install -r requirements-test.txt && .venv/bin/python -m pytest"]
+         "python3 -m venv .venv && .venv/bin/pip install -r requirements-test.txt && .venv/bin/python -m pytest -n 2"]
 
 
 def _code(page: Path) -> list[str]:

@@ -60,7 +60,7 @@ from ddpscope.viz.zero.trace import compute_zero_comparison, load_zero
 from tests.conftest import ROOT, SAMPLES, run_cli
 from tests.viz.sources.test_kineto import gpu_profile
 
-CASES = 500
+CASES = 300  # issue 12's "a few hundred"; 500 took ~290 s alone, ~380 s in its CI lane
 ODD = ["x", "", 0, -1, 1e308, -1e308, 10**30, 2**63, None, True, [], {}, [1, 2], {"a": 1}, [[[]]], "nan", "5"]
 # placeholders written as JSON strings, replaced by raw text after encoding
 RAW = {"__HUGE__": "1" + "0" * 5000, "__NAN__": "NaN", "__INF__": "Infinity", "__NINF__": "-Infinity",
@@ -306,7 +306,7 @@ def sources(tmp_path_factory, mlp_run) -> list[Path]:
     return sorted(p for p in SAMPLES.iterdir() if p.is_dir()) + [profile, current, sharded]
 
 
-@pytest.mark.fuzz  # the campaign (~290 s): .ci/run runs it after the default suite; the hand-built cases stay in it
+@pytest.mark.fuzz  # the campaign (~3 min): .ci/run runs it after the default suite; the hand-built cases stay in it
 @pytest.mark.timeout(600)  # it ran past the suite's 300 s once in CI (291.6 s before its last case)
 def test_mutated_traces_raise_nothing_but_trace_error(tmp_path, sources, monkeypatch):
     # The campaign feeds bad input to whatif as to the rest; the advisor's local search runs,
