@@ -17,8 +17,9 @@ def merge_sorted_runs(first: np.ndarray, starts: np.ndarray, ends: np.ndarray) -
     if first[1:].any():
         reach = pd.Series(ends).groupby(np.cumsum(first) - 1).cummax().to_numpy()  # running end, per group
     else:  # one group (merge_intervals: per rank and step, thousands of calls a page): numpy, not a groupby
-        reach = np.fmax.accumulate(np.asarray(ends, float))  # as pandas' cummax: a NaN end is skipped,
-        reach[np.isnan(reach) | np.isnan(np.asarray(ends, float))] = np.nan  # and stays NaN in place
+        e = np.asarray(ends, float)
+        reach = np.fmax.accumulate(e)  # as pandas' cummax: a NaN end is skipped, and stays NaN in place
+        reach[np.isnan(e)] = np.nan  # (fmax is NaN only where every end so far is, this one too)
     new = first | np.r_[True, starts[1:] > reach[:-1]]  # a gap before this interval starts a new run
     idx = np.flatnonzero(new)
     return idx, np.maximum.reduceat(ends, idx)
