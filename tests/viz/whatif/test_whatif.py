@@ -40,7 +40,8 @@ def test_predicted_layout_is_the_one_ddp_rebuilt(tmp_path):
     from ddpscope.tracer.launch.torchrun import free_port
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), str(ROOT / "tests/workers/layout_check.py"),
+                           "--log-dir", str(tmp_path / "torchrun"), "--master-port", str(free_port()),
+                           str(ROOT / "tests/workers/layout_check.py"),
                            ",".join(caps)], capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

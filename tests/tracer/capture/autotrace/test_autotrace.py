@@ -63,7 +63,8 @@ def untraced(tmp_path: Path, *script: str, name: str = "plain", nproc: int = 2) 
     report = tmp_path / f"{name}-report"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DDPSCOPE_CAPTURE")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend",
-                           "static", "--rdzv-endpoint", f"127.0.0.1:{_port()}", *script, "--report", str(report)],
+                           "static", "--rdzv-endpoint", f"127.0.0.1:{_port()}", "--log-dir", str(tmp_path / f"{name}-torchrun"),
+                           *script, "--report", str(report)],
                           cwd="/", env=env, capture_output=True, text=True, timeout=240)
     (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)  # what the script printed, for who reads it
     # torch 2.13's gloo sometimes aborts a rank as its process exits, untraced too ("terminate called

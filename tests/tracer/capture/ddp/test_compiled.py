@@ -33,7 +33,8 @@ def built():
 
 def _job(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
-                           "static", "--rdzv-endpoint", f"127.0.0.1:{_port()}", WORKER, *args], cwd="/",
+                           "static", "--rdzv-endpoint", f"127.0.0.1:{_port()}", "--log-dir", str(tmp_path / "torchrun"),
+                           WORKER, *args], cwd="/",
                           capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -498,7 +499,8 @@ def test_a_device_reads_ddps_bucket_layout_without_copying_the_buckets(tmp_path,
     script = tmp_path / "layouts.py"
     script.write_text(LAYOUTS)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
-                           "static", "--rdzv-endpoint", f"127.0.0.1:{_port()}", str(script), "0.3", graph],
+                           "static", "--rdzv-endpoint", f"127.0.0.1:{_port()}", "--log-dir", str(tmp_path / "torchrun"),
+                           str(script), "0.3", graph],
                           capture_output=True, text=True, timeout=180, cwd="/", env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
