@@ -108,6 +108,9 @@ def main() -> None:
     p.add_argument("--chunked-loss", type=int, default=0,
                    help="N > 0: torchtitan's chunked loss in N chunks, each running its own backward")
     p.add_argument("--hsdp", type=int, default=1, help="R > 1: HSDP, R replicas of world/R shards (a 2-D mesh)")
+    p.add_argument("--unshard-first", action="store_true",
+                   help="model.unshard() before each step's forward (PyTorch's FSDP2 example), and after each "
+                        "step an evaluation forward under no_grad, unsharded first too")
     args = p.parse_args()
     dist.init_process_group("nccl" if args.cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -186,6 +189,8 @@ def main() -> None:
                 tracker = FSDPMemTracker(model, opt)
                 tracker.track_inputs((torch.zeros(args.batch, args.seq, dtype=torch.long),))
                 tracker.__enter__()
+            if args.unshard_first:  # the root's all-gather before the step's forward, by the script
+                model.unshard()
             for micro in range(args.accum):
                 model.set_requires_gradient_sync(micro == args.accum - 1)
                 idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
@@ -198,6 +203,10 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
             step_ms.append((time.perf_counter() - t0) * 1e3)  # the script's own clock, not ddpscope's
+            if args.unshard_first:  # an evaluation between steps: its all-gathers are no step's
+                model.unshard()
+                with torch.no_grad():
+                    model(torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device))
             losses.append(float(loss.detach()))
             if tracker is not None:
                 tracker.__exit__(None, None, None)

@@ -9,7 +9,10 @@
   ``_reduce_scatter_comm``) get a subclass of their own class (``isinstance`` checks in
   FSDP still hold) whose ``__call__`` times the collective and counts its bytes.
 - The root module gets a forward pre-hook (prepended: the step starts before the root's
-  all-gather) and a forward hook that runs even when forward raises.
+  all-gather) and a forward hook that runs even when forward raises. A hook prepended
+  after ours that runs FSDP's own first (``FSDPMemTracker`` re-registers FSDP's, prepended)
+  would put the root's all-gather before the step: the root unit's ``pre_forward`` then
+  starts the pass itself.
 - HSDP (units replicated across a mesh dimension): FSDP's gradient all-reduce across
   replicas is a plain ``dist.all_reduce`` inside ``_fsdp_collectives.foreach_reduce``.
   That module's ``dist`` name is pointed at a stand-in that is ``torch.distributed`` in
@@ -30,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from ddpscope.tracer.capture.hook_guard import HookGuard, HookHandles
-from ddpscope.tracer.capture.sharded.recorder import BACKWARD, FORWARD, ShardedRecorder
+from ddpscope.tracer.capture.sharded.recorder import BACKWARD, FORWARD, ROOT, ShardedRecorder
 from ddpscope.tracer.capture.sharded.units import Unit
 
 GROUP_METHODS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "wait_for_unshard")
@@ -56,6 +59,7 @@ class FSDPHooks:
         self._counting = False
         self._on_backward_end = on_backward_end
         self._queued = False
+        self._in_pass = False  # a training forward of the root is running (its pass started)
         self.current_issuer: int | None = None  # the unit whose hook issues the next all-gather
         self.reducing_unit: int | None = None  # the traced unit whose post-backward runs now
         self._collectives_module = None  # _fsdp_collectives, while its ``dist`` is our stand-in
@@ -134,7 +138,8 @@ class FSDPHooks:
 
     # -- the root's forward: a pass of the step ----------------------------------------
     def _root_pre_forward(self, module, args) -> None:
-        if torch.is_grad_enabled():  # evaluation forwards are not training steps
+        if torch.is_grad_enabled() and not self._in_pass:  # evaluation forwards are not training steps
+            self._in_pass = True
             reduce_grads = bool(getattr(self.units[0].group, "reduce_grads", True)) if self.units else True
             self._safe(self.rec.on_forward_start, reduce_grads)
             self._queued = False
@@ -142,6 +147,7 @@ class FSDPHooks:
                 self._counting = bool(self._safe(self._activations[0]))
 
     def _root_post_forward(self, module, args, output) -> None:
+        self._in_pass = False
         self._stop_counting()
         if torch.is_grad_enabled() and self.rec.current is not None:
             self._safe(self.rec.on_forward_end)
@@ -168,6 +174,8 @@ class FSDPHooks:
     # -- per-unit wrappers ---------------------------------------------------------------
     def _make_pre_forward(self, unit: Unit, original: Callable) -> Callable:
         def pre_forward(module, args, kwargs):
+            if unit.index == ROOT and not self._in_pass and self.rec.current is None:
+                self._root_pre_forward(self.root, args)  # FSDP's root hook ran before ours: the step starts here
             self._safe(self.rec.enter, unit.index, FORWARD)
             self.current_issuer = unit.index
             return original(unit.group, module, args, kwargs)

@@ -5,7 +5,10 @@ backward, ``comm_start``/``comm_end`` around each collective and ``wait_start``/
 ``wait_end`` around each wait for an all-gather. A stack of what runs now cuts the
 training thread's time into segments, each one the innermost unit's compute (a unit's
 forward holds its children's: the children's time is theirs) or a collective or a wait.
-A step starts at the root's training forward and ends when the optimizer step returns.
+A step starts at the root's training forward and ends when the optimizer step returns;
+an all-gather the script issues between steps (its own ``unshard()`` before forward, as
+PyTorch's FSDP2 example does every step) is held and made the next training step's: the
+step starts at it. One issued inside a forward outside the steps (an evaluation's) is not.
 
 The phase comes from autograd, not from which hook ran last: whatever runs while
 autograd's engine executes a backward (``in_backward``) is backward, wherever the script
@@ -120,6 +123,10 @@ class ShardedRecorder:
         self.where: tuple[int, str, str | None] = (-1, "", None)  # (unit, phase, collective) for the live file
         self._lag: list[ShardedStep] = []  # closed, not yet emitted (held, or CUDA's events not yet done)
         self._lag_lock = threading.Lock()  # the live file's thread may emit what is held (flush_held)
+        # between steps: the script's own all-gathers and their waits, for the next training step
+        self._early: list[Coll] = []
+        self._early_waits: list[tuple[int, str, Any, Any]] = []
+        self._outside = 0  # units whose forward runs outside a step (an evaluation's), entered and not left
         self._last_close = time.monotonic()
         self._beat = self._beat_now()  # the HOLD_S period of rank 0's clock of the last batch
 
@@ -128,8 +135,11 @@ class ShardedRecorder:
         now = self.clock.stamp()
         cur = self.current
         if cur is None:
-            cur = self.current = ShardedStep(step=self.next_step, start=now, measure=self.measure_step(self.next_step))
+            early, waits = self._early, self._early_waits
+            cur = self.current = ShardedStep(step=self.next_step, start=early[0].start if early else now,
+                                             measure=self.measure_step(self.next_step), colls=early, waits=waits)
             self.next_step += 1
+            self._early, self._early_waits, self._outside = [], [], 0
         elif cur.optimizer is not None and cur.optimizer[1] is None:
             cur.optimizer = None  # a forward inside optimizer.step(closure): not the update
         cur.passes.append(Pass(forward=[now, None], reduce_grads=reduce_grads))
@@ -171,7 +181,10 @@ class ShardedRecorder:
 
     # -- units, collectives, waits ----------------------------------------------------
     def enter(self, unit: int, phase: str) -> None:
-        if self.current is None:
+        if self.current is None:  # a forward outside the steps: what was held is its own
+            self._outside += 1
+            self._early.clear()
+            self._early_waits.clear()
             return
         now = self.clock.stamp()
         self._cut(now)
@@ -187,6 +200,9 @@ class ShardedRecorder:
 
     def leave(self, unit: int, phase: str) -> None:
         if self.current is None:
+            self._outside = max(0, self._outside - 1)
+            self._early.clear()  # issued inside that forward
+            self._early_waits.clear()
             return
         self._sample(unit, phase, "end")
         now = self.clock.stamp()
@@ -203,10 +219,16 @@ class ShardedRecorder:
 
     def comm_start(self, kind: str, unit: int, nbytes: int, prefetch: bool, phase: str | None = None,
                    extra: dict | None = None) -> Coll | None:
-        """A collective the training thread runs now (compute pauses until ``comm_end``)."""
+        """A collective the training thread runs now (compute pauses until ``comm_end``).
+        Between steps, an all-gather outside any forward is held for the next step."""
         cur = self.current
         if cur is None:
-            return None
+            if kind != "all_gather" or self._outside:
+                return None
+            rec = Coll(kind=kind, unit=unit, phase=FORWARD, nbytes=nbytes, start=self.clock.stamp(), extra=extra,
+                       device=[self.clock.stamp_current(), None] if self.clock.resolves else None)
+            self._early.append(rec)
+            return rec
         now = self.clock.stamp()
         self._cut(now)
         self._stack.append(None)
@@ -252,7 +274,13 @@ class ShardedRecorder:
 
     def comm_end(self, rec: Coll | None, work: Any = None) -> None:
         """The collective's call returned (``work``: what it returned, a ``Work`` when async)."""
-        if rec is None or self.current is None:
+        if rec is None:
+            return
+        if self.current is None:  # between steps: one held for the next step (else dropped meanwhile)
+            if any(r is rec for r in self._early):
+                rec.end = self.clock.stamp()
+                if rec.device is not None:
+                    self._device_end(rec, work)
             return
         now = self.clock.stamp()
         rec.end = now
@@ -280,8 +308,8 @@ class ShardedRecorder:
             pass
 
     def wait_start(self, unit: int) -> Any:
-        if self.current is None:
-            return None
+        if self.current is None:  # between steps: the wait for an all-gather held for the next step
+            return (unit, FORWARD, self.clock.stamp()) if any(r.unit == unit for r in self._early) else None
         now = self.clock.stamp()
         self._cut(now)
         self._stack.append(None)
@@ -289,7 +317,11 @@ class ShardedRecorder:
         return (unit, BACKWARD if self.in_backward() else top[1] if top else FORWARD, now)
 
     def wait_end(self, token: Any) -> None:
-        if token is None or self.current is None:
+        if token is None:
+            return
+        if self.current is None:
+            if any(r.unit == token[0] for r in self._early):
+                self._early_waits.append((*token, self.clock.stamp()))
             return
         now = self.clock.stamp()
         unit, phase, start = token

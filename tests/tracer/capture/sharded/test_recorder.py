@@ -50,6 +50,35 @@ def test_steps_are_held_then_emitted_together_after_every_hold_steps_th_step(mon
     assert emitted[1].colls[0].extra == {"zero": "param_fetch"}
 
 
+def test_an_all_gather_the_script_issues_between_steps_is_the_next_steps():
+    """The script's ``unshard()`` before forward (PyTorch's FSDP2 example): its all-gather and
+    the wait for it run between steps and are the next training step's, which starts at
+    them; one held and then followed by a forward outside the steps (an evaluation) is that
+    forward's, as are those issued inside it; a reduce-scatter between steps is no step's."""
+    emitted = []
+    rec = ShardedRecorder(clock=CpuClock(), emit=emitted.append)
+    _step(rec)
+    c = rec.comm_start("all_gather", ROOT, 128, False)  # the script's unshard()
+    rec.comm_end(c)
+    rec.wait_end(rec.wait_start(ROOT))
+    _step(rec)
+    rec.comm_end(rec.comm_start("all_gather", ROOT, 128, False))  # unshard(), then an evaluation forward
+    rec.enter(ROOT, FORWARD)
+    rec.comm_end(rec.comm_start("all_gather", 1, 32, False))
+    rec.leave(ROOT, FORWARD)
+    rec.comm_end(rec.comm_start("reduce_scatter", 1, 32, False))
+    _step(rec)
+    rec.finish(aborted=False)
+    one, two = emitted[1], emitted[2]
+    assert [(c.unit, c.nbytes, c.phase, c.end is not None) for c in one.colls] == [
+        (ROOT, 128, FORWARD, True), (ROOT, 64, FORWARD, True)]
+    assert one.start == one.colls[0].start < one.colls[0].end <= one.passes[0].forward[0]
+    assert [(u, ph) for u, ph, _, _ in one.waits] == [(ROOT, FORWARD)]
+    assert one.colls[0].end <= one.waits[0][2] <= one.waits[0][3] <= one.passes[0].forward[0]
+    assert [c.nbytes for c in two.colls] == [64] and two.start == two.passes[0].forward[0] and not two.waits
+    assert [c.nbytes for c in emitted[0].colls] == [64]
+
+
 class _Driven(CpuClock):
     """A host clock the test moves (``now``: rank 0's, µs), ``ahead_us`` ahead of it."""
 

@@ -132,6 +132,37 @@ def test_communication_volume_says_what_gloo_sent_and_what_a_ring_would(zero3):
     assert proc.stdout.splitlines()[-1] == f"at another reshard_after_forward: `ddpscope whatif {zero3[1]}`"
 
 
+def test_an_unshard_the_script_calls_before_forward_is_the_next_steps(zero3, tmp_path):
+    """PyTorch's FSDP2 example calls ``model.unshard()`` before each forward: the root's
+    forward all-gather runs between steps, issued by the script. It is the next step's,
+    which starts at it, so each step gathers and reduces what the same script without the
+    call does; an evaluation forward between steps (unsharded first too) is no step's.
+    Training is the untraced run's, bit for bit."""
+    args = ("--steps", "4", "--unshard-first")
+    proc, out, report = trace_script(tmp_path, SCRIPT, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = untraced(tmp_path, SCRIPT, *args)
+    for r in range(N):
+        traced, base = (json.loads((d / f"rank{r}.json").read_text()) for d in (report, plain))
+        assert traced["params_sha256"] == base["params_sha256"] and traced["losses"] == base["losses"]
+
+    def per_step(trace):  # from step 1: tracing attaches in the first forward, after the first unshard()
+        c = trace.shards.colls[trace.shards.colls["step"] >= 1]
+        return c.groupby(["rank", "step", "name", "collective", "phase"])["bytes"].agg(["size", "sum"])
+
+    trace = load_run(out)
+    assert per_step(trace).equals(per_step(load_run(zero3[1])))
+    c = trace.shards.colls
+    early = c[(c["step"] >= 1) & (c["name"] == "(root)") & (c["phase"] == "forward")]
+    assert len(early) == N * 3
+    steps = trace.steps.set_index(["rank", "step"])
+    for _, g in early.iterrows():
+        step = steps.loc[(g["rank"], g["step"])]
+        assert g["start_us"] == pytest.approx(step["start_us"], abs=1e-3) and g["end_us"] <= step["forward_start_us"]
+    waits = trace.shards.waits
+    assert ((waits["unit"] == 0) & (waits["phase"] == "forward") & (waits["step"] >= 1)).sum() == N * 3
+
+
 def test_rerun_with_reshard_false_is_stage_2_as_predicted(zero3, tmp_path):
     _, out, _ = zero3
     proc, out2, _ = trace_script(tmp_path, SCRIPT, "--steps", "4", ddpscope=("--reshard-after-forward", "false",
