@@ -49,15 +49,15 @@ def sharded_whatif(trace, args) -> int:
 
 
 def fsdp2_settings(args) -> list[dict] | None:
-    """The settings the flags name (None: every choice at FSDP's default prefetch)."""
+    """The settings the flags name (None: every choice at the run's own prefetch)."""
     reshard, fwd, bwd = (getattr(args, k, None) for k in ("reshard_after_forward", "forward_prefetch",
                                                             "backward_prefetch"))
     if reshard is None and fwd is None and bwd is None:
         return None
     for option, value in ((RESHARD_AFTER_FORWARD, reshard), (FORWARD_PREFETCH, fwd), (BACKWARD_PREFETCH, bwd)):
         option.validate(value)
-    return [{"reshard_after_forward": parse_reshard(reshard), "forward_prefetch": 0 if fwd is None else fwd,
-             "backward_prefetch": 1 if bwd is None else bwd}]
+    return [{"reshard_after_forward": parse_reshard(reshard), "forward_prefetch": fwd,  # None: the run's own
+             "backward_prefetch": bwd}]
 
 
 def refuse_fsdp2_flags(args, why: str) -> None:

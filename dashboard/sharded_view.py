@@ -43,6 +43,7 @@ from ddpscope.viz.sharded.predict import (
     DEEPSPEED_BUCKET_MIB,
     STATE_COLUMNS,
     compute_deepspeed_stage_whatif,
+    own_prefetch,
     predict_deepspeed_peak,
     predict_memory,
     predict_peak,
@@ -176,17 +177,19 @@ def sharded_rerun_settings(trace) -> dict:
         if not isinstance(n, bool):
             choices[f"{n} (resharded to {n} ranks)"] = str(n)
     opens_on = AS_THE_SCRIPT if own == "mixed" else next((k for k, v in choices.items() if v == own), None)
-    start_from("run_reshard", trace.path, run_reshard=opens_on or next(iter(choices)))
+    own_fwd, own_bwd = own_prefetch(trace)  # what the run's units ran with: a rerun keeps them unless changed
+    start_from("run_reshard", trace.path, run_reshard=opens_on or next(iter(choices)), run_fwd_prefetch=own_fwd,
+               run_bwd_prefetch=own_bwd)
     c = st.columns(3)
     label = c[0].selectbox("reshard_after_forward", list(choices), key="run_reshard")
-    fwd = c[1].slider("forward prefetch (units ahead)", 0, 3, 0, key="run_fwd_prefetch")
-    bwd = c[2].slider("backward prefetch (units ahead)", 1, 3, 1, key="run_bwd_prefetch")
+    fwd = c[1].slider("forward prefetch (units ahead)", 0, max(3, own_fwd), key="run_fwd_prefetch")
+    bwd = c[2].slider("backward prefetch (units ahead)", 1, max(3, own_bwd), key="run_bwd_prefetch")
     value = choices[label]
     setting = parse_reshard(value)
     m = st.columns(2)
     measured = len(trace.shards.memory) > 0
-    settings = {"reshard_after_forward": value, "forward_prefetch": fwd or None,
-                "backward_prefetch": bwd if bwd != 1 else None}
+    settings = {"reshard_after_forward": value, "forward_prefetch": fwd if fwd != own_fwd else None,
+                "backward_prefetch": bwd if bwd != own_bwd else None}
     _prediction_metric(m[0], "predicted peak (rank 0)", "peak_bytes", 1 / MIB, "MiB",
                        predict_peak(trace, reshard_after_forward=setting, forward_prefetch=fwd,
                                     backward_prefetch=bwd) if measured else None,

@@ -111,6 +111,9 @@ def main() -> None:
     p.add_argument("--unshard-first", action="store_true",
                    help="model.unshard() before each step's forward (PyTorch's FSDP2 example), and after each "
                         "step an evaluation forward under no_grad, unsharded first too")
+    p.add_argument("--prefetch", default=None, metavar="F,B",
+                   help="explicit prefetching as PyTorch's FSDP2 example sets it: each block all-gathers the next F "
+                        "blocks ahead of its forward and the B before it ahead of its backward")
     args = p.parse_args()
     dist.init_process_group("nccl" if args.cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -165,6 +168,14 @@ def main() -> None:
         if args.chunked_loss:
             fully_shard([model.norm, model.out], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        if args.prefetch:  # distributed/FSDP2/example.py's set_modules_to_{forward,backward}_prefetch
+            ahead, behind = (int(x) for x in args.prefetch.split(","))
+            blocks = list(model.layers)
+            for i, block in enumerate(blocks):
+                if i < len(blocks) - ahead:
+                    block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + ahead])
+                if i >= behind:
+                    block.set_modules_to_backward_prefetch([blocks[i - j] for j in range(1, behind + 1)])
         if args.meta_init:
             model.to_empty(device="cpu")
             torch.manual_seed(0)

@@ -42,12 +42,25 @@ def _reshards(setting: bool | int) -> bool:
     return setting is not False
 
 
-def predict_memory(trace, rank: int, reshard_after_forward: bool | int | None = None,
-                   forward_prefetch: int = 0, backward_prefetch: int = 1, step: int | None = None) -> pd.DataFrame:
-    """A measured step's memory samples with the gathered parameters replayed under the
-    settings (None: each unit's own); ``unsharded_params_bytes`` and ``total_bytes``
-    change, ``peak`` marks the new largest."""
+def own_prefetch(trace) -> tuple[int, int]:
+    """The prefetch depths (units ahead: forward, backward) the run's units ran with, which a
+    rerun keeps unless told otherwise; FSDP's defaults (0, 1) where the script set per-unit
+    lists that no one depth describes."""
     sh = trace.shards
+    return (0 if sh.forward_prefetch is None else sh.forward_prefetch,
+            1 if sh.backward_prefetch is None else sh.backward_prefetch)
+
+
+def predict_memory(trace, rank: int, reshard_after_forward: bool | int | None = None,
+                   forward_prefetch: int | None = None, backward_prefetch: int | None = None,
+                   step: int | None = None) -> pd.DataFrame:
+    """A measured step's memory samples with the gathered parameters replayed under the
+    settings (None: the run's own, ``own_prefetch``); ``unsharded_params_bytes`` and
+    ``total_bytes`` change, ``peak`` marks the new largest."""
+    sh = trace.shards
+    own = own_prefetch(trace)
+    forward_prefetch = own[0] if forward_prefetch is None else forward_prefetch
+    backward_prefetch = own[1] if backward_prefetch is None else backward_prefetch
     samples = compute_memory_over_step(trace, rank, step)
     if samples.empty:
         return samples
@@ -183,14 +196,18 @@ def compute_reshard_whatif(trace, settings: list[dict] | None = None) -> pd.Data
     """An FSDP2 run under other settings: one row per setting and rank, first this run as
     measured (``predicted`` False; its ``reshard_after_forward`` as ``reshard_setting``
     names it), then each of ``settings`` (``predict_peak`` and ``predict_step_ms`` keywords;
-    default: ``reshard_choices`` at FSDP's default prefetch) predicted. Columns:
+    default: ``reshard_choices`` at the run's own prefetch, ``own_prefetch``, which a rerun
+    keeps; a setting's prefetch left out or None is that too) predicted. Columns:
     reshard_after_forward (text), forward_prefetch, backward_prefetch, rank, predicted,
     peak_bytes (bytes; NaN where the run measured no memory), step_ms (ms, median over
     non-warm-up steps; NaN where it finished none). The page's Run tab draws the same
     functions, so a row is the metric it shows for that choice."""
     if settings is None:
         settings = [{"reshard_after_forward": s} for s in reshard_choices(trace)]
-    settings = [{"forward_prefetch": 0, "backward_prefetch": 1, **kw} for kw in settings]
+    fwd, bwd = own_prefetch(trace)
+    settings = [{**kw, "forward_prefetch": fwd if kw.get("forward_prefetch") is None else kw["forward_prefetch"],
+                 "backward_prefetch": bwd if kw.get("backward_prefetch") is None else kw["backward_prefetch"]}
+                for kw in settings]
     measured_memory = len(trace.shards.memory) > 0
     tables = [(predict_peak(trace, **kw).set_index("rank") if measured_memory else None,
                predict_step_ms(trace, kw.get("reshard_after_forward")).set_index("rank") if len(trace.steps) else None)
@@ -199,7 +216,7 @@ def compute_reshard_whatif(trace, settings: list[dict] | None = None) -> pd.Data
     if len(trace.steps):
         ranks |= {int(r) for r in compute_sharded_steps(trace)["rank"].unique()}
     # every prediction's table holds the run as measured too: the first row is read from the first
-    first = {"reshard_after_forward": reshard_setting(trace), "forward_prefetch": 0, "backward_prefetch": 1}
+    first = {"reshard_after_forward": reshard_setting(trace), "forward_prefetch": fwd, "backward_prefetch": bwd}
     rows = []
     for kw, (peaks, steps), which in [(first, tables[0], "measured"),
                                       *((kw, t, "predicted") for kw, t in zip(settings, tables))]:

@@ -22,6 +22,7 @@ from ddpscope.viz.sharded.deepspeed_states import measured_states, predict_state
 from ddpscope.viz.sharded.metrics import reshard_setting
 from ddpscope.viz.sharded.predict import (
     at_rank,
+    own_prefetch,
     predict_deepspeed_peak,
     predict_peak,
     predict_step_ms,
@@ -43,10 +44,13 @@ def rerun_setting(rerun) -> dict:
         size = float(size) if isinstance(size, (int, float)) and size > 0 else None
         words = f"ZeRO stage {sh.stage}" + (f", reduce_bucket_size {size / MIB:.4g} MiB" if size else "")
         return {"framework": "deepspeed", "stage": sh.stage, "reduce_bucket_bytes": size, "words": words}
-    asked = rerun.run.get("sharding_requested") or {}
-    fwd, bwd = (asked.get(k) for k in ("forward_prefetch", "backward_prefetch"))
-    fwd = int(fwd) if isinstance(fwd, int) and fwd >= 0 else 0
-    bwd = int(bwd) if isinstance(bwd, int) and bwd >= 1 else 1
+    if "forward_prefetch" in (rerun.run.get("sharding") or {}):  # what its units ran with
+        fwd, bwd = own_prefetch(rerun)
+    else:  # a trace before that was recorded: what the rerun asked for, else FSDP's defaults
+        asked = rerun.run.get("sharding_requested") or {}
+        fwd, bwd = (asked.get(k) for k in ("forward_prefetch", "backward_prefetch"))
+        fwd = int(fwd) if isinstance(fwd, int) and fwd >= 0 else 0
+        bwd = int(bwd) if isinstance(bwd, int) and bwd >= 1 else 1
     name = reshard_setting(rerun)
     setting = {"true": True, "false": False}.get(name, int(name) if name and name.isdigit() else None)
     words = (f"reshard_after_forward {setting_name(setting) if setting is not None else name or 'unknown'}, "

@@ -56,6 +56,10 @@ class ShardedTables:
     colls: pd.DataFrame
     memory: pd.DataFrame
     reduce_scatter_sent_as: str | None
+    # FSDP2: the prefetch depths the units ran with (units ahead; FSDP's defaults 0 and 1 in
+    # traces before they were recorded); None: the script's own lists, no one depth
+    forward_prefetch: int | None = 0
+    backward_prefetch: int | None = 1
 
 
 def _units(run: dict) -> pd.DataFrame:
@@ -171,7 +175,21 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
         waits=_frame(waits, SEGMENT_COLUMNS, ["rank", "step", "start_us"]),
         colls=_frame(colls, COLL_COLUMNS, ["rank", "step", "start_us"]),
         memory=_frame(mem, MEMORY_COLUMNS, ["rank", "step", "ts_us"]),
-        reduce_scatter_sent_as=sharding.get("reduce_scatter_sent_as"))
+        reduce_scatter_sent_as=sharding.get("reduce_scatter_sent_as"),
+        forward_prefetch=_depth(sharding, "forward_prefetch", 0), backward_prefetch=_depth(sharding, "backward_prefetch", 1))
+
+
+def _depth(sharding: dict, key: str, default: int) -> int | None:
+    """A recorded prefetch depth: ``default`` where the trace predates it, None where it is null
+    (no one depth), else a count (``ValueError`` on anything else)."""
+    if key not in sharding:
+        return default
+    value = sharding[key]
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"sharding.{key} {value!r} is not a number of units")
+    return value
 
 
 _TEXT = ("name", "phase", "at", "collective", "sent_as", "issued_by", "first_param", "last_param", "bucket_numels")

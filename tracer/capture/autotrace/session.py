@@ -177,8 +177,8 @@ class Session:
             units = find_units(root_state)
             if cfg.reshard_after_forward is not None:
                 apply_reshard(units, parse_reshard(cfg.reshard_after_forward))
-            if cfg.forward_prefetch or cfg.backward_prefetch:
-                apply_prefetch(units, cfg.forward_prefetch or None, cfg.backward_prefetch)
+            if cfg.forward_prefetch is not None or cfg.backward_prefetch is not None:
+                apply_prefetch(units, cfg.forward_prefetch, cfg.backward_prefetch)
         except ValueError as e:  # FSDP's own check (N must divide the shard group): said, the script's kept
             self.note(f"--reshard-after-forward / prefetch not applied ({e}); the script's settings stay")
         self.times_us["ddp_built"] = now_us()

@@ -30,6 +30,7 @@ from ddpscope.tracer.capture.sharded.events import lane_events, step_events
 from ddpscope.tracer.capture.sharded.fsdp_hooks import FSDPHooks
 from ddpscope.tracer.capture.sharded.memory import ShardedMemory
 from ddpscope.tracer.capture.sharded.recorder import ShardedRecorder, ShardedStep
+from ddpscope.tracer.capture.sharded.settings import read_prefetch
 from ddpscope.tracer.capture.tracer_config import TracerConfig
 from ddpscope.tracer.progress import say
 from ddpscope.tracer.writer import TraceWriter, read_json, write_json_atomic
@@ -244,7 +245,7 @@ class FSDPTracer:
                 "model_params": sum(u.numel for u in self.units),
                 "sharding": {"framework": "fsdp2", "stage": self.stage, "stage_reason": self.stage_reason,
                              "units": [u.facts() for u in self.units], "reduce_scatter_sent_as": self.sent_as,
-                             "param_dtype": _dtype_name(self.units, "param_dtype"),
+                             **read_prefetch(self.units), "param_dtype": _dtype_name(self.units, "param_dtype"),
                              "reduce_dtype": _dtype_name(self.units, "reduce_dtype")}}
 
     def _write_run_json(self, status: str, error: str | None = None, offsets_end=None, steps: int = 0) -> None:

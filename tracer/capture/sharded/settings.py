@@ -69,3 +69,31 @@ def apply_prefetch(units, forward: int | None, backward: int | None) -> None:
         if backward is not None:
             before = modules[max(0, k - backward):k][::-1]  # backward runs the units in reverse
             module.set_modules_to_backward_prefetch(before)
+
+
+def read_prefetch(units) -> dict:
+    """The prefetch depths the units run with, as ``apply_prefetch`` names them:
+    ``{"forward_prefetch": d, "backward_prefetch": d}``, read from each unit's FSDP state
+    (the script's own ``set_modules_to_*_prefetch`` lists, or a rerun's). None where the
+    lists are no one depth of the units' forward order (a script's own choice per unit).
+    A unit without a backward list prefetches one, implicitly (FSDP's default). A list cut
+    short where the model ends (PyTorch's FSDP2 example gives its last d blocks none) is
+    depth d too."""
+    order = [u for u in units if not u.is_root]
+    try:
+        states = [u.group.modules[0]._get_fsdp_state() for u in order]
+        fwd = [list(s._states_to_forward_prefetch) for s in states]
+        bwd = [list(s._states_to_backward_prefetch) or states[max(0, k - 1):k][::-1] for k, s in enumerate(states)]
+    except (AttributeError, IndexError):  # another FSDP2 than the one read here: said as unknown
+        return {"forward_prefetch": None, "backward_prefetch": None}
+
+    def depth(lists, expected, floor: int, at_end) -> int | None:
+        d = max([floor, *map(len, lists)])
+        for k, got in enumerate(lists):  # a list cut short only at the model's end, and a start of the depth's
+            if got != expected(k, d) and not (at_end(k, d) and got == expected(k, d)[:len(got)]):
+                return None
+        return d
+
+    n = len(states)
+    return {"forward_prefetch": depth(fwd, lambda k, d: states[k + 1:k + 1 + d], 0, lambda k, d: k >= n - d),
+            "backward_prefetch": depth(bwd, lambda k, d: states[max(0, k - d):k][::-1], 1, lambda k, d: k < d)}

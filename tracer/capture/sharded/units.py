@@ -46,6 +46,8 @@ class Unit:
 def find_units(root_state) -> list[Unit]:
     """The units of the model whose root FSDP state is ``root_state`` (lazily initialised)."""
     units: list[Unit] = []
+    modules = root_state._modules
+    module_names = {id(m): n for n, m in modules[0].named_modules()} if modules else {}
     for state in root_state._state_ctx.all_states:  # the root first, as FSDP's lazy init listed them
         for group in param_groups(state):
             params = list(group.fsdp_params)
@@ -55,12 +57,27 @@ def find_units(root_state) -> list[Unit]:
             item = _compute_item_size(group, params)
             unsharded = sum(p._sharded_param_data.numel() * world * item for p in params)
             units.append(Unit(index=len(units), name=name, group=group,
-                              param_names=[getattr(p, "_param_fqn", None) or f"param[{i}]" for i, p in enumerate(params)],
+                              param_names=[_param_name(p, i, module_names) for i, p in enumerate(params)],
                               numel=sum(int(p._orig_size.numel()) for p in params), sharded_bytes=sharded,
                               unsharded_bytes=unsharded, reshard_after_forward=_reshard_setting(group, world),
                               is_root=state is root_state, shard_size=world,
                               replicate_size=int(getattr(group.mesh_info, "replicate_mesh_size", 1) or 1)))
     return units
+
+
+def _param_name(param, i: int, module_names: dict[int, str]) -> str:
+    """An ``FSDPParam``'s qualified name: FSDP's own ``_param_fqn``, else its module's name in
+    the root and its name there. FSDP's lazy init names only the parameters sharded at that
+    moment (it looks them up by identity): a root the script unsharded before its first
+    forward (``model.unshard()``, PyTorch's FSDP2 example) holds its unsharded ones then."""
+    name = getattr(param, "_param_fqn", None)
+    if name:
+        return name
+    info = getattr(param, "_module_info", None)
+    prefix = module_names.get(id(getattr(info, "module", None)))
+    if prefix is not None and getattr(info, "param_name", None):
+        return f"{prefix}.{info.param_name}" if prefix else info.param_name
+    return f"param[{i}]"
 
 
 def param_groups(state) -> list:

@@ -23,7 +23,7 @@ from ddpscope.viz.sharded.metrics import (
     sharded_step_noise_ms,
     stage_differences,
 )
-from ddpscope.viz.sharded.predict import predict_peak
+from ddpscope.viz.sharded.predict import compute_reshard_whatif, predict_peak
 from ddpscope.viz.trace import clock_alignment, load_run
 from tests.conftest import run_cli
 from tests.tracer.capture.autotrace.test_autotrace import WORKERS, checks, trace_script, untraced
@@ -137,8 +137,9 @@ def test_an_unshard_the_script_calls_before_forward_is_the_next_steps(zero3, tmp
     forward all-gather runs between steps, issued by the script. It is the next step's,
     which starts at it, so each step gathers and reduces what the same script without the
     call does; an evaluation forward between steps (unsharded first too) is no step's.
-    Training is the untraced run's, bit for bit."""
-    args = ("--steps", "4", "--unshard-first")
+    Training is the untraced run's, bit for bit. The example's own prefetching (two blocks
+    ahead each way) is read from the units, and the what-if predicts at it."""
+    args = ("--steps", "4", "--unshard-first", "--prefetch", "2,2")
     proc, out, report = trace_script(tmp_path, SCRIPT, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain = untraced(tmp_path, SCRIPT, *args)
@@ -152,6 +153,8 @@ def test_an_unshard_the_script_calls_before_forward_is_the_next_steps(zero3, tmp
 
     trace = load_run(out)
     assert per_step(trace).equals(per_step(load_run(zero3[1])))
+    # the root's parameters are named though FSDP's lazy init found them unsharded (it names sharded ones)
+    assert trace.run["sharding"]["units"][0]["params"] == ["tok.weight", "norm.weight", "norm.bias", "out.weight"]
     c = trace.shards.colls
     early = c[(c["step"] >= 1) & (c["name"] == "(root)") & (c["phase"] == "forward")]
     assert len(early) == N * 3
@@ -161,6 +164,18 @@ def test_an_unshard_the_script_calls_before_forward_is_the_next_steps(zero3, tmp
         assert g["start_us"] == pytest.approx(step["start_us"], abs=1e-3) and g["end_us"] <= step["forward_start_us"]
     waits = trace.shards.waits
     assert ((waits["unit"] == 0) & (waits["phase"] == "forward") & (waits["step"] >= 1)).sum() == N * 3
+    # the script's prefetch, as the units ran it: the what-if's measured row and its predictions (which
+    # a rerun with --reshard-after-forward alone keeps) are at it; FSDP's defaults where the script set none
+    sharding = trace.run["sharding"]
+    assert (sharding["forward_prefetch"], sharding["backward_prefetch"]) == (2, 2)
+    assert (load_run(zero3[1]).run["sharding"]["forward_prefetch"], load_run(zero3[1]).run["sharding"]["backward_prefetch"]) == (0, 1)
+    ahead = trace.shards.colls
+    ahead = ahead[(ahead["step"] >= 1) & (ahead["collective"] == "all_gather") & ahead["prefetch"]]
+    assert set(ahead["phase"]) == {"forward", "backward"}
+    table = compute_reshard_whatif(trace)
+    assert set(zip(table["forward_prefetch"], table["backward_prefetch"])) == {(2, 2)}
+    assert (compute_reshard_whatif(trace, [{"reshard_after_forward": False, "forward_prefetch": 0}])
+            .query("predicted")[["forward_prefetch", "backward_prefetch"]].drop_duplicates().values.tolist() == [[0, 2]])
 
 
 def test_rerun_with_reshard_false_is_stage_2_as_predicted(zero3, tmp_path):
