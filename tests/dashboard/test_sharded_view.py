@@ -37,8 +37,8 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     the Run page predicts a rerun."""
     from tests.tracer.capture.autotrace.test_autotrace import WORKERS
 
-    at, out = open_traced(tmp_path, monkeypatch, str(WORKERS / "fsdp2_train.py"), "--steps", "4", name="fsdp2",
-                           ddpscope=("--profile", "--profile-steps", "2"))
+    at, out = open_traced(tmp_path, monkeypatch, str(WORKERS / "fsdp2_train.py"), "--steps", "4", "--prefetch", "2,1",
+                           name="fsdp2", ddpscope=("--profile", "--profile-steps", "2"))
     assert at.sidebar.selectbox(key="trace").value == "run: fsdp2"  # the user's newest run
     assert metric_value(at, "ZeRO stage") == "3" and metric_value(at, "FSDP units") == "5"
     spec = chart_spec(at)
@@ -59,6 +59,8 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     assert any("memory over one step (measured)" in t for t in titles)
     assert any("beside ZeRO stages 0-3" in t for t in titles)
     open_page(at, "Run")
+    # on the prefetch the units ran with (the script's own, two blocks ahead in forward): a rerun keeps it
+    assert (at.slider(key="run_fwd_prefetch").value, at.slider(key="run_bwd_prefetch").value) == (2, 1)
     assert metric_value(at, "predicted peak (rank 0)").endswith("MiB")
     deltas = {m.label: m.delta for m in at.metric if m.label.startswith("predicted")}
     assert deltas == {"predicted peak (rank 0)": "as this run", "predicted step (rank 0)": "as this run"}  # not "+0.0"
