@@ -42,6 +42,8 @@ def main() -> None:
     p.add_argument("--sleep-ms", type=float, default=0.0, help="host time between steps")
     p.add_argument("--untraced", action="store_true", help="no tracer: the control")
     p.add_argument("--fsdp2", action="store_true", help="fully_shard each layer and the root, not DDP")
+    p.add_argument("--unshard-first", action="store_true",
+                   help="FSDP2: the first layer's unshard() before each step's forward, by the script")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches a step (DDP's no_sync on all but the last)")
     p.add_argument("--find-unused", action="store_true", help="DDP(find_unused_parameters=True)")
     p.add_argument("--fail-building-at", type=int, default=-1,
@@ -84,6 +86,8 @@ def main() -> None:
         before = dev.counters()
         for micro in batches:
             r0, t0 = dev.recorded(0), time.perf_counter_ns()
+            if args.unshard_first:  # PyTorch's FSDP2 example unshards before forward: that all-gather is the step's
+                ddp[0].unshard()
             train_step(ddp, micro)
             opt.step()
             brackets.append((t0, time.perf_counter_ns()))

@@ -237,6 +237,33 @@ def test_fsdp2_on_nccl_is_traced_per_unit_with_cuda_events(tmp_path, nproc):
         assert set(colls["collective"]) == {"all_gather", "reduce_scatter"} and (colls["end_us"] >= colls["start_us"]).all()
 
 
+def test_an_unshard_before_forward_is_the_next_steps_on_nccl(tmp_path):
+    """PyTorch's FSDP2 example on a GPU: the script's ``model.unshard()`` before each forward
+    (and an evaluation between steps) on NCCL. Each step from the second holds the root's
+    forward all-gather, timed on FSDP's all-gather stream, at or after the step's start (a
+    compute-stream stamp taken as the call began), before its forward; training is the
+    untraced run's."""
+    from tests.tracer.capture.autotrace.test_autotrace import WORKERS, run_cli, untraced
+
+    script = (str(WORKERS / "fsdp2_train.py"), "--cuda", "--steps", "4", "--unshard-first", "--prefetch", "2,2")
+    out, report = tmp_path / "run", tmp_path / "report"
+    proc = run_cli("run", "--nproc", "1", "--out", str(out), "--", *script, "--report", str(report))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = untraced(tmp_path, *script, nproc=1)
+    traced, base = (json.loads((d / "rank0.json").read_text()) for d in (report, plain))
+    assert traced["params_sha256"] == base["params_sha256"] and traced["losses"] == base["losses"]
+    trace = load_run(out)
+    assert trace.ranks[0]["clock"] == "cuda-event"
+    assert (trace.run["sharding"]["forward_prefetch"], trace.run["sharding"]["backward_prefetch"]) == (2, 2)
+    c = trace.shards.colls
+    early = c[(c["step"] >= 1) & (c["unit"] == 0) & (c["collective"] == "all_gather") & (c["phase"] == "forward")]
+    assert sorted(early["step"]) == [1, 2, 3]
+    steps = trace.steps.set_index(["rank", "step"])
+    for _, g in early.iterrows():
+        step = steps.loc[(g["rank"], g["step"])]
+        assert step["start_us"] - 50 <= g["start_us"] <= g["end_us"] and step["start_us"] < step["forward_start_us"]
+
+
 def test_ddpscopes_own_jobs_take_a_gpu_per_rank_or_say_why_not(tmp_path):
     """One rank more than there are GPUs (the demo's default 2 on a 1-GPU machine): gloo on
     CPU, said in one line, not a crash in set_device; calibrating that run likewise. A rank

@@ -395,9 +395,10 @@ def test_fsdp2_timed_on_the_device_reads_where_the_device_ran_each_unit(tmp_path
     device ran it, each unit's compute and each collective inside its step (a collective's
     end read from its Work's future on the device), every all-gather there (two a unit: its
     forward and its backward), no device or stream sync, the shards bit-identical to an
-    untraced copy's."""
+    untraced copy's. The script unshards the first layer before each forward, between
+    steps: that all-gather is its step's, timed on the device like the rest, first in it."""
     steps = 6
-    ranks = _run(tmp_path, "--fsdp2", "--steps", str(steps), "--lag-ms", "3", "--offset-s", "1000")
+    ranks = _run(tmp_path, "--fsdp2", "--steps", str(steps), "--lag-ms", "3", "--offset-s", "1000", "--unshard-first")
     for r, (host, meta, events) in ranks.items():
         assert meta["clock"] == "cuda-event" and meta["status"] == "complete"
         assert host["same_as_untraced"], "tracing changed the training"
@@ -413,3 +414,5 @@ def test_fsdp2_timed_on_the_device_reads_where_the_device_ran_each_unit(tmp_path
             assert all(lo <= e["ts"] and e["ts"] + e["dur"] <= hi for e in units[s] + gathers[s]), s
             assert sorted(e["args"]["unit"] for e in gathers[s]) == sorted(2 * list(range(7))), s  # 7 units
             assert all(e["dur"] > 0 for e in gathers[s]), s
+            (first,) = [e for e in gathers[s] if e["args"]["unit"] == 0 and e["args"]["phase"] == "forward"]
+            assert first["ts"] <= min(e["ts"] for e in units[s]) and first["ts"] >= step["ts"] - 1e-3, s
