@@ -47,6 +47,13 @@ def _expected_units(item: int = 4) -> dict[str, int]:
     return units
 
 
+def assert_trained_alike(report, plain) -> None:
+    """Every rank's final parameters and losses, traced (``report``) and untraced (``plain``), bit for bit."""
+    for r in range(N):
+        traced, base = (json.loads((d / f"rank{r}.json").read_text()) for d in (report, plain))
+        assert traced["params_sha256"] == base["params_sha256"] and traced["losses"] == base["losses"]
+
+
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero3")
@@ -58,9 +65,7 @@ def zero3(tmp_path_factory):
 def test_traced_fsdp2_trains_bit_identically_and_is_cut_per_unit(zero3):
     tmp, out, report = zero3
     plain = untraced(tmp, SCRIPT, "--steps", "4", "--memtracker")
-    for r in range(N):
-        traced, base = (json.loads((d / f"rank{r}.json").read_text()) for d in (report, plain))
-        assert traced["params_sha256"] == base["params_sha256"] and traced["losses"] == base["losses"]
+    assert_trained_alike(report, plain)
     trace = load_run(out)
     sh = trace.shards
     assert trace.run["kind"] == "sharded" and sh.stage == 3 and trace.status == "complete"
@@ -143,16 +148,14 @@ def test_an_unshard_the_script_calls_before_forward_is_the_next_steps(zero3, tmp
     proc, out, report = trace_script(tmp_path, SCRIPT, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain = untraced(tmp_path, SCRIPT, *args)
-    for r in range(N):
-        traced, base = (json.loads((d / f"rank{r}.json").read_text()) for d in (report, plain))
-        assert traced["params_sha256"] == base["params_sha256"] and traced["losses"] == base["losses"]
+    assert_trained_alike(report, plain)
 
     def per_step(trace):  # from step 1: tracing attaches in the first forward, after the first unshard()
         c = trace.shards.colls[trace.shards.colls["step"] >= 1]
         return c.groupby(["rank", "step", "name", "collective", "phase"])["bytes"].agg(["size", "sum"])
 
-    trace = load_run(out)
-    assert per_step(trace).equals(per_step(load_run(zero3[1])))
+    trace, base = load_run(out), load_run(zero3[1])
+    assert per_step(trace).equals(per_step(base))
     # the root's parameters are named though FSDP's lazy init found them unsharded (it names sharded ones)
     assert trace.run["sharding"]["units"][0]["params"] == ["tok.weight", "norm.weight", "norm.bias", "out.weight"]
     c = trace.shards.colls
@@ -168,7 +171,7 @@ def test_an_unshard_the_script_calls_before_forward_is_the_next_steps(zero3, tmp
     # a rerun with --reshard-after-forward alone keeps) are at it; FSDP's defaults where the script set none
     sharding = trace.run["sharding"]
     assert (sharding["forward_prefetch"], sharding["backward_prefetch"]) == (2, 2)
-    assert (load_run(zero3[1]).run["sharding"]["forward_prefetch"], load_run(zero3[1]).run["sharding"]["backward_prefetch"]) == (0, 1)
+    assert (base.run["sharding"]["forward_prefetch"], base.run["sharding"]["backward_prefetch"]) == (0, 1)
     ahead = trace.shards.colls
     ahead = ahead[(ahead["step"] >= 1) & (ahead["collective"] == "all_gather") & ahead["prefetch"]]
     assert set(ahead["phase"]) == {"forward", "backward"}
@@ -340,9 +343,7 @@ def test_a_loss_that_runs_its_own_backward_inside_forward_is_backward(tmp_path):
     proc, out, report = trace_script(tmp_path, SCRIPT, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain = untraced(tmp_path, SCRIPT, *args)
-    for r in range(N):
-        traced, base = (json.loads((d / f"rank{r}.json").read_text()) for d in (report, plain))
-        assert traced["params_sha256"] == base["params_sha256"] and traced["losses"] == base["losses"]
+    assert_trained_alike(report, plain)
     sh = load_run(out).shards
     head = int(sh.units.loc[sh.units["name"] == "norm, out", "unit"].iloc[0])
     colls = sh.colls[sh.colls["step"] >= 1]
