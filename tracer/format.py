@@ -131,7 +131,9 @@ KIND_ZERO = "zero"  # ddpscope zero: memory and communication per ZeRO stage
 # Sharded training (``ddpscope run`` of an FSDP2 script): ``run.json`` says ``"kind":
 # "sharded"`` and describes the units (``sharding``). Per rank, beside the step, pass and
 # optimizer spans of a DDP trace: compute cut per FSDP unit, the waits for all-gathers,
-# and one lane per collective kind. ZeRO-1 (DDP + ZeroRedundancyOptimizer) stays a DDP
+# and one lane per collective kind (a collective no unit issued: args unit -1; FSDP2's
+# clip_grad_norm_ or the script's own say who in "by" and the function in "op"; DeepSpeed's
+# say what of ZeRO's in "zero"). ZeRO-1 (DDP + ZeroRedundancyOptimizer) stays a DDP
 # trace (kind "ddp") with its parameter broadcasts on TID_PARAM_SYNC and ``sharding``
 # in run.json.
 KIND_SHARDED = "sharded"

@@ -114,6 +114,11 @@ def main() -> None:
     p.add_argument("--prefetch", default=None, metavar="F,B",
                    help="explicit prefetching as PyTorch's FSDP2 example sets it: each block all-gathers the next F "
                         "blocks ahead of its forward and the B before it ahead of its backward")
+    p.add_argument("--clip", type=float, default=0.0,
+                   help="M > 0: clip_grad_norm_(model.parameters(), M) before each optimizer step (DTensor's "
+                        "all-reduce of the norm), its norms reported")
+    p.add_argument("--loss-allreduce", action="store_true",
+                   help="all-reduce a copy of the loss after backward, before the optimizer step (the script's own)")
     args = p.parse_args()
     dist.init_process_group("nccl" if args.cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -189,7 +194,7 @@ def main() -> None:
             side(torch.randn(2, 4)).sum().backward()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(1000 + rank)
-        losses, tracker_report, step_ms = [], None, []
+        losses, tracker_report, step_ms, norms, means = [], None, [], [], []
         backward_calls: list[tuple[float, float]] = []  # each loss chunk's backward() call (--chunked-loss)
         for step in range(args.steps):
             t0 = time.perf_counter()
@@ -211,6 +216,12 @@ def main() -> None:
                 logits = model(idx)
                 loss = F.cross_entropy(logits.view(-1, args.vocab), idx.roll(-1, 1).view(-1))
                 (loss / args.accum).backward()
+            if args.loss_allreduce:  # the script's own collective, inside the step
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                means.append(float(mean) / world)
+            if args.clip:  # the norm of DTensor gradients: partial on each rank, all-reduced by DTensor
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).full_tensor()))
             opt.step()
             opt.zero_grad()
             step_ms.append((time.perf_counter() - t0) * 1e3)  # the script's own clock, not ddpscope's
@@ -233,8 +244,8 @@ def main() -> None:
                 digest.update(param.to_local().detach().cpu().numpy().tobytes())
             with open(os.path.join(args.report, f"rank{rank}.json"), "w") as f:
                 json.dump({"params_sha256": digest.hexdigest(), "losses": losses, "memtracker": tracker_report,
-                           "step_ms": step_ms,
-                       "chunk_backward_us": backward_calls}, f)
+                           "step_ms": step_ms, "norms": norms, "loss_means": means,
+                           "chunk_backward_us": backward_calls}, f)
         # a clean gloo teardown (see fsdp_train.py)
         dist.barrier()
         del model, opt

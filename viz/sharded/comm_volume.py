@@ -46,6 +46,8 @@ def compute_comm_volume(trace) -> pd.DataFrame:
     deepspeed = sh.framework == "deepspeed"
     if deepspeed:  # ZeRO's own: the buckets and the gathers (not the gradient norm's few bytes)
         colls = colls[colls["issued_by"].isin(["grad_bucket", "param_fetch", "param_allgather"])]
+    else:  # FSDP's own: not the gradient norm's all-reduce or the script's (no unit's, ``other_sent_line``)
+        colls = colls[colls["issued_by"] != "other"]
     rows = []
     kinds = [("all_gather", d_gathered), ("reduce_scatter", d_reduced)]
     if (colls["collective"] == "all_reduce").any():  # HSDP: the reduced shard, across replicas; DeepSpeed 1-2
@@ -111,6 +113,9 @@ def comm_honesty_lines(trace) -> list[str]:
                      "the host (issued, waited for, seen done), not on the device: a collective's span holds the time "
                      "it queued behind earlier work, and exposed time is what the host waited for it, not what the "
                      "compute stream waited.")
+    other = other_sent_line(trace)
+    if other:
+        lines.append(other)
     if sh.reduce_scatter_sent_as == "all_reduce":
         lines.append("gloo has no reduce-scatter: PyTorch ran each one as an all-reduce of the whole gradient, "
                      "then kept this rank's shard, so each rank sent 2(N-1)/N of it, not (N-1)/N.")
@@ -152,3 +157,19 @@ def accumulation_line(trace, vol: pd.DataFrame) -> str | None:
     return (f"A step here is {micro} micro-batches (gradient accumulation): its gradients were reduced {reduced:.2f} "
             f"times a step (D each) and {gathered:.2f} D of parameters gathered, where the ZeRO model below counts "
             f"one forward and backward a step: {why}.")
+
+
+def other_sent_line(trace) -> str | None:
+    """What an FSDP2 run's collectives of no unit carried (``clip_grad_norm_``'s all-reduce
+    of the gradient norm, the script's own), left out of the volume above, or None."""
+    sh = trace.shards
+    if sh.framework == "deepspeed":
+        return None
+    colls = sh.colls[sh.colls["step"].isin(real_steps(trace)) & (sh.colls["issued_by"] == "other")]
+    if not len(colls):
+        return None
+    per = colls.groupby(["rank", "step"])
+    who = ", ".join(f"{by} ({n:g} a step)" for by, n in
+                    colls.groupby("by").size().div(per.ngroups).round(2).items())
+    return (f"Besides FSDP's own, {float(per['bytes'].sum().median()):,.0f} bytes a step in collectives no unit "
+            f"issued, not counted above: {who}.")

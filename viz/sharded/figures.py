@@ -85,15 +85,15 @@ def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
     # a unit's colour is named once, on its compute; a unit seen only on a collective lane
     # (DeepSpeed's compute is the whole model's) and what no unit issued get their own entry
     named = set(segs["name"].astype(str)) if len(segs) else set()
-    for (kind, name), g in colls.groupby(["collective", "name"], sort=False):
+    for (kind, name, by), g in colls.groupby(["collective", "name", "by"], sort=False, dropna=False):
         label = NO_UNIT if (g["unit"] == -1).all() else str(name)
         first = label not in named
         named.add(label)
         what = "all-gather" if kind == "all_gather" else reduced  # HSDP's all-reduce: after its reduce-scatter
         sent = g["sent_as"].dropna()
         ran = f" (ran as {sent.iloc[0].replace('_', '-')})" if len(sent) else ""
-        if kind == "all_reduce" and not deepspeed:
-            ran = " (HSDP's all-reduce across replicas)"
+        if kind == "all_reduce" and not deepspeed:  # FSDP2's of no unit: who issued it (clip_grad_norm_'s, the script)
+            ran = f": {by}" if isinstance(by, str) else " (HSDP's all-reduce across replicas)"
         exposed = g["exposed_ms"] > 0.5 * g["ms"]
         fig.add_trace(go.Bar(
             name=label if first else f"{kind.replace('_', '-')} {label}", orientation="h",

@@ -44,12 +44,13 @@ UNTIMED_UNITS = ("DeepSpeed's compute is timed between collectives and waits, no
 
 def compute_unit_table(trace) -> pd.DataFrame:
     """One row per unit: its size, and per step (median over ranks and non-warm-up steps)
-    its all-gathers and reduce-scatters (count, bytes, ms; HSDP's all-reduces across
-    replicas too, when the run had them), the compute waiting for its
+    its all-gathers and reduce-scatters (count, bytes, ms; all-reduces too, when the run
+    had them: HSDP's across replicas, or on the no-unit row the gradient norm's), the compute waiting for its
     all-gathers, its exposed communication, and its forward and backward compute (ms;
     a DeepSpeed run's are the root unit's alone, whole, and NaN elsewhere: its compute is
     not timed per module). Collectives no unit issued (DeepSpeed's gather of the updated
-    partitions after the step, its gradient norm's all-reduce) get a last row, ``NO_UNIT``,
+    partitions after the step, the gradient norm's all-reduce, the script's own) get a
+    last row, ``NO_UNIT``,
     with no size and no compute, so the rows' exposed times add up to the step's."""
     sh = trace.shards
     # DeepSpeed's tracer cuts compute at collectives and waits, not at modules: the whole
@@ -120,7 +121,7 @@ def idle_units_line(hidden: int) -> str:
 
 def compute_sharded_steps(trace) -> pd.DataFrame:
     """Per rank and step: step_ms, compute_ms, all_gather_ms, reduce_scatter_ms,
-    all_reduce_ms (HSDP's across replicas; 0 without: each the time one of that kind was in
+    all_reduce_ms (HSDP's across replicas, the gradient norm's, the script's own; 0 without: each the time one of that kind was in
     flight, not a sum of overlapping spans), wait_ms, exposed_ms (the time communication or a
     wait for it ran with no compute beside it) and the step's memory peak (bytes; NaN on
     steps whose memory was not measured)."""

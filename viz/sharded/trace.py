@@ -10,11 +10,14 @@ Tables (times µs on rank 0's clock, bytes):
 - ``waits``: rank, step, unit, name, phase, start_us, end_us: compute waiting for a
   unit's all-gather (its copy-out included)
 - ``colls``: rank, step, unit, name, collective (all_gather / reduce_scatter, and HSDP's
-  all_reduce of the reduced shard across replicas, on the reduce-scatter lane), phase,
+  all_reduce of the reduced shard across replicas, on the reduce-scatter lane; unit -1,
+  name "(no unit)": one no unit issued), phase,
   bytes (the collective's message: all-gather output, reduce-scatter input), prefetch,
   sent_as (what the backend ran instead: gloo runs a reduce-scatter as an all-reduce),
   start_us, end_us; DeepSpeed's also say what issued each (``issued_by``: grad_bucket,
-  param_fetch, param_allgather, other) and, for a gradient bucket, its number in the
+  param_fetch, param_allgather, other; an FSDP2 run's collective of no unit is
+  "other", and ``by`` names who issued it: ``all_reduce (torch.nn.utils.clip_grad...)``,
+  the script's file and line) and, for a gradient bucket, its number in the
   step (``bucket``), its parameters' count and its first and last parameter, and each
   parameter's elements in the bucket's order (``bucket_numels``, a tuple; None in traces
   before it) and its whole reduction on the training thread (``bucket_reduce_us``, µs:
@@ -40,7 +43,7 @@ UNIT_COLUMNS = ["unit", "name", "numel", "sharded_bytes", "unsharded_bytes", "re
                 "shard_size", "replicate_size"]
 SEGMENT_COLUMNS = ["rank", "step", "unit", "name", "phase", "start_us", "end_us"]
 COLL_COLUMNS = ["rank", "step", "unit", "name", "collective", "phase", "bytes", "prefetch", "sent_as", "start_us",
-                "end_us", "issued_by", "bucket", "micro", "bucket_params", "first_param", "last_param", "bucket_numels",
+                "end_us", "issued_by", "by", "bucket", "micro", "bucket_params", "first_param", "last_param", "bucket_numels",
                 "bucket_reduce_us"]
 MEMORY_COLUMNS = ["rank", "step", "ts_us", "unit", "name", "phase", "at", *fmt.MEMORY_CATEGORIES, "total_bytes"]
 
@@ -131,7 +134,8 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
                     and -1 <= unit < n_units):
                 raise ValueError(f"rank {rank}: a {cat} event names unit {unit!r} of {n_units} (step {step!r})")
             ts = _time(e.get("ts"))
-            name = names[unit] if unit >= 0 else "optimizer"
+            # a memory sample of no unit is the optimizer's; a collective of none, no unit's
+            name = names[unit] if unit >= 0 else "optimizer" if cat == fmt.CAT_MEMORY_SAMPLE else "(no unit)"
             if cat == fmt.CAT_MEMORY_SAMPLE:
                 row = {"rank": rank, "step": step, "ts_us": align(ts), "unit": unit, "name": name,
                        "phase": str(a.get("phase")), "at": str(a.get("at"))}
@@ -154,7 +158,9 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
                 colls.append({**base, "collective": kind,
                               "bytes": _count(a.get("bytes")), "prefetch": bool(a.get("prefetch")),
                               "sent_as": a.get("sent_as") if isinstance(a.get("sent_as"), str) else None,
-                              "issued_by": a.get("zero") if isinstance(a.get("zero"), str) else None,
+                              "issued_by": a.get("zero") if isinstance(a.get("zero"), str) else
+                              "other" if isinstance(a.get("by"), str) else None,
+                              "by": a.get("by") if isinstance(a.get("by"), str) else None,
                               "bucket": bucket if isinstance(bucket, int) and not isinstance(bucket, bool) else None,
                               # the micro-batch a bucket was reduced in (numbered in it); 0 in traces before it
                               "micro": _count(a.get("micro", 0)) if "bucket" in a else None,
@@ -192,7 +198,7 @@ def _depth(sharding: dict, key: str, default: int) -> int | None:
     return value
 
 
-_TEXT = ("name", "phase", "at", "collective", "sent_as", "issued_by", "first_param", "last_param", "bucket_numels")
+_TEXT = ("name", "phase", "at", "collective", "sent_as", "issued_by", "by", "first_param", "last_param", "bucket_numels")
 
 
 def _numels(value) -> tuple[int, ...] | None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpscope.tracer.capture.ddp.collectives import quiet
+from ddpscope.tracer.capture.collective_timer import quiet
 from ddpscope.tracer.capture.hook_guard import HookGuard
 
 STATE_ATTR = "_ddpscope_comm_state"  # the traced model's CommHookState, on the DDP instance

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ddpscope.tracer.capture.ddp.collectives import quiet
+from ddpscope.tracer.capture.collective_timer import quiet
 from ddpscope.tracer.capture.hook_guard import HookGuard, HookHandles
 
 

@@ -203,9 +203,9 @@ class StepRecorder:
         cur.buffers[index] = buffer
         return rec
 
-    def on_own_start(self, name: str, nbytes: int) -> OwnCollective | None:
-        """One of DDP's own collectives begins (its buffer broadcast): on the open step's
-        own lane, never a bucket."""
+    def on_own_start(self, name: str, nbytes: int, **_) -> OwnCollective | None:
+        """One of DDP's own collectives begins (its buffer broadcast), or one the script
+        issued (``collective_timer``'s protocol): on the open step's own lane, never a bucket."""
         cur = self.current
         if cur is None:
             return None
@@ -215,6 +215,14 @@ class StepRecorder:
 
     def on_own_end(self, rec: OwnCollective) -> None:
         rec.done = self.clock.stamp()
+
+    def on_own_return(self, rec: OwnCollective, done: bool, launch_only: bool = False, **_) -> None:
+        if done:
+            rec.launch_only = launch_only
+            self.on_own_end(rec)
+
+    def on_own_wait(self, rec: OwnCollective, entering: bool) -> None:
+        """DDP's compute is not cut per module: a wait changes nothing recorded."""
 
     def on_optimizer_start(self) -> None:
         if self.current is not None:

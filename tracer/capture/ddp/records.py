@@ -27,7 +27,7 @@ class OwnCollective:
     """A collective that is not a bucket's all-reduce: the reducer's all-reduce of its map
     of locally used parameters (``format.UNUSED_MAP``), DDP's broadcast of the module's
     buffers before a syncing forward (``format.BUFFER_BROADCAST``), and the others DDP or
-    the script issue in a step (``ddp.collectives``). ``launch_only``: ``done`` is when
+    the script issue in a step (``collective_timer``). ``launch_only``: ``done`` is when
     the call returned, the collective itself still running (an async one on a device clock)."""
 
     name: str

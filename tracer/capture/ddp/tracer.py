@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer.capture.backward_encoder import BackwardEncoder, worth_it
 from ddpscope.tracer.capture.clock import CpuClock, make_clock
+from ddpscope.tracer.capture.collective_timer import CollectiveTimer
 from ddpscope.tracer.capture.ddp.buffer_sync import BufferBroadcastTimer
-from ddpscope.tracer.capture.ddp.collectives import CollectiveTimer
 from ddpscope.tracer.capture.ddp.comm_hook import attach_comm_hook, ddp_register_builtin_comm_hook
 from ddpscope.tracer.capture.ddp.compiled import CompiledBuckets, load_extension, usable
 from ddpscope.tracer.capture.ddp.recorder import StepRecorder

@@ -14,7 +14,8 @@ from ddpscope.tracer.capture.sharded.recorder import ShardedStep
 
 _TID = {"all_gather": fmt.TID_ALL_GATHER, "reduce_scatter": fmt.TID_REDUCE_SCATTER,
         "all_reduce": fmt.TID_REDUCE_SCATTER}
-NO_UNIT = "(no unit)"  # a collective no unit issued (DeepSpeed: after the step, the gradient norm)
+NO_UNIT = "(no unit)"  # a collective no unit issued (DeepSpeed: after the step, the gradient norm); one
+# collective_timer timed is named for who issued it (its "by")
 _CAT = {"all_gather": fmt.CAT_ALL_GATHER, "reduce_scatter": fmt.CAT_REDUCE_SCATTER,
         "all_reduce": fmt.CAT_REDUCE_SCATTER}
 
@@ -68,7 +69,8 @@ def step_events(s: ShardedStep, rank: int, names: list[str], sent_as: str | None
             a.update(c.extra)
         if c.end is None:
             a["incomplete"] = True
-        ev.append(_span(_CAT[c.kind], f"{c.kind.replace('_', '-')} {names[c.unit] if c.unit >= 0 else NO_UNIT}",
+        name = f"{c.kind.replace('_', '-')} {names[c.unit] if c.unit >= 0 else NO_UNIT}"
+        ev.append(_span(_CAT[c.kind], a.get("by", name),
                         pid, _TID[c.kind], c.start,
                         c.end if c.end is not None else s.end, a))
     for m in s.memory:

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from ddpscope.tracer.capture.collective_timer import quiet
 from ddpscope.tracer.capture.hook_guard import HookGuard, HookHandles
 from ddpscope.tracer.capture.sharded.recorder import BACKWARD, FORWARD, ROOT, ShardedRecorder
 from ddpscope.tracer.capture.sharded.units import Unit
@@ -248,7 +249,8 @@ class _ReplicaAllReduce:
         rec = self.hooks.comm_start("all_reduce", unit, tensor.numel() * tensor.element_size())
         work = None
         try:
-            work = torch.distributed.all_reduce(tensor, *args, **kwargs)
+            with quiet():  # this unit's, not one of no unit's (collective_timer)
+                work = torch.distributed.all_reduce(tensor, *args, **kwargs)
             return work
         finally:
             self.hooks.comm_end(rec, work)
@@ -271,7 +273,8 @@ def _timed_class(cls: type, kind: str) -> type:
         rec = hooks.comm_start(kind, unit, nbytes)
         work = None
         try:
-            work = original(self, *args, **kwargs)
+            with quiet():  # the unit's collective, not one of no unit's (collective_timer)
+                work = original(self, *args, **kwargs)
             return work
         finally:
             hooks.comm_end(rec, work)  # an async Work: its end comes from its future

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ddpscope.tracer import format as fmt
 from ddpscope.tracer.capture.clock import make_clock
+from ddpscope.tracer.capture.collective_timer import CollectiveTimer
 from ddpscope.tracer.capture.hook_guard import HookGuard, HookHandles, attach_optimizer_finder, autograd_running
 from ddpscope.tracer.capture.live import LiveFile
 from ddpscope.tracer.capture.memory import MeasuredSteps
@@ -29,6 +30,7 @@ from ddpscope.tracer.capture.sharded import units as fsdp_units
 from ddpscope.tracer.capture.sharded.events import lane_events, step_events
 from ddpscope.tracer.capture.sharded.fsdp_hooks import FSDPHooks
 from ddpscope.tracer.capture.sharded.memory import ShardedMemory
+from ddpscope.tracer.capture.sharded.own_collectives import OwnCollectives
 from ddpscope.tracer.capture.sharded.recorder import ShardedRecorder, ShardedStep
 from ddpscope.tracer.capture.sharded.settings import read_prefetch
 from ddpscope.tracer.capture.tracer_config import TracerConfig
@@ -125,6 +127,9 @@ class FSDPTracer:
         self._hooks = FSDPHooks(self.model, self.units, self.recorder, self._guard,
                                 on_measured_forward=(self.memory.activations.start, self.memory.activations.stop))
         self._hooks.attach()
+        # the collectives no unit issues (clip_grad_norm_'s over DTensors, the script's own)
+        self._handles.add(CollectiveTimer(OwnCollectives(self.recorder), self._guard, own_groups=(self._cpu_group,),
+                                          host_clock=not self.clock.resolves))
         attach_optimizer_finder(list(self.model.parameters()), self.recorder, self._handles, self._guard)
         try:
             self._live = LiveFile(cfg.out_dir, self.rank, self.recorder,

@@ -229,9 +229,7 @@ class ShardedRecorder:
                        device=[self.clock.stamp_current(), None] if self.clock.resolves else None)
             self._early.append(rec)
             return rec
-        now = self.clock.stamp()
-        self._cut(now)
-        self._stack.append(None)
+        now = self.pause()
         rec = Coll(kind=kind, unit=unit, phase=phase or self.phase_of(cur), nbytes=nbytes, start=now, prefetch=prefetch,
                    extra=extra, device=[self.clock.stamp_current(), None] if self.clock.resolves else None)
         cur.colls.append(rec)
@@ -282,14 +280,26 @@ class ShardedRecorder:
                 if rec.device is not None:
                     self._device_end(rec, work)
             return
-        now = self.clock.stamp()
-        rec.end = now
+        rec.end = self.unpause()
         if rec.device is not None:
             self._device_end(rec, work)
+
+    def pause(self) -> Any:
+        """The training thread leaves compute for a collective or a wait: the running
+        segment is cut until ``unpause``. Returns the stamp (in a step only)."""
+        now = self.clock.stamp()
+        self._cut(now)
+        self._stack.append(None)
+        return now
+
+    def unpause(self) -> Any:
+        """Compute runs again after ``pause``; returns the stamp."""
+        now = self.clock.stamp()
         self._pop_marker()
         self._resume(now)
         top = self._top()
         self.where = (top[0], top[1], None) if top else (-1, "", None)
+        return now
 
     def _device_end(self, rec: Coll, work: Any) -> None:
         """CUDA: the collective's end on a stream that waits for it: the current one after a
@@ -310,9 +320,7 @@ class ShardedRecorder:
     def wait_start(self, unit: int) -> Any:
         if self.current is None:  # between steps: the wait for an all-gather held for the next step
             return (unit, FORWARD, self.clock.stamp()) if any(r.unit == unit for r in self._early) else None
-        now = self.clock.stamp()
-        self._cut(now)
-        self._stack.append(None)
+        now = self.pause()
         top = self._top()
         return (unit, BACKWARD if self.in_backward() else top[1] if top else FORWARD, now)
 
@@ -323,11 +331,8 @@ class ShardedRecorder:
             if any(r.unit == token[0] for r in self._early):
                 self._early_waits.append((*token, self.clock.stamp()))
             return
-        now = self.clock.stamp()
         unit, phase, start = token
-        self.current.waits.append((unit, phase, start, now))
-        self._pop_marker()
-        self._resume(now)
+        self.current.waits.append((unit, phase, start, self.unpause()))
 
     def on_optimizer_start(self) -> None:
         if self.current is not None:

@@ -1,4 +1,4 @@
-"""The collectives outside the buckets (tracer/capture/ddp/collectives.py): a script's own
+"""The collectives outside the buckets (tracer/capture/collective_timer.py): a script's own
 all-reduce and DDP's all-reduce of ``delay_all_reduce_named_params``, recorded in their
 step on their own lane, named for who issued them, never buckets; the buckets stay the
 layout DDP itself rebuilt (``_get_ddp_logging_data``). Real 2-rank gloo jobs."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ddpscope.tracer import format as fmt
-from ddpscope.tracer.capture.ddp.collectives import TORCH_CALLS
+from ddpscope.tracer.capture.collective_timer import TORCH_CALLS
 from ddpscope.viz.run_files import read_rank_file
 from ddpscope.viz.trace import load_run
 from tests.tracer.capture.autotrace.test_autotrace import USER, checks, trace_script

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddpscope.tracer import format as fmt
-from ddpscope.tracer.capture.ddp.collectives import TORCH_CALLS
+from ddpscope.tracer.capture.collective_timer import TORCH_CALLS
 from ddpscope.tracer.capture.native import build as native
 from ddpscope.viz.run_files import read_rank_file
 from tests.conftest import ROOT, processes_mentioning, run_cli

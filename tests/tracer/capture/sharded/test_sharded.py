@@ -181,6 +181,58 @@ def test_an_unshard_the_script_calls_before_forward_is_the_next_steps(zero3, tmp
             .query("predicted")[["forward_prefetch", "backward_prefetch"]].drop_duplicates().values.tolist() == [[0, 2]])
 
 
+def test_the_gradient_norms_and_the_scripts_all_reduce_are_collectives_of_no_unit(zero3, tmp_path):
+    """``clip_grad_norm_`` over FSDP2's DTensor gradients all-reduces their norms (DTensor's
+    functional collective), and the script all-reduces its loss (``dist.all_reduce``), both
+    after backward, before the optimizer step. Each is a collective of no unit in its step,
+    named for who issued it, with its bytes, exposed whole (no unit computes beside it);
+    FSDP's own collectives are the run's without them, none counted twice; the volume
+    leaves them out and says them; training is the untraced run's, bit for bit."""
+    args = ("--steps", "4", "--clip", "1.0", "--loss-allreduce")
+    proc, out, report = trace_script(tmp_path, SCRIPT, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = untraced(tmp_path, SCRIPT, *args)
+    assert_trained_alike(report, plain)
+    for r in range(N):
+        traced, base = (json.loads((d / f"rank{r}.json").read_text()) for d in (report, plain))
+        assert traced["norms"] == base["norms"] and traced["loss_means"] == base["loss_means"]
+        assert len(traced["norms"]) == 4
+
+    def per_step(colls):
+        return colls.groupby(["rank", "step", "name", "collective", "phase"])["bytes"].agg(["size", "sum"])
+
+    trace, base = load_run(out), load_run(zero3[1])
+    c = trace.shards.colls
+    assert per_step(c[c["unit"] >= 0]).equals(per_step(base.shards.colls))
+    own = c[c["unit"] == -1]
+    params = sum(len(u["params"]) for u in trace.run["sharding"]["units"])
+    assert params == 4 + LAYERS * 6
+    line = next(k for k, text in enumerate(open(SCRIPT).read().splitlines(), 1) if "dist.all_reduce(mean)" in text)
+    script_, clip = f"all_reduce (the script, fsdp2_train.py:{line})", \
+        "all_reduce (torch.nn.utils.clip_grad._get_total_norm)"
+    assert sorted(own.groupby("by").size().items()) == [(script_, N * 4), (clip, N * 4)]
+    assert (own["collective"] == "all_reduce").all() and (own["issued_by"] == "other").all()
+    assert set(own[own["by"] == script_]["bytes"]) == {4}  # a float32 loss: the script's own count
+    # DTensor stacks each parameter's partial norm (float32) and all-reduces the stack
+    assert set(own[own["by"] == clip]["bytes"]) == {4 * params}
+    steps = trace.steps.set_index(["rank", "step"])
+    segs = trace.shards.segments
+    for _, g in own.iterrows():
+        step = steps.loc[(g["rank"], g["step"])]
+        assert step["backward_end_us"] <= g["start_us"] <= g["end_us"] <= step["optimizer_start_us"]
+        mine = segs[(segs["rank"] == g["rank"]) & (segs["step"] == g["step"])]
+        assert not ((mine["start_us"] < g["end_us"]) & (mine["end_us"] > g["start_us"])).any()
+    table = compute_unit_table(trace).set_index("unit")
+    assert table.loc["(no unit)", "all_reduces"] == 2 and table.loc["(no unit)", "all_reduce_bytes"] == \
+        4 + 4 * params
+    assert table.loc["(no unit)", "exposed_ms"] == pytest.approx(table.loc["(no unit)", "all_reduce_ms"], rel=1e-6)
+    assert table.loc["(no unit)", "exposed_ms"] > 0
+    assert compute_comm_volume(trace)["message_bytes"].tolist() == compute_comm_volume(base)["message_bytes"].tolist()
+    said = [t for t in comm_honesty_lines(trace) if t.startswith("Besides FSDP's own")]
+    assert said == [f"Besides FSDP's own, {4 + 4 * params} bytes a step in collectives no "
+                    f"unit issued, not counted above: {script_} (1 a step), {clip} (1 a step)."]
+
+
 def test_rerun_with_reshard_false_is_stage_2_as_predicted(zero3, tmp_path):
     _, out, _ = zero3
     proc, out2, _ = trace_script(tmp_path, SCRIPT, "--steps", "4", ddpscope=("--reshard-after-forward", "false",
