@@ -86,6 +86,11 @@ def test_torchtitan_trains_bit_identically_traced_per_unit_with_its_own_sizes(tm
         assert rs.to_dict() == {u: 4 * n for u, n in numel.items()}, (rank, step)
         ag = c[c["collective"] == "all_gather"].groupby("unit")["bytes"]
         assert all(b % (2 * numel[u]) == 0 and b > 0 for u, b in ag.sum().items()), (rank, step)
+        # torchtitan clips the gradients each step (its max_norm): DTensor all-reduces the stack of
+        # each parameter's partial norm (float32), a collective of no unit named for torch's norm
+        none = c[c["unit"] == -1]
+        assert none["by"].tolist() == ["all_reduce (torch.nn.utils.clip_grad._get_total_norm)"], (rank, step)
+        assert none["bytes"].tolist() == [4 * sum(len(u["params"]) for u in run["sharding"]["units"])]
     # model states per rank: the ZeRO paper's stage 3 with this run's K and N
     measured = compute_stage_comparison(trace).dropna(subset=["measured/predicted"])
     assert len(measured) == 2 and measured["measured/predicted"].between(0.98, 1.02).all(), measured
