@@ -1,7 +1,7 @@
 """Sharded tracing: its overhead, and how well one trace predicts a rerun.
 
-    python -m benchmarks.sharded [--rounds 160] [--steps 30] [--repeats 3] [--no-overhead] [--layers 8] [--dim 128]
-                                 [--smoke]
+    python -m benchmarks.sharded [--rounds 160] [--steps 30] [--repeats 3] [--no-overhead] [--no-prediction]
+                                 [--clip 1.0] [--layers 8] [--dim 128] [--smoke]
 
 Workload: the model of ``tests/workers/fsdp2_train.py``, a torchtitan-style FSDP2
 transformer (blocks ``fully_shard``-ed, then the root; AdamW), 2 ranks, gloo on CPU.
@@ -27,7 +27,11 @@ transformer (blocks ``fully_shard``-ed, then the root; AdamW), 2 ranks, gloo on 
    copy (a tracer is closed, its hooks taken off, and a new one started on the next
    copy), so each mode runs on each copy. Each mode's ratio is the median over rounds of
    its step over the same round's untraced step (rank 0), with a bootstrap 95 % interval.
-   Goal: ``traced`` <= 1.02. Separate jobs (torchrun against ``ddpscope run``) cannot
+   Goal: ``traced`` <= 1.02. With ``--clip M`` every mode's step clips its gradients
+   (``clip_grad_norm_``, as PyTorch's FSDP2 example and torchtitan do): the traced copy
+   then also times DTensor's all-reduce of the norm (a collective of no unit; the
+   ``memory`` copy's tracer, the job's second, times none: one collective timer a job).
+   Separate jobs (torchrun against ``ddpscope run``) cannot
    show 2 %: one job's median step differs from the next one's by ~4 % here.
 2. Prediction. One traced job per ``reshard_after_forward`` (true, false); from each
    trace the other setting's peak memory and step time are predicted and set beside
@@ -106,6 +110,8 @@ def worker(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         loss = F.cross_entropy(models[i](x).flatten(0, 1), x.flatten())
         loss.backward()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(models[i].parameters(), args.clip)
         opts[i].step()
         opts[i].zero_grad(set_to_none=True)
         return time.perf_counter() - t0
@@ -148,11 +154,13 @@ def overhead(args, tmp: Path) -> None:
 
     times, res = worker_result("benchmarks.sharded", RESULT_PREFIX,
                                ["--rounds", str(args.rounds), "--layers", str(args.layers), "--dim", str(args.dim),
-                                "--seq", str(args.seq), "--out", str(tmp / "overhead")], tmp / "overhead-logs")
+                                "--seq", str(args.seq), "--clip", str(args.clip), "--out", str(tmp / "overhead")],
+                               tmp / "overhead-logs")
     if times is None:
         raise SystemExit(f"benchmark job failed: {res.reason}\n{res.stderr_tail}")
     r = ratios(times)
-    print(f"overhead: layers={args.layers} dim={args.dim} seq={args.seq} ranks=2 rounds={args.rounds} "
+    clip = f" clip_grad_norm_={args.clip}" if args.clip else ""
+    print(f"overhead: layers={args.layers} dim={args.dim} seq={args.seq}{clip} ranks=2 rounds={args.rounds} "
           "(rank 0; one step of every mode per round, interleaved; copies rotating)")
     print(f"  {'mode':<9} {'median ms':>9}  {'ratio':>6}  {'95% CI':>13}")
     for m in MODES:
@@ -251,6 +259,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=30, help="prediction: steps per traced job")
     p.add_argument("--repeats", type=int, default=3, help="prediction: traced jobs per setting, interleaved")
     p.add_argument("--no-overhead", dest="overhead", action="store_false", help="the prediction part alone")
+    p.add_argument("--no-prediction", dest="prediction", action="store_false", help="the overhead part alone")
+    p.add_argument("--clip", type=float, default=0.0, help="overhead: clip_grad_norm_ to this norm in every step")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--seq", type=int, default=64)
@@ -263,10 +273,12 @@ def main(argv=None) -> None:
         return
     if args.smoke:
         args.rounds, args.steps, args.layers, args.dim, args.seq, args.repeats = 8, 5, 2, 32, 16, 1
+        args.clip = args.clip or 1.0  # the clipped step's path runs too
     with tempfile.TemporaryDirectory(prefix="ddpscope-sharded-bench-") as tmp:
         if args.overhead:
             overhead(args, Path(tmp))
-        prediction(args, Path(tmp))
+        if args.prediction:
+            prediction(args, Path(tmp))
 
 
 if __name__ == "__main__":
