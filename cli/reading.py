@@ -306,7 +306,7 @@ def _sharded_summary(trace, as_json: bool) -> int:
         print(f"{trace.status}: {trace.unfinished}")
     print(med.round(2).to_string(index=False) if len(med) else "no finished non-warm-up steps")
     print("per unit (ms per step, bytes per step):")
-    hsdp = ["all_reduce_bytes", "all_reduce_ms"] if "all_reduce_ms" in units else []  # across replicas
+    hsdp = ["all_reduce_bytes", "all_reduce_ms"] if "all_reduce_ms" in units else []  # HSDP's, no unit's
     active = active_units(units)
     print(active[["unit", "params", "all_gathers", "all_gather_bytes", "all_gather_ms", "reduce_scatter_bytes",
                  "reduce_scatter_ms", *hsdp, "wait_ms", "exposed_ms", "forward_ms", "backward_ms"]].round(3)

@@ -44,6 +44,8 @@ def main() -> None:
     p.add_argument("--fsdp2", action="store_true", help="fully_shard each layer and the root, not DDP")
     p.add_argument("--unshard-first", action="store_true",
                    help="FSDP2: the first layer's unshard() before each step's forward, by the script")
+    p.add_argument("--clip", action="store_true",
+                   help="FSDP2: clip_grad_norm_ before each optimizer step (DTensor's all-reduce of the norm)")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches a step (DDP's no_sync on all but the last)")
     p.add_argument("--find-unused", action="store_true", help="DDP(find_unused_parameters=True)")
     p.add_argument("--fail-building-at", type=int, default=-1,
@@ -89,6 +91,8 @@ def main() -> None:
             if args.unshard_first:  # PyTorch's FSDP2 example unshards before forward: that all-gather is the step's
                 ddp[0].unshard()
             train_step(ddp, micro)
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
             opt.step()
             brackets.append((t0, time.perf_counter_ns()))
             recorded.append(dev.recorded(0) - r0)
@@ -99,6 +103,8 @@ def main() -> None:
         note = tracer.capture_note
     for micro in batches:
         train_step(ref, micro)
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
     same = all(torch.equal(getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b))  # FSDP2: the shards

@@ -264,6 +264,36 @@ def test_an_unshard_before_forward_is_the_next_steps_on_nccl(tmp_path):
         assert step["start_us"] - 50 <= g["start_us"] <= g["end_us"] and step["start_us"] < step["forward_start_us"]
 
 
+def test_the_scripts_and_the_gradient_norms_all_reduces_are_collectives_of_no_unit_on_nccl(tmp_path):
+    """FSDP2 on NCCL with the script's own ``dist.all_reduce`` of its loss and
+    ``clip_grad_norm_`` before each optimizer step: each is a collective of no unit in its
+    step, timed on the compute stream (a synchronous NCCL call makes the stream wait; the
+    functional one's wait does), after backward and before the optimizer; training is the
+    untraced run's. On one GPU DTensor has no norm to all-reduce (a mesh of one): only the
+    script's is there."""
+    from tests.tracer.capture.autotrace.test_autotrace import WORKERS, run_cli, untraced
+
+    nproc = min(2, torch.cuda.device_count())
+    script = (str(WORKERS / "fsdp2_train.py"), "--cuda", "--steps", "4", "--clip", "1.0", "--loss-allreduce")
+    out, report = tmp_path / "run", tmp_path / "report"
+    proc = run_cli("run", "--nproc", str(nproc), "--out", str(out), "--", *script, "--report", str(report))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = untraced(tmp_path, *script, nproc=nproc)
+    for r in range(nproc):
+        traced, base = (json.loads((d / f"rank{r}.json").read_text()) for d in (report, plain))
+        assert traced["params_sha256"] == base["params_sha256"] and traced["norms"] == base["norms"]
+    trace = load_run(out)
+    assert trace.ranks[0]["clock"] == "cuda-event"
+    c = trace.shards.colls
+    own = c[c["unit"] == -1]
+    expected = {"the script": 4 * nproc} | ({"torch.nn.utils.clip_grad": 4 * nproc} if nproc > 1 else {})
+    assert {k: int(own["by"].str.contains(k, regex=False).sum()) for k in expected} == expected
+    steps = trace.steps.set_index(["rank", "step"])
+    for _, g in own.iterrows():
+        step = steps.loc[(g["rank"], g["step"])]
+        assert step["backward_end_us"] - 50 <= g["start_us"] <= g["end_us"] <= step["optimizer_start_us"] + 50
+
+
 def test_ddpscopes_own_jobs_take_a_gpu_per_rank_or_say_why_not(tmp_path):
     """One rank more than there are GPUs (the demo's default 2 on a 1-GPU machine): gloo on
     CPU, said in one line, not a crash in set_device; calibrating that run likewise. A rank

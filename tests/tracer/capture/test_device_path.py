@@ -396,9 +396,13 @@ def test_fsdp2_timed_on_the_device_reads_where_the_device_ran_each_unit(tmp_path
     end read from its Work's future on the device), every all-gather there (two a unit: its
     forward and its backward), no device or stream sync, the shards bit-identical to an
     untraced copy's. The script unshards the first layer before each forward, between
-    steps: that all-gather is its step's, timed on the device like the rest, first in it."""
+    steps: that all-gather is its step's, timed on the device like the rest, first in it.
+    It clips the gradients before each optimizer step: DTensor's all-reduce of their norm
+    is the step's one collective of no unit, after backward, before the optimizer, timed
+    on the compute stream from its launch to the end of the wait for its output."""
     steps = 6
-    ranks = _run(tmp_path, "--fsdp2", "--steps", str(steps), "--lag-ms", "3", "--offset-s", "1000", "--unshard-first")
+    ranks = _run(tmp_path, "--fsdp2", "--steps", str(steps), "--lag-ms", "3", "--offset-s", "1000", "--unshard-first",
+                 "--clip")
     for r, (host, meta, events) in ranks.items():
         assert meta["clock"] == "cuda-event" and meta["status"] == "complete"
         assert host["same_as_untraced"], "tracing changed the training"
@@ -416,3 +420,10 @@ def test_fsdp2_timed_on_the_device_reads_where_the_device_ran_each_unit(tmp_path
             assert all(e["dur"] > 0 for e in gathers[s]), s
             (first,) = [e for e in gathers[s] if e["args"]["unit"] == 0 and e["args"]["phase"] == "forward"]
             assert first["ts"] <= min(e["ts"] for e in units[s]) and first["ts"] >= step["ts"] - 1e-3, s
+            (norm,) = [e for e in _by_step(events, fmt.CAT_REDUCE_SCATTER)[s] if e["args"]["unit"] == -1]
+            assert norm["name"] == "all_reduce (torch.nn.utils.clip_grad._get_total_norm)" and norm["dur"] > 0, s
+            assert norm["args"]["bytes"] == 4 * PARAMS, s  # each parameter's partial norm, float32
+            (backward,) = _by_step(events, fmt.CAT_BACKWARD)[s]
+            (update,) = _by_step(events, fmt.CAT_OPTIMIZER)[s]
+            assert backward["ts"] + backward["dur"] - 1e-3 <= norm["ts"], s
+            assert norm["ts"] + norm["dur"] <= update["ts"] + 1e-3, s
