@@ -188,9 +188,12 @@ class CollectiveTimer:
         def timed(*args, **kwargs):
             if torch.compiler.is_compiling() or not self._recording():
                 return original(*args, **kwargs)
-            rec = None
             try:
                 given = signature.bind_partial(*args, **kwargs).arguments
+            except TypeError:  # arguments the function refuses: its own error, as the script would have it
+                return original(*args, **kwargs)
+            rec = None
+            try:
                 if given.get("group") not in self._own_groups:
                     tensors = [given.get(a) for a in arg_names]
                     rec = self._start(caller_name(fn, sys._getframe(1)), _nbytes(tensors[0]) if tensors else 0, fn,

@@ -108,6 +108,19 @@ def test_torch_distributed_calls_keep_their_results_and_signatures(timed, group)
         assert inspect.signature(fn) == inspect.signature(fn.__wrapped__)
 
 
+def test_a_call_the_function_refuses_raises_its_own_error_and_tracing_goes_on(group):
+    log, guard = Log(), HookGuard()
+    timer = CollectiveTimer(log, guard)
+    try:
+        with pytest.raises(TypeError):
+            dist.all_reduce(torch.ones(1), no_such_argument=1)
+        assert guard.broken is None and log.calls == []
+        dist.all_reduce(torch.ones(1))
+        assert len(log.starts()) == 1
+    finally:
+        timer.remove()
+
+
 def test_quiet_and_ddpscopes_own_groups_are_not_timed(group):
     log = Log()
     own = dist.new_group(backend="gloo")
