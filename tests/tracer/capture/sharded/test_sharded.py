@@ -24,6 +24,8 @@ from ddpscope.viz.sharded.metrics import (
     stage_differences,
 )
 from ddpscope.viz.sharded.predict import compute_reshard_whatif, predict_peak
+from ddpscope.viz.sharded.profile_check import compute_sharded_profile_agreement
+from ddpscope.viz.sources.run_profile import load_run_profile
 from ddpscope.viz.trace import clock_alignment, load_run
 from tests.conftest import run_cli
 from tests.tracer.capture.autotrace.test_autotrace import WORKERS, checks, trace_script, untraced
@@ -187,9 +189,11 @@ def test_the_gradient_norms_and_the_scripts_all_reduce_are_collectives_of_no_uni
     after backward, before the optimizer step. Each is a collective of no unit in its step,
     named for who issued it, with its bytes, exposed whole (no unit computes beside it);
     FSDP's own collectives are the run's without them, none counted twice; the volume
-    leaves them out and says them; training is the untraced run's, bit for bit."""
+    leaves them out and says them; torch.profiler on the same run (an instrument apart)
+    ran each on gloo's thread inside the span we gave it, with our bytes; training is the
+    untraced run's, bit for bit."""
     args = ("--steps", "4", "--clip", "1.0", "--loss-allreduce")
-    proc, out, report = trace_script(tmp_path, SCRIPT, *args)
+    proc, out, report = trace_script(tmp_path, SCRIPT, *args, ddpscope=("--profile", "--profile-steps", "2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain = untraced(tmp_path, SCRIPT, *args)
     assert_trained_alike(report, plain)
@@ -228,6 +232,11 @@ def test_the_gradient_norms_and_the_scripts_all_reduce_are_collectives_of_no_uni
     assert table.loc["(no unit)", "exposed_ms"] == pytest.approx(table.loc["(no unit)", "all_reduce_ms"], rel=1e-6)
     assert table.loc["(no unit)", "exposed_ms"] > 0
     assert compute_comm_volume(trace)["message_bytes"].tolist() == compute_comm_volume(base)["message_bytes"].tolist()
+    agree = compute_sharded_profile_agreement(trace, load_run_profile(trace))
+    mine = agree[agree["unit"] == -1]
+    assert len(mine) == N * 2 * 2 and mine["profile_bytes"].notna().all(), agree  # 2 profiled steps, 2 a step
+    assert (mine["profile_bytes"] == mine["tracer_bytes"]).all() and (mine["collective"] == "allreduce").all()
+    assert (mine["start_after_ms"] >= 0).all() and (mine["end_before_ms"] >= 0).all(), mine
     said = [t for t in comm_honesty_lines(trace) if t.startswith("Besides FSDP's own")]
     assert said == [f"Besides FSDP's own, {4 + 4 * params} bytes a step in collectives no "
                     f"unit issued, not counted above: {script_} (1 a step), {clip} (1 a step)."]
