@@ -90,6 +90,9 @@ def render_sharded_timeline(trace) -> None:
     st.caption("Red in the compute lane: compute waiting for an all-gather. Outlined in red: communication with no "
                "compute beside it (exposed). Hatched: prefetched all-gathers. On gloo every collective runs on the "
                "training thread, so all of it is exposed; on NCCL they run on their own streams.")
+    if not deepspeed and (trace.shards.colls["unit"] == -1).any():
+        st.caption("Grey: collectives no unit issued (clip_grad_norm_'s all-reduce of the gradient norm, the "
+                   "script's own), each named in its hover for who issued it; the table's \"(no unit)\" row.")
     st.subheader("Per unit, per step (medians over ranks and non-warm-up steps)")
     table = compute_unit_table(trace)
     active = active_units(table)
@@ -130,7 +133,7 @@ def show_sharded_profile(trace) -> None:
     if table.empty:
         st.info("The profile holds none of the steps this trace has.")
         return
-    st.caption("Each unit's all-gather and reduce-scatter as the tracer timed it and as the profiler saw it run (its "
+    st.caption("Each unit's all-gather and reduce-scatter (and each collective of no unit) as the tracer timed it and as the profiler saw it run (its "
                "times put on the tracer's clock with each rank's sampled offset; matched in order within a step). "
                "The profiler's bytes are the collective's input: an all-gather's is this rank's shard. "
                "start_after_ms: how long after the tracer's start it ran; end_before_ms: how long before the "

@@ -33,12 +33,12 @@ from tests.dashboard.app_driver import (
 @pytest.mark.ddp
 def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, monkeypatch):
     """A user's FSDP2 run (traced and profiled here): the Timeline draws units against all-gather and
-    reduce-scatter lanes and sets each collective beside the profiler's, the Memory page opens on it,
-    the Run page predicts a rerun."""
+    reduce-scatter lanes (and the gradient norm's all-reduce, of no unit: the script clips) and sets each
+    collective beside the profiler's, the Memory page opens on it, the Run page predicts a rerun."""
     from tests.tracer.capture.autotrace.test_autotrace import WORKERS
 
     at, out = open_traced(tmp_path, monkeypatch, str(WORKERS / "fsdp2_train.py"), "--steps", "4", "--prefetch", "2,1",
-                           name="fsdp2", ddpscope=("--profile", "--profile-steps", "2"))
+                          "--clip", "1.0", name="fsdp2", ddpscope=("--profile", "--profile-steps", "2"))
     assert at.sidebar.selectbox(key="trace").value == "run: fsdp2"  # the user's newest run
     assert metric_value(at, "ZeRO stage") == "3" and metric_value(at, "FSDP units") == "5"
     spec = chart_spec(at)
@@ -46,11 +46,15 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     assert ticks[:3] == ["rank 0 · compute", "rank 0 · all-gather", "rank 0 · reduce-scatter"]
     assert {"layers.0", "waiting for an all-gather"} <= {t["name"] for t in spec["data"]}
     units = next(d.value for d in at.dataframe if "all_gather_ms" in d.value.columns)
-    assert list(units["unit"]) == ["(root)", "layers.0", "layers.1", "layers.2", "layers.3"]
+    assert list(units["unit"]) == ["(root)", "layers.0", "layers.1", "layers.2", "layers.3", NO_UNIT]
+    assert units.set_index("unit").loc[NO_UNIT, "all_reduces"] == 1
+    (norm,) = [t for t in spec["data"] if "torch.nn.utils.clip_grad._get_total_norm" in (t.get("hovertemplate") or "")]
+    assert norm["name"] == NO_UNIT
+    assert any(c.value.startswith("Grey: collectives no unit issued") for c in at.caption)
     assert any("gloo has no reduce-scatter" in m.value for m in at.markdown)
-    # profiled: each collective beside the profiler's, in the expander (2 steps x 2 ranks x 15)
+    # profiled: each collective beside the profiler's, in the expander (2 steps x 2 ranks x 16)
     agreement = next(d.value for d in at.dataframe if "start_after_ms" in d.value.columns)
-    assert len(agreement) == 2 * 2 * 15 and agreement["profile_bytes"].notna().all()
+    assert len(agreement) == 2 * 2 * 16 and agreement["profile_bytes"].notna().all()
     open_page(at, "What-if")  # not a dead end: where its own settings are predicted
     assert not at.exception and any("sharded run (FSDP2)" in i.value and "Run page" in i.value
                                     and "`ddpscope whatif " in i.value for i in at.info)
