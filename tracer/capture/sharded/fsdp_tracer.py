@@ -297,8 +297,8 @@ def position(recorder: ShardedRecorder, names: list[str],
     name = names[unit] if 0 <= unit < len(names) else None
     if cur.optimizer is not None and cur.optimizer[1] is None:
         where = "optimizer"
-    elif coll is not None:
-        where = f"{coll.replace('_', '-')} of unit {name} ({phase})"
+    elif coll is not None:  # no unit's: the script's own, clip_grad_norm_'s, DeepSpeed's after the step
+        where = f"{coll.replace('_', '-')} of {f'unit {name}' if name is not None else 'no unit'} ({phase})"
     elif name is not None:
         where = f"{phase} of unit {name}"
     else:

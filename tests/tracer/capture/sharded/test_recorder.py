@@ -296,3 +296,49 @@ def test_a_collective_or_wait_recorded_whole_cuts_compute_as_one_recorded_at_bot
         [(c.kind, c.unit, c.phase, c.nbytes, c.start, c.end, c.extra) for c in b.colls]
     assert [c.phase for c in b.colls] == [FORWARD, FORWARD, BACKWARD]
 
+
+
+def test_a_collective_of_no_unit_cuts_compute_and_one_between_steps_is_no_steps():
+    """``OwnCollectives`` (collective_timer's recorder for a sharded step): a synchronous
+    all-reduce inside a unit's forward cuts that unit's compute for its length; a
+    functional one runs beside compute from its launch, and only the wait for it is cut;
+    the hang watchdog says "of no unit"; one between steps, and a broadcast, are not kept."""
+    from ddpscope.tracer.capture.sharded.fsdp_tracer import position
+    from ddpscope.tracer.capture.sharded.own_collectives import OwnCollectives
+
+    emitted = []
+    rec = ShardedRecorder(clock=CpuClock(), emit=emitted.append)
+    own = OwnCollectives(rec)
+    _step(rec)
+    assert own.on_own_start("all_reduce (the script, t.py:1)", 4, op="all_reduce", message_bytes=4) is None
+    assert own.on_own_start("broadcast (the script, t.py:2)", 4, op="broadcast", message_bytes=4) is None
+    rec.on_forward_start()
+    rec.enter(ROOT, FORWARD)
+    sync = own.on_own_start("all_reduce (the script, t.py:3)", 4, op="all_reduce", message_bytes=4)
+    assert position(rec, ["(root)"])["phase"] == "all-reduce of no unit (forward)"
+    time.sleep(0.002)
+    own.on_own_return(sync, True)
+    launched = own.on_own_start("all_gather_single (torch.x)", 8, op="all_gather_single", message_bytes=8)
+    own.on_own_return(launched, False, message_bytes=16)  # the gathered output, known on return
+    time.sleep(0.002)  # compute beside it
+    own.on_own_wait(launched, True)
+    time.sleep(0.002)
+    own.on_own_end(launched)
+    own.on_own_wait(launched, False)
+    rec.leave(ROOT, FORWARD)
+    rec.on_forward_end()
+    rec.on_backward_end()
+    rec.on_optimizer_start()
+    rec.on_optimizer_end()
+    rec.finish(aborted=False)
+    s = emitted[1]
+    mine = [c for c in s.colls if c.unit == -1]
+    assert [(c.kind, c.nbytes, c.extra["by"]) for c in mine] == [
+        ("all_reduce", 4, "all_reduce (the script, t.py:3)"), ("all_gather", 16, "all_gather_single (torch.x)")]
+    cuts = sorted((a, b) for unit, phase, a, b in s.segments if unit == ROOT and phase == FORWARD)
+    # before the all-reduce; after it, until the gather's launch call; after that call, until the
+    # wait for it; after the wait
+    assert len(cuts) == 4
+    assert cuts[0][1] == mine[0].start and cuts[1][0] == mine[0].end  # off compute for the all-reduce's length
+    assert cuts[1][1] == mine[1].start and mine[1].end <= cuts[3][0]  # the gather runs from its launch ...
+    assert cuts[2][1] - cuts[2][0] >= 1500  # ... beside compute (µs) until the wait for it
