@@ -6,6 +6,7 @@ and what torch.compile made: its graphs and the calls captured in them) to ``--r
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -47,6 +48,12 @@ def main() -> None:
     compiled = {k: int(v) for k, v in counters["stats"].items()}
     with open(os.path.join(args.report, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"params_sha256": digest, "compiled": compiled}, f)
+    # a clean gloo teardown (see fsdp_train.py): every rank past its last collective and DDP (its
+    # reducer holds the group) gone before the group; torch 2.13 aborted a rank at exit otherwise,
+    # once in CI ("terminate called without an active exception", after training and tracing ended)
+    dist.barrier()
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed import _functional_collectives as funcol  # --functional (DTensor's kind of collective)
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -107,6 +108,8 @@ def main() -> None:
                    help="uneven inputs: the last rank has one step fewer; the loop runs under Join([ddp])")
     p.add_argument("--loss-allreduce", action="store_true",
                    help="average the loss across ranks for logging (an all_reduce after backward, DDP's group)")
+    p.add_argument("--functional", action="store_true",
+                   help="--loss-allreduce with torch's functional all_reduce (DTensor's kind: waited for when used)")
     p.add_argument("--catch-exit", type=int, default=0,
                    help="catch this many SystemExits out of optimizer.step() and train on (a framework's wrapper)")
     p.add_argument("--abort-at-exit", type=int, default=-1,
@@ -172,7 +175,10 @@ def main() -> None:
                     t3 = time.perf_counter()
                 own.append({"step": step, "micro": micro, "sync": sync,
                             "forward_ms": (t1 - t0) * 1e3, "backward_ms": (t3 - t2) * 1e3})
-            if args.loss_allreduce:
+            if args.loss_allreduce and args.functional:
+                mean = funcol.all_reduce(loss.detach(), "sum", dist.group.WORLD)  # waits at float()
+                losses.append(float(mean) / dist.get_world_size())
+            elif args.loss_allreduce:
                 mean = loss.detach().clone()
                 dist.all_reduce(mean)
                 losses.append(float(mean) / dist.get_world_size())

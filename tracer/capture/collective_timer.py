@@ -11,7 +11,8 @@ time: the job's first traced model's), with their signatures, arguments and retu
 
 - ``torch.distributed``'s collective functions (``TIMED``);
 - the functional collectives DTensor and some scripts call
-  (``torch.distributed._functional_collectives``, ``FUNCTIONAL``): they return at once, an
+  (``torch.distributed._functional_collectives``, ``FUNCTIONAL``; when the script has
+  imported them by the time tracing starts, as FSDP2 and DTensor do): they return at once, an
   ``AsyncCollectiveTensor`` that waits (``wait_tensor``, replaced too) when first used, so
   one ends when the wait for its last tensor returns, and the wait is time the training
   thread spent in it.
@@ -144,12 +145,12 @@ class CollectiveTimer:
         _active = self
         for fn, args in TIMED.items():
             self._replace(dist, fn, lambda original, fn=fn, args=args: self._wrap(fn, args, original))
+        # the functional collectives only where the script has them already (DTensor, FSDP2 and
+        # torchtitan import them): importing them registers autograd formulas and DeviceMesh in
+        # a job that had neither
         funcol = sys.modules.get(_FUNCOL)
         if funcol is None:
-            try:
-                import torch.distributed._functional_collectives as funcol
-            except Exception:  # noqa: BLE001 - a torch without them: nothing of theirs to time
-                return
+            return
         for fn in FUNCTIONAL:
             self._replace(funcol, fn, lambda original, fn=fn: self._wrap_functional(fn, original))
         self._replace(funcol, "wait_tensor", self._wrap_wait)

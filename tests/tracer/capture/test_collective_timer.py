@@ -147,3 +147,25 @@ def test_inside_torch_compile_the_functional_collective_is_the_original(timed, g
 
     assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
     assert log.starts() == []
+
+
+def test_a_job_that_never_imported_the_functional_collectives_does_not_get_them(tmp_path):
+    """Importing them registers autograd formulas and DeviceMesh: a DDP job that had neither
+    keeps its modules as they were (a fresh interpreter: this one has imported them)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, torch, torch.distributed as dist
+from ddpscope.tracer.capture.collective_timer import CollectiveTimer
+from ddpscope.tracer.capture.hook_guard import HookGuard
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+timer = CollectiveTimer(None, HookGuard())
+assert getattr(dist.all_reduce, "_ddpscope_timer", None) is timer
+print("torch.distributed._functional_collectives" in sys.modules)
+timer.remove()
+dist.destroy_process_group()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"

@@ -20,8 +20,9 @@ STEPS = 4
 
 @pytest.mark.parametrize("capture", ["compiled", pytest.param("python", marks=pytest.mark.breadth)])
 def test_the_scripts_and_ddps_other_collectives_are_their_own_never_buckets(tmp_path, built, capture):  # noqa: F811
-    """The script averages its loss with ``dist.all_reduce`` after backward (4 bytes, one
-    a step); DDP all-reduces the two delayed parameters' gradients itself (its
+    """The script averages its loss after backward (4 bytes, one a step) with torch's
+    functional all-reduce (DTensor's kind: it returns at once and is waited for when the
+    script reads the mean; ``dist.all_reduce``'s is in test_own_collectives.py); DDP all-reduces the two delayed parameters' gradients itself (its
     ``_delay_grad_buffer``, one a step). Each is an event of its step on the lane of
     collectives outside the buckets, named for who issued it, with its bytes (the
     script's own count); the summary counts them; the buckets are DDP's rebuilt layout,
@@ -29,7 +30,7 @@ def test_the_scripts_and_ddps_other_collectives_are_their_own_never_buckets(tmp_
     on gloo DDP never waits for its delayed all-reduce, so the optimizer races it and two
     untraced runs differ; the loss all-reduce alone is checked bit-identical in
     test_compiled.py.)"""
-    script = (USER, "--steps", str(STEPS), "--depth", "3", "--bucket-cap-mb", "0.25", "--loss-allreduce",
+    script = (USER, "--steps", str(STEPS), "--depth", "3", "--bucket-cap-mb", "0.25", "--loss-allreduce", "--functional",
               "--delay-allreduce", "2")
     proc, out, report = trace_script(tmp_path, *script, ddpscope=("--capture", capture))
     assert proc.returncode == 0, proc.stderr
