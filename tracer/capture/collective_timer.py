@@ -119,9 +119,9 @@ def caller_name(fn: str, frame) -> str:
 
 def functional_caller_name(fn: str, frame) -> str:
     """Who issued functional collective ``fn``: the first caller outside torch's
-    distributed internals (``clip_grad_norm_``'s all-reduce of a DTensor norm reads
-    ``all_reduce (torch.nn.utils.clip_grad._clip_grads_with_norm_)``, torchtitan's its own
-    function), named as ``caller_name`` does."""
+    distributed internals (``clip_grad_norm_``'s all-reduce of DTensor norms reads
+    ``all_reduce (torch.nn.utils.clip_grad._get_total_norm)``, in torchtitan's too), named
+    as ``caller_name`` does."""
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_INSIDE):
         frame = frame.f_back
     return caller_name(fn, frame)
@@ -241,7 +241,7 @@ class CollectiveTimer:
                 self._call("on_own_return", rec, True)
                 raise
             outputs = result if isinstance(result, (list, tuple)) else [result]
-            waiting = [getattr(o, "elem", None) for o in outputs if getattr(o, "completed", True) is False]
+            waiting = [o.elem for o in outputs if getattr(o, "completed", True) is False and hasattr(o, "elem")]
             message = max(size, _nbytes(list(outputs)))
             if not waiting:  # it waited itself (a gather along another dim concatenates): over
                 self._call("on_own_return", rec, True, message_bytes=message)
