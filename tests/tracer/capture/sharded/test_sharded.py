@@ -183,6 +183,7 @@ def test_an_unshard_the_script_calls_before_forward_is_the_next_steps(zero3, tmp
             .query("predicted")[["forward_prefetch", "backward_prefetch"]].drop_duplicates().values.tolist() == [[0, 2]])
 
 
+@pytest.mark.breadth  # ~30 s; the default suite keeps a clipped FSDP2 run, profiled (test_sharded_view.py)
 def test_the_gradient_norms_and_the_scripts_all_reduce_are_collectives_of_no_unit(zero3, tmp_path):
     """``clip_grad_norm_`` over FSDP2's DTensor gradients all-reduces their norms (DTensor's
     functional collective), and the script all-reduces its loss (``dist.all_reduce``), both
