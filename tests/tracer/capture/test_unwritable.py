@@ -19,6 +19,7 @@ from tests.conftest import processes_mentioning
 from tests.tracer.capture.autotrace.test_autotrace import USER, checks, untraced
 
 pytestmark = [pytest.mark.ddp, pytest.mark.failures]
+STEPS = 400  # the disk-full run's steps (its comment says why they are enough)
 
 
 def _traced(out: Path, report: Path, steps: int) -> subprocess.Popen:
@@ -54,14 +55,16 @@ def small_disk(where: Path, size: str = "3m"):
 
 
 def test_training_goes_on_when_the_disk_fills_and_the_trace_says_incomplete(tmp_path):
-    # 1000 steps write ~9 MB of trace in ~15 s: the 16 MiB disk does not fill by itself, and the
-    # test may be held off its core for seconds (a loaded CI machine) and still fill it mid-run.
+    # 400 steps write ~3.6 MB of trace in ~6 s (~25 s beside CI's other lane): the 16 MiB disk
+    # does not fill by itself, and the filler, a few ms of writes once step 3 is seen, fills it
+    # mid-run even when the test is held off its core for seconds. (1000 steps, as here until
+    # 2026-12-01, cost ~130 s of CI's lane A for the same check.)
     with small_disk(tmp_path / "disk", "16m") as disk:
         out, report = disk / "run", tmp_path / "report"
         # The filler is made before the run: on a loaded machine the trace may fill the small
         # disk itself before step 3 is seen, and creating a file on a full disk fails (ENOSPC).
         with open(disk / "filler", "wb") as f:
-            proc = _traced(out, report, 1000)
+            proc = _traced(out, report, STEPS)
             _wait_for_step(out, 3)
             with contextlib.suppress(OSError):  # fill the disk: every later write fails with ENOSPC
                 while True:
@@ -74,8 +77,8 @@ def test_training_goes_on_when_the_disk_fills_and_the_trace_says_incomplete(tmp_
         trace = load_training_trace(out)  # what was written whole before the disk filled
         assert trace.status == fmt.INCOMPLETE and "not finished" in trace.unfinished
         done = trace.steps.groupby("rank")["step"].max()
-        assert set(done.index) == {0, 1} and (done >= 3).all() and (done < 1000).all()
-    plain = untraced(tmp_path, USER, "--steps", "1000")
+        assert set(done.index) == {0, 1} and (done >= 3).all() and (done < STEPS - 1).all()
+    plain = untraced(tmp_path, USER, "--steps", str(STEPS))
     for r in (0, 1):  # trained to its end, bit-identical to the same script untraced
         assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
 
