@@ -90,6 +90,25 @@ def profiled_run(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def deepspeed_two_then_three(tmp_path_factory) -> dict:
+    """A real 2-rank DeepSpeed job traced at ZeRO-2 (3 steps, reduce_bucket_size 20,000
+    elements), then the same script rerun by ``--zero-stage 3``, as the Run page reruns it:
+    ``{"two", "three"}`` their run folders, ``"report3"`` the rerun's own report, ``"stderr3"``
+    what the rerun said. Traced once for the tests that read the pair (a DeepSpeed job costs
+    ~15 s of CI's lane B): the stage prediction's, and the rerun check's."""
+    pytest.importorskip("deepspeed")
+    from tests.tracer.capture.autotrace.test_autotrace import WORKERS, trace_script
+
+    tmp, env = tmp_path_factory.mktemp("deepspeed-2-3"), {"DS_ACCELERATOR": "cpu"}
+    script = (str(WORKERS / "deepspeed_train.py"), "--stage", "2", "--steps", "3", "--reduce-bucket-size", "20000")
+    proc, two, _ = trace_script(tmp, *script, name="two", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, three, report3 = trace_script(tmp, *script, name="three", env=env, ddpscope=("--zero-stage", "3"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {"two": two, "three": three, "report3": report3, "stderr3": proc.stderr}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compiled_capture() -> dict:
     """The compiled capture, built once before any test (as ``.ci/run`` and ``ddpscope

@@ -64,22 +64,15 @@ def test_an_fsdp2_rerun_is_set_beside_what_its_run_predicted_for_it(tmp_path):
 
 
 @pytest.mark.deepspeed
-def test_a_deepspeed_rerun_at_another_stage_is_checked_on_the_model_states_it_kept(tmp_path):
-    """Traced at ZeRO-2, rerun at ZeRO-3 (``--zero-stage 3``): a step at another stage is not
-    predicted, so the check holds one row, the model states the rerun kept (parameters,
-    master, moments; rank 0) against the Run page's prediction for stage 3, which ZeRO's
-    own partitioning meets."""
-    pytest.importorskip("deepspeed")
+def test_a_deepspeed_rerun_at_another_stage_is_checked_on_the_model_states_it_kept(deepspeed_two_then_three):
+    """Traced at ZeRO-2, rerun at ZeRO-3 (``--zero-stage 3``; the session's pair, see
+    tests/conftest.py): a step at another stage is not predicted, so the check holds one
+    row, the model states the rerun kept (parameters, master, moments; rank 0) against the
+    Run page's prediction for stage 3, which ZeRO's own partitioning meets."""
     from ddpscope.viz.sharded.deepspeed_states import measured_states
     from ddpscope.viz.sharded.predict import compute_deepspeed_stage_whatif
 
-    env = {"DS_ACCELERATOR": "cpu"}
-    script = (str(WORKERS / "deepspeed_train.py"), "--stage", "2", "--steps", "3", "--reduce-bucket-size", "20000")
-    proc, out, _ = trace_script(tmp_path, *script, name="two", env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    proc, again, _ = trace_script(tmp_path, *script, name="three", env=env, ddpscope=("--zero-stage", "3"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    source, rerun = load_run(out), load_run(again)
+    source, rerun = load_run(deepspeed_two_then_three["two"]), load_run(deepspeed_two_then_three["three"])
     assert rerun.shards.stage == 3 and rerun_setting(rerun)["words"].startswith("ZeRO stage 3, reduce_bucket_size")
     check = compute_rerun_check(source, rerun).set_index("quantity")
     assert list(check.index) == ["model states kept (MiB)"]

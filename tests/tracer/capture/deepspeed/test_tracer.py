@@ -306,21 +306,18 @@ def test_bucket_cap_mb_sets_the_buckets_a_step_reduces(tmp_path):
     assert buckets.groupby(["rank", "step"])["bucket"].nunique().eq(3).all()
 
 
-def test_zero_stage_reruns_the_script_at_another_stage_and_the_prediction_holds(tmp_path):
+def test_zero_stage_reruns_the_script_at_another_stage_and_the_prediction_holds(deepspeed_two_then_three):
     """From a stage-2 trace the model states of stage 3 are predicted (the ZeRO model with
     DeepSpeed's precision, P/N from the trace); ``--zero-stage 3`` reruns the same script
     there (said once, the script's config untouched), and what it keeps between steps
     (parameters, the fp32 master, Adam's moments) is within 5 % of the prediction; and
-    back, from the stage-3 trace to stage 2."""
+    back, from the stage-3 trace to stage 2. (The pair is the session's, shared with
+    tests/viz/sharded/test_rerun_check.py.)"""
     from ddpscope.viz.sharded.deepspeed_states import measured_states, predict_states
 
-    script = (WORKER, "--steps", "3", "--stage", "2")
-    proc, two, report = trace_script(tmp_path, *script, name="two", env=ENV)
-    assert proc.returncode == 0, proc.stderr
-    proc, three, report3 = trace_script(tmp_path, *script, name="three", ddpscope=("--zero-stage", "3"), env=ENV)
-    assert proc.returncode == 0, proc.stderr
-    assert checks(report3)[0]["stage"] == 3  # the engine itself ran stage 3
-    said = [line for line in proc.stderr.splitlines() if "replaced by --zero-stage 3" in line]
+    two, three = deepspeed_two_then_three["two"], deepspeed_two_then_three["three"]
+    assert checks(deepspeed_two_then_three["report3"])[0]["stage"] == 3  # the engine itself ran stage 3
+    said = [line for line in deepspeed_two_then_three["stderr3"].splitlines() if "replaced by --zero-stage 3" in line]
     assert len(said) == 1 and "ZeRO stage 2 in the script's config" in said[0]
     traces = {2: _load(two), 3: _load(three)}
     assert traces[3].shards.stage == 3 and traces[3].run["sharding_requested"]["zero_stage"] == 3
