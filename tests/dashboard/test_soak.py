@@ -5,7 +5,8 @@ processes and listening ports it held after the first run (the warm launcher's z
 included, which is kept on purpose) and about as many threads; no rank process is left.
 
 About 2-3 minutes on 2 cores: marked ``soak`` and left out of the default run
-(``pytest -m soak`` runs it; ``.ci/run`` does, after the default suite)."""
+(``pytest -m soak`` runs it; ``.ci/run`` does, at the end of its lane B). What it counts is
+its own server's: processes, ports and threads beside it (another lane's jobs) do not count."""
 
 from __future__ import annotations
 
