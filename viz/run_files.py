@@ -41,6 +41,7 @@ class TraceError(ValueError):
 class _Offset(msgspec.Struct):
     offset_us: float
     at_us: float
+    rtt_us: float = 0.0  # the round trip of the sample: the offset is exact to half of it
 
 
 class _ClockOffsets(msgspec.Struct):
@@ -102,7 +103,8 @@ def check_meta(meta: dict, where: str, schema=_RankMeta) -> None:
             raise TraceError(f"{where}: rank {m.rank} is outside a job of {m.world_size}")
         for o in (m.clock_offset.start, m.clock_offset.end) if m.clock_offset else ():
             if o is not None and not (math.isfinite(o.offset_us) and math.isfinite(o.at_us)
-                                      and abs(o.offset_us) < 1e13 and abs(o.at_us) < 1e16):
+                                      and abs(o.offset_us) < 1e13 and abs(o.at_us) < 1e16
+                                      and math.isfinite(o.rtt_us) and 0 <= o.rtt_us < 1e13):
                 raise TraceError(f"{where}: its clock offset is not a finite, sensible number of µs")
     names, sizes, dtypes = m.param_names, m.param_bytes, m.param_dtypes
     given = [len(x) for x in (names, sizes, dtypes) if x]

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from ddpscope.viz.trace import TraceError, load_run
+from ddpscope.viz.trace import TraceError, clock_params, load_run
 from tests.conftest import KINETO
 
 
@@ -41,8 +41,9 @@ def write_run(folder, ranks, run=None):
 
 
 def test_offsets_align_ranks_with_drift(tmp_path):
-    drift = {"start": {"offset_us": -1000.0, "rtt_us": 50, "at_us": 0.0},
-             "end": {"offset_us": -1010.0, "rtt_us": 50, "at_us": 10_000.0}}
+    # the offset moved 10 µs, more than its estimates' bounds (half of each 4 µs round trip) allow: drift
+    drift = {"start": {"offset_us": -1000.0, "rtt_us": 4, "at_us": 0.0},
+             "end": {"offset_us": -1010.0, "rtt_us": 4, "at_us": 10_000.0}}
     run = write_run(tmp_path / "r", {
         0: (_meta(0), _step_events(0, 0, 1000.0) + _step_events(0, 1, 6000.0)),
         1: (_meta(1, offset=drift), _step_events(1, 0, 2000.0) + _step_events(1, 1, 7005.0)),
@@ -54,6 +55,30 @@ def test_offsets_align_ranks_with_drift(tmp_path):
     assert steps.loc[(1, 0), "end_us"] == pytest.approx(2100 - 1000 - 2.1)  # the end gets its own offset
     assert list(t.steps.warmup) == [True, False, True, False]
     assert t.buckets.params.iloc[0] == ["b", "w"] and t.grads.name.iloc[0] == "b"
+
+
+def test_an_offset_that_moved_less_than_its_estimates_bounds_is_one_offset_without_drift(tmp_path):
+    """Each estimate is exact to half its round trip: one of -1000 ± 25 µs and one of -1010 ±
+    25 µs allow every offset in [-1025, -985] and no drift can be told from them (ranks on
+    one host; a short run): the middle, -1005, and no slope, so spans keep their lengths."""
+    noise = {"start": {"offset_us": -1000.0, "rtt_us": 50, "at_us": 0.0},
+             "end": {"offset_us": -1010.0, "rtt_us": 50, "at_us": 10_000.0}}
+    assert clock_params({"clock_offset": noise}) == (-1005.0, 0.0, 0.0)
+    run = write_run(tmp_path / "r", {
+        0: (_meta(0), _step_events(0, 0, 1000.0) + _step_events(0, 1, 6000.0)),
+        1: (_meta(1, offset=noise), _step_events(1, 0, 2000.0) + _step_events(1, 1, 7005.0)),
+    }, run={"format": "ddpscope-trace", "world_size": 2, "status": "complete"})
+    steps = load_run(run).steps.set_index(["rank", "step"])
+    assert steps.loc[(1, 1), "start_us"] == 7005 - 1005 and steps.loc[(1, 1), "end_us"] == 7105 - 1005
+    # a trace from before round trips were kept (none said): any move is drift, as it was read then
+    old = {k: {"offset_us": v["offset_us"], "at_us": v["at_us"]} for k, v in noise.items()}
+    assert clock_params({"clock_offset": old}) == (-1000.0, -1e-3, 0.0)
+    bad = {"start": {**noise["start"], "rtt_us": -5.0}, "end": noise["end"]}  # a round trip below 0
+    write_run(tmp_path / "bad", {0: (_meta(0), _step_events(0, 0, 1000.0)),
+                                 1: (_meta(1, offset=bad), _step_events(1, 0, 2000.0))},
+              run={"format": "ddpscope-trace", "world_size": 2, "status": "complete"})
+    with pytest.raises(TraceError, match="clock offset is not a finite"):
+        load_run(tmp_path / "bad")
 
 
 @pytest.mark.parametrize("setup, message", [
