@@ -136,6 +136,36 @@ def test_quiet_and_ddpscopes_own_groups_are_not_timed(group):
         timer.remove()
 
 
+def test_calls_straight_from_a_passed_over_module_are_not_timed_and_the_rest_are(group):
+    """DeepSpeed's tracer passes over ``deepspeed.comm`` (its tap times what the backend
+    runs): a call made from a module of that name is not timed, a call from anywhere else
+    is, and a name that only starts alike (``deepspeed.community``) is not passed over.
+    The modules are made here: deepspeed itself is the marked suite's (test_tracer.py)."""
+    import types
+
+    def module(name: str):
+        m = types.ModuleType(name)
+        exec("import torch.distributed as dist\n"
+             "import torch.distributed._functional_collectives as funcol\n"
+             "def reduce(t, group):\n"
+             "    dist.all_reduce(t)\n"
+             "    return funcol.all_reduce(t, 'sum', group).wait()\n", m.__dict__)
+        return m
+
+    log = Log()
+    timer = CollectiveTimer(log, HookGuard(), passed_over=("deepspeed.comm",))
+    try:
+        assert module("deepspeed.comm.torch").reduce(torch.ones(2), group).tolist() == [1.0, 1.0]
+        assert log.calls == []
+        module("deepspeed.community").reduce(torch.ones(2), group)
+        dist.all_reduce(torch.ones(1))
+        assert log.starts() == ["all_reduce (deepspeed.community.reduce)", "all_reduce (deepspeed.community.reduce)",
+                                f"all_reduce ({__name__}.test_calls_straight_from_a_passed_over_module_are_not_timed"
+                                "_and_the_rest_are)"]
+    finally:
+        timer.remove()
+
+
 def test_inside_torch_compile_the_functional_collective_is_the_original(timed, group):
     """Dynamo traces the wrapper's passthrough (no graph break: ``fullgraph``) and runs
     the compiled collective; none of it is recorded as the training thread's own call."""
