@@ -32,6 +32,9 @@ def main() -> None:
     p.add_argument("--overlap-comm", action="store_true", help="zero_optimization.overlap_comm")
     p.add_argument("--persistence-threshold", type=int, default=0,
                    help="stage3_param_persistence_threshold (elements; DeepSpeed's default 100000)")
+    p.add_argument("--loss-allreduce", action="store_true",
+                   help="average each loss over the ranks with torch.distributed.all_reduce (not deepspeed.comm), "
+                        "after backward, before the step: the script's own collective in the step")
     args = p.parse_args()
     import deepspeed
 
@@ -53,7 +56,7 @@ def main() -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(100 + rank)
-    losses = []
+    losses, loss_means = [], []
     for step in range(args.steps):
         for _ in range(args.accumulate):
             x = torch.randn(4, 64, generator=gen)
@@ -62,6 +65,10 @@ def main() -> None:
                 x, y = x.bfloat16(), y.bfloat16()
             loss = nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
+            if args.loss_allreduce:
+                mean = loss.detach().float().clone()
+                dist.all_reduce(mean)
+                loss_means.append(float(mean) / dist.get_world_size())
             engine.step()
         losses.append(float(loss.detach().float()))
         print(f"rank {rank}: step {step + 1} loss {losses[-1]:.6f}", flush=True)
@@ -75,7 +82,8 @@ def main() -> None:
         json.dump({"rank": rank, "stage": int(engine.zero_optimization_stage()),
                    "reduce_bucket_size": int(engine.zero_reduce_bucket_size()),
                    "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
-                   "bf16": bool(engine.bfloat16_enabled()), "losses": losses, "params_sha256": digest.hexdigest(),
+                   "bf16": bool(engine.bfloat16_enabled()), "losses": losses, "loss_means": loss_means,
+                   "params_sha256": digest.hexdigest(),
                    "numel": sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())}, f)
     # a clean teardown: ZeRO-3 under gloo can abort a rank at exit otherwise (an async
     # all-gather's last reference dropped after finalisation began)

@@ -160,16 +160,18 @@ def accumulation_line(trace, vol: pd.DataFrame) -> str | None:
 
 
 def other_sent_line(trace) -> str | None:
-    """What an FSDP2 run's collectives of no unit carried (``clip_grad_norm_``'s all-reduce
-    of the gradient norm, the script's own), left out of the volume above, or None."""
+    """What a run's collectives of no unit carried, left out of the volume above, or None:
+    FSDP2's (``clip_grad_norm_``'s all-reduce of the gradient norm, the script's own) and
+    DeepSpeed's other than ZeRO's buckets and gathers (its gradient norm's and overflow
+    check's all-reduces, the script's own), each named for who issued it (a trace from
+    before the issuers were named: by its collective)."""
     sh = trace.shards
-    if sh.framework == "deepspeed":
-        return None
     colls = sh.colls[sh.colls["step"].isin(real_steps(trace)) & (sh.colls["issued_by"] == "other")]
     if not len(colls):
         return None
     per = colls.groupby(["rank", "step"])
-    who = ", ".join(f"{by} ({n:g} a step)" for by, n in
-                    colls.groupby("by").size().div(per.ngroups).round(2).items())
-    return (f"Besides FSDP's own, {float(per['bytes'].sum().median()):,.0f} bytes a step in collectives no unit "
+    by = colls["by"].where(colls["by"].notna(), colls["collective"] + " (issuer not recorded)")
+    who = ", ".join(f"{name} ({n:g} a step)" for name, n in by.groupby(by).size().div(per.ngroups).round(2).items())
+    own = "ZeRO's" if sh.framework == "deepspeed" else "FSDP's"
+    return (f"Besides {own} own, {float(per['bytes'].sum().median()):,.0f} bytes a step in collectives no unit "
             f"issued, not counted above: {who}.")

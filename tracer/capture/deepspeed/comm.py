@@ -16,7 +16,8 @@ for a collective inside a traced step):
   a prefetch when the module being fetched does not own it;
 - the parameters gathered after the step: stages 1-2's updated partitions
   (``all_gather_into_tensor_dp_groups``), stage 3's persistent parameters (``_post_step``);
-- anything else (the gradient norm's all-reduce, an overflow check): ``other``.
+- anything else (the gradient norm's all-reduce, an overflow check): ``other``, with
+  ``by``, who issued it (the first caller outside ``deepspeed.comm``).
 
 A synchronous call pauses compute on the recorder's lane for its length; an async one
 (ZeRO-3's gathers) runs beside it until the training thread first sees its Work complete:
@@ -37,6 +38,7 @@ from time import perf_counter_ns
 from typing import Any, Callable
 
 from ddpscope.tracer.capture.clock import CpuClock
+from ddpscope.tracer.capture.collective_timer import caller_name
 from ddpscope.tracer.capture.sharded.recorder import BACKWARD, FORWARD, Coll, ShardedStep
 
 # method -> (the recorder's kind, the argument whose bytes are the message)
@@ -57,6 +59,7 @@ _FETCH = "__all_gather_params_"
 # parameters (those under stage3_param_persistence_threshold, kept whole, refreshed in _post_step)
 _AFTER_STEP = ("all_gather_into_tensor_dp_groups", "all_gather_dp_groups", "_post_step")
 _DEPTH = 24  # frames walked up from a collective: ZeRO's issuers sit 3-10 frames above the backend
+_BACKEND = "deepspeed.comm"  # DeepSpeed's communication layer: its frames are passed over to name an issuer
 
 _TAP: CommTap | None = None  # the active tap (one traced engine per process)
 
@@ -219,10 +222,10 @@ class CommTap:
         self.poll()
         self.pending = []
 
-    def issued(self, kind: str, frame) -> tuple[int, dict, bool]:
+    def issued(self, kind: str, method: str, frame) -> tuple[int, dict, bool]:
         """The issuer of a synchronous collective outside a bucket, called by ``frame``:
         ``(unit, event args, prefetch)``."""
-        unit, prefetch, extra = self._issuer(kind, frame)
+        unit, prefetch, extra = self._issuer(kind, method, frame)
         return unit, extra, prefetch
 
     def expand(self, step: ShardedStep) -> None:
@@ -283,7 +286,7 @@ class CommTap:
         if bucket is not None:  # unit and args when its step is emitted (expand)
             unit, prefetch, extra, phase = -1, False, {"op": method, _MARK: bucket}, None
         else:
-            unit, prefetch, extra = self._issuer(kind, frame)
+            unit, prefetch, extra = self._issuer(kind, method, frame)
             extra["op"] = method
             phase = "optimizer" if self.in_step else None
         return self.recorder.comm_async(kind, unit, nbytes(tensor), prefetch, phase, extra)
@@ -295,11 +298,12 @@ class CommTap:
         else:
             self.pending.append((coll, result))
 
-    def _issuer(self, kind: str, frame) -> tuple[int, bool, dict]:
+    def _issuer(self, kind: str, method: str, frame) -> tuple[int, bool, dict]:
         """(unit, prefetch, event args) of the collective of ``kind`` whose caller is ``frame``:
-        ZeRO's fetches and after-step gathers are all-gathers, anything else is ``other``."""
+        ZeRO's fetches and after-step gathers are all-gathers, anything else is ``other``,
+        named for who issued it (``by``)."""
         if kind != "all_gather":
-            return -1, False, {"zero": OTHER}
+            return -1, False, {"zero": OTHER, "by": issuer_name(method, frame)}
         f = frame
         for _ in range(_DEPTH):
             if f is None:
@@ -310,7 +314,7 @@ class CommTap:
             if name in _AFTER_STEP:
                 return -1, False, {"zero": PARAM_ALLGATHER}
             f = f.f_back
-        return -1, False, {"zero": OTHER}
+        return -1, False, {"zero": OTHER, "by": issuer_name(method, frame)}
 
     def _fetch(self, frame) -> tuple[int, bool, dict]:
         """A ZeRO-3 fetch: the unit of its first parameter (by DeepSpeed's id); a prefetch
@@ -327,6 +331,21 @@ class CommTap:
             f = f.f_back
         prefetch = current is not None and self.owner_of.get(id(current), -2) != unit
         return unit, prefetch, {"zero": PARAM_FETCH, "params": len(params)}
+
+
+def issuer_name(method: str, frame) -> str:
+    """Who issued a collective that is not ZeRO's own (the gradient norm's all-reduce, an
+    overflow check, the script's ``deepspeed.comm`` call), from ``frame``, the backend's
+    caller: the first frame outside ``deepspeed.comm``, named as ``collective_timer`` names
+    one (``all_reduce (deepspeed.runtime.zero.stage_1_and_2.get_grad_norm_direct)``,
+    ``all_reduce (the script, train.py:42)``). A few frames, for these few collectives only."""
+    f = frame
+    for _ in range(_DEPTH):
+        name = "" if f is None else f.f_globals.get("__name__", "")
+        if name != _BACKEND and not name.startswith(_BACKEND + "."):  # neither the package nor inside it
+            break
+        f = f.f_back
+    return caller_name(method, f)
 
 
 def patch_backend(cls: type) -> None:
@@ -379,7 +398,7 @@ def _wrapped(original, method: str):
                 if is_async:
                     coll = tap.launch(kind, method, tensor, sys._getframe(1))
                 else:
-                    issuer = tap.bucket or tap.issued(kind, sys._getframe(1))
+                    issuer = tap.bucket or tap.issued(kind, method, sys._getframe(1))
                     rec = tap.recorder
                     step = rec.current
                     try:

@@ -19,7 +19,9 @@ DeepSpeed's classes but the communication backend's (``comm.py``):
   ``__reduce_and_partition_ipg_grads``): the bucket's number in the step and its
   parameters;
 - ZeRO-3's gather handles' ``wait`` (``AllGatherCoalescedHandle``, ``AllGatherHandle``):
-  compute waiting for a unit's parameters (and when the gathers were seen done: ``comm.py``).
+  compute waiting for a unit's parameters (and when the gathers were seen done: ``comm.py``);
+- ``torch.distributed``'s collectives called from anywhere but DeepSpeed's backend (the
+  script's own all-reduce of its loss): ``collective_timer``, collectives of no unit.
 
 Times are the host's monotonic clock (µs), also on CUDA: DeepSpeed's collectives run on
 its own streams there, and these are the times the host launched and waited for them
@@ -37,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from ddpscope.tracer.capture.clock import make_clock
+from ddpscope.tracer.capture.collective_timer import CollectiveTimer
 from ddpscope.tracer.capture.deepspeed.comm import CommTap, bucket_done, bucket_mark
 from ddpscope.tracer.capture.deepspeed.engine_facts import ITEMSIZE
 from ddpscope.tracer.capture.deepspeed.memory import DeepSpeedMemory
@@ -44,6 +47,7 @@ from ddpscope.tracer.capture.deepspeed.units import find_units
 from ddpscope.tracer.capture.hook_guard import autograd_running
 from ddpscope.tracer.capture.live import LiveFile
 from ddpscope.tracer.capture.sharded.fsdp_tracer import FSDPTracer, position
+from ddpscope.tracer.capture.sharded.own_collectives import OwnCollectives
 from ddpscope.tracer.capture.sharded.recorder import BACKWARD, FORWARD, ROOT, ShardedRecorder, ShardedStep
 from ddpscope.tracer.capture.tracer_config import TracerConfig
 
@@ -52,6 +56,7 @@ _BUCKET_METHODS = {1: "reduce_ipg_grads", 2: "reduce_ipg_grads",
                    3: "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"}
 _WAIT_HANDLES = ("AllGatherCoalescedHandle", "AllGatherHandle")
 _PARTITION_MODULE = "deepspeed.runtime.zero.partition_parameters"
+_BACKEND_MODULES = "deepspeed.comm"  # DeepSpeed's backend: every collective it passes on is the tap's
 
 
 class DeepSpeedTracer(FSDPTracer):
@@ -103,6 +108,10 @@ class DeepSpeedTracer(FSDPTracer):
         self.tap = CommTap(self.recorder, unit_of, owner_of, self._guard, self.param_names,
                            param_of=(lambda p: p) if stage == 3 else lambda e: opt.bit16_groups[e[0]][e[1]])
         self.tap.attach(type(backend))
+        # what reaches torch.distributed past DeepSpeed's backend in a step (the script's own
+        # all-reduce of its loss): a collective of no unit, as on an FSDP2 trace
+        self._handles.add(CollectiveTimer(OwnCollectives(self.recorder), self._guard, own_groups=(self._cpu_group,),
+                                          passed_over=(_BACKEND_MODULES,)))
         self._wrap_engine()
         self._wrap_bucket(opt, _BUCKET_METHODS[stage])
         if stage == 3:
@@ -283,3 +292,4 @@ class DeepSpeedTracer(FSDPTracer):
         self._waits.clear()
         if self.tap is not None:
             self.tap.detach()
+        self._handles.remove()  # the collective timer

@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 
 from ddpscope.tracer import format as fmt
+from ddpscope.viz.sharded.comm_volume import comm_honesty_lines
 from ddpscope.viz.sharded.deepspeed_states import peak_buffers_line
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
 from ddpscope.viz.sharded.figures import make_sharded_timeline_figure
@@ -39,7 +40,8 @@ def _load(out):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(tmp_path, stage):
-    script = (WORKER, "--stage", str(stage), "--steps", "3", "--reduce-bucket-size", "20000")
+    # the script also all-reduces its loss with torch.distributed itself, past DeepSpeed's backend
+    script = (WORKER, "--stage", str(stage), "--steps", "3", "--reduce-bucket-size", "20000", "--loss-allreduce")
     proc, out, report = trace_script(tmp_path, *script, env=ENV)
     assert proc.returncode == 0, proc.stderr
     own = checks(report)
@@ -125,10 +127,31 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
     assert whatif.returncode == 0 and f"DeepSpeed ZeRO stage {stage}" in whatif.stdout, whatif.stderr
     assert "model states a rerun at each stage would keep" in whatif.stdout and "--zero-stage S" in whatif.stdout
     assert run_cli("whatif", str(out), "--reshard-after-forward", "false").returncode == 2  # FSDP2's flag
+    # The script's own all-reduce of its loss (torch.distributed, past DeepSpeed's backend and its
+    # tap): once a step, of no unit, 4 bytes, between backward and the optimizer and off compute,
+    # named for its line; every collective no unit issued says who issued it, none DeepSpeed's
+    # backend (its frames are passed over); and the volume's line says them.
+    line = next(k for k, text in enumerate(open(WORKER).read().splitlines(), 1) if "dist.all_reduce(mean)" in text)
+    script_ = f"all_reduce (the script, deepspeed_train.py:{line})"
+    other = colls[colls["issued_by"] == "other"]
+    assert other["by"].notna().all() and not other["by"].str.contains("deepspeed.comm").any(), other["by"]
+    mine = other[other["by"] == script_]
+    assert len(mine) == 2 * 3 and mine.groupby(["rank", "step"]).size().eq(1).all(), other["by"].tolist()
+    assert set(mine["bytes"]) == {4} and (mine["unit"] == -1).all() and (mine["collective"] == "all_reduce").all()
+    steps, segs = trace.steps.set_index(["rank", "step"]), trace.shards.segments
+    for _, g in mine.iterrows():
+        step = steps.loc[(g["rank"], g["step"])]
+        assert step["backward_end_us"] <= g["start_us"] <= g["end_us"] <= step["optimizer_start_us"]
+        theirs = segs[(segs["rank"] == g["rank"]) & (segs["step"] == g["step"])]
+        assert not ((theirs["start_us"] < g["end_us"]) & (theirs["end_us"] > g["start_us"])).any()
+    said = [t for t in comm_honesty_lines(trace) if t.startswith("Besides ZeRO's own")]
+    assert len(said) == 1 and f"{script_} (1 a step)" in said[0], said
+    assert said[0] in summary.stdout.splitlines()  # `ddpscope summary` prints it
     plain = untraced(tmp_path, *script)
     for r in (0, 1):
         assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
         assert own[r]["losses"] == checks(plain)[r]["losses"]
+        assert own[r]["loss_means"] == checks(plain)[r]["loss_means"] and len(own[r]["loss_means"]) == 3
 
 
 def test_a_zero3_peak_held_by_its_reduce_bucket_is_said_with_the_setting_that_sizes_it(tmp_path):
