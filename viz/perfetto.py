@@ -14,11 +14,11 @@ from pathlib import Path
 import msgspec
 
 from ddpscope.tracer.writer import write_bytes_atomic
-from ddpscope.viz.run_files import read_run_folder
+from ddpscope.viz.run_files import clock_alignment, read_run_folder
 from ddpscope.viz.sources import KINETO, readable_kind
 from ddpscope.viz.sources.kineto import load_kineto
 from ddpscope.viz.sources.kineto_file import read_bytes
-from ddpscope.viz.trace import TraceError, clock_alignment
+from ddpscope.viz.trace import TraceError
 
 
 def merge_run(path: str | Path) -> dict:

@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from ddpscope.viz.trace import TraceError, clock_params, load_run
+from ddpscope.viz.run_files import clock_params
+from ddpscope.viz.trace import TraceError, load_run
 from tests.conftest import KINETO
 
 

@@ -7,7 +7,7 @@ clock read ``T`` at ``r``'s time ``(t0 + t1) / 2``, so ``offset = T - (t0 + t1) 
 and the error is at most half the round trip. The round with the smallest round trip
 wins. Readers map a local time ``t`` to rank 0's axis as ``t + offset`` (interpolating
 between the start and end estimates to follow drift, where they differ by more than
-their round trips' halves: ``viz.trace.clock_params``).
+their round trips' halves: ``viz.run_files.clock_params``).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from pathlib import Path
 import pandas as pd
 
 from ddpscope.tracer import format as fmt
-from ddpscope.viz.run_files import read_run_folder
-from ddpscope.viz.trace import TraceError, clock_alignment, frame_of
+from ddpscope.viz.run_files import clock_alignment, read_run_folder
+from ddpscope.viz.trace import TraceError, frame_of
 
 _STEP_FIELDS = ("step", "phase", "phase_step", "send_chunk", "recv_chunk", "send_to", "recv_from",
                 "send_bytes", "recv_bytes")

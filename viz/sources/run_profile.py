@@ -18,9 +18,10 @@ from typing import Callable
 import numpy as np
 
 from ddpscope.tracer import format as fmt
+from ddpscope.viz.run_files import clock_alignment
 from ddpscope.viz.sources.kineto import load_kineto
 from ddpscope.viz.sources.kineto_file import FILE_RE
-from ddpscope.viz.trace import RunTrace, TraceError, clock_alignment
+from ddpscope.viz.trace import RunTrace, TraceError
 
 
 def profile_folder(trace: RunTrace) -> Path | None:

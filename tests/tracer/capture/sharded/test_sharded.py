@@ -13,6 +13,7 @@ import math
 import pandas as pd
 import pytest
 
+from ddpscope.viz.run_files import clock_alignment
 from ddpscope.viz.sharded.comm_volume import comm_honesty_lines, compute_comm_volume
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
 from ddpscope.viz.sharded.metrics import (
@@ -26,7 +27,7 @@ from ddpscope.viz.sharded.metrics import (
 from ddpscope.viz.sharded.predict import compute_reshard_whatif, predict_peak
 from ddpscope.viz.sharded.profile_check import compute_sharded_profile_agreement
 from ddpscope.viz.sources.run_profile import load_run_profile
-from ddpscope.viz.trace import clock_alignment, load_run
+from ddpscope.viz.trace import load_run
 from tests.conftest import run_cli
 from tests.tracer.capture.autotrace.test_autotrace import WORKERS, checks, trace_script, untraced
 
