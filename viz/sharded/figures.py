@@ -92,8 +92,10 @@ def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
         what = "all-gather" if kind == "all_gather" else reduced  # HSDP's all-reduce: after its reduce-scatter
         sent = g["sent_as"].dropna()
         ran = f" (ran as {sent.iloc[0].replace('_', '-')})" if len(sent) else ""
-        if kind == "all_reduce" and not deepspeed:  # FSDP2's of no unit: who issued it (clip_grad_norm_'s, the script)
-            ran = f": {by}" if isinstance(by, str) else " (HSDP's all-reduce across replicas)"
+        if isinstance(by, str):  # of no unit: who issued it (clip_grad_norm_, DeepSpeed's gradient norm, the script)
+            ran = f": {by}"
+        elif kind == "all_reduce" and not deepspeed:
+            ran = " (HSDP's all-reduce across replicas)"
         exposed = g["exposed_ms"] > 0.5 * g["ms"]
         fig.add_trace(go.Bar(
             name=label if first else f"{kind.replace('_', '-')} {label}", orientation="h",

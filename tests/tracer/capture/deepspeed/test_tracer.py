@@ -144,6 +144,8 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
         assert step["backward_end_us"] <= g["start_us"] <= g["end_us"] <= step["optimizer_start_us"]
         theirs = segs[(segs["rank"] == g["rank"]) & (segs["step"] == g["step"])]
         assert not ((theirs["start_us"] < g["end_us"]) & (theirs["end_us"] > g["start_us"])).any()
+    # the Timeline's hover says who issued each (its grey bar, "(no unit)")
+    assert any(f"{NO_UNIT}: {script_}" in (d.hovertemplate or "") for d in fig.data)
     said = [t for t in comm_honesty_lines(trace) if t.startswith("Besides ZeRO's own")]
     assert len(said) == 1 and f"{script_} (1 a step)" in said[0], said
     assert said[0] in summary.stdout.splitlines()  # `ddpscope summary` prints it
