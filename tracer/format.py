@@ -133,9 +133,9 @@ KIND_ZERO = "zero"  # ddpscope zero: memory and communication per ZeRO stage
 # optimizer spans of a DDP trace: compute cut per FSDP unit, the waits for all-gathers,
 # and one lane per collective kind (a collective no unit issued: args unit -1; FSDP2's
 # clip_grad_norm_ or the script's own say who in "by" and the function in "op"; DeepSpeed's
-# say what of ZeRO's in "zero", and its "other" ones, like the script's, who in "by"). ZeRO-1 (DDP + ZeroRedundancyOptimizer) stays a DDP
-# trace (kind "ddp") with its parameter broadcasts on TID_PARAM_SYNC and ``sharding``
-# in run.json.
+# say what of ZeRO's in "zero", and its "other" ones, like the script's, who in "by").
+# ZeRO-1 (DDP + ZeroRedundancyOptimizer) stays a DDP trace (kind "ddp") with its
+# parameter broadcasts on TID_PARAM_SYNC and ``sharding`` in run.json.
 KIND_SHARDED = "sharded"
 # A DeepSpeed engine (``deepspeed.initialize``): run.json says ``"kind": "deepspeed"`` and
 # holds the engine's settings (``deepspeed``: stage, dtypes, buckets; see

@@ -180,9 +180,8 @@ class CollectiveTimer:
                 and not getattr(_local, "quiet", 0))
 
     def _passed(self, frame) -> bool:
-        """The call comes straight from a module whose collectives are timed elsewhere."""
-        if not self._passed_over:
-            return False
+        """The call comes straight from a module whose collectives are timed elsewhere
+        (asked only where ``passed_over`` names one: no frame read otherwise)."""
         name = frame.f_globals.get("__name__", "")
         return name in self._passed_over or name.startswith(self._inside_passed)
 
@@ -205,7 +204,8 @@ class CollectiveTimer:
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
-            if torch.compiler.is_compiling() or not self._recording() or self._passed(sys._getframe(1)):
+            if (torch.compiler.is_compiling() or not self._recording()
+                    or (self._passed_over and self._passed(sys._getframe(1)))):
                 return original(*args, **kwargs)
             try:
                 given = signature.bind_partial(*args, **kwargs).arguments
@@ -241,7 +241,8 @@ class CollectiveTimer:
     def _wrap_functional(self, fn: str, original):
         @functools.wraps(original)
         def timed(*args, **kwargs):
-            if torch.compiler.is_compiling() or not self._recording() or self._passed(sys._getframe(1)):
+            if (torch.compiler.is_compiling() or not self._recording()
+                    or (self._passed_over and self._passed(sys._getframe(1)))):
                 return original(*args, **kwargs)
             try:
                 tensor = kwargs.get("self", args[0] if args else None)

@@ -59,7 +59,9 @@ _FETCH = "__all_gather_params_"
 # parameters (those under stage3_param_persistence_threshold, kept whole, refreshed in _post_step)
 _AFTER_STEP = ("all_gather_into_tensor_dp_groups", "all_gather_dp_groups", "_post_step")
 _DEPTH = 24  # frames walked up from a collective: ZeRO's issuers sit 3-10 frames above the backend
-_BACKEND = "deepspeed.comm"  # DeepSpeed's communication layer: its frames are passed over to name an issuer
+BACKEND = "deepspeed.comm"  # DeepSpeed's communication layer: every collective it passes on is the tap's
+
+_INSIDE_BACKEND = BACKEND + "."
 
 _TAP: CommTap | None = None  # the active tap (one traced engine per process)
 
@@ -342,7 +344,7 @@ def issuer_name(method: str, frame) -> str:
     f = frame
     for _ in range(_DEPTH):
         name = "" if f is None else f.f_globals.get("__name__", "")
-        if name != _BACKEND and not name.startswith(_BACKEND + "."):  # neither the package nor inside it
+        if name != BACKEND and not name.startswith(_INSIDE_BACKEND):  # neither the package nor inside it
             break
         f = f.f_back
     return caller_name(method, f)

@@ -40,7 +40,7 @@ import torch
 
 from ddpscope.tracer.capture.clock import make_clock
 from ddpscope.tracer.capture.collective_timer import CollectiveTimer
-from ddpscope.tracer.capture.deepspeed.comm import CommTap, bucket_done, bucket_mark
+from ddpscope.tracer.capture.deepspeed.comm import BACKEND, CommTap, bucket_done, bucket_mark
 from ddpscope.tracer.capture.deepspeed.engine_facts import ITEMSIZE
 from ddpscope.tracer.capture.deepspeed.memory import DeepSpeedMemory
 from ddpscope.tracer.capture.deepspeed.units import find_units
@@ -56,7 +56,6 @@ _BUCKET_METHODS = {1: "reduce_ipg_grads", 2: "reduce_ipg_grads",
                    3: "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"}
 _WAIT_HANDLES = ("AllGatherCoalescedHandle", "AllGatherHandle")
 _PARTITION_MODULE = "deepspeed.runtime.zero.partition_parameters"
-_BACKEND_MODULES = "deepspeed.comm"  # DeepSpeed's backend: every collective it passes on is the tap's
 
 
 class DeepSpeedTracer(FSDPTracer):
@@ -111,7 +110,7 @@ class DeepSpeedTracer(FSDPTracer):
         # what reaches torch.distributed past DeepSpeed's backend in a step (the script's own
         # all-reduce of its loss): a collective of no unit, as on an FSDP2 trace
         self._handles.add(CollectiveTimer(OwnCollectives(self.recorder), self._guard, own_groups=(self._cpu_group,),
-                                          passed_over=(_BACKEND_MODULES,)))
+                                          passed_over=(BACKEND,)))  # the tap's
         self._wrap_engine()
         self._wrap_bucket(opt, _BUCKET_METHODS[stage])
         if stage == 3:
