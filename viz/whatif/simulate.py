@@ -253,6 +253,11 @@ def predict_run(trace: RunTrace, cap_mb: Cap, model: WhatIfModel | None = None,
         rp = passes.set_index(["rank", "step"]).index
         others = passes[[k in keep for k in rp]]
         rows["passes"] += _unsynced_passes(others, rows["steps"])
+    grads = trace.grads
+    if len(passes) and len(grads) and "micro" in grads:
+        # a non-syncing pass's gradients as measured: the Gantt cuts its backward at them
+        rows["grads"] += _unsynced_passes(grads[[k in keep for k in grads.set_index(["rank", "step"]).index]],
+                                          rows["steps"])
     per_bucket = bucket_limits(cap_mb) if is_cap_list(cap_mb) else None
     first, cap_bytes = (max(per_bucket),) * 2 if per_bucket else cap_limits(cap_mb)
     run = {**trace.run, "status": "predicted", "bucket_cap_mb": cap_bytes / 2**20, "bucket_cap_bytes": cap_bytes,
@@ -311,7 +316,8 @@ def _emit_rank_step(rows, m, r, inp: StepInputs, res, sim, layout, bucket_bytes,
 
 
 def _unsynced_passes(passes: pd.DataFrame, steps: list[dict]) -> list[dict]:
-    """Non-syncing passes (gradient accumulation) as measured; the syncing one is predicted."""
+    """Rows of non-syncing passes (gradient accumulation: passes, or their gradients) as
+    measured; the syncing one is predicted."""
     syncing = {(s["rank"], s["step"]): int(s.get("micro_batches", 1) or 1) - 1 for s in steps}
     out = []
     for p in passes.to_dict("records"):

@@ -11,11 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
+from ddpscope.viz.ddp.gantt import backward_segments
 from ddpscope.viz.ddp.overlap import compute_ddp_logging_view, compute_step_breakdown
 from ddpscope.viz.trace import load_run
-from ddpscope.viz.whatif.simulate import predict_layout, traced_cap
+from ddpscope.viz.whatif.simulate import predict_layout, predict_run, traced_cap
 from tests.conftest import ROOT, processes_mentioning, run_cli
 
 pytestmark = pytest.mark.ddp
@@ -160,6 +162,21 @@ def test_gradient_accumulation_every_micro_batch_is_its_own_pass(tmp_path):
                     off.append(f"rank {r} step {rec['step']} {key}: {mine:.2f} vs DDP {theirs:.2f} ms")
     # as above: a preempted pass now and then, at most 1 figure in 10 off (a wrong view puts most off)
     assert compared >= 2 * 5 and len(off) <= max(2, compared * len(keys) // 10), off
+
+    # the What-if's replay keeps the no_sync passes as measured: drawn, each backward is
+    # cut at its gradients as the trace's is (they once came out blank)
+    pred = predict_run(trace, 1.0)
+    no_sync = p[~p.sync][["rank", "step", "backward_start_us", "backward_end_us"]]
+
+    def no_sync_segments(t):
+        seg = backward_segments(t, pred.steps).merge(no_sync, on=["rank", "step"])
+        seg = seg[(seg.start_us >= seg.backward_start_us) & (seg.end_us <= seg.backward_end_us)]
+        return seg[["rank", "step", "start_us", "end_us", "label"]].sort_values(["rank", "start_us"],
+                                                                                ignore_index=True)
+
+    measured = no_sync_segments(trace)
+    assert len(measured) >= 3 * len(pred.steps)  # 3 no_sync passes a step, a segment at least each
+    pd.testing.assert_frame_equal(no_sync_segments(pred), measured)
 
 
 # a script's Python hook in the default suite: test_compiled's test_the_scripts_own_hook_is_timed_in_python_and_said
