@@ -272,8 +272,10 @@ def _sharded_summary(trace, as_json: bool) -> int:
     from ddpscope.viz.sharded.buckets import compute_bucket_table
     from ddpscope.viz.sharded.comm_volume import comm_honesty_lines, compute_comm_volume
     from ddpscope.viz.sharded.metrics import (
+        NO_UNIT,
         UNTIMED_UNITS,
         active_units,
+        compute_no_unit_table,
         compute_sharded_steps,
         compute_stage_comparison,
         compute_unit_table,
@@ -285,6 +287,7 @@ def _sharded_summary(trace, as_json: bool) -> int:
     real = steps[~steps["warmup"] & ~steps["incomplete"]]
     med = real.drop(columns=["step", "warmup", "incomplete"]).groupby("rank").median().reset_index()
     units, stages, volume = compute_unit_table(trace), compute_stage_comparison(trace), compute_comm_volume(trace)
+    no_unit = compute_no_unit_table(trace)
     sh = trace.shards
     buckets = compute_bucket_table(trace)
     notes = stage_differences(trace)  # why the model states differ from the ZeRO model's
@@ -295,6 +298,7 @@ def _sharded_summary(trace, as_json: bool) -> int:
                "unfinished": trace.unfinished, "world_size": trace.world_size, "stage": sh.stage,
                "stage_reason": sh.stage_reason, "ranks": _by_rank(med),
                "units": [_json_safe(r) for r in units.astype(object).to_dict("records")],
+               "no_unit": no_unit.to_dict("records"),
                "model_states": stages.to_dict("records"), "model_state_notes": notes,
                "comm_volume": volume.to_dict("records"),
                "comm_D_bytes": volume.attrs["D_bytes"], "comm": comm_honesty_lines(trace)}
@@ -315,6 +319,9 @@ def _sharded_summary(trace, as_json: bool) -> int:
         print(f"{idle_units_line(len(units) - len(active))}; `--json` lists every unit")
     if sh.framework == "deepspeed":
         print(UNTIMED_UNITS)
+    if len(no_unit):
+        print(f"the {NO_UNIT} row by who issued it (per step):")
+        print(no_unit.round(3).to_string(index=False))
     if len(buckets):
         print(f"gradient buckets ({framework}; ms and bytes per step; start_ms after the step's start):")
         print(buckets.round(3).to_string(index=False))

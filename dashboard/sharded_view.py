@@ -26,10 +26,12 @@ from ddpscope.viz.sharded.figures import (
     make_stage_comparison_figure,
 )
 from ddpscope.viz.sharded.metrics import (
+    NO_UNIT,
     STEP_NOISE_MEANING,
     UNTIMED_UNITS,
     active_units,
     compute_memory_over_step,
+    compute_no_unit_table,
     compute_sharded_run_comparison,
     compute_sharded_steps,
     compute_stage_comparison,
@@ -90,9 +92,11 @@ def render_sharded_timeline(trace) -> None:
     st.caption("Red in the compute lane: compute waiting for an all-gather. Outlined in red: communication with no "
                "compute beside it (exposed). Hatched: prefetched all-gathers. On gloo every collective runs on the "
                "training thread, so all of it is exposed; on NCCL they run on their own streams.")
-    if not deepspeed and (trace.shards.colls["unit"] == -1).any():
-        st.caption("Grey: collectives no unit issued (clip_grad_norm_'s all-reduce of the gradient norm, the "
-                   "script's own), each named in its hover for who issued it; the table's \"(no unit)\" row.")
+    if (trace.shards.colls["unit"] == -1).any():
+        st.caption("Grey: collectives no unit issued (" + ("DeepSpeed's gathers after the step, its gradient norm's "
+                   "all-reduce" if deepspeed else "clip_grad_norm_'s all-reduce of the gradient norm") + ", the "
+                   "script's own), each named in its hover for who issued it; the table's \"(no unit)\" row, "
+                   "broken down below it.")
     st.subheader("Per unit, per step (medians over ranks and non-warm-up steps)")
     table = compute_unit_table(trace)
     active = active_units(table)
@@ -106,6 +110,11 @@ def render_sharded_timeline(trace) -> None:
     show_table(table.round(3), key="sharded_units")
     st.caption("Each cell is its own median: within a step the units' exposed times add up to the step's (Every "
                "step, below); their medians need not add up to the step's median.")
+    no_unit = compute_no_unit_table(trace)
+    if len(no_unit):
+        st.caption(f"The {NO_UNIT} row by who issued it (per step, medians over ranks and non-warm-up steps; "
+                   "ms in flight and exposed):")
+        show_table(no_unit.round(3), key="sharded_no_unit")
     if deepspeed:
         st.caption(UNTIMED_UNITS)
     buckets = compute_bucket_table(trace)

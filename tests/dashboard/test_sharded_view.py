@@ -51,6 +51,8 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     (norm,) = [t for t in spec["data"] if "torch.nn.utils.clip_grad._get_total_norm" in (t.get("hovertemplate") or "")]
     assert norm["name"] == NO_UNIT
     assert any(c.value.startswith("Grey: collectives no unit issued") for c in at.caption)
+    no_unit = next(d.value for d in at.dataframe if "by" in d.value.columns)  # that row, by who issued it
+    assert no_unit[["by", "count"]].values.tolist() == [["all_reduce (torch.nn.utils.clip_grad._get_total_norm)", 1]]
     assert any("gloo has no reduce-scatter" in m.value for m in at.markdown)
     # profiled: each collective beside the profiler's, in the expander (2 steps x 2 ranks x 16)
     agreement = next(d.value for d in at.dataframe if "start_after_ms" in d.value.columns)
@@ -172,6 +174,12 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     # buckets of 20,000 fp32 elements (a parameter larger than that is a bucket of its own: 256 KiB)
     # read in KiB, not 0.0xx MiB
     assert "MiB" not in buckets.columns and 1 < buckets["KiB"].min() <= buckets["KiB"].max() < 1024
+    # what no unit issued, grey on the Timeline, by who issued it: the gather after the step first
+    assert any(c.value.startswith("Grey: collectives no unit issued (DeepSpeed's gathers") for c in at.caption)
+    no_unit = next(d.value for d in at.dataframe if "by" in d.value.columns)
+    assert "ZeRO's gather of the updated partitions after the step" in set(no_unit["by"])
+    assert any(t["name"].endswith(NO_UNIT) and "gather of the updated partitions" in (t.get("hovertemplate") or "")
+               for t in spec["data"])
     assert any("3D x (N-1)/N for a step that reduces once" in m.value for m in at.markdown)
     open_page(at, "What-if")
     said = next(i.value for i in at.info if "sharded run (DeepSpeed)" in i.value)

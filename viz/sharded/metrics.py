@@ -100,6 +100,34 @@ def compute_unit_table(trace) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+NOT_RECORDED = "(issuer not recorded)"  # a trace from before the issuers were named
+
+
+def compute_no_unit_table(trace) -> pd.DataFrame:
+    """The unit table's ``NO_UNIT`` row by who issued its collectives: one row per issuer
+    and collective (``by``: DeepSpeed's gather after the step, the gradient norm's
+    all-reduce, ``clip_grad_norm_``'s, the script's own line; ``NOT_RECORDED`` in traces
+    from before they were named) with, per step (medians over ranks and the non-warm-up
+    steps that had one, as the unit table's cells), how many, their bytes, the time one was
+    in flight and the time no compute covered (ms). Empty where no unit issued any."""
+    columns = ["by", "collective", "count", "bytes", "ms", "exposed_ms"]
+    colls = with_exposed(trace)
+    colls = colls[colls["step"].isin(real_steps(trace)) & (colls["unit"] == -1)]
+    if not len(colls):
+        return pd.DataFrame(columns=columns)
+    colls = colls.assign(by=colls["by"].fillna(NOT_RECORDED))
+    segs = trace.shards.segments
+    exposed = exposed_per_step(colls, EMPTY, segs[segs["step"].isin(real_steps(trace))], by=("by", "collective"))
+    rows = []
+    for (by, kind), g in colls.groupby(["by", "collective"], sort=False):
+        per = g.groupby(["rank", "step"])
+        rows.append({"by": by, "collective": kind, "count": float(per.size().median()),
+                     "bytes": float(per["bytes"].sum().median()),
+                     "ms": float(pd.Series([in_flight_ms(c) for _, c in per]).median()),
+                     "exposed_ms": float(by_head(exposed, (by, kind)).median())})
+    return pd.DataFrame(rows, columns=columns).sort_values("exposed_ms", ascending=False, ignore_index=True)
+
+
 def active_units(table: pd.DataFrame) -> pd.DataFrame:
     """The unit table's rows that issued a collective, waited for one, or have compute
     measured; the rest are left out where a table is read (``len(table) - len(active)``

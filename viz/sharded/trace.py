@@ -17,7 +17,8 @@ Tables (times µs on rank 0's clock, bytes):
   start_us, end_us; DeepSpeed's also say what issued each (``issued_by``: grad_bucket,
   param_fetch, param_allgather, other; an FSDP2 run's collective of no unit is
   "other", and ``by`` names who issued it: ``all_reduce (torch.nn.utils.clip_grad...)``,
-  the script's file and line) and, for a gradient bucket, its number in the
+  the script's file and line, DeepSpeed's gathers after the step ``AFTER_STEP_GATHER``)
+  and, for a gradient bucket, its number in the
   step (``bucket``), its parameters' count and its first and last parameter, and each
   parameter's elements in the bucket's order (``bucket_numels``, a tuple; None in traces
   before it) and its whole reduction on the training thread (``bucket_reduce_us``, µs:
@@ -46,6 +47,13 @@ COLL_COLUMNS = ["rank", "step", "unit", "name", "collective", "phase", "bytes", 
                 "end_us", "issued_by", "by", "bucket", "micro", "bucket_params", "first_param", "last_param", "bucket_numels",
                 "bucket_reduce_us"]
 MEMORY_COLUMNS = ["rank", "step", "ts_us", "unit", "name", "phase", "at", *fmt.MEMORY_CATEGORIES, "total_bytes"]
+# who issued DeepSpeed's gathers after the optimizer's update (``issued_by`` param_allgather),
+# by ZeRO stage: their ``by``, as the Timeline's hover and the no-unit table say it
+AFTER_STEP_GATHER = {
+    1: "ZeRO's gather of the updated partitions after the step",
+    2: "ZeRO's gather of the updated partitions after the step",
+    3: "ZeRO-3's gather of its persistent parameters after the step (stage3_param_persistence_threshold)",
+}
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,12 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
     names = units["name"].tolist()
     n_units = len(names)
     segs, waits, colls, mem = [], [], [], []
+    sharding = run["sharding"]
+    stage = sharding.get("stage")
+    framework = str(sharding.get("framework") or "fsdp2")
+    if stage not in ((1, 2, 3) if framework == "deepspeed" else (2, 3)):
+        raise ValueError(f"sharding.stage {stage!r} is not a ZeRO stage {framework} runs")
+    after_step = AFTER_STEP_GATHER[stage] if framework == "deepspeed" else None
     for rank, (meta, events) in files.items():
         align = align_of(meta)
         for e in events:
@@ -154,13 +168,15 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
             else:
                 kind = "all_gather" if cat == fmt.CAT_ALL_GATHER else \
                     "all_reduce" if a.get("collective") == "all_reduce" else "reduce_scatter"  # HSDP's, across replicas
-                bucket = a.get("bucket")
+                bucket, by = a.get("bucket"), a.get("by") if isinstance(a.get("by"), str) else None
+                if by is None and a.get("zero") == "param_allgather":
+                    by = after_step
                 colls.append({**base, "collective": kind,
                               "bytes": _count(a.get("bytes")), "prefetch": bool(a.get("prefetch")),
                               "sent_as": a.get("sent_as") if isinstance(a.get("sent_as"), str) else None,
                               "issued_by": a.get("zero") if isinstance(a.get("zero"), str) else
                               "other" if isinstance(a.get("by"), str) else None,
-                              "by": a.get("by") if isinstance(a.get("by"), str) else None,
+                              "by": by,
                               "bucket": bucket if isinstance(bucket, int) and not isinstance(bucket, bool) else None,
                               # the micro-batch a bucket was reduced in (numbered in it); 0 in traces before it
                               "micro": _count(a.get("micro", 0)) if "bucket" in a else None,
@@ -169,11 +185,6 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
                               "last_param": a.get("last_param") if isinstance(a.get("last_param"), str) else None,
                               "bucket_numels": _numels(a.get("numels")),
                               "bucket_reduce_us": _time(a["reduce_us"]) if "reduce_us" in a else math.nan})
-    sharding = run["sharding"]
-    stage = sharding.get("stage")
-    framework = str(sharding.get("framework") or "fsdp2")
-    if stage not in ((1, 2, 3) if framework == "deepspeed" else (2, 3)):
-        raise ValueError(f"sharding.stage {stage!r} is not a ZeRO stage {framework} runs")
     return ShardedTables(
         stage=stage, stage_reason=str(sharding.get("stage_reason") or ""),
         framework=framework, units=units,

@@ -20,8 +20,14 @@ from ddpscope.viz.sharded.comm_volume import comm_honesty_lines
 from ddpscope.viz.sharded.deepspeed_states import peak_buffers_line
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
 from ddpscope.viz.sharded.figures import make_sharded_timeline_figure
-from ddpscope.viz.sharded.metrics import NO_UNIT, UNTIMED_UNITS, compute_sharded_steps, compute_unit_table
-from ddpscope.viz.sharded.trace import real_steps
+from ddpscope.viz.sharded.metrics import (
+    NO_UNIT,
+    UNTIMED_UNITS,
+    compute_no_unit_table,
+    compute_sharded_steps,
+    compute_unit_table,
+)
+from ddpscope.viz.sharded.trace import AFTER_STEP_GATHER, real_steps
 from tests.conftest import ROOT, run_cli
 from tests.tracer.capture.autotrace.test_autotrace import checks, trace_script, untraced
 
@@ -149,6 +155,20 @@ def test_each_stage_is_traced_per_bucket_and_gather_and_trains_bit_identically(t
     said = [t for t in comm_honesty_lines(trace) if t.startswith("Besides ZeRO's own")]
     assert len(said) == 1 and f"{script_} (1 a step)" in said[0], said
     assert said[0] in summary.stdout.splitlines()  # `ddpscope summary` prints it
+    # the no-unit row broken down by who issued each: every collective of no unit in one
+    # row, named (stages 1-2's gather of the updated partitions too, in its hover as well)
+    no_unit = compute_no_unit_table(trace).set_index("by")
+    counted = colls[(colls["unit"] == -1) & colls["step"].isin(real_steps(trace))]
+    assert counted["by"].notna().all() and set(no_unit.index) == set(counted["by"])
+    assert no_unit.loc[script_, ["count", "bytes"]].tolist() == [1, 4]
+    assert (no_unit["exposed_ms"] <= no_unit["ms"] + 1e-6).all() and (no_unit["ms"] > 0).all()
+    if stage < 3:
+        after = no_unit.loc[AFTER_STEP_GATHER[stage]]
+        assert after["collective"] == "all_gather" and after["count"] == 1
+        assert grad_bytes <= after["bytes"] <= grad_bytes + 2 * PAD
+        assert any(f"{NO_UNIT}: {AFTER_STEP_GATHER[stage]}" in (d.hovertemplate or "") for d in fig.data)
+    assert f"the {NO_UNIT} row by who issued it (per step):" in summary.stdout
+    assert [r["by"] for r in as_json["no_unit"]] == no_unit.index.tolist()
     plain = untraced(tmp_path, *script)
     for r in (0, 1):
         assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
@@ -232,6 +252,9 @@ def test_zero3_persistent_parameters_gathered_after_the_step_end_in_their_step(t
     events = [e for e in json.loads((out / "rank-0.json").read_text())  # a complete run's file is whole JSON
               if e.get("ph") == "X" and e.get("args", {}).get("zero") == "param_allgather"]
     assert events and all(e["name"] == "all-gather (no unit)" for e in events)  # not the last unit's name
+    # named for what they are, in the no-unit row's breakdown: 3 a step, every persistent byte
+    row = compute_no_unit_table(trace).set_index("by").loc[AFTER_STEP_GATHER[3]]
+    assert row["count"] == 3 and row["bytes"] == 4 * (256 + 256 + 8) and row["ms"] > 0
     from ddpscope.viz.sharded.metrics import compute_sharded_steps
 
     # the gathers run side by side: time in flight and exposed time are times, not sums of spans

@@ -18,6 +18,7 @@ from ddpscope.viz.sharded.comm_volume import comm_honesty_lines, compute_comm_vo
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
 from ddpscope.viz.sharded.metrics import (
     compute_memory_over_step,
+    compute_no_unit_table,
     compute_sharded_steps,
     compute_stage_comparison,
     compute_unit_table,
@@ -233,6 +234,12 @@ def test_the_gradient_norms_and_the_scripts_all_reduce_are_collectives_of_no_uni
         4 + 4 * params
     assert table.loc["(no unit)", "exposed_ms"] == pytest.approx(table.loc["(no unit)", "all_reduce_ms"], rel=1e-6)
     assert table.loc["(no unit)", "exposed_ms"] > 0
+    # the row broken down by who issued each: one a step each, with its bytes, exposed whole
+    parts = compute_no_unit_table(trace).set_index("by")
+    assert parts[["collective", "count", "bytes"]].to_dict("index") == {
+        script_: {"collective": "all_reduce", "count": 1, "bytes": 4},
+        clip: {"collective": "all_reduce", "count": 1, "bytes": 4 * params}}
+    assert parts["exposed_ms"].to_numpy() == pytest.approx(parts["ms"].to_numpy(), rel=1e-6)
     assert compute_comm_volume(trace)["message_bytes"].tolist() == compute_comm_volume(base)["message_bytes"].tolist()
     agree = compute_sharded_profile_agreement(trace, load_run_profile(trace))
     mine = agree[agree["unit"] == -1]
