@@ -89,7 +89,8 @@ def render_sharded_timeline(trace) -> None:
     ranks = st.multiselect("Ranks", sorted(trace.ranks), default=sorted(trace.ranks), key="sharded_ranks")
     st.plotly_chart(make_sharded_timeline_figure(trace, steps=range(lo, hi + 1), ranks=ranks or None),
                     key="sharded_timeline")
-    st.caption("Red in the compute lane: compute waiting for an all-gather. Outlined in red: communication with no "
+    st.caption("Red in the compute lane: compute waiting for an all-gather; orange: the optimizer's step (what "
+               "it issued on the collective lanes). Outlined in red: communication with no "
                "compute beside it (exposed). Hatched: prefetched all-gathers. On gloo every collective runs on the "
                "training thread, so all of it is exposed; on NCCL they run on their own streams.")
     if (trace.shards.colls["unit"] == -1).any():
@@ -110,13 +111,13 @@ def render_sharded_timeline(trace) -> None:
     show_table(table.round(3), key="sharded_units")
     st.caption("Each cell is its own median: within a step the units' exposed times add up to the step's (Every "
                "step, below); their medians need not add up to the step's median.")
+    if deepspeed:
+        st.caption(UNTIMED_UNITS)
     no_unit = compute_no_unit_table(trace)
     if len(no_unit):
         st.caption(f"The {NO_UNIT} row by who issued it (per step, medians over ranks and non-warm-up steps; "
                    "ms in flight and exposed):")
         show_table(no_unit.round(3), key="sharded_no_unit")
-    if deepspeed:
-        st.caption(UNTIMED_UNITS)
     buckets = compute_bucket_table(trace)
     if len(buckets):
         st.subheader("Gradient buckets (DeepSpeed; per step, medians over ranks and non-warm-up steps)")

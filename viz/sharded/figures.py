@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 
 from ddpscope.tracer import format as fmt
-from ddpscope.viz.lanes import select_steps
+from ddpscope.viz.lanes import COLORS, select_steps
 from ddpscope.viz.layout import LEGEND_BELOW
 from ddpscope.viz.sharded.exposed import with_exposed
 from ddpscope.viz.sharded.metrics import MEMORY_LABELS, NO_UNIT
@@ -45,7 +45,7 @@ def unit_colors(names: list[str]) -> dict[str, str]:
 def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
                                  ranks: Sequence[int] | None = None) -> go.Figure:
     """Per rank three lanes: compute cut per unit (coloured by unit, the waits for an
-    all-gather in red), the all-gathers and the reduce-scatters (a unit's colour;
+    all-gather in red, the optimizer's step in DDP's orange), the all-gathers and the reduce-scatters (a unit's colour;
     prefetched all-gathers hatched). Exposed communication (no compute on the rank
     beside it) is outlined in red."""
     sh = trace.shards
@@ -65,6 +65,17 @@ def make_sharded_timeline_figure(trace, steps: Sequence[int] | None = None,
         return df[[(r, s) in keep for r, s in zip(df["rank"], df["step"])]] if len(df) else df
 
     fig = go.Figure()
+    # the optimizer's span first, under whatever the compute lane draws in it (a wait)
+    opt = shown.dropna(subset=["optimizer_start_us", "optimizer_end_us"]) if "optimizer_start_us" in shown \
+        else shown.iloc[:0]
+    if len(opt):
+        fig.add_trace(go.Bar(
+            name="optimizer.step", orientation="h", y=[pos[lane(r, "compute")] for r in opt["rank"]],
+            base=(opt["optimizer_start_us"] - origin) / 1e3,
+            x=(opt["optimizer_end_us"] - opt["optimizer_start_us"]) / 1e3, width=0.8,
+            marker_color=COLORS["optimizer"], customdata=opt["step"],
+            hovertemplate="optimizer.step (step %{customdata})<br>%{x:.3f} ms (the collectives it issued: on "
+                          "their lanes)<extra></extra>"))
     segs = pick(sh.segments)
     for name, g in segs.groupby("name", sort=False):
         fig.add_trace(go.Bar(

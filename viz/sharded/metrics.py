@@ -148,7 +148,9 @@ def idle_units_line(hidden: int) -> str:
 
 
 def compute_sharded_steps(trace) -> pd.DataFrame:
-    """Per rank and step: step_ms, compute_ms, all_gather_ms, reduce_scatter_ms,
+    """Per rank and step: step_ms, compute_ms (the units' forward and backward),
+    optimizer_ms (the optimizer's step, with what it issued: DeepSpeed's gathers after the
+    step), all_gather_ms, reduce_scatter_ms,
     all_reduce_ms (HSDP's across replicas, the gradient norm's, the script's own; 0 without: each the time one of that kind was in
     flight, not a sum of overlapping spans), wait_ms, exposed_ms (the time communication or a
     wait for it ran with no compute beside it) and the step's memory peak (bytes; NaN on
@@ -157,6 +159,8 @@ def compute_sharded_steps(trace) -> pd.DataFrame:
     colls = with_exposed(trace)
     out = trace.steps[["rank", "step", "warmup", "incomplete"]].copy()
     out["step_ms"] = (trace.steps["end_us"] - trace.steps["start_us"]) / 1e3
+    out["optimizer_ms"] = (trace.steps["optimizer_end_us"] - trace.steps["optimizer_start_us"]) / 1e3 \
+        if "optimizer_start_us" in trace.steps else np.nan
     key = ["rank", "step"]
 
     def per(df: pd.DataFrame, col: str) -> pd.Series:
@@ -184,7 +188,8 @@ def compute_sharded_steps(trace) -> pd.DataFrame:
         out[name] = values
     exposed = exposed_per_step(colls, sh.waits, sh.segments)
     out["exposed_ms"] = exposed.reindex(idx).fillna(0.0).to_numpy() if len(exposed) else 0.0
-    order = ["compute_ms", "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "wait_ms", "peak_bytes", "exposed_ms"]
+    order = ["compute_ms", "optimizer_ms", "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "wait_ms", "peak_bytes",
+             "exposed_ms"]
     return out[[c for c in out.columns if c not in order] + order].reset_index(drop=True)
 
 

@@ -16,6 +16,7 @@ import pytest
 from ddpscope.viz.run_files import clock_alignment
 from ddpscope.viz.sharded.comm_volume import comm_honesty_lines, compute_comm_volume
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
+from ddpscope.viz.sharded.figures import make_sharded_timeline_figure
 from ddpscope.viz.sharded.metrics import (
     compute_memory_over_step,
     compute_no_unit_table,
@@ -88,6 +89,14 @@ def test_traced_fsdp2_trains_bit_identically_and_is_cut_per_unit(zero3):
     steps = compute_sharded_steps(trace)
     real = steps[~steps["warmup"]]
     assert (real["compute_ms"] + real["all_gather_ms"] + real["reduce_scatter_ms"] <= real["step_ms"] + 1e-6).all()
+    # the optimizer's step apart from them (FSDP2's units compute nothing in it), on the
+    # Timeline's compute lanes as DDP's is: one bar a rank and step, its span
+    assert (real["optimizer_ms"] > 0).all()
+    assert (real["compute_ms"] + real["optimizer_ms"] + real["all_gather_ms"] + real["reduce_scatter_ms"]
+            <= real["step_ms"] + 1e-6).all()
+    (opt,) = [d for d in make_sharded_timeline_figure(trace, steps=[1, 2]).data if d.name == "optimizer.step"]
+    spans = trace.steps[trace.steps["step"].isin([1, 2])]
+    assert sorted(opt.x) == pytest.approx(sorted((spans["optimizer_end_us"] - spans["optimizer_start_us"]) / 1e3))
     # one definition of exposed: on gloo no unit's collectives run beside another's, so the
     # units' exposed parts of a step add up to the step's exposed communication
     colls = with_exposed(trace)
