@@ -298,7 +298,7 @@ def _sharded_summary(trace, as_json: bool) -> int:
                "unfinished": trace.unfinished, "world_size": trace.world_size, "stage": sh.stage,
                "stage_reason": sh.stage_reason, "ranks": _by_rank(med),
                "units": [_json_safe(r) for r in units.astype(object).to_dict("records")],
-               "no_unit": no_unit.to_dict("records"),
+               "no_unit": [_json_safe(r) for r in no_unit.to_dict("records")],
                "model_states": stages.to_dict("records"), "model_state_notes": notes,
                "comm_volume": volume.to_dict("records"),
                "comm_D_bytes": volume.attrs["D_bytes"], "comm": comm_honesty_lines(trace)}
