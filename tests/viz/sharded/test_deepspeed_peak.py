@@ -151,6 +151,7 @@ def test_the_peak_and_buckets_at_another_reduce_bucket_size_are_the_reruns(tmp_p
     assert anchored.time_us(longer["bytes"]).sum() == pytest.approx(longer["held_ms"].sum() * 1e3, rel=1e-9)
     assert bucket_cost(traced, one_size.assign(held_ms=fixed_ms / 2)).source == bare.source
     said = run_cli("whatif", str(out), "--caps", repr(RERUN_MIB))
+    before = bucket_cost(traced)  # what whatif used, before a calibration
     calibrated = run_cli("calibrate", str(out), "--max-mb", "1", "--quiet")
     assert calibrated.returncode == 0, calibrated.stderr
     assert_each_step_moves_by_its_buckets(traced, own, predict_deepspeed_step_ms(traced, RERUN_MIB).set_index("rank"))
@@ -162,8 +163,12 @@ def test_the_peak_and_buckets_at_another_reduce_bucket_size_are_the_reruns(tmp_p
         assert len(cost.points) >= 2 and cost.source.startswith("calibration x")
         # where the run has them, they come first: the calibration changes nothing whatif says
         assert bucket_cost(traced, longer).source == anchored.source
-        assert not bucket_cost(traced).points
-        assert run_cli("whatif", str(out), "--caps", repr(RERUN_MIB)).stdout == said.stdout
+        if before.latency_us > 0:  # the run gave a fixed cost of its own (its buckets' line, or its small all-reduces)
+            assert bucket_cost(traced) == before and not before.points
+            assert run_cli("whatif", str(out), "--caps", repr(RERUN_MIB)).stdout == said.stdout
+        else:  # it gave none (the buckets took less than the small all-reduces: this machine's noise, seen once
+            # in CI): only then does the calibration's curve come in
+            assert bucket_cost(traced).source.startswith("calibration x") and not before.points
         saved = json.loads((out / "calibration.json").read_text())
         (out / "calibration.json").write_text(json.dumps({**saved, "world_size": 3}))  # other ranks: not used
         assert bucket_cost(traced, one_size, in_situ=False).source == bare.source
