@@ -111,13 +111,14 @@ def compute_no_unit_table(trace) -> pd.DataFrame:
     steps that had one, as the unit table's cells), how many, their bytes, the time one was
     in flight and the time no compute covered (ms). Empty where no unit issued any."""
     columns = ["by", "collective", "count", "bytes", "ms", "exposed_ms"]
+    real = real_steps(trace)
     colls = with_exposed(trace)
-    colls = colls[colls["step"].isin(real_steps(trace)) & (colls["unit"] == -1)]
+    colls = colls[colls["step"].isin(real) & (colls["unit"] == -1)]
     if not len(colls):
         return pd.DataFrame(columns=columns)
     colls = colls.assign(by=colls["by"].fillna(NOT_RECORDED))
     segs = trace.shards.segments
-    exposed = exposed_per_step(colls, EMPTY, segs[segs["step"].isin(real_steps(trace))], by=("by", "collective"))
+    exposed = exposed_per_step(colls, EMPTY, segs[segs["step"].isin(real)], by=("by", "collective"))
     rows = []
     for (by, kind), g in colls.groupby(["by", "collective"], sort=False):
         per = g.groupby(["rank", "step"])

@@ -248,16 +248,10 @@ def predict_run(trace: RunTrace, cap_mb: Cap, model: WhatIfModel | None = None,
         for r, res in sim["ranks"].items():
             keep.add((r, inp.step))
             _emit_rank_step(rows, measured.loc[(r, inp.step)], r, inp, res, sim, layout, bucket_bytes, names)
-    passes = trace.passes
-    if len(passes):
-        rp = passes.set_index(["rank", "step"]).index
-        others = passes[[k in keep for k in rp]]
-        rows["passes"] += _unsynced_passes(others, rows["steps"])
-    grads = trace.grads
-    if len(passes) and len(grads) and "micro" in grads:
-        # a non-syncing pass's gradients as measured: the Gantt cuts its backward at them
-        rows["grads"] += _unsynced_passes(grads[[k in keep for k in grads.set_index(["rank", "step"]).index]],
-                                          rows["steps"])
+    # the non-syncing passes (gradient accumulation) and their gradients, as measured (the Gantt
+    # cuts a pass's backward at its gradients): the same at every setting, taken once per trace
+    unsynced = trace.cache.get(("whatif_unsynced", *key)) or \
+        trace.cache.setdefault(("whatif_unsynced", *key), _unsynced(trace, keep))
     per_bucket = bucket_limits(cap_mb) if is_cap_list(cap_mb) else None
     first, cap_bytes = (max(per_bucket),) * 2 if per_bucket else cap_limits(cap_mb)
     run = {**trace.run, "status": "predicted", "bucket_cap_mb": cap_bytes / 2**20, "bucket_cap_bytes": cap_bytes,
@@ -269,10 +263,13 @@ def predict_run(trace: RunTrace, cap_mb: Cap, model: WhatIfModel | None = None,
     if len(memory):
         memory = memory[[k in keep for k in memory.set_index(["rank", "step"]).index]].reset_index(drop=True)
     buckets = frame_of(rows["buckets"], ["rank", "step", "bucket"], BUCKET_COLUMNS)
-    passes = frame_of(rows["passes"], ["rank", "step", "micro"], PASS_COLUMNS)
+    passes = _beside(frame_of(rows["passes"], ["rank", "step", "micro"], PASS_COLUMNS), unsynced[0],
+                     ["rank", "step", "micro"])
+    grads = _beside(frame_of(rows["grads"], ["rank", "step", "ready_us"], GRAD_COLUMNS), unsynced[1],
+                    ["rank", "step", "ready_us"])
     return RunTrace(path=trace.path, run=run, ranks=trace.ranks,
                     steps=fill_comm_columns(frame_of(rows["steps"], ["rank", "step"], STEP_COLUMNS), buckets, passes),
-                    buckets=buckets, grads=frame_of(rows["grads"], ["rank", "step", "ready_us"], GRAD_COLUMNS),
+                    buckets=buckets, grads=grads,
                     memory=memory, passes=passes)
 
 
@@ -315,15 +312,29 @@ def _emit_rank_step(rows, m, r, inp: StepInputs, res, sim, layout, bucket_bytes,
                                       "ready_us": rs.b0 + frac * (res["ready"][j] - rs.b0)})
 
 
-def _unsynced_passes(passes: pd.DataFrame, steps: list[dict]) -> list[dict]:
-    """Rows of non-syncing passes (gradient accumulation: passes, or their gradients) as
-    measured; the syncing one is predicted."""
-    syncing = {(s["rank"], s["step"]): int(s.get("micro_batches", 1) or 1) - 1 for s in steps}
+def _unsynced(trace: RunTrace, keep: set) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The trace's passes and gradients of the non-syncing passes (every micro-batch but a
+    step's last) of the replayed steps ``keep`` ({(rank, step)}), as measured."""
+    steps = trace.steps
+    micro = steps["micro_batches"] if "micro_batches" in steps else pd.Series(1, index=steps.index)
+    syncing = pd.Series(micro.fillna(0).clip(lower=1).astype(int).to_numpy() - 1,
+                        index=pd.MultiIndex.from_frame(steps[["rank", "step"]]))
     out = []
-    for p in passes.to_dict("records"):
-        if p["micro"] != syncing.get((p["rank"], p["step"])):
-            out.append(p)
-    return out
+    for table in (trace.passes, trace.grads):
+        if not len(trace.passes) or not len(table) or "micro" not in table:
+            out.append(table.iloc[:0])
+            continue
+        at = pd.MultiIndex.from_frame(table[["rank", "step"]])
+        mine = at.isin(list(keep)) & (table["micro"].to_numpy() != syncing.reindex(at).to_numpy())
+        out.append(table[mine])
+    return out[0], out[1]
+
+
+def _beside(predicted: pd.DataFrame, measured: pd.DataFrame, order: list[str]) -> pd.DataFrame:
+    """The predicted rows and the measured ones kept as they were, in ``order``."""
+    if not len(measured):
+        return predicted
+    return pd.concat([predicted, measured], ignore_index=True).sort_values(order, kind="stable", ignore_index=True)
 
 
 def _model_json(model: WhatIfModel) -> dict:
