@@ -37,8 +37,12 @@ def test_profiler_and_tracer_see_the_same_allreduces(profiled_run):
     # when the tracer's completion callback runs on that same thread. A rank descheduled
     # on these 2 oversubscribed cores can stretch one end by milliseconds (or more, now and
     # then): so ends agree within 1 ms in the median, and nine in ten within 15 ms.
+    # The mapping's error moves a rank's every profiler time alike, one way or the other:
+    # early is bounded by the start check, late by the ends' median (under 1 ms), so a
+    # span starts before the tracer saw it done, give or take that (it once read later
+    # under a full default suite on 2 cores, and not alone).
     assert (a["start_after_launch_ms"] >= -0.5).all(), a
-    assert (a["profile_start_us"] <= a["done_us"]).all()
+    assert (a["profile_start_us"] <= a["done_us"] + 1_000).all(), a
     ends = a["end_before_done_ms"].abs()
     assert ends.median() < 1.0 and (ends < 15.0).mean() >= 0.9, a
 
