@@ -110,7 +110,7 @@ def render_ab(path: Path, stamp: float, trace, traces: dict[str, Path]) -> None:
         st.info(f"A and B cannot be compared: {e}")
         return
     st.caption(f"A = {label_of(a_path)} ({a_setting}); B = {label_of(b_path)} ({b_setting}). "
-               "B predicted from A, and B measured.")
+               "B predicted from A, and B measured; medians over steps, each step the rank it waited for.")
     show_table(steps.round(2), key="ab_steps")
     st.plotly_chart(fig, key="ab_timeline")
     st.caption("Per bucket (medians over steps and ranks, ms from the rank's backward start): launch, time in "

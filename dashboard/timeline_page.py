@@ -217,9 +217,11 @@ def show_comparison(loaded: dict, key: str, layouts: bool = False) -> None:
     for line in differences_text(table):
         (st.warning if "not the same job" in line else st.info)(line)
     show_table(table.round(2), key=f"{key}_table")
-    st.caption("Medians over every non-warm-up step and rank. step low..high: the median's 95 % interval; "
-               "step vs first low..high: the interval of the difference to the first run (each run's steps "
-               "resampled, 2,000 times); within noise: that interval holds 0.")
+    st.caption("Medians over every non-warm-up step, each step the numbers of the rank it waited for (the least "
+               "exposed communication: the others' holds their wait for it; the step its ranks' mean). "
+               "step low..high: the median's 95 % interval; step vs first low..high: the interval of the "
+               "difference to the first run (each run's steps resampled, 2,000 times); within noise: that "
+               "interval holds 0.")
     shown = {label: median_step(t) for label, t in loaded.items()}
     shown = {label: first_real_step(loaded[label]) if s is None else s for label, s in shown.items()}
     width = max(timeline_extent_ms(t, [shown[label]]) for label, t in loaded.items())

@@ -1,11 +1,13 @@
 """Runs side by side, over all their measured steps: medians with 95 % intervals, a
 difference inside the step-to-step noise said so, and what differs besides the setting.
 
-A run's median is over its non-warm-up, finished steps and every rank's time in each
-(``compute_step_breakdown``). Its interval, and the interval of a difference between two
-runs, come from one bootstrap, the advisor's too (``viz.whatif.advisor.step_noise_ms``):
-whole steps resampled with replacement, each run on its own, ``BOOTSTRAP`` times; the
-2.5th and 97.5th percentiles. A difference whose interval holds 0 cannot be told apart
+A run's median is over its non-warm-up, finished steps, each step the numbers of the
+rank it waited for (``compute_waited_steps``: pooled over ranks, a straggler's run
+reads an exposed time between the fast ranks' and the straggler's that no rank had).
+Its interval, and the interval of a difference between two runs, come from one bootstrap,
+the advisor's too (``viz.whatif.advisor.step_noise_ms``): whole steps resampled with
+replacement, each run on its own, ``BOOTSTRAP`` times; the 2.5th and 97.5th percentiles. A
+difference whose interval holds 0 cannot be told apart
 from noise: ``within_noise``. One step of each run is never the comparison: a single
 step on a busy machine can be 3x the median (measured: a rank-0 forward of 30 ms against
 a median of 8.7 ms).
@@ -16,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ddpscope.viz.ddp.overlap import compute_step_breakdown
+from ddpscope.viz.ddp.overlap import compute_step_breakdown, compute_waited_steps
 from ddpscope.viz.trace import RunTrace
 
 BOOTSTRAP = 2000
@@ -40,7 +42,8 @@ def _boot_medians(m: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def median_interval(breakdown: pd.DataFrame, column: str = "step_ms", seed: int = 0) -> tuple[float, float, float]:
-    """(median, 2.5 %, 97.5 %) of ``column`` over a breakdown's steps and ranks; the
+    """(median, 2.5 %, 97.5 %) of ``column`` over a breakdown's steps (and its ranks, where
+    it holds several a step); the
     interval NaN with fewer than 2 steps."""
     m = _by_step(breakdown, column)
     if not m.size or np.isnan(m).all():
@@ -106,17 +109,18 @@ def same_job(a: RunTrace, b: RunTrace) -> bool:
 
 
 def compute_run_comparison(traces: dict[str, RunTrace]) -> pd.DataFrame:
-    """One row per run: bucket cap, buckets, steps compared, and the medians over ranks
-    and non-warm-up steps of step time (with its 95 % interval, ``step_ms_lo``/``_hi``),
-    communication, exposed communication (ms) and overlap %; against the first run: the
-    step and exposed differences (ms), the step difference's interval and whether it is
-    ``within_noise``, whether it is the ``same_job``, its ``layout`` and the ``conditions``
-    its ranks ran under (``conditions_text``)."""
+    """One row per run: bucket cap, buckets, steps compared, and the medians over
+    non-warm-up steps (each step its waited-for rank's, ``compute_waited_steps``) of step
+    time (with its 95 % interval, ``step_ms_lo``/``_hi``), communication, exposed
+    communication (ms) and overlap %; against the first run: the step and exposed
+    differences (ms), the step difference's interval and whether it is ``within_noise``,
+    whether it is the ``same_job``, its ``layout`` and the ``conditions`` its ranks ran
+    under (``conditions_text``)."""
     rows = []
     items = list(traces.items())
-    first = compute_step_breakdown(items[0][1]) if items else None
+    first = compute_waited_steps(items[0][1]) if items else None
     for k, (name, t) in enumerate(items):
-        b = compute_step_breakdown(t) if k else first
+        b = compute_waited_steps(t) if k else first
         med, lo, hi = median_interval(b)
         row = {"run": name, "bucket_cap_mb": t.run.get("bucket_cap_mb"),
                "buckets": len(t.run.get("bucket_layout") or []), "steps": int(b["step"].nunique()) if len(b) else 0,

@@ -16,7 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from ddpscope.viz.ddp.compare import difference_interval, within_noise
-from ddpscope.viz.ddp.overlap import compute_step_breakdown
+from ddpscope.viz.ddp.overlap import compute_waited_steps
 from ddpscope.viz.layout import LEGEND_BELOW
 from ddpscope.viz.trace import RunTrace, compute_end
 from ddpscope.viz.whatif.model import usable_steps
@@ -68,12 +68,13 @@ def compute_bucket_ab(a: RunTrace, b: RunTrace, names: tuple[str, str] = ("A", "
 
 def compute_ab_steps(a: RunTrace, predicted: RunTrace, b: RunTrace) -> pd.DataFrame:
     """Rows step, exposed communication, communication and backward (medians over every
-    measured step and rank, ms); columns ``A measured``, ``B predicted``, ``B measured``,
+    measured step, each step the rank it waited for: ``compute_waited_steps``, ms);
+    columns ``A measured``, ``B predicted``, ``B measured``,
     ``error %`` (predicted against measured), ``B - A measured`` with its 95 % interval
     (``B - A lo``, ``B - A hi``: each run's steps resampled, ``viz.ddp.compare``) and
     ``within noise`` (the interval holds 0: not a difference these runs can show)."""
     ma, mp, mb = _medians(a), _medians(predicted), _medians(b)
-    ba, bb = compute_step_breakdown(a), compute_step_breakdown(b)
+    ba, bb = compute_waited_steps(a), compute_waited_steps(b)
     rows = []
     for k in STEP_ROWS:
         err = 100.0 * (mp[k] - mb[k]) / mb[k] if mb[k] else np.nan

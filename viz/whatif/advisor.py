@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.viz.ddp.compare import median_interval
+from ddpscope.viz.ddp.overlap import compute_waited_steps
 from ddpscope.viz.trace import RunTrace, has_marks
 from ddpscope.viz.whatif.layout import MIB, Cap, cap_label, is_cap_list
 from ddpscope.viz.whatif.model import WhatIfModel, fit_model, usable_steps
@@ -52,7 +53,8 @@ _KINDS = {"traced": 0, "uniform": 1, "growing list": 2, "per-bucket list": 3}  #
 
 @dataclass(frozen=True, kw_only=True)
 class Advice:
-    """What the advisor recommends. Times are medians over steps and ranks (ms).
+    """What the advisor recommends. Times are medians over steps, each step its
+    waited-for rank's (``viz.ddp.overlap.compute_waited_steps``), in ms.
 
     ``setting``: ``bucket_cap_mb`` (a float), a ``bucket_cap_mb_list`` (a tuple of MiB) or
     None (DDP's default); the traced setting when ``change`` is False. ``best``: the
@@ -135,11 +137,11 @@ def setting_text(cap: Cap) -> str:
 
 def step_noise_ms(trace: RunTrace, seed: int = 0) -> float:
     """Half-width (ms) of the 95 % bootstrap interval of the median step time over the
-    trace's usable steps (resampling whole steps, every rank's time in each): the
-    interval Compare gives a run (``viz.ddp.compare.median_interval``), one bootstrap."""
-    s = trace.steps[trace.steps["step"].isin(usable_steps(trace))]
-    frame = pd.DataFrame({"rank": s["rank"], "step": s["step"], "step_ms": (s["end_us"] - s["start_us"]) / 1e3})
-    _, lo, hi = median_interval(frame, seed=seed)
+    trace's usable steps, each step its waited-for rank's (``compute_waited_steps``, as
+    the medians it bounds): the interval Compare gives a run
+    (``viz.ddp.compare.median_interval``), one bootstrap."""
+    w = compute_waited_steps(trace)
+    _, lo, hi = median_interval(w[w["step"].isin(usable_steps(trace))], seed=seed)
     return float(hi - lo) / 2.0 if math.isfinite(lo) and math.isfinite(hi) else float("nan")
 
 
@@ -159,7 +161,7 @@ def mark_within_noise(table: pd.DataFrame, noise_ms: float) -> pd.DataFrame:
 @dataclass(frozen=True)
 class FlagOff:
     """A prediction for the run with a flag of DDP's turned off (ms, medians over steps
-    and ranks): the best setting found then, its step, and its gain over the traced
+    of the rank each waited for): the best setting found then, its step, and its gain over the traced
     setting as the run is now."""
 
     flag: str  # what to change, as the script would write it

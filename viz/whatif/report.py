@@ -90,7 +90,7 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
                                 "notes": [n for n in (sweep.attrs.get("note"),) if n]}), indent=1, default=float))
         return 0, (trace, advice)
     print(f"{trace.path}  ranks={trace.world_size}  traced at {setting_text(advice.traced)}  "
-          "(predicted medians over steps and ranks, ms)")
+          "(predicted medians over steps, each step the rank it waited for, ms)")
     print(regime(trace))
     print(sweep[_SWEEP_COLS].round(2).fillna({"bucket_cap_mb_list": "-"}).to_string(index=False))
     if math.isfinite(advice.noise_ms):

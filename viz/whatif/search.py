@@ -86,7 +86,7 @@ class LayoutSearch:
 
     def full_ms(self, layout: list[list[int]], cap: Cap = None) -> float:
         """The median step (ms) of ``layout`` replayed on every step: the number the sweep's
-        table (``predict_run``, then ``compute_step_breakdown``) gives the same layout."""
+        table (``predict_run``, then ``compute_waited_steps``) gives the same layout."""
         key = self._key(layout, cap)
         if key not in self.full:
             self.full[key] = self._replay(layout, self._steps(True, cap))
@@ -102,14 +102,17 @@ class LayoutSearch:
         return self._at_cap[key]
 
     def _replay(self, layout: list[list[int]], inputs: list) -> float:
+        """The median over steps of the step's mean over ranks (ms), as ``compute_waited_steps``."""
         nbytes = [float(sum(self.sizes[p] for p in b)) for b in layout]
         vals = []
         for inp in inputs:
             sim = simulate_step(inp, layout, nbytes, self.model)
+            per_rank = []
             for r, res in sim["ranks"].items():
                 step_us, sync_end = self.measured[(r, inp.step)]
                 # as predict_run: the step moves by what its sync end moves
-                vals.append(step_us + (res["sync_end"] - sync_end if math.isfinite(sync_end) else 0.0))
+                per_rank.append(step_us + (res["sync_end"] - sync_end if math.isfinite(sync_end) else 0.0))
+            vals.append(sum(per_rank) / len(per_rank))
         return float(np.median(vals)) / 1e3
 
     def add(self, kind: str, cap: Cap, layout: list[list[int]] | None = None) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ddpscope.viz.ddp.overlap import compute_step_breakdown
+from ddpscope.viz.ddp.overlap import compute_waited_steps
 from ddpscope.viz.trace import RunTrace
 from ddpscope.viz.whatif.layout import cap_label, compile_note, is_cap_list, runnable
 from ddpscope.viz.whatif.model import WhatIfModel, fit_model
@@ -28,7 +28,9 @@ class _Shared(list):
 
 
 def _medians(trace: RunTrace) -> dict:
-    b = compute_step_breakdown(trace)
+    """Medians over the run's steps, each step its waited-for rank's numbers
+    (``compute_waited_steps``): step, backward, communication, exposed (ms), overlap %."""
+    b = compute_waited_steps(trace)
     return {k: float(b[k].median()) if len(b) else np.nan
             for k in ("step_ms", "backward_ms", "comm_ms", "exposed_ms", "overlap_pct")}
 
@@ -38,8 +40,9 @@ def compute_cap_sweep(trace: RunTrace, caps=DEFAULT_CAPS, model: WhatIfModel | N
     """One row per cap (MiB), and per ``bucket_cap_mb_list`` in ``lists`` (its
     ``bucket_cap_mb`` column the largest limit, ``bucket_cap_mb_list`` the list as text,
     None for a uniform cap): buckets, first bucket's cap (MiB), and the predicted medians
-    over steps and ranks of step, backward compute, communication and exposed
-    communication (ms), overlap %; ``traced`` marks the trace's own setting, replayed
+    over steps (each step its waited-for rank's: ``compute_waited_steps``) of step,
+    backward compute, communication and exposed communication (ms), overlap %; ``traced``
+    marks the trace's own setting, replayed
     (added when not among ``caps``; DDP's default, 25 MiB with a 1 MiB first bucket, is a
     row of its own beside an explicit 25). ``df.attrs``: ``predictions`` (RunTrace per
     row) and ``model``. Caps must be > 0; those the model cannot be given are left out
@@ -89,7 +92,7 @@ CHECKED = ("step_ms", "exposed_ms", "comm_ms", "backward_ms")
 
 def compute_replay_check(trace: RunTrace, sweep: pd.DataFrame) -> pd.DataFrame:
     """The run's own setting, replayed (the sweep's ``traced`` row) against what the run
-    measured, medians over steps and ranks (ms): per quantity (index: step_ms,
+    measured, medians over steps of the rank each waited for (ms): per quantity (index: step_ms,
     exposed_ms, comm_ms, backward_ms) ``replayed``, ``measured`` (as the advisor's
     measured step) and ``miss`` (replayed - measured). The miss is the model's at the
     setting it knows best, and it is in every other row of the sweep too: a row is read
@@ -113,8 +116,8 @@ def replay_check_text(check: pd.DataFrame) -> str:
     step, ex = check.loc["step_ms"], check.loc["exposed_ms"]
     return (f"at its own setting the replay reads {step['replayed']:.1f} ms a step and {ex['replayed']:.1f} ms "
             f"exposed where this run measured {step['measured']:.1f} and {ex['measured']:.1f} ms (medians over "
-            f"steps and ranks): the model's miss there ({step['miss']:+.1f} and {ex['miss']:+.1f} ms) is in every "
-            "row, so read a setting against the traced row")
+            f"steps, each step the rank it waited for): the model's miss there ({step['miss']:+.1f} and "
+            f"{ex['miss']:+.1f} ms) is in every row, so read a setting against the traced row")
 
 
 def measured_setting(trace: RunTrace) -> str:

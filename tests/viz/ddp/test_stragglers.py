@@ -7,7 +7,9 @@ import json
 import pandas as pd
 import pytest
 
+from ddpscope.viz.ddp.compare import compute_run_comparison
 from ddpscope.viz.ddp.gantt import make_timeline_figure
+from ddpscope.viz.ddp.overlap import compute_step_breakdown
 from ddpscope.viz.ddp.stragglers import compute_launch_spread, compute_straggler_summary, compute_wait_caused
 from ddpscope.viz.trace import RunTrace, load_run
 from tests.conftest import SAMPLES, run_cli
@@ -70,3 +72,15 @@ def test_a_delayed_rank_is_named_and_its_delay_measured(tmp_path):
     fig = make_timeline_figure(load_run(out))
     marks = next(d for d in fig.data if d.name.startswith("launched last"))
     assert len(marks.x) == len(compute_launch_spread(load_run(out)))
+    # the run's one number per quantity (What-if, Compare) is the late rank's, whom every step waited
+    # for: pooled with rank 0's, whose exposed time holds its 60 ms wait, the median fell between them
+    ranks = json.loads(summary.stdout)["ranks"]
+    assert ranks["0"]["exposed_ms"] > ranks["1"]["exposed_ms"] + 30
+    check = json.loads(run_cli("whatif", "--json", str(out)).stdout)["replay_check"]
+    compared = compute_run_comparison({"late": load_run(out)}).iloc[0]
+    for k in ("exposed_ms", "comm_ms", "backward_ms"):
+        assert check[k]["measured"] == pytest.approx(ranks["1"][k], rel=1e-9), k
+        assert compared[k] == pytest.approx(ranks["1"][k], rel=1e-9), k
+    # the step: its ranks' mean (they meet at every all-reduce)
+    job_step = compute_step_breakdown(load_run(out)).groupby("step")["step_ms"].mean().median()
+    assert check["step_ms"]["measured"] == pytest.approx(job_step) and compared["step_ms"] == pytest.approx(job_step)

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ddpscope.viz.ddp.overlap import compute_step_breakdown
+from ddpscope.viz.ddp.overlap import compute_step_breakdown, compute_waited_steps
 from ddpscope.viz.trace import RunTrace, TraceError, load_run
 from ddpscope.viz.whatif.advisor import step_noise_ms
 from ddpscope.viz.whatif.cost import AllReduceCost, Calibration, fit_line, read_calibration
@@ -202,6 +202,10 @@ def test_an_all_reduce_waits_for_the_last_rank_to_launch_it():
     assert (b[0] == b[1]).all()
     per_rank = compute_step_breakdown(pred).groupby("rank")["exposed_ms"].median()
     assert per_rank[0] == pytest.approx(3.0 + 2.0, abs=1e-3) and per_rank[1] == pytest.approx(3.0, abs=1e-3)
+    # each step waited for rank 1: the sweep's exposed is its 3 ms, not 4 (the median of both ranks' pooled)
+    assert (compute_waited_steps(pred)["rank"] == 1).all()
+    sweep = compute_cap_sweep(synthetic(skew_ms=2.0), [1.0], model(latency_us=3e3))
+    assert sweep.set_index("bucket_cap_mb").loc[1.0, "exposed_ms"] == pytest.approx(3.0, abs=1e-3)
 
 
 def test_a_prediction_is_drawn_by_every_figure_like_a_trace():
@@ -583,8 +587,9 @@ def test_a_backward_span_run_on_past_its_last_gradient_is_waiting_not_work():
 def test_whatif_sets_its_replay_of_the_traced_setting_beside_the_run():
     """``whatif`` on the GPT sample (1 MiB): its ``replay_check`` holds the traced row's
     replayed numbers and the run's own, read here straight off the trace's step spans and
-    communication columns (non-warm-up, finished steps, every rank), and the miss between
-    them; the text line says the same numbers."""
+    communication columns (non-warm-up, finished steps, each step the rank with the least
+    exposed communication: the one it waited for; the step its ranks' mean),
+    and the miss between them; the text line says the same numbers."""
     path = SAMPLES / "gpt-2rank-cap1mb"
     proc = run_cli("whatif", str(path), "--caps", "1,64", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -593,7 +598,10 @@ def test_whatif_sets_its_replay_of_the_traced_setting_beside_the_run():
     traced = next(c for c in out["caps"] if c["traced"])
     s = load_run(path).steps
     s = s[~s["warmup"] & ~s["incomplete"]]
-    measured = {"step_ms": float(((s["end_us"] - s["start_us"]) / 1e3).median()),
+    job = ((s["end_us"] - s["start_us"]) / 1e3).groupby(s["step"]).mean()  # the step: its ranks' mean
+    s = s.assign(exposed=s["comm_us"] - s["overlapped_us"]).sort_values(["step", "exposed", "rank"])
+    s = s.drop_duplicates("step")
+    measured = {"step_ms": float(job.median()),
                 "exposed_ms": float(((s["comm_us"] - s["overlapped_us"]) / 1e3).median()),
                 "comm_ms": float((s["comm_us"] / 1e3).median())}
     for k, v in measured.items():
