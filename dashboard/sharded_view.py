@@ -315,13 +315,16 @@ def show_rerun_check(source, rerun) -> None:
 
 
 def show_sharded_comparison(loaded: dict) -> None:
-    """Runs side by side: step time and exposed communication (medians over ranks and
-    non-warm-up steps), peak memory (the largest over them), then every run's timeline on
-    one time scale."""
+    """Runs side by side: step time and exposed communication (medians over non-warm-up
+    steps, each step the rank it waited for: ``viz.ddp.compare.waited_rows``), peak memory (the
+    largest over them), then every run's timeline on one time scale."""
     table = compute_sharded_run_comparison(loaded)
     if not len(table):
         return
     show_table(table.round(3), key="sharded_compare")
+    st.caption("step_ms, exposed_ms: medians over non-warm-up steps, each step the numbers of the rank it waited "
+               "for (the least exposed communication: the others' holds their wait for it), the step its ranks' "
+               "mean; peak_MiB: the largest over every rank and step.")
     extent = 0.0
     figs = []
     for label, t in loaded.items():

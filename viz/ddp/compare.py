@@ -1,16 +1,28 @@
 """Runs side by side, over all their measured steps: medians with 95 % intervals, a
 difference inside the step-to-step noise said so, and what differs besides the setting.
 
-A run's median is over its non-warm-up, finished steps, each step the numbers of the
-rank it waited for (``compute_waited_steps``: pooled over ranks, a straggler's run
-reads an exposed time between the fast ranks' and the straggler's that no rank had).
-Its interval, and the interval of a difference between two runs, come from one bootstrap,
-the advisor's too (``viz.whatif.advisor.step_noise_ms``): whole steps resampled with
-replacement, each run on its own, ``BOOTSTRAP`` times; the 2.5th and 97.5th percentiles. A
-difference whose interval holds 0 cannot be told apart
-from noise: ``within_noise``. One step of each run is never the comparison: a single
-step on a busy machine can be 3x the median (measured: a rank-0 forward of 30 ms against
-a median of 8.7 ms).
+A run's one number per quantity is a median over its non-warm-up, finished steps, each
+step the numbers of the rank it waited for (``waited_rows``; Compare, the What-if and its
+advisor, and the sharded runs' Compare read it). Ranks meet at every collective of a step
+(DDP's bucket all-reduces, FSDP2's and DeepSpeed's gathers and reductions), and a
+collective ends at one time on every rank, so the rank whose compute ended last is the
+one that saw least of it exposed; every other rank's exposed time holds, besides, its
+wait for that rank. That rank's row is the step: its compute and exposed communication,
+what a setting can change. Pooled over ranks, a straggler's run reads an exposed time
+between the fast ranks' and the straggler's that no rank had (a 2-rank GPT run, 30 ms of
+sleep in rank 1's forward: 59.04 ms exposed on rank 0, 8.41 on rank 1, 34.50 pooled;
+docs/whatif.md). The step's time is the mean over its ranks: a rank's steps add up to
+the others' over a run (they meet every step) and differ step to step only by where each
+drew a step's boundary; the longest of each step would read the job slower than it ran,
+and noisier.
+
+A median's interval, and the interval of a difference between two runs, come from one
+bootstrap, the advisor's too (``viz.whatif.advisor.step_noise_ms``): whole steps
+resampled with replacement, each run on its own, ``BOOTSTRAP`` times; the 2.5th and
+97.5th percentiles. A difference whose interval holds 0 cannot be told apart from noise:
+``within_noise``. One step of each run is never the comparison: a single step on a busy
+machine can be 3x the median (measured: a rank-0 forward of 30 ms against a median of
+8.7 ms).
 """
 
 from __future__ import annotations
@@ -18,11 +30,34 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ddpscope.viz.ddp.overlap import compute_step_breakdown, compute_waited_steps
+from ddpscope.viz.ddp.overlap import compute_step_breakdown
 from ddpscope.viz.trace import RunTrace
 
 BOOTSTRAP = 2000
 COLUMNS = ("step_ms", "exposed_ms", "comm_ms", "backward_ms", "overlap_pct")
+
+
+def waited_rows(per_rank: pd.DataFrame) -> pd.DataFrame:
+    """One row per step of ``per_rank`` (rows per rank and step with ``step_ms`` and
+    ``exposed_ms``, ms): the row of the rank with the least exposed communication, the
+    one the step waited for (ties, and a step no rank measured: the lowest rank), its
+    ``step_ms`` the step's mean over its ranks; sorted by step."""
+    if not len(per_rank):
+        return per_rank.reset_index(drop=True)
+    exposed = per_rank["exposed_ms"].astype(float).fillna(np.inf)
+    order = per_rank.assign(_exposed=exposed).sort_values(["step", "_exposed", "rank"], kind="stable")
+    out = order.drop_duplicates("step").drop(columns="_exposed").sort_values("step").reset_index(drop=True)
+    out["step_ms"] = out["step"].map(per_rank.groupby("step")["step_ms"].mean())
+    return out
+
+
+def compute_waited_steps(trace: RunTrace) -> pd.DataFrame:
+    """Per non-warm-up, finished step of a DDP run, one ``compute_step_breakdown`` row:
+    the rank the step waited for, its ``step_ms`` the step's mean over ranks
+    (``waited_rows``). A bucket's all-reduce ends at one time on every rank, so every
+    other rank's exposed time holds its wait for that rank (``viz.ddp.stragglers``'s wait
+    caused)."""
+    return waited_rows(compute_step_breakdown(trace))
 
 
 def _by_step(breakdown: pd.DataFrame, column: str) -> np.ndarray:

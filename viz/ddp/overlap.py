@@ -66,31 +66,6 @@ def compute_step_breakdown(trace: RunTrace, include_warmup: bool = False) -> pd.
     }, columns=cols)
 
 
-def compute_waited_steps(trace: RunTrace) -> pd.DataFrame:
-    """Per non-warm-up, finished step, one ``compute_step_breakdown`` row: the rank the
-    step waited for, i.e. the one with the least exposed communication (ties: the lowest
-    rank), with ``step_ms`` the step's mean over its ranks (the job's step: ranks meet at
-    every all-reduce, so a rank's steps add up to the others' over a run and differ
-    step to step only by where each drew a step's boundary; the longest of each step
-    would read the job slower than it ran, and noisier). A bucket's
-    all-reduce ends at one time on every rank, so the rank whose backward ended last is
-    the one that saw least of it exposed; every other rank's exposed time holds, besides,
-    its wait for that rank (``viz.ddp.stragglers``'s wait caused). The step is this
-    rank's compute and exposed communication: what a bucket setting can change. Medians
-    over these rows are a run's one number per quantity (Compare, the What-if and its
-    advisor): pooled over ranks, a straggler's run reads an exposed time between the
-    fast ranks' and the straggler's that no rank had. A step none of whose ranks
-    recorded communication keeps its lowest rank."""
-    b = compute_step_breakdown(trace)
-    if not len(b):
-        return b
-    exposed = b["exposed_ms"].astype(float).fillna(np.inf)
-    order = b.assign(_exposed=exposed).sort_values(["step", "_exposed", "rank"], kind="stable")
-    out = order.drop_duplicates("step").drop(columns="_exposed").sort_values("step").reset_index(drop=True)
-    out["step_ms"] = out["step"].map(b.groupby("step")["step_ms"].mean())
-    return out
-
-
 def compute_ddp_logging_view(trace: RunTrace, include_warmup: bool = False) -> pd.DataFrame:
     """The four durations DDP's own runtime logging reports, derived from the trace with
     DDP's definitions (ms): ``forward_compute`` (forward start -> forward end, where DDP

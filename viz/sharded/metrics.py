@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.tracer import format as fmt
-from ddpscope.viz.ddp.compare import median_interval
+from ddpscope.viz.ddp.compare import median_interval, waited_rows
 from ddpscope.viz.sharded.comm_volume import (  # noqa: F401 - moved there; 0.2's viz.sharded_metrics gave them
     accumulation_line,
     comm_honesty_lines,
@@ -346,23 +346,25 @@ def compute_sharded_run_comparison(traces: dict) -> pd.DataFrame:
     """One row per sharded run (``{label: RunTrace}``; runs without shards left out): its
     framework, ZeRO stage, ``reshard_after_forward`` (``reshard_setting``), DeepSpeed's
     ``reduce_bucket_size`` in MiB of its communication dtype (``reduce_bucket_MiB``; None
-    for FSDP2, whose reduce-scatters are per unit), the medians
-    over ranks and non-warm-up steps of step time and exposed communication (ms), the
-    largest peak over those steps (``peak_MiB``, MiB) and, for DeepSpeed, the largest
-    rank's measured model states (``model_states_MiB``, MiB; None for FSDP2)."""
+    for FSDP2, whose reduce-scatters are per unit), the medians over non-warm-up steps of
+    step time and exposed communication (ms; each step the rank it waited for, its step
+    the mean over ranks: ``viz.ddp.compare.waited_rows``), the largest peak over those steps
+    (``peak_MiB``, MiB) and, for DeepSpeed, the largest rank's measured model states
+    (``model_states_MiB``, MiB; None for FSDP2)."""
     rows = []
     for label, t in traces.items():
         if t.shards is None:
             continue
         steps = compute_sharded_steps(t)
         real = steps[~steps["warmup"] & ~steps["incomplete"]]
+        waited = waited_rows(real)
         deepspeed = t.shards.framework == "deepspeed"
         states = measured_states(t) if deepspeed else None
         bucket = (t.run.get("deepspeed") or {}).get("reduce_bucket_bytes") if deepspeed else None
         rows.append({"run": label, "framework": t.shards.framework, "stage": t.shards.stage,
                      "reshard_after_forward": reshard_setting(t),
                      "reduce_bucket_MiB": bucket / 2**20 if isinstance(bucket, (int, float)) else None,
-                     "step_ms": real["step_ms"].median(), "exposed_ms": real["exposed_ms"].median(),
+                     "step_ms": waited["step_ms"].median(), "exposed_ms": waited["exposed_ms"].median(),
                      # the steps the Run page's prediction replays (the warm-up allocates the optimizer's state)
                      "peak_MiB": real["peak_bytes"].max() / 2**20,
                      "model_states_MiB": states["persistent_bytes"].max() / 2**20

@@ -15,8 +15,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from ddpscope.viz.ddp.compare import difference_interval, within_noise
-from ddpscope.viz.ddp.overlap import compute_waited_steps
+from ddpscope.viz.ddp.compare import compute_waited_steps, difference_interval, within_noise
 from ddpscope.viz.layout import LEGEND_BELOW
 from ddpscope.viz.trace import RunTrace, compute_end
 from ddpscope.viz.whatif.model import usable_steps

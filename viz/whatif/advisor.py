@@ -33,8 +33,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
-from ddpscope.viz.ddp.compare import median_interval
-from ddpscope.viz.ddp.overlap import compute_waited_steps
+from ddpscope.viz.ddp.compare import compute_waited_steps, median_interval
 from ddpscope.viz.trace import RunTrace, has_marks
 from ddpscope.viz.whatif.layout import MIB, Cap, cap_label, is_cap_list
 from ddpscope.viz.whatif.model import WhatIfModel, fit_model, usable_steps
@@ -54,7 +53,7 @@ _KINDS = {"traced": 0, "uniform": 1, "growing list": 2, "per-bucket list": 3}  #
 @dataclass(frozen=True, kw_only=True)
 class Advice:
     """What the advisor recommends. Times are medians over steps, each step its
-    waited-for rank's (``viz.ddp.overlap.compute_waited_steps``), in ms.
+    waited-for rank's (``viz.ddp.compare.compute_waited_steps``), in ms.
 
     ``setting``: ``bucket_cap_mb`` (a float), a ``bucket_cap_mb_list`` (a tuple of MiB) or
     None (DDP's default); the traced setting when ``change`` is False. ``best``: the

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ddpscope.viz.ddp.overlap import compute_waited_steps
+from ddpscope.viz.ddp.compare import compute_waited_steps
 from ddpscope.viz.trace import RunTrace
 from ddpscope.viz.whatif.layout import cap_label, compile_note, is_cap_list, runnable
 from ddpscope.viz.whatif.model import WhatIfModel, fit_model

@@ -8,6 +8,7 @@ import pytest
 
 from ddpscope.viz.ddp.compare import (
     compute_run_comparison,
+    compute_waited_steps,
     difference_interval,
     differences_text,
     median_interval,
@@ -17,6 +18,7 @@ from ddpscope.viz.ddp.compare import (
 from ddpscope.viz.ddp.overlap import compute_step_breakdown
 from ddpscope.viz.trace import load_run
 from tests.conftest import SAMPLES
+from tests.viz.test_trace import _meta, _step_events, write_run
 
 
 def _breakdown(per_step: list[list[float]], column: str = "step_ms") -> pd.DataFrame:
@@ -99,3 +101,27 @@ def test_runs_under_other_conditions_say_so_and_runs_without_them_say_nothing():
     for unknown in ({"torch_threads": "x"}, None):  # a hand-edited run.json, a run predating them: nothing said
         b.run["conditions"] = unknown
         assert not [s for s in differences_text(compute_run_comparison({"A": a, "B": b})) if "conditions" in s]
+
+
+def test_each_step_is_the_rank_it_waited_for(tmp_path):
+    """Beside each step's bucket at [45, 75] µs, a second one: step 1, rank 0's runs 25 µs
+    past its backward (to 90), rank 1's inside the first: 10 µs exposed, the step waited
+    for rank 1. Step 2: both alike (15 µs), the lowest rank kept. Medians over these rows
+    are a run's one number (no value between ranks)."""
+    def events(rank: int, ends: dict[int, float]) -> list[dict]:
+        out = _step_events(rank, 0, 0.0)
+        for step, end in ends.items():
+            t0 = 1000.0 * step
+            out += _step_events(rank, step, t0)
+            out.append({"ph": "X", "cat": "allreduce", "name": "bucket 0", "pid": rank, "tid": 101, "ts": t0 + 45.0,
+                        "dur": end - 45.0, "args": {"step": step, "bucket": 0, "bytes": 8, "params": ["w"]}})
+        return out
+
+    runs = {0: (_meta(0, world=2), events(0, {1: 90.0, 2: 80.0})),
+            1: (_meta(1, world=2), events(1, {1: 70.0, 2: 80.0}))}
+    t = load_run(write_run(tmp_path / "r", runs))
+    w = compute_waited_steps(t)
+    assert w["step"].tolist() == [1, 2] and w["rank"].tolist() == [1, 0]
+    b = compute_step_breakdown(t).set_index(["rank", "step"])
+    assert w["exposed_ms"].tolist() == pytest.approx([b.loc[(1, 1), "exposed_ms"], b.loc[(0, 2), "exposed_ms"]])
+    assert w["exposed_ms"].tolist() == pytest.approx([0.010, 0.015])  # backward ends at 65 µs

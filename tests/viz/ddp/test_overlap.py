@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from ddpscope.viz.ddp.overlap import compute_ddp_logging_view, compute_step_breakdown, compute_waited_steps
+from ddpscope.viz.ddp.overlap import compute_ddp_logging_view, compute_step_breakdown
 from ddpscope.viz.intervals import covered, merge_intervals, merge_sorted_runs
 from ddpscope.viz.trace import load_run
 from tests.viz.test_trace import _meta, _step_events, write_run
@@ -38,30 +38,6 @@ def test_step_breakdown_and_ddp_view(tmp_path):
     assert d.backward_compute_ms == pytest.approx(0.045)  # forward end (1020) -> backward end (1065)
     assert d.backward_comm_ms == pytest.approx(0.045)  # 1045 -> 1090
     assert d.backward_compute_comm_overlap_ms == pytest.approx(0.020)  # 1045 -> 1065
-
-
-def test_each_step_is_the_rank_it_waited_for(tmp_path):
-    """Beside each step's bucket at [45, 75] µs, a second one: step 1, rank 0's runs 25 µs
-    past its backward (to 90), rank 1's inside the first: 10 µs exposed, the step waited
-    for rank 1. Step 2: both alike (15 µs), the lowest rank kept. Medians over these rows
-    are a run's one number (no value between ranks)."""
-    def events(rank: int, ends: dict[int, float]) -> list[dict]:
-        out = _step_events(rank, 0, 0.0)
-        for step, end in ends.items():
-            t0 = 1000.0 * step
-            out += _step_events(rank, step, t0)
-            out.append({"ph": "X", "cat": "allreduce", "name": "bucket 0", "pid": rank, "tid": 101, "ts": t0 + 45.0,
-                        "dur": end - 45.0, "args": {"step": step, "bucket": 0, "bytes": 8, "params": ["w"]}})
-        return out
-
-    runs = {0: (_meta(0, world=2), events(0, {1: 90.0, 2: 80.0})),
-            1: (_meta(1, world=2), events(1, {1: 70.0, 2: 80.0}))}
-    t = load_run(write_run(tmp_path / "r", runs))
-    w = compute_waited_steps(t)
-    assert w["step"].tolist() == [1, 2] and w["rank"].tolist() == [1, 0]
-    b = compute_step_breakdown(t).set_index(["rank", "step"])
-    assert w["exposed_ms"].tolist() == pytest.approx([b.loc[(1, 1), "exposed_ms"], b.loc[(0, 2), "exposed_ms"]])
-    assert w["exposed_ms"].tolist() == pytest.approx([0.010, 0.015])  # backward ends at 65 µs
 
 
 def test_a_backward_span_past_its_last_gradient_is_waiting_and_an_all_reduce_over_it_exposed(tmp_path):

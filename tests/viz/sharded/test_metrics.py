@@ -12,6 +12,7 @@ import pytest
 from ddpscope.viz.sharded.metrics import (
     NO_UNIT,
     active_units,
+    compute_sharded_run_comparison,
     compute_sharded_steps,
     compute_unit_table,
     idle_units_line,
@@ -120,3 +121,19 @@ def test_the_step_noise_is_none_for_steady_steps_bounded_by_their_spread_and_unk
     wider = sharded_step_noise_ms(_steps_of({r: list((100 + (ms[r] - 100) * 4) * 1e3) for r in (0, 1)}))
     assert wider == pytest.approx(4 * noise, rel=1e-9)  # the bootstrap resamples the same steps, seeded
     assert np.isnan(sharded_step_noise_ms(_steps_of({0: [100e3], 1: [90e3]})))
+
+
+def test_the_compare_row_is_each_step_as_the_rank_it_waited_for_its_time_the_ranks_mean():
+    """Rank 0 waits 30 µs in each step for rank 1, which waits for nothing: the run's exposed
+    communication is rank 1's (0), not 15 µs, the median pooled over both ranks that neither
+    had; the step is the mean of its ranks' (110, 110, 80 ms: 110, where pooled reads 100)."""
+    t = _steps_of({0: [100e3, 100e3, 100e3], 1: [120e3, 120e3, 60e3]})
+    starts = t.steps.query("rank == 0 and step > 0")
+    t.shards.waits = pd.DataFrame({"rank": 0, "step": starts["step"], "unit": 0,
+                                   "start_us": starts["start_us"] + 10, "end_us": starts["start_us"] + 40})
+    t.shards.units = pd.DataFrame([{"unit": 0, "name": "(root)", "root": True, "reshard_after_forward": True}])
+    t.shards.stage, t.run = 3, {}
+    steps = compute_sharded_steps(t).query("step > 0")
+    assert steps.groupby("rank")["exposed_ms"].median().tolist() == pytest.approx([0.030, 0.0])
+    row = compute_sharded_run_comparison({"run": t}).iloc[0]
+    assert row["exposed_ms"] == 0.0 and row["step_ms"] == pytest.approx(110.0)

@@ -13,7 +13,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ddpscope.viz.ddp.overlap import compute_step_breakdown, compute_waited_steps
+from ddpscope.viz.ddp.compare import compute_waited_steps
+from ddpscope.viz.ddp.overlap import compute_step_breakdown
 from ddpscope.viz.trace import RunTrace, TraceError, load_run
 from ddpscope.viz.whatif.advisor import step_noise_ms
 from ddpscope.viz.whatif.cost import AllReduceCost, Calibration, fit_line, read_calibration
