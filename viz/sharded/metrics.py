@@ -210,12 +210,15 @@ STEP_NOISE_MEANING = "its median step's 95 % bootstrap interval, x √2 for the 
 def sharded_step_noise_ms(trace) -> float:
     """How far (ms) a predicted step may sit from this run's and not be told apart from it:
     √2 x the half-width of the 95 % bootstrap interval of the run's median step (its real
-    steps, every rank's time in each; ``viz.ddp.compare.median_interval``, the interval
-    Compare gives a run), √2 for the rerun's own noise, as DDP's what-if counts it
-    (``viz.whatif.advisor.gain_noise_ms``). NaN with fewer than 2 real steps. Made once per
-    trace (a bootstrap; the page asks on every rerun)."""
+    steps, each the mean of its ranks' times, as Compare reads a run: ``waited_rows``;
+    ``viz.ddp.compare.median_interval``), √2 for the rerun's own noise, as DDP's what-if
+    counts it (``viz.whatif.advisor.gain_noise_ms``). Ranks pooled, a step whose ranks
+    differ (one ends before it launches the next) read as noise between steps that all
+    take the same time. NaN with fewer than 2 real steps. Made once per trace (a
+    bootstrap; the page asks on every rerun)."""
     if "sharded_step_noise_ms" not in trace.cache:
-        _, lo, hi = median_interval(real_sharded_steps(trace)[["rank", "step", "step_ms"]])
+        steps = waited_rows(real_sharded_steps(trace))
+        _, lo, hi = median_interval(steps[["rank", "step", "step_ms"]])
         trace.cache["sharded_step_noise_ms"] = (float(np.sqrt(2.0) * (hi - lo) / 2.0)
                                                 if np.isfinite(lo) and np.isfinite(hi) else float("nan"))
     return trace.cache["sharded_step_noise_ms"]

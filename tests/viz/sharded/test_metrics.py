@@ -123,6 +123,16 @@ def test_the_step_noise_is_none_for_steady_steps_bounded_by_their_spread_and_unk
     assert np.isnan(sharded_step_noise_ms(_steps_of({0: [100e3], 1: [90e3]})))
 
 
+def test_the_step_noise_is_between_steps_not_between_the_ranks_of_one():
+    """Three ranks whose steps each take 110 ms on average, every other one split 100, 100
+    and 130 ms among them: no step is slower than another, so no noise (pooled over ranks,
+    the bootstrap's medians moved between 100 and 110 ms)."""
+    split, even = [100e3, 100e3, 130e3], [110e3] * 3
+    steps = [split if i % 2 else even for i in range(10)]
+    t = _steps_of({r: [s[r] for s in steps] for r in range(3)})
+    assert sharded_step_noise_ms(t) == 0.0
+
+
 def test_the_compare_row_is_each_step_as_the_rank_it_waited_for_its_time_the_ranks_mean():
     """Rank 0 waits 30 µs in each step for rank 1, which waits for nothing: the run's exposed
     communication is rank 1's (0), not 15 µs, the median pooled over both ranks that neither
