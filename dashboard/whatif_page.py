@@ -4,6 +4,7 @@ real runs of the same job on the same axes, a predicted timeline beside a measur
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -17,7 +18,7 @@ from ddpscope.dashboard.run_page import page_rerun
 from ddpscope.dashboard.tables import show_table
 from ddpscope.dashboard.widget_defaults import start_from
 from ddpscope.tracer.launch.jobs import JobManager
-from ddpscope.viz.ddp.compare import compute_run_comparison, same_job
+from ddpscope.viz.ddp.compare import compute_run_comparison, compute_waited_steps, same_job, settings_apart
 from ddpscope.viz.ddp.gantt import make_timeline_figure
 from ddpscope.viz.lanes import timeline_extent_ms
 from ddpscope.viz.trace import TraceError
@@ -138,11 +139,16 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
         return
     st.caption(regime(trace))
     render_ab(path, stamp, trace, traces)
-    measured = _measured_runs(trace, traces)
+    measured, apart = _measured_runs(trace, traces)
     points = compute_measured_points(measured)
     noise = best.get("noise_ms", float("nan"))
     st.plotly_chart(make_cap_sweep_figure(sweep, points, best["bucket_cap_mb"], noise_ms=noise), key="predict_curve")
     st.caption(sweep_caption(sweep, best, noise))
+    if apart:
+        st.caption("Not on the curve: runs of this job with other settings than the cap, which the curve holds as "
+                   "this run ran them: " + "; ".join(f"{label} ({what}), {ms:.1f} ms a step" if math.isfinite(ms)
+                                                   else f"{label} ({what})" for label, (what, ms) in apart.items())
+                   + " (medians over steps, each step the rank it waited for). Compare runs sets them side by side.")
     if best.get("replay_check"):
         st.caption(best["replay_check"][0].upper() + best["replay_check"][1:] + ".")
     render_advisor(path, stamp, trace, whatif_model(str(path), stamp), jobs, busy, policy)
@@ -165,17 +171,24 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
         _projection(path, stamp, trace)
 
 
-def _measured_runs(trace, traces: dict[str, Path]) -> dict:
-    """Runs of the same job (same world size, parameters, script or demo), loaded."""
-    out = {}
+def _measured_runs(trace, traces: dict[str, Path]) -> tuple[dict, dict]:
+    """Runs of the same job (same world size, parameters, script or demo), loaded: those
+    that ran this run's settings but the cap (``{label: trace}``, the curve's measured
+    points), and those that did not (``{label: (the settings apart, median step ms)}``:
+    with ``find_unused_parameters`` off, a run at the same cap is another layout)."""
+    out, apart = {}, {}
     for label, p in traces.items():
         try:
             t = load_trace(str(p), stamp_of(p))
-            if same_job(trace, t) and t.run.get("bucket_cap_mb"):
+            if not (same_job(trace, t) and t.run.get("bucket_cap_mb")):
+                continue
+            if what := settings_apart(trace, t):
+                apart[label] = (what, float(compute_waited_steps(t)["step_ms"].median()))
+            else:
                 out[label] = t
         except Exception:  # noqa: BLE001 - a run that cannot be read is left out here; opening it says why
             continue
-    return out
+    return out, apart
 
 
 def _predicted_beside_measured(path: Path, stamp: float, trace, cap: float | str, measured: dict) -> None:

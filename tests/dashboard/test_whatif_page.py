@@ -256,3 +256,32 @@ def test_the_sweeps_caption_names_the_fastest_cap_and_why_another_stays_marked()
     far = close.assign(step_ms=[80.0, 100.0, 101.0])
     text = sweep_caption(far, recommend_cap(far), float("nan"))
     assert "1 MiB is predicted fastest (80.0 ms a step)." in text and "stays marked" not in text
+
+
+def test_a_run_at_other_settings_than_the_cap_is_not_a_measured_point_and_is_said_so(tmp_path, monkeypatch):
+    """A run of the same job at 25 MiB but with find_unused_parameters flipped (its
+    run.json edited: a trace's data) is another setting, not the curve's 25 MiB: it is left
+    off the curve and out of the table beside the prediction, and a caption names it, what
+    it changed and its step."""
+    from streamlit.testing.v1 import AppTest
+
+    from tests.conftest import ROOT
+
+    runs = tmp_path / "runs"
+    flipped = runs / "fup-25"
+    shutil.copytree(SAMPLES / "gpt-2rank-cap25mb", flipped)
+    run = json.loads((flipped / "run.json").read_text())
+    run["find_unused_parameters"] = not run["find_unused_parameters"]
+    (flipped / "run.json").write_text(json.dumps(run))
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    st_config.set_option("server.address", "127.0.0.1")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    at.sidebar.selectbox(key="trace").set_value("sample: gpt-2rank-cap1mb").run()
+    open_page(at, "What-if")
+    assert not at.exception
+    measured = {t["name"]: t for t in _predict_chart(at)["data"]}["step (measured runs)"]
+    assert sorted(measured["x"]) == [1.0, 25.0] and "run: fup-25" not in measured["text"]
+    said = next(c.value for c in at.caption if c.value.startswith("Not on the curve"))
+    assert f"run: fup-25 (find_unused_parameters={run['find_unused_parameters']}), " in said and " ms a step" in said
+    at.select_slider(key="predict_cap").set_value(25.0).run()
+    assert list(_vs_table(at)["run"]) == ["predicted at 25 MiB", "sample: gpt-2rank-cap25mb (measured)"]

@@ -143,13 +143,29 @@ def same_job(a: RunTrace, b: RunTrace) -> bool:
     return key(a.run) == key(b.run)
 
 
+#: run.json's settings a bucket-cap prediction holds fixed: a run of the same job that differs
+#: in one ran another setting, not another cap of this one (``find_unused_parameters=True``:
+#: DDP never rebuilds its buckets and all-reduces its unused-parameter map every step)
+HELD_SETTINGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "comm_hook", "backend", "device")
+
+
+def settings_apart(a: RunTrace, b: RunTrace) -> str:
+    """The settings of ``HELD_SETTINGS`` in which ``b`` differs from ``a``, as ``b`` ran them
+    (``"find_unused_parameters=False"``); "" when none. A setting one of them did not record
+    (an older trace) is not told apart."""
+    apart = [f"{k}={b.run[k]}" for k in HELD_SETTINGS
+             if k in a.run and k in b.run and a.run[k] != b.run[k]]
+    return ", ".join(apart)
+
+
 def compute_run_comparison(traces: dict[str, RunTrace]) -> pd.DataFrame:
     """One row per run: bucket cap, buckets, steps compared, and the medians over
     non-warm-up steps (each step its waited-for rank's, ``compute_waited_steps``) of step
     time (with its 95 % interval, ``step_ms_lo``/``_hi``), communication, exposed
     communication (ms) and overlap %; against the first run: the step and exposed
     differences (ms), the step difference's interval and whether it is ``within_noise``,
-    whether it is the ``same_job``, its ``layout`` and the ``conditions`` its ranks ran
+    whether it is the ``same_job``, the ``settings`` besides the cap it ran apart from
+    the first (``settings_apart``), its ``layout`` and the ``conditions`` its ranks ran
     under (``conditions_text``)."""
     rows = []
     items = list(traces.items())
@@ -166,7 +182,7 @@ def compute_run_comparison(traces: dict[str, RunTrace]) -> pd.DataFrame:
                    within_noise=within_noise(dlo, dhi) if k else None,
                    exposed_ms_vs_first=row["exposed_ms"] - (float(first["exposed_ms"].median()) if len(first)
                                                             else np.nan),
-                   same_job=same_job(items[0][1], t),
+                   same_job=same_job(items[0][1], t), settings=settings_apart(items[0][1], t),
                    layout=layout_text(t), conditions=conditions_text(t))
         rows.append(row)
     return pd.DataFrame(rows)
@@ -174,7 +190,8 @@ def compute_run_comparison(traces: dict[str, RunTrace]) -> pd.DataFrame:
 
 def differences_text(table: pd.DataFrame) -> list[str]:
     """What a reader must know before reading the differences: runs that are not the same
-    job as the first, layouts that differ, differences inside the noise."""
+    job as the first, other settings than the cap, layouts that differ, differences inside
+    the noise."""
     if len(table) < 2:
         return []
     ref = table.iloc[0]
@@ -183,6 +200,8 @@ def differences_text(table: pd.DataFrame) -> list[str]:
         if not r.same_job:
             out.append(f"{r.run} is not the same job as {ref['run']} (another model, script or world size): its "
                        "difference is not a setting's effect")
+        if isinstance(r.settings, str) and r.settings:
+            out.append(f"{r.run} ran other settings than {ref['run']} besides the bucket cap: {r.settings}")
         if r.layout != ref["layout"]:
             out.append(f"{r.run}'s buckets differ from {ref['run']}'s: {ref['layout']} → {r.layout}")
         known = isinstance(r.conditions, str) and isinstance(ref["conditions"], str)  # NaN: a run predating them

@@ -76,6 +76,18 @@ def test_samples_of_one_job_compared_with_intervals_layouts_and_noise_said():
     assert row["step_ms_vs_first_lo"] <= row["step_ms_vs_first"] <= row["step_ms_vs_first_hi"]
 
 
+def test_a_run_at_other_settings_than_the_cap_says_which_before_its_numbers():
+    """B, the same job at its own cap but with find_unused_parameters on (as Hugging Face
+    Trainer has it), a setting its layout text cannot show (two such runs at one cap list the
+    same buckets): said before the numbers; at the same settings nothing is said."""
+    a, b = (load_run(SAMPLES / n) for n in ("gpt-2rank-cap1mb", "gpt-2rank-cap1mb"))
+    assert not [s for s in differences_text(compute_run_comparison({"A": a, "B": b})) if "other settings" in s]
+    b.run["find_unused_parameters"] = True
+    table = compute_run_comparison({"A": a, "B": b})
+    assert table["settings"].tolist() == ["", "find_unused_parameters=True"] and table["layout"].nunique() == 1
+    assert "B ran other settings than A besides the bucket cap: find_unused_parameters=True" in differences_text(table)
+
+
 def test_the_median_step_is_the_one_whose_slowest_rank_is_the_median():
     t = load_run(SAMPLES / "gpt-2rank-cap1mb")
     b = compute_step_breakdown(t)

@@ -3,6 +3,7 @@ replay of a real run, the sweep, the projection, calibrate and whatif on the CLI
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -460,6 +461,23 @@ def test_runs_of_the_same_job_are_recognised():
     assert same_job(script_a, dataclass_replace_run(other, model="train", script={"path": "/p/train.py"}))
     assert not same_job(script_a, dataclass_replace_run(other, model="train", script={"path": "/q/train.py"}))
     assert not same_job(t, dataclass_replace_run(other, world_size=4))
+
+
+def test_runs_of_the_same_job_at_other_settings_than_the_cap_are_told_apart():
+    from ddpscope.viz.ddp.compare import same_job, settings_apart
+
+    t = load_run(SAMPLES / "gpt-2rank-cap1mb")
+    other = load_run(SAMPLES / "gpt-2rank-cap25mb")
+    assert settings_apart(t, other) == ""  # another cap only
+    fup = dataclass_replace_run(other, find_unused_parameters=not t.run["find_unused_parameters"])
+    assert same_job(t, fup)  # the same job, but not another cap of this run
+    assert settings_apart(t, fup) == f"find_unused_parameters={fup.run['find_unused_parameters']}"
+    hooked = dataclass_replace_run(fup, gradient_as_bucket_view=True, static_graph=True)
+    assert settings_apart(t, hooked) == "find_unused_parameters=True, static_graph=True, gradient_as_bucket_view=True"
+    hooked = dataclass_replace_run(hooked, comm_hook="fp16_compress_hook")
+    assert settings_apart(dataclass_replace_run(t, comm_hook=None), hooked).endswith(", comm_hook=fp16_compress_hook")
+    older = dataclasses.replace(other, run={k: v for k, v in fup.run.items() if k != "find_unused_parameters"})
+    assert settings_apart(t, older) == ""  # a setting a trace did not record is not told apart
 
 
 def dataclass_replace_run(t: RunTrace, **run) -> RunTrace:
