@@ -113,7 +113,10 @@ class BackwardEncoder:
         self._raise_error()
         with self._cond:
             left, self._queue = self._queue, []
-        self._work(left)
+        try:  # said as the worker says it: which thread built the failing step is chance
+            self._work(left)
+        except Exception as e:
+            raise _failed(e) from e
         self.between_steps += len(left)
 
     def facts(self) -> dict:
@@ -123,8 +126,7 @@ class BackwardEncoder:
 
     def _raise_error(self) -> None:
         if self._error is not None:
-            e = self._error
-            raise RuntimeError(f"building a step's events failed ({type(e).__name__}: {e})") from e
+            raise _failed(self._error) from self._error
 
     def _loop(self) -> None:
         while True:
@@ -148,3 +150,8 @@ class BackwardEncoder:
         with self._working:
             for events in items:
                 self._writer.add(events)
+
+
+def _failed(e: BaseException) -> RuntimeError:
+    """The error a failure to build a step's events is raised as, on whichever thread built it."""
+    return RuntimeError(f"building a step's events failed ({type(e).__name__}: {e})")

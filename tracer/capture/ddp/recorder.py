@@ -321,7 +321,13 @@ class StepRecorder:
                 self.layouts.append({"from_step": s.step, "buckets": layout})
                 layout_changed = True
         self.steps_written += len(ready)
-        self.emit(self.step_events.events(ready, nccl), self.layouts if layout_changed else None)
+        # one hand-over a step: the writer takes a hand-over whole or not at all, so a step
+        # whose events fail to build (a bug of ours) loses only itself, never a finished step
+        # resolved with it (a device behind by a few steps resolves them together)
+        for n, s in enumerate(ready):
+            last = n == len(ready) - 1
+            self.emit(self.step_events.events([s], nccl[n:n + 1] if nccl else None),
+                      self.layouts if layout_changed and last else None)
 
     def _layout_of(self, s: StepRecord) -> tuple[list[list[int]], int]:
         """The step's bucket layout (parameter indices per bucket, by bucket index) and its
