@@ -18,7 +18,7 @@ from ddpscope.dashboard.run_page import page_rerun
 from ddpscope.dashboard.tables import show_table
 from ddpscope.dashboard.widget_defaults import start_from
 from ddpscope.tracer.launch.jobs import JobManager
-from ddpscope.viz.ddp.compare import compute_run_comparison, compute_waited_steps, same_job, settings_apart
+from ddpscope.viz.ddp.compare import compute_run_comparison, same_job, settings_apart
 from ddpscope.viz.ddp.gantt import make_timeline_figure
 from ddpscope.viz.lanes import timeline_extent_ms
 from ddpscope.viz.trace import TraceError
@@ -145,10 +145,12 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
     st.plotly_chart(make_cap_sweep_figure(sweep, points, best["bucket_cap_mb"], noise_ms=noise), key="predict_curve")
     st.caption(sweep_caption(sweep, best, noise))
     if apart:
+        said = [f"{r.run} ({settings_apart(trace, apart[r.run])})" + (f", {r.step_ms:.1f} ms a step"
+                                                                      if math.isfinite(r.step_ms) else "")
+                for r in compute_measured_points(apart).itertuples()]
         st.caption("Not on the curve: runs of this job with other settings than the cap, which the curve holds as "
-                   "this run ran them: " + "; ".join(f"{label} ({what}), {ms:.1f} ms a step" if math.isfinite(ms)
-                                                   else f"{label} ({what})" for label, (what, ms) in apart.items())
-                   + " (medians over steps, each step the rank it waited for). Compare runs sets them side by side.")
+                   f"this run ran them: {'; '.join(said)} (medians over steps, each step the rank it waited for). "
+                   "Compare runs sets them side by side.")
     if best.get("replay_check"):
         st.caption(best["replay_check"][0].upper() + best["replay_check"][1:] + ".")
     render_advisor(path, stamp, trace, whatif_model(str(path), stamp), jobs, busy, policy)
@@ -172,20 +174,16 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
 
 
 def _measured_runs(trace, traces: dict[str, Path]) -> tuple[dict, dict]:
-    """Runs of the same job (same world size, parameters, script or demo), loaded: those
-    that ran this run's settings but the cap (``{label: trace}``, the curve's measured
-    points), and those that did not (``{label: (the settings apart, median step ms)}``:
-    with ``find_unused_parameters`` off, a run at the same cap is another layout)."""
+    """Runs of the same job (same world size, parameters, script or demo), loaded
+    (``{label: trace}``): those that ran this run's settings but the cap (the curve's
+    measured points), and those that did not (``settings_apart``: with
+    ``find_unused_parameters`` off, a run at the same cap is another layout)."""
     out, apart = {}, {}
     for label, p in traces.items():
         try:
             t = load_trace(str(p), stamp_of(p))
-            if not (same_job(trace, t) and t.run.get("bucket_cap_mb")):
-                continue
-            if what := settings_apart(trace, t):
-                apart[label] = (what, float(compute_waited_steps(t)["step_ms"].median()))
-            else:
-                out[label] = t
+            if same_job(trace, t) and t.run.get("bucket_cap_mb"):
+                (apart if settings_apart(trace, t) else out)[label] = t
         except Exception:  # noqa: BLE001 - a run that cannot be read is left out here; opening it says why
             continue
     return out, apart

@@ -200,7 +200,7 @@ def differences_text(table: pd.DataFrame) -> list[str]:
         if not r.same_job:
             out.append(f"{r.run} is not the same job as {ref['run']} (another model, script or world size): its "
                        "difference is not a setting's effect")
-        if isinstance(r.settings, str) and r.settings:
+        if r.settings:
             out.append(f"{r.run} ran other settings than {ref['run']} besides the bucket cap: {r.settings}")
         if r.layout != ref["layout"]:
             out.append(f"{r.run}'s buckets differ from {ref['run']}'s: {ref['layout']} → {r.layout}")
