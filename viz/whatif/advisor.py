@@ -349,7 +349,18 @@ def _advise(trace: RunTrace, search: LayoutSearch, noise: float, caps, lists, lo
     if model.steal_max_us_per_mib is not None and worth(gain):
         most = model.at_most_steal()
         worst = _medians(predict_run(trace, own, most))["step_ms"] - _medians(predict_run(trace, best, most))["step_ms"]
-    if worst is not None and not worth(worst):
+    more = len(pred_best.run["bucket_layout"]) - len(pred_own.run["bucket_layout"])
+    unmeasured_fixed = worth(gain) and more > 0 and not model.cost.latency_fitted
+    if unmeasured_fixed:
+        # each all-reduce costs its bytes alone: a layout of more buckets is predicted too fast by
+        # the fixed cost of each one added, which this trace cannot put a number on (one of fewer
+        # buckets is predicted too slow: its gain stands)
+        change, why = False, (f"no change is worth it until a fixed cost per all-reduce is measured: the best layout "
+                              f"found, {setting_text(best)}, is predicted {gain:.1f} ms faster a step with {more} "
+                              f"more all-reduce{'s' if more > 1 else ''} a step, each costing its bytes alone, and "
+                              "this trace cannot say what each costs beyond its bytes (run `ddpscope calibrate`, "
+                              "the What-if page's Calibrate, and ask again)")
+    elif worst is not None and not worth(worst):
         change, why = False, (f"no change is worth it until communication's cost to backward is measured: the best "
                               f"layout found, {setting_text(best)}, is predicted {gain:.1f} ms faster a step if "
                               f"all-reduces take no compute from backward, {abs(worst):.1f} ms "
@@ -364,6 +375,10 @@ def _advise(trace: RunTrace, search: LayoutSearch, noise: float, caps, lists, lo
         why = (f"no change is worth it: the best layout found is predicted {max(gain, 0.0):.1f} ms faster a step, "
                + (f"inside the noise (±{noise:.1f} ms)" if math.isfinite(noise) and gain <= noise else
                   f"under {100 * MIN_GAIN:.0f} % of the step"))
+    if not change and not model.cost.latency_fitted and not unmeasured_fixed:
+        # the other side of the same missing cost: fewer, larger buckets are predicted too slow
+        why += ("; no fixed cost per all-reduce was measured, so layouts of fewer, larger buckets may be faster "
+                "than predicted (run `ddpscope calibrate` and ask again)")
     chosen, m = (best, mb) if change else (own, mo)
     return Advice(setting=chosen, best=best, change=change, why=why, step_ms=m["step_ms"], exposed_ms=m["exposed_ms"],
                   buckets=len((pred_best if change else pred_own).run["bucket_layout"]), traced=own,

@@ -20,6 +20,9 @@ from ddpscope.viz.trace import TraceError
 
 CALIBRATION_FILE = "calibration.json"
 CALIBRATION_FORMAT = "ddpscope-calibration"
+#: sizes closer than this (largest / smallest) are one size to a line's fit: a fixed cost per
+#: all-reduce cannot be told from bandwidth on them (a cap's buckets are all about the cap)
+SIZE_SPREAD = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +31,11 @@ class AllReduceCost:
     a calibration, interpolated linearly between them (the line outside them);
     ``scale``: a factor on everything and ``overhead_us`` (µs) added to each all-reduce
     (the run's own buckets against the calibration: faster, or slower by a fixed cost);
-    ``source``: where the numbers came from, said to the user."""
+    ``source``: where the numbers came from, said to the user; ``latency_fitted``: False
+    where the line went through the origin because nothing measured a fixed cost (one
+    size, a line through the sizes with a negative one, or a link taken as bandwidth
+    alone): settings with more, smaller all-reduces are then predicted too fast, and with
+    fewer, larger ones too slow."""
 
     latency_us: float
     us_per_byte: float
@@ -36,6 +43,7 @@ class AllReduceCost:
     scale: float = 1.0
     overhead_us: float = 0.0
     source: str = ""
+    latency_fitted: bool = True
 
     def __post_init__(self) -> None:
         if not (np.isfinite(self.latency_us) and self.latency_us >= 0):
@@ -74,25 +82,32 @@ class AllReduceCost:
 
 
 def fit_line(nbytes, us, source: str, through_origin: bool = False) -> AllReduceCost:
-    """Least squares ``us = latency + bytes x us_per_byte`` with latency >= 0; with one
-    distinct size, a fit that says negative latency, or ``through_origin``, the line goes
-    through the origin. Raises ``ValueError`` with no positive sample."""
+    """Least squares ``us = latency + bytes x us_per_byte`` with latency >= 0; with sizes
+    less than ``SIZE_SPREAD`` apart (one size), a fit that says negative latency, or
+    ``through_origin``, the line goes through the origin (``latency_fitted`` False).
+    Raises ``ValueError`` with no positive sample."""
     m, t = np.asarray(nbytes, float), np.asarray(us, float)
     ok = np.isfinite(m) & np.isfinite(t) & (m > 0) & (t > 0)
     m, t = m[ok], t[ok]
     if not len(m):
         raise ValueError("no all-reduce to fit the cost to")
-    if through_origin:
-        per_byte = float(np.sum(m * t) / np.sum(m * m))
-        return AllReduceCost(latency_us=0.0, us_per_byte=per_byte, source=f"{source}, bandwidth only")
-    why = "one size: no latency term"
-    if len(np.unique(m)) >= 2:
-        (lat, per_byte), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(m), m]), t, rcond=None)
-        if lat >= 0 and per_byte > 0:
-            return AllReduceCost(latency_us=float(lat), us_per_byte=float(per_byte), source=source)
-        why = "through the origin (a line through its sizes had a negative latency)"
     per_byte = float(np.sum(m * t) / np.sum(m * m))
-    return AllReduceCost(latency_us=0.0, us_per_byte=per_byte, source=f"{source}, {why}")
+    if through_origin:
+        return AllReduceCost(latency_us=0.0, us_per_byte=per_byte, source=f"{source}, bandwidth only",
+                             latency_fitted=False)
+    if m.max() < SIZE_SPREAD * m.min():
+        lo, hi = m.min() / 2**20, m.max() / 2**20
+        about = f"{lo:.3g} MiB" if f"{lo:.3g}" == f"{hi:.3g}" else f"{lo:.3g} to {hi:.3g} MiB"
+        return AllReduceCost(latency_us=0.0, us_per_byte=per_byte, latency_fitted=False,
+                             source=f"{source}, one size ({about}): no latency term")
+    (lat, slope), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(m), m]), t, rcond=None)
+    if lat >= 0 and slope > 0:
+        return AllReduceCost(latency_us=float(lat), us_per_byte=float(slope), source=source)
+    # a negative fixed cost is no measurement of one (a small bucket beside backward's compute, or
+    # noise): a Trainer ResNet's two sizes said one, and its 0.25 MiB cap was predicted at half the
+    # communication a rerun measured (11.9 against 23.9 ms a step; calibrated: 23.2)
+    return AllReduceCost(latency_us=0.0, us_per_byte=per_byte, latency_fitted=False,
+                         source=f"{source}, through the origin (a line through its sizes had a negative latency)")
 
 
 @dataclass(frozen=True)
@@ -125,9 +140,18 @@ class Calibration:
 
     def unlike(self, run: dict, world_size: int) -> str | None:
         """Why this calibration does not fit a run (its run.json and world size): other
-        ranks, or another link (emulated nodes and their rate); None when it fits."""
+        ranks, another backend or device, or another link (emulated nodes and their rate);
+        None when it fits."""
         if self.world_size != world_size:
             return f"the calibration ran on {self.world_size} ranks, the run on {world_size}"
+        for what, ours in (("backend", self.backend), ("device", self.meta.get("device"))):
+            theirs = run.get(what)
+            if not (ours and theirs):
+                continue
+            # cuda:1 is cuda; a group of several backends ("cpu:gloo,cuda:nccl") holds the one calibrated
+            a, b = (str(v).split(":")[0] if what == "device" else str(v) for v in (ours, theirs))
+            if a not in b and b not in a:  # a gloo sweep on CPU is not NCCL's on GPUs
+                return f"the calibration ran on {what} {ours}, the run on {theirs}"
         ours, theirs = (_lab(d) for d in (self.meta, run))
         if ours != theirs:
             def say(lab):

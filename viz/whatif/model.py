@@ -51,6 +51,10 @@ from ddpscope.viz.intervals import covered, merge_intervals
 from ddpscope.viz.trace import RunTrace, TraceError, has_marks
 from ddpscope.viz.whatif.cost import AllReduceCost, Calibration, fit_line, read_calibration
 
+#: what a cost line through the origin means for the predictions (said where it is used)
+UNFITTED_LATENCY = ("no fixed cost per all-reduce was measured, so each costs its bytes alone: settings with "
+                    "more, smaller buckets are predicted too fast and with fewer, larger ones too slow; "
+                    "`ddpscope calibrate` measures it")
 #: all-reduces one process group runs at once: gloo's two worker threads, NCCL's one stream
 LANES = {"gloo": 2, "nccl": 1}
 MIB = 2**20
@@ -398,8 +402,11 @@ def fit_comm(trace: RunTrace, lanes: int, calibration: Calibration | None, share
             best = (err, cost, float(kappa))
     _, cost, kappa = best
     sizes = len(np.unique(nbytes))
-    note = (f"all-reduce cost from {cost.source} ({sizes} sizes): {cost.in_words()}; "
+    said = "" if "one size" in cost.source else f" ({sizes} size{'s' if sizes > 1 else ''})"
+    note = (f"all-reduce cost from {cost.source}{said}: {cost.in_words()}; "
             f"{kappa:.2f} slower beside backward compute")
+    if not cost.latency_fitted:
+        note += f"; {UNFITTED_LATENCY}"
     return cost, kappa, note
 
 

@@ -19,6 +19,8 @@ from ddpscope.viz.ddp.overlap import compute_step_breakdown
 from ddpscope.viz.trace import load_run
 from ddpscope.viz.whatif.ab import compute_ab_steps, compute_bucket_ab, compute_bucket_timing, make_ab_timeline_figure
 from ddpscope.viz.whatif.advisor import advise, list_for_layout, setting_text, step_noise_ms
+from ddpscope.viz.whatif.cost import AllReduceCost
+from ddpscope.viz.whatif.model import WhatIfModel
 from ddpscope.viz.whatif.search import LayoutSearch
 from ddpscope.viz.whatif.simulate import predict_run
 from tests.conftest import SAMPLES, run_cli
@@ -116,8 +118,14 @@ def test_whatif_json_carries_the_recommendation():
     for c in uniform:  # one replay, one number
         assert c["step_ms"] == pytest.approx(caps[float(c["setting"].split("=")[1])], rel=1e-9)
     assert all("within_noise" in c for c in out["caps"])
-    keep = json.loads(run_cli("whatif", str(SAMPLES / "mlp-2rank-cap1mb"), "--json").stdout)["recommended"]
+    assert out["all_reduce_cost"]["calibrated"] and out["all_reduce_cost"]["latency_fitted"]
+    mlp = json.loads(run_cli("whatif", str(SAMPLES / "mlp-2rank-cap1mb"), "--json").stdout)
+    keep = mlp["recommended"]
     assert not keep["change"] and keep["bucket_cap_mb"] == 1.0 and "no change" in keep["why"]
+    # its buckets all of one size, no calibration: a line through the origin, and the advice says what that hides
+    cost = mlp["all_reduce_cost"]
+    assert not cost["latency_fitted"] and not cost["calibrated"] and cost["latency_us"] == 0
+    assert "fewer, larger buckets may be faster than predicted" in keep["why"]
 
 
 def test_apply_with_nothing_to_change_reruns_nothing(tmp_path):
@@ -301,6 +309,28 @@ def test_every_candidate_step_is_the_tables_for_that_setting(sample):
     for frame in (cands, sweep):
         assert (frame["within_noise"] == (frame["step_ms"] - frame["step_ms"].min() <= advice.noise_ms)).all()
     assert sweep["within_noise"].any() and not sweep["within_noise"].all()
+
+
+def test_more_buckets_are_not_recommended_on_a_cost_with_no_measured_fixed_part():
+    """One bucket after backward, split, gains its exposed tail on a line of 2 ns a byte.
+    Where that line went through the origin because nothing measured a fixed cost per
+    all-reduce (one bucket size, no calibration), each added bucket's fixed cost is missing
+    from the gain: the advisor keeps the setting, says why and what measures it. Measured
+    as 0 µs by a calibration, the same numbers recommend the split."""
+    t = synthetic(bucket_of=[0, 0, 0, 0])
+    t.run["bucket_cap_mb"] = 100.0
+    bare = WhatIfModel(cost=AllReduceCost(latency_us=0.0, us_per_byte=2e-3, latency_fitted=False))
+    a = advise(t, bare)
+    assert not a.change and a.setting == 100.0 and a.best != 100.0 and a.gain_ms > 1.0
+    assert "until a fixed cost per all-reduce is measured" in a.why and "ddpscope calibrate" in a.why
+    assert f"{a.gain_ms:.1f} ms faster a step with {len(predict_run(t, a.best, bare).run['bucket_layout']) - 1} more" \
+        in a.why
+    measured = advise(t, replace(bare, cost=replace(bare.cost, latency_fitted=True)))
+    assert measured.change and measured.gain_ms == pytest.approx(a.gain_ms)
+    # kept for no gain: fewer, larger buckets, predicted too slow on such a line, may still be faster
+    keep = advise(t, WhatIfModel(cost=AllReduceCost(latency_us=0.0, us_per_byte=1e-12, latency_fitted=False)))
+    assert not keep.change and "layouts of fewer, larger buckets may be faster than predicted" in keep.why
+    assert "may be faster" not in advise(t, model()).why
 
 
 def test_a_gain_that_needs_an_unmeasured_steal_of_zero_changes_nothing():

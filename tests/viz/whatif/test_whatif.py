@@ -20,7 +20,7 @@ from ddpscope.viz.trace import RunTrace, TraceError, load_run
 from ddpscope.viz.whatif.advisor import step_noise_ms
 from ddpscope.viz.whatif.cost import AllReduceCost, Calibration, fit_line, read_calibration
 from ddpscope.viz.whatif.layout import assign_buckets, assign_buckets_python, bucket_limits, cap_limits
-from ddpscope.viz.whatif.model import WhatIfModel, check_predictable, fit_model
+from ddpscope.viz.whatif.model import UNFITTED_LATENCY, WhatIfModel, check_predictable, fit_model
 from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model, ring_cost
 from ddpscope.viz.whatif.report import regime
 from ddpscope.viz.whatif.simulate import predict_layout, predict_run, traced_cap
@@ -376,6 +376,11 @@ def test_cost_line_and_calibration_points():
     assert one.latency_us == 0 and "one size" in one.source
     neg = fit_line([1e6, 2e6], [1000, 3000], "test")  # two sizes whose line says -1000 µs of latency
     assert neg.latency_us == 0 and "negative latency" in neg.source and "one size" not in neg.source
+    assert line.latency_fitted and not neg.latency_fitted and not one.latency_fitted
+    # a 1 MiB cap's buckets (1.002 and 1.006 MiB): one size to a line, whatever least squares says of them
+    near = fit_line([1050624, 1054720, 1050624], [2900, 2800, 2950], "test")
+    assert near.latency_us == 0 and not near.latency_fitted and "one size (1 to 1.01 MiB)" in near.source
+    assert not fit_line([1e6, 4e6], [1000, 3000], "test", through_origin=True).latency_fitted
     pts = AllReduceCost(latency_us=0, us_per_byte=1e-3, points=((1e3, 50.0), (1e6, 500.0)))
     assert pts.time_us(5.005e5) == pytest.approx(275.0) and pts.time_us(2e6) == pytest.approx(2000.0)
     with pytest.raises(ValueError):
@@ -385,6 +390,33 @@ def test_cost_line_and_calibration_points():
     assert pts.with_scale(0.5, "test").time_us(2e6) == pytest.approx(1000.0)
     with pytest.raises(ValueError, match="overhead"):
         pts.with_overhead(-1.0, "test")
+
+
+def test_a_trace_of_one_bucket_size_says_its_cost_has_no_fixed_part():
+    """The MLP's 1 MiB cap makes 15 buckets of 1.00-1.01 MiB: the line through them has no
+    fixed cost per all-reduce, and the model says what that does to its predictions
+    (benchmarks/whatif.py measures it against reruns). The GPT's 1 MiB cap leaves buckets of
+    5 sizes, over 2x apart: its own line has a fixed cost, with or without its calibration."""
+    alone = fit_model(load_run(SAMPLES / "mlp-2rank-cap1mb"))
+    assert not alone.cost.latency_fitted and "one size (1 to 1.01 MiB)" in alone.cost.source
+    assert any(UNFITTED_LATENCY in n for n in alone.notes)
+    gpt = load_run(SAMPLES / "gpt-2rank-cap1mb")
+    for model in (fit_model(gpt), fit_model(gpt, calibration=None)):
+        assert model.cost.latency_fitted and not any(UNFITTED_LATENCY in n for n in model.notes)
+    assert fit_model(gpt, calibration=None).cost.latency_us > 0
+
+
+def test_a_calibration_of_another_backend_or_device_is_not_used():
+    cal = Calibration(sizes=(4096.0, 2**20), us=(100.0, 900.0), world_size=2, backend="gloo",
+                      meta={"device": "cpu"})
+    assert cal.unlike({"backend": "gloo", "device": "cpu"}, 2) is None
+    assert cal.unlike({"backend": "cpu:gloo,cuda:nccl", "device": "cpu"}, 2) is None  # the group holds gloo
+    assert cal.unlike({"backend": "nccl", "device": "cuda:0"}, 2) == \
+        "the calibration ran on backend gloo, the run on nccl"
+    assert cal.unlike({"backend": "gloo", "device": "cuda:1"}, 2) == \
+        "the calibration ran on device cpu, the run on cuda:1"
+    on_gpu = Calibration(sizes=(4096.0, 2**20), us=(10.0, 90.0), world_size=2, backend="nccl", meta={"device": "cuda"})
+    assert on_gpu.unlike({"backend": "nccl", "device": "cuda:1"}, 2) is None  # cuda:1 is cuda
 
 
 def test_a_run_slower_than_its_calibration_pays_a_fixed_cost_per_all_reduce_not_a_factor():
