@@ -101,7 +101,8 @@ def _job_status(jobs: JobManager, runs_dir: Path, refresh_s: float = 0.0) -> Non
     if st.session_state.pop("job_was_running", False):
         st.rerun(scope="app")  # list the new run everywhere, and show it beside its source
     show_outcome(job, where={"ddp": "on the Run tab", "ring": "on the Ring all-reduce tab",
-                             "zero": "on the Memory (ZeRO) tab"}[job.kind])
+                             "zero": "on the Memory (ZeRO) tab",
+                             "calibrate": "on the What-if tab, whose predictions now use it"}[job.kind])
 
 
 def show_progress(job) -> None:

@@ -11,7 +11,7 @@ import pandas as pd
 import streamlit as st
 
 from ddpscope.dashboard.advisor_view import render_ab, render_advisor
-from ddpscope.dashboard.catalog import label_of, stamp_of
+from ddpscope.dashboard.catalog import SAMPLES, label_of, stamp_of, uploads_dir
 from ddpscope.dashboard.job_controls import CommandPolicy, job_button, widget_now
 from ddpscope.dashboard.loaders import events_trace, first_real_step, load_trace
 from ddpscope.dashboard.run_page import page_rerun
@@ -23,9 +23,10 @@ from ddpscope.viz.ddp.gantt import make_timeline_figure
 from ddpscope.viz.lanes import timeline_extent_ms
 from ddpscope.viz.trace import TraceError
 from ddpscope.viz.whatif.advisor import gain_noise_ms, mark_within_noise
+from ddpscope.viz.whatif.cost import read_calibration
 from ddpscope.viz.whatif.figures import make_cap_sweep_figure
 from ddpscope.viz.whatif.layout import cap_label, is_cap_list
-from ddpscope.viz.whatif.model import fit_model
+from ddpscope.viz.whatif.model import UNFITTED_LATENCY, fit_model
 from ddpscope.viz.whatif.projection import LINK_PRESETS, Link, project_model
 from ddpscope.viz.whatif.report import regime
 from ddpscope.viz.whatif.simulate import predict_run, traced_cap
@@ -138,6 +139,7 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
         st.info(f"No prediction for this trace: {e}")
         return
     st.caption(regime(trace))
+    _calibration(path, trace, jobs, busy)
     render_ab(path, stamp, trace, traces)
     measured, apart = _measured_runs(trace, traces)
     points = compute_measured_points(measured)
@@ -171,6 +173,37 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
     _run_at_cap(path, trace, cap, jobs, busy, policy)
     with st.expander("Projection: another world size and link"):
         _projection(path, stamp, trace)
+
+
+def _calibration(path: Path, trace, jobs: JobManager, busy: bool) -> None:
+    """Without a calibration of these ranks: what the prediction lacks, and a button that
+    measures it here (``ddpscope calibrate``, into the run's folder, which renews the page's
+    model). Not for a run from elsewhere: this machine's links are not the ones it ran on."""
+    try:
+        calibration = read_calibration(path)
+    except TraceError:  # said where the model failed on it
+        return
+    unlike = calibration.unlike(trace.run, trace.world_size) if calibration is not None else None
+    if calibration is not None and unlike is None:
+        return
+    if unlike is not None:
+        st.caption(f"The calibration in this run's folder is not used: {unlike}.")
+    cost = whatif_model(str(path), stamp_of(path)).cost
+    fitted = cost.source.removeprefix("the run's own buckets, ")
+    said = (f"No calibration of these ranks. The all-reduce cost is fitted to this run's buckets: {fitted}. "
+            f"{UNFITTED_LATENCY[0].upper()}{UNFITTED_LATENCY[1:]}." if not cost.latency_fitted else
+            "No calibration of these ranks: each all-reduce's cost is fitted to this run's buckets alone, and "
+            "what it takes from backward's compute to what the trace shows.")
+    (st.warning if not cost.latency_fitted else st.caption)(said)
+    if path.parent in (uploads_dir(), SAMPLES):
+        st.caption("Calibrating is off for this run: it ran on another machine (an upload or a sample), whose "
+                   "links are not this one's.")
+        return
+    job_button("Calibrate these ranks", "predict_calibrate", jobs.start_calibrate, lambda: {"run": path},
+               disabled=busy,
+               help=f"`ddpscope calibrate` on {trace.world_size} ranks, as the run had: all-reduces of 4 KiB to "
+                    "256 MiB alone and beside backward-like compute (under a minute on a small machine); the "
+                    "predictions here then use it.")
 
 
 def _measured_runs(trace, traces: dict[str, Path]) -> tuple[dict, dict]:

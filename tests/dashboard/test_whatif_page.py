@@ -285,3 +285,35 @@ def test_a_run_at_other_settings_than_the_cap_is_not_a_measured_point_and_is_sai
     assert f"run: fup-25 (find_unused_parameters={run['find_unused_parameters']}), " in said and " ms a step" in said
     at.select_slider(key="predict_cap").set_value(25.0).run()
     assert list(_vs_table(at)["run"]) == ["predicted at 25 MiB", "sample: gpt-2rank-cap25mb (measured)"]
+
+
+@pytest.mark.ddp
+def test_a_run_without_a_calibration_says_what_its_prediction_lacks_and_calibrates_it_here(tmp_path, monkeypatch):
+    """The MLP's 1 MiB buckets are all one size: the page says the prediction has no fixed
+    cost per all-reduce, and its button runs `ddpscope calibrate` on the run (real ranks,
+    into the run's folder); the page then predicts from the calibration and says nothing
+    more. The bundled sample ran elsewhere: no button, and why."""
+    from streamlit.testing.v1 import AppTest
+
+    from tests.conftest import ROOT
+
+    runs = tmp_path / "runs"
+    shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", runs / "mlp")
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    st_config.set_option("server.address", "127.0.0.1")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    at.sidebar.selectbox(key="trace").set_value("sample: mlp-2rank-cap1mb").run()
+    open_page(at, "What-if")
+    assert any(w.value.startswith("No calibration of these ranks") and "one size" in w.value for w in at.warning)
+    assert any("Calibrating is off for this run" in c.value for c in at.caption)
+    assert "predict_calibrate" not in [b.key for b in at.button]
+    at.sidebar.selectbox(key="trace").set_value("run: mlp").run()
+    assert any("fewer, larger ones too slow" in w.value for w in at.warning)
+    at.button(key="predict_calibrate").click().run()
+    assert at.get("progress")
+    wait_for_job(at)
+    assert (runs / "mlp" / "calibration.json").is_file() and [p.name for p in runs.iterdir()] == ["mlp"]
+    assert any("whose predictions now use it" in s.value for s in at.sidebar.success)
+    assert not any(w.value.startswith("No calibration") for w in at.warning)
+    assert "predict_calibrate" not in [b.key for b in at.button] and not at.exception
+    assert any(c.value.startswith("all-reduce cost from calibration") for c in at.caption)  # the model's notes

@@ -1,11 +1,12 @@
 """Runs started from the dashboard: one at a time, in a background thread, with progress.
 
-``JobManager.start`` (a traced training run: a script, or the demo), ``start_ring`` and
-``start_zero`` launch the same runners as the command line unless a job is already
-going (a second click neither starts a second job nor disturbs the first; one job at a
-time because every job wants all the cores). Each run gets its own new folder under
-``runs_dir``, named by the manager, never by the user. ``Job.source`` remembers the run
-a rerun came from, so the page can show the two side by side.
+``JobManager.start`` (a traced training run: a script, or the demo), ``start_ring``,
+``start_zero`` and ``start_calibrate`` launch the same runners as the command line unless
+a job is already going (a second click neither starts a second job nor disturbs the
+first; one job at a time because every job wants all the cores). Each run gets its own
+new folder under ``runs_dir``, named by the manager, never by the user; a calibration
+writes into the run it calibrates, as ``ddpscope calibrate`` does. ``Job.source``
+remembers the run a rerun came from, so the page can show the two side by side.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from typing import Callable
 
 from ddpscope.tracer.format import RUN_FILE
 from ddpscope.tracer.launch import torchrun
+from ddpscope.tracer.launch.calibrate import CalibrateConfig, run_calibrate
 from ddpscope.tracer.launch.own_jobs import RingConfig, ZeroConfig, run_ring, run_zero
 from ddpscope.tracer.launch.runner import RunConfig, run_job
 from ddpscope.tracer.launch.torchrun import LaunchResult
 from ddpscope.tracer.progress import MESSAGE_PREFIX
 from ddpscope.tracer.writer import update_run_json
 
-Config = RunConfig | RingConfig | ZeroConfig
+Config = RunConfig | RingConfig | ZeroConfig | CalibrateConfig
 # a job past its last step ends within about this (s): the trace closed, the ranks exiting
 # (~0.1 s from the warm launcher, ~1.1 s cold; benchmarks/rerun.py's "finish")
 FINISH_WAIT_S = 1.5
@@ -36,8 +38,8 @@ class Job:
 
     out: Path
     config: Config
-    kind: str = "ddp"  # "ddp", "ring" or "zero"
-    total: int = 1  # steps, rounds or stages to do
+    kind: str = "ddp"  # "ddp", "ring", "zero" or "calibrate"
+    total: int = 1  # steps, rounds, stages or sizes (and the contention phase) to do
     done: int = 0
     last_ms: float | None = None
     lines: list[str] = field(default_factory=list)
@@ -69,7 +71,7 @@ class Job:
 
     @property
     def unit(self) -> str:
-        return {"ddp": "step", "ring": "round", "zero": "stage"}[self.kind]
+        return {"ddp": "step", "ring": "round", "zero": "stage", "calibrate": "size"}[self.kind]
 
     @property
     def running(self) -> bool:
@@ -98,7 +100,8 @@ def safe_label(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[:40] or "run"
 
 
-_RUNNERS: dict[type, Callable] = {RunConfig: run_job, RingConfig: run_ring, ZeroConfig: run_zero}
+_RUNNERS: dict[type, Callable] = {RunConfig: run_job, RingConfig: run_ring, ZeroConfig: run_zero,
+                                  CalibrateConfig: run_calibrate}
 
 
 class JobManager:
@@ -152,6 +155,20 @@ class JobManager:
         return self._start(lambda out: ZeroConfig(out=out, model=model, nproc=nproc, stages=stages,
                                                   timeout_s=timeout_s), "zero", len(stages.split(",")))
 
+    def start_calibrate(self, *, run: Path, max_mb: float | None = None, timeout_s: float = 600.0) -> Job | None:
+        """Calibrate a traced run (``ddpscope calibrate RUN [--max-mb]``): all-reduce times
+        and contention on its ranks, written as ``calibration.json`` into ``run`` itself,
+        which the What-if page's model then reads; as ``start``."""
+        more = {} if max_mb is None else {"max_mb": max_mb}
+        cfg = CalibrateConfig(run=run, timeout_s=timeout_s, **more)  # validates: ValueError says why not
+        with self._lock:
+            if self.current is not None and self.current.running:
+                return None
+            # the sizes it sweeps, and the contention phase after them; the job's start says how many
+            self.current = job = Job(out=Path(run), config=cfg, kind="calibrate", total=0)
+        threading.Thread(target=self._run, args=(job,), name="ddpscope-job", daemon=True).start()
+        return job
+
     def _start(self, make: Callable[[Path], Config], kind: str, total: int, source: Path | None = None,
                facts: dict | None = None) -> Job | None:
         with self._lock:
@@ -178,6 +195,10 @@ class JobManager:
                 job.done, job.last_ms = int(rec["round"]), rec.get("ring_ms")
             elif event == "stage":
                 job.done += 1
+            elif event == "start" and job.kind == "calibrate":
+                job.total = int(rec.get("sizes") or 0) + 1
+            elif event in ("size", "done") and job.kind == "calibrate":
+                job.done = job.total if event == "done" else job.done + 1
 
         def output(rank, line: str, err: bool) -> None:
             job.lines = (job.lines + [line])[-50:]

@@ -189,7 +189,8 @@ def main(argv=None) -> None:
     try:
         rank = dist.get_rank()
         if rank == 0:
-            progress(event="start", world_size=dist.get_world_size(), backend=dist.get_backend())
+            progress(event="start", world_size=dist.get_world_size(), backend=dist.get_backend(),
+                     sizes=len(sizes(int(args.max_mb * 2**20))))
         rows = sweep(device, int(args.max_mb * 2**20), args.budget_s, rank)
         small, large = (contention(device, n) for n in CONTENTION_BYTES)
         cont = {"compute_slowdown": large["compute_slowdown"], "comm_slowdown": large["comm_slowdown"],

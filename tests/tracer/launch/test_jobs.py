@@ -1,10 +1,12 @@
 """Runs started for the dashboard: one at a time, each in its own folder."""
 
+import shutil
 import time
 
 import pytest
 
 from ddpscope.tracer.launch.jobs import JobManager
+from tests.conftest import SAMPLES
 
 pytestmark = pytest.mark.ddp
 
@@ -37,6 +39,36 @@ def test_one_job_at_a_time_across_kinds_and_ring_progress(tmp_path):
         jobs.start_zero(model="mlp", nproc=2, stages="5")
     with pytest.raises(ValueError, match="a ring needs two ranks: give --nproc 2 or more, or --emulate-nodes 2"):
         jobs.start_ring(nproc=1, mb=1.0, repeat=1)
+
+
+def test_a_calibration_writes_into_the_run_it_calibrates_and_counts_its_sizes(tmp_path):
+    """``ddpscope calibrate`` from the dashboard: no new folder, the run's own gets
+    ``calibration.json``, which the what-if then reads (the sample's buckets are all ~1 MiB:
+    before it, nothing measured a fixed cost per all-reduce); progress is the sizes swept
+    (4 KiB x 4 up to 1 MiB: 5) and the contention phase."""
+    from ddpscope.viz.trace import load_run
+    from ddpscope.viz.whatif.cost import read_calibration
+    from ddpscope.viz.whatif.model import fit_model
+
+    run = tmp_path / "runs" / "mlp"
+    shutil.copytree(SAMPLES / "mlp-2rank-cap1mb", run)
+    assert not fit_model(load_run(run)).cost.latency_fitted
+    jobs = JobManager(tmp_path / "runs")
+    job = jobs.start_calibrate(run=run, max_mb=1.0)
+    assert job is not None and job.kind == "calibrate" and job.out == run and job.unit == "size"
+    assert jobs.start(demo="mlp", nproc=2, bucket_cap_mb=1.0, steps=3) is None  # one job at a time
+    deadline = time.monotonic() + 120
+    while job.running and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert job.ok, job.error or job.result.reason
+    assert (job.done, job.total) == (6, 6)
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["mlp"]
+    cal = read_calibration(run)
+    assert cal is not None and [int(b) for b in cal.sizes] == [4096, 16384, 65536, 262144, 2**20]
+    model = fit_model(load_run(run))
+    assert model.cost.latency_fitted and "calibration" in model.cost.source
+    with pytest.raises(ValueError, match="not a run folder"):
+        jobs.start_calibrate(run=tmp_path)
 
 
 def test_settle_waits_for_a_job_past_its_last_step_to_end_once_and_never_before(tmp_path):
