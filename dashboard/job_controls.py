@@ -108,6 +108,10 @@ def _job_status(jobs: JobManager, runs_dir: Path, refresh_s: float = 0.0) -> Non
 def show_progress(job) -> None:
     total = job.total or 0
     text = f"{job.out.name}: {job.unit} {job.done}" + (f"/{total}" if total else "")
+    if job.kind == "calibrate":  # its sizes are said as their last pass ends
+        sizes = max(total - 1, 0)  # then the contention phase
+        text = f"calibrating {job.out.name}: " + (f"all-reduce sizes {min(job.done, sizes)}/{sizes}, then contention "
+                                                  "beside compute" if total else "starting")
     if job.last_ms and job.kind == "ddp":
         text += f" · {job.last_ms:.0f} ms"
     st.progress(min(job.done / total, 1.0) if total else 0.0, text=text)
