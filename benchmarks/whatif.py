@@ -1,7 +1,7 @@
 """What-if accuracy: predictions from one trace against real reruns at each cap.
 
     python -m benchmarks.whatif [--steps 20] [--rounds 2] [--models gpt,mlp,wide,compiled] [--no-calibrate]
-                                [--link loopback|1gbit|200mbit|...] [--work DIR] [--smoke]
+                                [--base-cap MB] [--link loopback|1gbit|200mbit|...] [--work DIR] [--smoke]
     python -m benchmarks.whatif --from DIR [--models ...]
 
 For each model (the demo GPT and MLP, and ``wide``: a script with a few large
@@ -20,6 +20,11 @@ run's forward over the trace's. Every run goes through the ``ddpscope`` command,
 after another (nothing else should run on the machine meanwhile). ``--link RATE`` runs
 every job (and the calibration) on 2 emulated nodes of 1 rank each over a link shaped to
 RATE (the lab: ``docs/cluster.md``; root).
+
+``--base-cap MB`` traces the base at that cap instead (a uniform cap's buckets are mostly
+the cap: one size, which cannot tell a fixed cost per all-reduce from bandwidth). With a
+calibration, each model's summary also says the step MAE of the same predictions made
+without it ("uncalibrated"), side by side on the same real runs.
 
 Goals (issues 10 and 33): replaying the traced cap within 5 %; mean absolute error over
 the sweep <= 10 % on step time on loopback, <= 5 % in the lab; on exposed
@@ -156,6 +161,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds of trace + real runs at every cap")
     p.add_argument("--models", help="comma-separated (default gpt,mlp,wide; with --from, every model kept there)")
     p.add_argument("--no-calibrate", action="store_true")
+    p.add_argument("--base-cap", type=float, default=None,
+                   help="trace the base at this bucket_cap_mb (MiB) instead of the script's own")
     p.add_argument("--link", default="loopback",
                    help="loopback (2 ranks on this machine) or a link rate (1gbit, 200mbit, ...): 2 emulated nodes "
                         "of 1 rank over it (root: network namespaces)")
@@ -187,11 +194,12 @@ def main() -> None:
         cal, cal_s, notes = None, 0.0, []
         caps = tuple(c for c in all_caps if c >= SMALLEST_CAP.get(model, 0.0))
         rows: dict[object, list[tuple]] = {c: [] for c in ("replay", *caps)}  # (pred, meas, drift) per round
+        bare: dict[float, list[float]] = {c: [] for c in caps}  # |step error| % predicted without the calibration
         predict_s = run_s = 0.0
         for rnd in range(args.rounds):
             base = work / f"{model}-r{rnd}-base"
             if not again:  # else traced (and calibrated) before
-                trace(model, base, None, args.steps, work, args.link)
+                trace(model, base, args.base_cap, args.steps, work, args.link)
                 if rnd == 0 and not args.no_calibrate:
                     t0 = time.perf_counter()
                     ddpscope("calibrate", str(base))
@@ -203,6 +211,7 @@ def main() -> None:
             m = fit_model(t)
             traced = medians(t)
             preds = {c: medians(predict_run(t, c, m)) for c in caps}
+            m_bare = fit_model(t, calibration=None) if (base / "calibration.json").exists() else None
             rows["replay"].append((medians(predict_run(t, traced_cap(t), m)), traced, 1.0))
             predict_s += time.perf_counter() - t0
             notes = list(m.notes)
@@ -211,7 +220,11 @@ def main() -> None:
                 run_s += 0.0 if again else trace(model, out, cap, args.steps, work, args.link)
                 real = medians(load_run(out))
                 rows[cap].append((preds[cap], real, real[2] / traced[2]))  # forward: the machine's speed
-        print(f"\n== {model} over {args.link}: traced at its script's own cap ({len(t.run['bucket_layout'])} buckets), "
+                if m_bare is not None:
+                    bare[cap].append(abs(medians(predict_run(t, cap, m_bare))[0] - real[0]) / real[0] * 100)
+        own = traced_cap(t)
+        at = "its script's own cap" if own is None else f"bucket_cap_mb={own}"
+        print(f"\n== {model} over {args.link}: traced at {at} ({len(t.run['bucket_layout'])} buckets), "
               f"{t.world_size} ranks, {args.steps} steps; {args.rounds} rounds of trace + a real run per cap"
               + (f"; predicted again from the runs kept in {work}" if again else
                  "" if args.no_calibrate else f"; calibrate took {cal_s:.1f} s"), flush=True)
@@ -239,6 +252,9 @@ def main() -> None:
               f"{'on loopback' if goal == 10 else 'in the lab'}), "
               f"{mae_adj:.1f}% with the machine's drift taken out; exposed within 15% or 2 ms: {ok}/{n}, "
               f"MAE {statistics.mean(s[2] for s in sweep):.1f} ms")
+        if all(bare.values()):
+            print(f"uncalibrated (the same trace and runs, the calibration left out): step MAE "
+                  f"{statistics.mean(statistics.mean(v) for v in bare.values()):.1f}% against {mae:.1f}% with it")
         print(f"noise: forward (untouched by the cap) moved {statistics.median(drift):.1f}% (median) between a "
               f"round's trace and its real runs; predicting took {predict_s:.2f} s, the real runs {run_s:.0f} s",
               flush=True)
