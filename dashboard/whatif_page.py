@@ -139,7 +139,7 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
         st.info(f"No prediction for this trace: {e}")
         return
     st.caption(regime(trace))
-    _calibration(path, trace, jobs, busy)
+    _calibration(path, stamp, trace, jobs, busy)
     render_ab(path, stamp, trace, traces)
     measured, apart = _measured_runs(trace, traces)
     points = compute_measured_points(measured)
@@ -175,20 +175,17 @@ def render_whatif(path: Path, trace, traces: dict[str, Path], jobs: JobManager, 
         _projection(path, stamp, trace)
 
 
-def _calibration(path: Path, trace, jobs: JobManager, busy: bool) -> None:
+def _calibration(path: Path, stamp: float, trace, jobs: JobManager, busy: bool) -> None:
     """Without a calibration of these ranks: what the prediction lacks, and a button that
     measures it here (``ddpscope calibrate``, into the run's folder, which renews the page's
     model). Not for a run from elsewhere: this machine's links are not the ones it ran on."""
-    try:
-        calibration = read_calibration(path)
-    except TraceError:  # said where the model failed on it
+    cost = whatif_model(str(path), stamp).cost
+    if cost.calibrated:
         return
-    unlike = calibration.unlike(trace.run, trace.world_size) if calibration is not None else None
-    if calibration is not None and unlike is None:
-        return
-    if unlike is not None:
-        st.caption(f"The calibration in this run's folder is not used: {unlike}.")
-    cost = whatif_model(str(path), stamp_of(path)).cost
+    calibration = read_calibration(path)  # read by the model without an error: there, not used
+    if calibration is not None:
+        st.caption(f"The calibration in this run's folder is not used: "
+                   f"{calibration.unlike(trace.run, trace.world_size)}.")
     fitted = cost.source.removeprefix("the run's own buckets, ")
     said = (f"No calibration of these ranks. The all-reduce cost is fitted to this run's buckets: {fitted}. "
             f"{UNFITTED_LATENCY[0].upper()}{UNFITTED_LATENCY[1:]}." if not cost.latency_fitted else

@@ -161,27 +161,29 @@ class JobManager:
         which the What-if page's model then reads; as ``start``."""
         more = {} if max_mb is None else {"max_mb": max_mb}
         cfg = CalibrateConfig(run=run, timeout_s=timeout_s, **more)  # validates: ValueError says why not
-        with self._lock:
-            if self.current is not None and self.current.running:
-                return None
-            # the sizes it sweeps, and the contention phase after them; the job's start says how many
-            self.current = job = Job(out=Path(run), config=cfg, kind="calibrate", total=0)
-        threading.Thread(target=self._run, args=(job,), name="ddpscope-job", daemon=True).start()
-        return job
+        # total: the sizes it sweeps and the contention phase after them, said by the job's start
+        return self._begin(lambda: Job(out=Path(run), config=cfg, kind="calibrate", total=0))
 
     def _start(self, make: Callable[[Path], Config], kind: str, total: int, source: Path | None = None,
                facts: dict | None = None) -> Job | None:
-        with self._lock:
-            if self.current is not None and self.current.running:
-                return None
+        def job() -> Job:
             base = make(self.runs_dir / "pending")  # validates: ValueError names the setting
             out = self.runs_dir / run_name(base)
             n = 1
             while out.exists():
                 out = self.runs_dir / f"{run_name(base)}-{n}"
                 n += 1
-            job = Job(out=out, config=replace(base, out=out), kind=kind, total=total, source=source, facts=facts)
-            self.current = job
+            return Job(out=out, config=replace(base, out=out), kind=kind, total=total, source=source, facts=facts)
+
+        return self._begin(job)
+
+    def _begin(self, make_job: Callable[[], Job]) -> Job | None:
+        """Run the job ``make_job`` builds (under the lock: its folder is chosen once) in a
+        thread of its own; None, building nothing, while another job runs."""
+        with self._lock:
+            if self.current is not None and self.current.running:
+                return None
+            self.current = job = make_job()
         threading.Thread(target=self._run, args=(job,), name="ddpscope-job", daemon=True).start()
         return job
 

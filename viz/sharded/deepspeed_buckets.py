@@ -169,7 +169,7 @@ def cost_in_words(cost: AllReduceCost, run_dir) -> str:
     """``bucket_cost``'s line as ``whatif`` and the page say it: fixed µs + GB/s and where
     they came from (the calibration's curve where it has one), and, where it has no fixed
     cost a reduction, what would give it one (``run_dir``: the run folder, for the command)."""
-    if len(cost.points) >= 2:
+    if cost.calibrated:
         return f"the calibration's all-reduce curve ({cost.source})"
     words = f"{cost.in_words()} ({cost.source})"
     if cost.latency_us or cost.overhead_us:

@@ -60,6 +60,21 @@ class AllReduceCost:
         """Algorithm bandwidth of the bandwidth term (GB/s, 10^9 bytes/s)."""
         return 1e-3 / self.us_per_byte
 
+    @property
+    def calibrated(self) -> bool:
+        """Whether the line runs through a calibration's medians."""
+        return len(self.points) >= 2
+
+    @property
+    def fixed_us(self) -> float:
+        """µs an all-reduce costs beyond its bytes, scale and overhead applied."""
+        return self.latency_us * self.scale + self.overhead_us
+
+    @property
+    def applied_gbps(self) -> float:
+        """The bandwidth term's GB/s with the scale applied."""
+        return self.bandwidth_gbps / self.scale
+
     def time_us(self, nbytes) -> np.ndarray:
         """µs for all-reduces of ``nbytes`` (array-like, bytes), each alone."""
         m = np.asarray(nbytes, dtype=float)
@@ -72,7 +87,7 @@ class AllReduceCost:
 
     def in_words(self) -> str:
         """The line as said to the user: fixed µs an all-reduce + bandwidth (GB/s), scale and overhead applied."""
-        return f"{self.latency_us * self.scale + self.overhead_us:.0f} µs + {self.bandwidth_gbps / self.scale:.2f} GB/s"
+        return f"{self.fixed_us:.0f} µs + {self.applied_gbps:.2f} GB/s"
 
     def with_scale(self, scale: float, source: str) -> AllReduceCost:
         return replace(self, scale=float(scale), overhead_us=0.0, source=source)

@@ -86,11 +86,10 @@ def whatif_report(path: str, caps: str | None, as_json: bool, cap_list: str | No
                                 "candidates": [{"kind": r.kind, "setting": r.label, "buckets": int(r.buckets),
                                                 "step_ms": float(r.step_ms), "within_noise": bool(r.within_noise)}
                                                for r in top.itertuples()],
-                                "all_reduce_cost": {"latency_us": model.cost.latency_us * model.cost.scale
-                                                    + model.cost.overhead_us,
-                                                    "bandwidth_gbps": model.cost.bandwidth_gbps / model.cost.scale,
+                                "all_reduce_cost": {"latency_us": model.cost.fixed_us,
+                                                    "bandwidth_gbps": model.cost.applied_gbps,
                                                     "latency_fitted": model.cost.latency_fitted,
-                                                    "calibrated": len(model.cost.points) >= 2,
+                                                    "calibrated": model.cost.calibrated,
                                                     "source": model.cost.source},
                                 "model_notes": list(model.notes),
                                 "notes": [n for n in (sweep.attrs.get("note"),) if n]}), indent=1, default=float))
