@@ -3,14 +3,18 @@ the contention of compute with communication, on the ranks an existing traced ru
 bound to cores as its ranks were, across its nodes: the lab's emulated nodes again
 (the same number, link rate and ranks per node) for a run of emulated nodes, or, on a
 cluster, one ``ddpscope calibrate RUN --nnodes N --node-rank K --rdzv-endpoint H:P``
-per node. The what-if predictions read it as the run's ``calibration.json``.
-Torch-free, like the runner."""
+per node, on the run's own device and backend (gloo on CPU, NCCL or gloo on CUDA: a
+sweep of another says nothing of the run's, and the what-if leaves it unused). The what-if
+predictions read it as the run's ``calibration.json``. Torch-free, like the runner (how
+many GPUs a run on CUDA finds here is asked of a child process)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -44,6 +48,8 @@ class CalibrateConfig:
     emulate_nodes: int | None = field(init=False, default=None)  # the run's lab, again
     link: str | None = field(init=False, default=None)
     emulation: dict | None = field(init=False, default=None)  # the run's run.json says
+    device: str | None = field(init=False, default=None)  # "cpu" or "cuda": the run's (None: run.json does not say)
+    backend: str | None = field(init=False, default=None)  # "gloo" or "nccl", with device
 
     def __post_init__(self) -> None:
         o.check_fields(self)
@@ -83,6 +89,7 @@ class CalibrateConfig:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
+        self.device, self.backend = _devices(self.run, facts, self.nproc)
         self.bind = bool(facts.get("ranks_bound_to_cores", facts.get("demo") is not None))
         self.emulation = lab if isinstance(lab, dict) else None
         if not os.access(self.run, os.W_OK):
@@ -101,6 +108,8 @@ class CalibrateConfig:
 
     def launch_config(self) -> LaunchConfig:
         args = ["--out", str(self.run.resolve()), "--max-mb", repr(self.max_mb)] + (["--bind"] if self.bind else [])
+        if self.device is not None:
+            args += ["--device", self.device, "--backend", str(self.backend)]
         if self.nnodes > 1:  # what calibration.json says the sweep crossed
             args += ["--nodes", str(self.nnodes)]
             if self.emulation is not None:
@@ -116,6 +125,43 @@ def _calibrated(facts: dict) -> bool:
     sharding = facts.get("sharding")
     return kind == fmt.KIND_DDP or (kind == fmt.KIND_SHARDED and isinstance(sharding, dict)
                                     and sharding.get("framework") == "deepspeed")
+
+
+def _devices(run: Path, facts: dict, nproc: int) -> tuple[str | None, str | None]:
+    """The device type and backend a run ran on (run.json's ``device``, ``backend``), to
+    calibrate it on them: ("cpu", "gloo"), ("cuda", "nccl") or ("cuda", "gloo"); (None,
+    None) where run.json does not say (this machine's choice, as for ddpscope's own jobs).
+    A ``ValueError`` where this machine cannot (no GPU, fewer GPUs than NCCL's ranks) or
+    calibrate does not (another device or backend) sweep those."""
+    device, backend = facts.get("device"), str(facts.get("backend") or "")
+    if not isinstance(device, str) or not device:
+        return None, None
+    kind = device.split(":")[0]
+    # a group of several backends ("cpu:gloo,cuda:nccl") ran the run's tensors on its device's
+    if kind == "cpu" and (not backend or "gloo" in backend):
+        return "cpu", "gloo"
+    if kind != "cuda" or not (on := "nccl" if "nccl" in backend else "gloo" if "gloo" in backend else None):
+        raise ValueError(f"{run} ran on {device} with {backend or 'an unnamed backend'}: calibrate sweeps gloo on "
+                         "CPU, and NCCL or gloo on CUDA, only")
+    gpus = _gpus_here()
+    if gpus == 0 or (on == "nccl" and gpus < nproc):
+        have = "no CUDA device" if gpus == 0 else f"{gpus} GPU{'s' * (gpus != 1)} for its {nproc} ranks a node " \
+            "(NCCL needs one for each)"
+        raise ValueError(f"{run} ran on CUDA ({on}), and this machine has {have}: calibrate it where it ran")
+    return "cuda", on
+
+
+def _gpus_here() -> int:
+    """How many CUDA devices torch sees here (``CUDA_VISIBLE_DEVICES`` applied), asked of a
+    child process: this one stays torch-free and never initialises CUDA (the warm launcher
+    forks ranks from it). A ``ValueError`` when the child cannot say."""
+    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        return int(proc.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        raise ValueError("cannot tell how many GPUs this machine has (python -c 'import torch' failed): the run "
+                         "ran on CUDA, and is calibrated on CUDA only") from None
 
 
 def run_calibrate(cfg: CalibrateConfig, on_progress: Callable[[dict], None] = lambda p: None,

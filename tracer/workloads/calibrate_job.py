@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bind", action="store_true", help="bind each rank to its share of the cores, as the run did")
     p.add_argument("--pg-timeout-s", type=float, default=300.0)
     p.add_argument("--nodes", type=int, default=1, help="the nodes the ranks are on")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="the run's device (else this machine's choice, as ddpscope's own jobs make it)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="the run's backend, with --device")
     p.add_argument("--emulation", type=json.loads, default=None,
                    help="the lab the run's nodes were emulated in (run.json's emulation, JSON)")
     return p.parse_args(argv)
@@ -185,7 +188,7 @@ def _everyones(lists: list[list[float]], device: torch.device) -> list[list[floa
 @record
 def main(argv=None) -> None:
     args = parse_args(argv)
-    device = init_worker(args.pg_timeout_s, bind=args.bind)
+    device = init_worker(args.pg_timeout_s, bind=args.bind, device_type=args.device, backend=args.backend)
     try:
         rank = dist.get_rank()
         if rank == 0:

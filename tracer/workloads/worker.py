@@ -42,12 +42,18 @@ def why_not_cuda(cuda_available: bool, gpus: int, local_ranks: int, emulated: bo
     return None
 
 
-def init_worker(pg_timeout_s: float, bind: bool = True):
+def init_worker(pg_timeout_s: float, bind: bool = True, device_type: str | None = None,
+                backend: str | None = None):
     """Set this rank up and join the job's process group: its own GPU and NCCL where every
     rank of the node has one (``why_not_cuda``; else said once, by local rank 0), else gloo
     with the rank bound to its share of the cores (less scheduling noise; ``bind=False``
     leaves it on every core, as a script that does not bind itself runs). Returns this
-    rank's ``torch.device``."""
+    rank's ``torch.device``.
+
+    ``device_type`` and ``backend`` ("cpu" and "gloo", "cuda" and "nccl" or "gloo"): a traced
+    run's own, for a job that measures what that run ran on (the calibration): CPU even
+    where GPUs are; CUDA or a ``RuntimeError`` saying why not (the launcher checks first),
+    ranks sharing the GPUs round-robin on gloo as such a run's did."""
     import datetime
     import sys
 
@@ -57,18 +63,27 @@ def init_worker(pg_timeout_s: float, bind: bool = True):
     from ddpscope.tracer.workloads.affinity import bind_local_rank_to_cores
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     available = torch.cuda.is_available()
-    why = why_not_cuda(available, torch.cuda.device_count() if available else 0,
-                       int(os.environ.get("LOCAL_WORLD_SIZE", 1)), os.environ.get(EMULATED_ENV) == "1")
-    if available and why is not None and local_rank == 0:
-        print(f"ddpscope: {why}", file=sys.stderr, flush=True)
+    gpus = torch.cuda.device_count() if available else 0
+    if device_type == "cuda":
+        if gpus == 0 or (backend == "nccl" and local_ranks > gpus):
+            raise RuntimeError(f"the run ran on CUDA ({backend}) and this node has {gpus} GPU(s) for "
+                               f"{local_ranks} rank(s)")
+        why = None
+    elif device_type == "cpu":
+        why = "the run ran on CPU"
+    else:
+        why = why_not_cuda(available, gpus, local_ranks, os.environ.get(EMULATED_ENV) == "1")
+        if available and why is not None and local_rank == 0:
+            print(f"ddpscope: {why}", file=sys.stderr, flush=True)
     if why is None:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(local_rank % gpus)  # gloo's ranks may share a GPU; NCCL's have one each
+        device = torch.device("cuda", local_rank % gpus)
     else:
         device = torch.device("cpu")
         if bind:
             bind_local_rank_to_cores()  # before the process group: its threads inherit it
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+    dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"),
                             timeout=datetime.timedelta(seconds=pg_timeout_s))
     return device

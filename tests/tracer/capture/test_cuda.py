@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA 
 from ddpscope.viz.ddp.profile_check import compute_profile_agreement  # noqa: E402
 from ddpscope.viz.sources.run_profile import load_run_profile  # noqa: E402
 from ddpscope.viz.trace import load_run  # noqa: E402
+from ddpscope.viz.whatif.cost import read_calibration  # noqa: E402
 from tests.conftest import ROOT, run_cli  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "cuda_train.py"
@@ -112,6 +113,15 @@ def test_two_ranks_gloo_with_cuda_tensors(tmp_path):
     check_buckets(trace, profile, timed=False)  # gloo's span is host-side, around its copies
     check_ready_times(trace)
     check_memory(trace, reports)
+    # its calibration sweeps what it ran on: gloo on CUDA tensors, the two ranks sharing a GPU as
+    # its ranks did (this machine's own choice would be gloo on CPU, 2 ranks > 1 GPU: a sweep the
+    # what-if leaves unused)
+    cal = run_cli("calibrate", str(tmp_path / "gloo2"), "--max-mb", "1", timeout=600)
+    assert cal.returncode == 0, cal.stderr[-3000:]
+    got = json.loads((tmp_path / "gloo2" / "calibration.json").read_text())
+    assert (got["backend"], got["device"]) == ("gloo", "cuda")
+    assert read_calibration(tmp_path / "gloo2").unlike(json.loads((tmp_path / "gloo2" / "run.json").read_text()), 2) \
+        is None
 
 
 def test_no_device_sync_inside_traced_steps_and_the_scripts_peak_stays_its_own(tmp_path):
@@ -307,7 +317,8 @@ def test_ddpscopes_own_jobs_take_a_gpu_per_rank_or_say_why_not(tmp_path):
     assert {m["backend"] for m in load_run(tmp_path / "over").ranks.values()} == {"gloo"}
     cal = run_cli("calibrate", str(tmp_path / "over"), "--max-mb", "1", timeout=600)
     assert cal.returncode == 0, cal.stderr[-3000:]
-    assert json.loads((tmp_path / "over" / "calibration.json").read_text())["backend"] == "gloo"
+    got = json.loads((tmp_path / "over" / "calibration.json").read_text())
+    assert (got["backend"], got["device"]) == ("gloo", "cpu")  # the run's own
     one = run_cli("run", "--demo", "gpt", "--nproc", str(gpus), "--steps", "3", "--out", str(tmp_path / "one"),
                   timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]

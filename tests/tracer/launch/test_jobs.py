@@ -65,6 +65,7 @@ def test_a_calibration_writes_into_the_run_it_calibrates_and_counts_its_sizes(tm
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["mlp"]
     cal = read_calibration(run)
     assert cal is not None and [int(b) for b in cal.sizes] == [4096, 16384, 65536, 262144, 2**20]
+    assert (cal.backend, cal.meta["device"]) == ("gloo", "cpu")  # the run's own
     model = fit_model(load_run(run))
     assert model.cost.latency_fitted and "calibration" in model.cost.source
     with pytest.raises(ValueError, match="not a run folder"):

@@ -312,6 +312,12 @@ def test_a_malformed_calibration_is_one_line(tmp_path):
     assert proc.returncode == 2 and "calibration.json" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 @pytest.mark.parametrize("target, facts, args, message", [
     ("ring", {}, [], "not a DDP or DeepSpeed training run"),
     ("gpt", {"kind": "sharded", "sharding": {"framework": "fsdp2"}}, [], "not a DDP or DeepSpeed training run"),
@@ -321,6 +327,16 @@ def test_a_malformed_calibration_is_one_line(tmp_path):
     ("gpt", {"nnodes": 3}, [], "world size 2 is not 3 node(s)"),
     ("gpt", {}, ["--nnodes", "2", "--rdzv-endpoint", "h:1"], "ran on 1 node: calibrate with --nnodes 1"),
     ("gpt", {"nnodes": 2, "emulation": {"nodes": 2, "link": "fast"}}, [], "emulation has no usable link"),
+    # a sweep on another device or backend than the run's says nothing of it (and the what-if leaves it unused)
+    ("gpt", {"device": "xpu:0", "backend": "xccl"}, [], "calibrate sweeps gloo on CPU, and NCCL or gloo on CUDA, only"),
+    ("gpt", {"device": "cpu", "backend": "ccl"}, [], "ran on cpu with ccl: calibrate sweeps gloo on CPU"),
+    # on this machine (no GPU: CI's; or one GPU for NCCL's two ranks), torch really asked how many GPUs it has
+    pytest.param("gpt", {"device": "cuda:1", "backend": "nccl"}, [], "calibrate it where it ran",
+                 marks=pytest.mark.skipif(_gpus() >= 2, reason="two GPUs here: the run could calibrate")),
+    pytest.param("gpt", {"device": "cuda:0", "backend": "cpu:gloo,cuda:nccl"}, [], "ran on CUDA (nccl), and this",
+                 marks=pytest.mark.skipif(_gpus() >= 2, reason="two GPUs here: the run could calibrate")),
+    pytest.param("gpt", {"device": "cuda:0", "backend": "gloo"}, [], "ran on CUDA (gloo), and this machine has no CUDA",
+                 marks=pytest.mark.skipif(_gpus() >= 1, reason="a GPU here: the run could calibrate")),
 ])
 def test_calibrate_refuses_other_runs_with_one_line(tmp_path, target, facts, args, message):
     path = tmp_path / target
@@ -332,6 +348,26 @@ def test_calibrate_refuses_other_runs_with_one_line(tmp_path, target, facts, arg
     proc = run_cli("calibrate", str(path), *args)
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (path / "calibration.json").exists()
+
+
+@pytest.mark.parametrize("facts, flags", [
+    ({"device": "cpu", "backend": "gloo"}, ["--device", "cpu", "--backend", "gloo"]),
+    # init_process_group()'s default on a GPU machine; the run's tensors were on CPU: gloo's
+    ({"device": "cpu", "backend": "cpu:gloo,cuda:nccl"}, ["--device", "cpu", "--backend", "gloo"]),
+    ({"device": None, "backend": None}, []),  # run.json does not say: this machine's choice, as before
+])
+def test_calibrate_runs_on_the_runs_own_device_and_backend(tmp_path, facts, flags):
+    """A run of gloo on CPU is calibrated on gloo on CPU even where GPUs are (NCCL's sweep
+    would be another link, which the what-if leaves unused): the job is told so."""
+    from ddpscope.tracer.launch.calibrate import CalibrateConfig
+
+    path = tmp_path / "run"
+    shutil.copytree(SAMPLES / "gpt-2rank-cap1mb", path)
+    run = json.loads((path / "run.json").read_text())
+    (path / "run.json").write_text(json.dumps({**run, **facts}))
+    args = CalibrateConfig(run=path).launch_config().args
+    got = [a for i, a in enumerate(args) if a in ("--device", "--backend") or args[i - 1] in ("--device", "--backend")]
+    assert got == flags
 
 
 def test_a_calibration_from_another_link_is_not_used():
