@@ -26,6 +26,7 @@ from ddpscope.tracer.launch.rerun import whole_number
 from ddpscope.tracer.launch.runner import Launcher
 from ddpscope.tracer.launch.torchrun import LaunchConfig, LaunchResult, OnLine, launch
 from ddpscope.tracer.progress import parse_progress
+from ddpscope.tracer.workloads.worker import why_not_as_run
 from ddpscope.tracer.writer import read_json
 
 
@@ -143,11 +144,8 @@ def _devices(run: Path, facts: dict, nproc: int) -> tuple[str | None, str | None
     if kind != "cuda" or not (on := "nccl" if "nccl" in backend else "gloo" if "gloo" in backend else None):
         raise ValueError(f"{run} ran on {device} with {backend or 'an unnamed backend'}: calibrate sweeps gloo on "
                          "CPU, and NCCL or gloo on CUDA, only")
-    gpus = _gpus_here()
-    if gpus == 0 or (on == "nccl" and gpus < nproc):
-        have = "no CUDA device" if gpus == 0 else f"{gpus} GPU{'s' * (gpus != 1)} for its {nproc} ranks a node " \
-            "(NCCL needs one for each)"
-        raise ValueError(f"{run} ran on CUDA ({on}), and this machine has {have}: calibrate it where it ran")
+    if (why := why_not_as_run(_gpus_here(), nproc, on)) is not None:
+        raise ValueError(f"{run} ran on CUDA ({on}), and this machine has {why}: calibrate it where it ran")
     return "cuda", on
 
 

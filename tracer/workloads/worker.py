@@ -42,6 +42,16 @@ def why_not_cuda(cuda_available: bool, gpus: int, local_ranks: int, emulated: bo
     return None
 
 
+def why_not_as_run(gpus: int, local_ranks: int, backend: str) -> str | None:
+    """Why this node cannot run a traced run's ``local_ranks`` ranks on CUDA with its
+    ``backend`` again (None: it can): gloo's ranks may share GPUs, NCCL's need one each."""
+    if gpus == 0:
+        return "no CUDA device"
+    if backend == "nccl" and local_ranks > gpus:
+        return f"{gpus} GPU{'s' * (gpus != 1)} for its {local_ranks} ranks a node (NCCL needs one for each)"
+    return None
+
+
 def init_worker(pg_timeout_s: float, bind: bool = True, device_type: str | None = None,
                 backend: str | None = None):
     """Set this rank up and join the job's process group: its own GPU and NCCL where every
@@ -67,10 +77,8 @@ def init_worker(pg_timeout_s: float, bind: bool = True, device_type: str | None 
     available = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if available else 0
     if device_type == "cuda":
-        if gpus == 0 or (backend == "nccl" and local_ranks > gpus):
-            raise RuntimeError(f"the run ran on CUDA ({backend}) and this node has {gpus} GPU(s) for "
-                               f"{local_ranks} rank(s)")
-        why = None
+        if (why := why_not_as_run(gpus, local_ranks, str(backend))) is not None:
+            raise RuntimeError(f"the run ran on CUDA ({backend}), and this node has {why}")
     elif device_type == "cpu":
         why = "the run ran on CPU"
     else:
