@@ -86,7 +86,8 @@ def comm_honesty_lines(trace) -> list[str]:
     if d_reduce != d:
         sharding = trace.run.get("sharding") or {}
         lines.append(f"Mixed precision: parameters are gathered in {sharding.get('param_dtype')} and gradients reduced "
-                     f"in {sharding.get('reduce_dtype')}, so a reduce-scatter's D is {d_reduce / 2**20:.3f} MiB: "
+                     f"in {sharding.get('reduce_dtype')}, so the gradients' D (a reduce-scatter's, an all-reduce's) is "
+                     f"{d_reduce / 2**20:.3f} MiB: "
                      "each collective is counted in D of its own dtype, as the ZeRO model counts it.")
     if sh.framework == "deepspeed" and sh.stage < 3:
         lines.append("DeepSpeed reduces each gradient bucket at stages 1-2 with an all-reduce (each rank then keeps its "
@@ -122,7 +123,11 @@ def comm_honesty_lines(trace) -> list[str]:
     s, r = shard_group_size(trace), replicas(trace)
     k = 2 if sh.stage < 3 else 3
     model = f"The ZeRO model: {k}D x (N-1)/N = {k * (n - 1) / n:.2f} D (DDP: 2D x (N-1)/N)."
-    if r > 1:  # HSDP: ZeRO within each shard group, then an all-reduce of each shard across replicas
+    if r > 1 and s == 1:  # shard groups of one rank: no all-gather, no reduce-scatter; DDP's all-reduce
+        model = (f"Shard groups of 1 rank: no all-gather or reduce-scatter, only the all-reduce of each unit's whole "
+                 f"gradient across R = {r} replicas, 2(R-1)/R x D = {2 * (r - 1) / r:.2f} D: DDP's volume "
+                 "(2D x (N-1)/N).")
+    elif r > 1:  # HSDP: ZeRO within each shard group, then an all-reduce of each shard across replicas
         model = (f"The ZeRO model within a shard group of S = {s}: {k}D x (S-1)/S = {k * (s - 1) / s:.2f} D, plus "
                  f"the all-reduce of this rank's gradient shard across R = {r} replicas, 2(R-1)/R x D/S = "
                  f"{2 * (r - 1) / r / s:.2f} D: {k * (s - 1) / s + 2 * (r - 1) / r / s:.2f} D (DDP: 2D x (N-1)/N).")
@@ -145,14 +150,16 @@ def accumulation_line(trace, vol: pd.DataFrame) -> str | None:
         return None
     sh = trace.shards
     deepspeed = sh.framework == "deepspeed"
-    kind = "all_reduce" if deepspeed and sh.stage < 3 else "reduce_scatter"
+    # DeepSpeed 1-2 reduce by all-reduce, and so does FSDP2 on shard groups of one rank (stage 0)
+    kind = "all_reduce" if (deepspeed and sh.stage < 3) or sh.stage == 0 else "reduce_scatter"
     by = vol.set_index("collective")["message_D"]
     reduced, gathered = float(by.get(kind, 0.0)), float(by.get("all_gather", 0.0))
     if deepspeed:
         why = ("ZeRO-1 reduces the accumulated gradients once, at the step's end" if sh.stage == 1 else
                "ZeRO-2 and -3 reduce each micro-batch's gradients into this rank's partition as they come")
     else:
-        why = ("FSDP2 reduce-scatters each micro-batch's gradients unless the script turns gradient sync off "
+        reduces = "all-reduces" if sh.stage == 0 else "reduce-scatters"
+        why = (f"FSDP2 {reduces} each micro-batch's gradients unless the script turns gradient sync off "
                "(set_requires_gradient_sync(False)) for all but the last")
     return (f"A step here is {micro} micro-batches (gradient accumulation): its gradients were reduced {reduced:.2f} "
             f"times a step (D each) and {gathered:.2f} D of parameters gathered, where the ZeRO model below counts "

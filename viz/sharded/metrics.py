@@ -254,7 +254,8 @@ def compute_stage_comparison(trace) -> pd.DataFrame:
     over the measured steps: stage 3 holds the sharded parameters (padded), the sharded
     gradients and the optimizer state; stage 2 the gathered parameters (every unit
     gathered at the end of forward), the sharded gradients, and the optimizer state plus
-    the fp32 shard. Rows: ``measured (rank r)`` then ``stage k``; ``working_set_bytes``:
+    the fp32 shard; stage 0 (shard groups of one rank) as stage 3, its "shards" whole.
+    Rows: ``measured (rank r)`` then ``stage k``; ``working_set_bytes``:
     what the peak held beyond the model (gathered units, unsharded gradients, buffers).
     A DeepSpeed run: its own accounting (``deepspeed_states.compute_deepspeed_stages``)."""
     sh = trace.shards
@@ -272,7 +273,9 @@ def compute_stage_comparison(trace) -> pd.DataFrame:
             p = float(mine["sharded_params_bytes"].max())
             opt = float(mine["optimizer_state_bytes"].max())
         g = float(mine["sharded_grads_bytes"].max())
-        working = ["unsharded_grads_bytes", "comm_buffers_bytes"] + (["unsharded_params_bytes"] if sh.stage == 3
+        # stage 0 (shard groups of one rank): the unsharded copy is FSDP2's compute copy (the
+        # parameter dtype's), beside the whole parameters the model counts
+        working = ["unsharded_grads_bytes", "comm_buffers_bytes"] + (["unsharded_params_bytes"] if sh.stage != 2
                                                                      else [])
         rows.append({"row": f"measured (rank {int(rank)})", "rank": int(rank), "stage": sh.stage,
                      "params_bytes": p, "grads_bytes": g, "optimizer_state_bytes": opt,
@@ -299,7 +302,11 @@ def stage_differences(trace) -> list[str]:
     u = sh.units
     unpadded = float(u["numel"].sum()) * 4 / n
     lines = []
-    if replicas(trace) > 1:
+    if replicas(trace) > 1 and n == 1:
+        lines.append(f"HSDP with shard groups of 1 rank ({replicas(trace)} replicas): nothing is sharded, so the ZeRO "
+                     "model is taken with N = 1, where no stage partitions anything: DDP's model states (stage 0); "
+                     "each unit's whole gradient is all-reduced across the replicas.")
+    elif replicas(trace) > 1:
         lines.append(f"HSDP: {replicas(trace)} replicas of {n} ranks each; the model states shard within a replica, so "
                      f"the ZeRO model is taken with N = {n}, not {trace.world_size}; gradients are then all-reduced "
                      "across replicas.")

@@ -10,9 +10,12 @@ forward's start (or when a unit before it prefetches it) and, when it reshards a
 forward, released at its forward's end (resharded to N ranks: 1/N of it kept until its
 backward, FSDP's post-forward shard); in backward it is gathered again at its
 backward's start (or prefetched by the unit before it in backward order: FSDP's
-default depth is one) and released at its backward's end. The root keeps the setting
-it ran with. The result has the columns of ``sharded.metrics.compute_memory_over_step``,
-so the same figure draws it.
+default depth is one) and released at its backward's end. On shard groups of one rank
+(stage 0: nothing to gather) a prefetch allocates nothing: FSDP2 then copies a unit's
+parameters into its unsharded storage in the unit's own wait (``wait_for_unshard``),
+not at the prefetch's ``unshard``. The root keeps the setting it ran with. The result
+has the columns of ``sharded.metrics.compute_memory_over_step``, so the same figure
+draws it.
 
 Step time: on a backend that runs collectives on the training thread (gloo), a unit
 that stays gathered from forward to backward saves its backward all-gather (and the
@@ -35,7 +38,7 @@ from ddpscope.viz.sharded.metrics import (
     real_sharded_steps,
     reshard_setting,
 )
-from ddpscope.viz.sharded.trace import real_steps
+from ddpscope.viz.sharded.trace import real_steps, shard_group_size
 
 
 def _reshards(setting: bool | int) -> bool:
@@ -64,6 +67,8 @@ def predict_memory(trace, rank: int, reshard_after_forward: bool | int | None = 
     samples = compute_memory_over_step(trace, rank, step)
     if samples.empty:
         return samples
+    if shard_group_size(trace) == 1:  # no all-gather: a unit's copy-in is in its own wait, never a prefetch's
+        forward_prefetch = backward_prefetch = 0
     units = sh.units.set_index("unit")
     size = units["unsharded_bytes"].to_dict()
     root = {int(u) for u in units.index[units["root"]]}

@@ -132,7 +132,8 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
     sharding = run["sharding"]
     stage = sharding.get("stage")
     framework = str(sharding.get("framework") or "fsdp2")
-    if stage not in ((1, 2, 3) if framework == "deepspeed" else (2, 3)):
+    # FSDP2: 2 or 3 by its reshard setting, 0 on shard groups of one rank (nothing sharded)
+    if stage not in ((1, 2, 3) if framework == "deepspeed" else (0, 2, 3)):
         raise ValueError(f"sharding.stage {stage!r} is not a ZeRO stage {framework} runs")
     after_step = AFTER_STEP_GATHER[stage] if framework == "deepspeed" else None
     for rank, (meta, events) in files.items():

@@ -42,7 +42,17 @@ def zero_stage(units: list[fsdp_units.Unit]) -> tuple[int, str]:
     """The ZeRO stage FSDP2's settings amount to, and why: parameters kept unsharded from
     forward to backward (every unit but the root with ``reshard_after_forward=False``) is
     stage 2; resharded after forward (True, or N ranks: a hybrid) is stage 3. The root is
-    left out: FSDP never reshards it after forward unless told to."""
+    left out: FSDP never reshards it after forward unless told to. Units sharded over
+    groups of one rank (HSDP with a shard dimension of 1: torchtitan's
+    ``data_parallel_shard_degree 1``, DDP done by FSDP2) shard nothing: stage 0, whatever
+    they reshard (FSDP2 then neither all-gathers nor reduce-scatters, and all-reduces each
+    unit's whole gradient across the replicas, as DDP's buckets do)."""
+    if units and all(u.shard_size == 1 for u in units):
+        replicas = max(u.replicate_size for u in units)
+        reduced = (f"each unit's gradients are all-reduced across the {replicas} replicas, as DDP's" if replicas > 1
+                   else "no gradient is reduced (one rank)")
+        return 0, (f"shard groups of 1 rank: nothing is sharded; every rank keeps whole parameters, gradients and "
+                   f"optimizer state, and {reduced}")
     settings = {u.reshard_after_forward for u in units if not u.is_root} or {u.reshard_after_forward for u in units}
     if settings == {False}:
         return 2, "reshard_after_forward=False: parameters stay gathered from forward to backward"
@@ -113,7 +123,8 @@ class FSDPTracer:
             raise RuntimeError("the FSDP model has no parameters to shard")
         device = self.units[0].group.device
         self.stage, self.stage_reason = zero_stage(self.units)  # run.json has them from its first writing
-        self.sent_as = "all_reduce" if dist.get_backend() == "gloo" else None  # gloo has no reduce-scatter
+        # gloo has no reduce-scatter; shard groups of 1 rank run none (FSDP2 copies the gradient)
+        self.sent_as = "all_reduce" if dist.get_backend() == "gloo" and self.stage else None
         clock = self._make_clock(device)
         self._open_files(device, clock, fsdp_units.signature(self.units),
                          fsdp_units.meta_params(self.model)[:3], [u.facts() for u in self.units])

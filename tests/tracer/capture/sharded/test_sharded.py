@@ -26,7 +26,7 @@ from ddpscope.viz.sharded.metrics import (
     sharded_step_noise_ms,
     stage_differences,
 )
-from ddpscope.viz.sharded.predict import compute_reshard_whatif, predict_peak
+from ddpscope.viz.sharded.predict import compute_reshard_whatif, predict_memory, predict_peak
 from ddpscope.viz.sharded.profile_check import compute_sharded_profile_agreement
 from ddpscope.viz.sources.run_profile import load_run_profile
 from ddpscope.viz.trace import load_run
@@ -555,6 +555,48 @@ def test_hsdp_all_reduce_across_replicas_is_timed_apart(tmp_path):
     measured = stages[stages["rank"].notna()]
     assert ((measured["measured/predicted"] - 1).abs() < 0.05).all()  # N = 2, not 4
     assert any("HSDP: 2 replicas of 2 ranks" in line for line in stage_differences(trace))
+
+
+def test_shard_groups_of_one_rank_are_ddp_by_fsdp2_stage_0(tmp_path):
+    """HSDP with a shard dimension of 1 (2 replicas of 1 rank: torchtitan's
+    ``data_parallel_shard_degree 1``, DDP done by FSDP2): nothing is sharded, so FSDP2
+    runs no all-gather and no reduce-scatter (torch's ``foreach_reduce`` copies the
+    gradient on a group of one) and all-reduces each unit's whole fp32 gradient. The run is
+    stage 0, its volume DDP's (2D x (N-1)/N), its model states the ZeRO model's at N = 1;
+    training bit-identical to the untraced run's."""
+    args = (SCRIPT, "--steps", "3", "--hsdp", "2")
+    proc, out, report = trace_script(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_trained_alike(report, untraced(tmp_path, *args))
+    run = json.loads((out / "run.json").read_text())
+    assert run["sharding"]["stage"] == 0 and run["sharding"]["reduce_scatter_sent_as"] is None
+    assert "nothing is sharded" in run["sharding"]["stage_reason"] and "2 replicas" in run["sharding"]["stage_reason"]
+    trace = load_run(out)
+    units = trace.shards.units
+    assert trace.shards.stage == 0 and (units["shard_size"] == 1).all() and (units["replicate_size"] == 2).all()
+    colls = trace.shards.colls
+    own = colls[colls["unit"] >= 0]
+    assert set(own["collective"]) == {"all_reduce"}  # no all-gather, no reduce-scatter on a group of one
+    whole = dict(zip(units["name"], units["numel"] * 4))  # each unit's fp32 gradient, unpadded (S = 1)
+    assert len(own) == N * 3 * len(units) and all(b == whole[n] for n, b in zip(own["name"], own["bytes"]))
+    vol = compute_comm_volume(trace).set_index("collective")
+    assert vol.loc["all_reduce", "message_D"] == pytest.approx(1.0)
+    assert vol.loc["total", "ring_D"] == pytest.approx(2 * (N - 1) / N)  # DDP's
+    lines = comm_honesty_lines(trace)
+    assert not any("gloo has no reduce-scatter" in line for line in lines)
+    assert any("Shard groups of 1 rank" in line and "DDP's volume" in line for line in lines)
+    stages = compute_stage_comparison(trace).set_index("row")
+    for r in range(N):  # every rank holds whole model states: the ZeRO model at N = 1, stage 0's
+        assert stages.loc[f"measured (rank {r})", "measured/predicted"] == pytest.approx(1.0, rel=0.01)
+    assert stages.loc["stage 0", "model_state_bytes"] == stages.loc["stage 3", "model_state_bytes"]
+    assert any("shard groups of 1 rank (2 replicas): nothing is sharded" in line for line in stage_differences(trace))
+    # FSDP2 copies a unit in at its own wait on a group of one, so its backward prefetch
+    # allocates nothing early: the replay at the run's own settings is every sample measured
+    assert trace.shards.backward_prefetch in (None, 1)  # FSDP's default: one unit ahead in backward
+    for r in range(N):
+        measured, replayed = compute_memory_over_step(trace, r), predict_memory(trace, r)
+        assert len(measured) > 2 * len(units)
+        assert replayed["unsharded_params_bytes"].tolist() == measured["unsharded_params_bytes"].tolist()
 
 
 def test_collective_bytes_match_the_profilers_allocations_on_the_same_run(tmp_path):
