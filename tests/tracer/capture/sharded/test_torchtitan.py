@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddpscope.tracer import format as fmt
+from ddpscope.viz.sharded.comm_volume import compute_comm_volume
 from ddpscope.viz.sharded.metrics import compute_stage_comparison
 from ddpscope.viz.trace import load_run
 from tests.tracer.capture.autotrace.test_autotrace import WORKERS, checks, trace_script, untraced
@@ -92,5 +93,40 @@ def test_torchtitan_trains_bit_identically_traced_per_unit_with_its_own_sizes(tm
         assert none["by"].tolist() == ["all_reduce (torch.nn.utils.clip_grad._get_total_norm)"], (rank, step)
         assert none["bytes"].tolist() == [4 * sum(len(u["params"]) for u in run["sharding"]["units"])]
     # model states per rank: the ZeRO paper's stage 3 with this run's K and N
+    measured = compute_stage_comparison(trace).dropna(subset=["measured/predicted"])
+    assert len(measured) == 2 and measured["measured/predicted"].between(0.98, 1.02).all(), measured
+
+
+def test_torchtitan_ddp_by_fsdp2_is_stage_0_with_each_units_gradient_all_reduced(tmp_path):
+    """torchtitan's DDP (``data_parallel_replicate_degree 2``, ``data_parallel_shard_degree
+    1``): it still applies ``fully_shard``, on a mesh whose shard dimension is 1, so nothing
+    is sharded. Traced as stage 0: no all-gather, no reduce-scatter, each unit's whole fp32
+    gradient all-reduced across the replicas once a step (the last unit's in two: its
+    lm_head's at the last chunk of torchtitan's chunked loss, before the decoder's backward
+    has given its norm a gradient, then the norm's), DDP's volume, the model states the
+    ZeRO model's at N = 1; training bit-identical to the untraced run's."""
+    root = _assets(tmp_path / "root")
+    args = (*ARGS, "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
+    traced, out, report = trace_script(tmp_path, WORKER, str(root), *args)
+    assert traced.returncode == 0, traced.stderr[-3000:]
+    plain_report = untraced(tmp_path, WORKER, str(root), *args)
+    assert checks(report) == checks(plain_report)
+    losses = _losses((tmp_path / "plain.log").read_text())
+    assert len(losses) == STEPS and _losses(traced.stdout + traced.stderr) == losses
+
+    trace = load_run(out)
+    units = trace.shards.units
+    assert trace.shards.stage == 0 and units["name"].tolist() == UNITS
+    assert (units["shard_size"] == 1).all() and (units["replicate_size"] == 2).all()
+    numel = dict(zip(units["unit"], units["numel"]))
+    colls = trace.shards.colls
+    for (rank, step), c in colls[colls["unit"] >= 0].groupby(["rank", "step"]):
+        assert set(c["collective"]) == {"all_reduce"}, (rank, step)
+        last = c[c["unit"] == len(UNITS) - 1]["bytes"].tolist()
+        assert last == [4 * 2048 * 256, 4 * 256], (rank, step)  # lm_head.weight (vocab x dim), then norm.weight
+        assert c.groupby("unit").size().to_dict() == {**{u: 1 for u in numel}, len(UNITS) - 1: 2}, (rank, step)
+        assert c.groupby("unit")["bytes"].sum().to_dict() == {u: 4 * n for u, n in numel.items()}, (rank, step)
+    vol = compute_comm_volume(trace).set_index("collective")
+    assert vol.loc["total", "ring_D"] == pytest.approx(1.0)  # DDP's 2D x (N-1)/N at N = 2
     measured = compute_stage_comparison(trace).dropna(subset=["measured/predicted"])
     assert len(measured) == 2 and measured["measured/predicted"].between(0.98, 1.02).all(), measured
