@@ -212,7 +212,10 @@ class FSDPHooks:
 
     def _make_wait_for_unshard(self, unit: Unit, original: Callable) -> Callable:
         def wait_for_unshard():
-            if unit.group._all_gather_result is None:  # nothing to wait for: FSDP returns at once
+            # nothing to wait for: FSDP returns at once; or a shard group of one rank, where no
+            # all-gather ran and this is the copy-in of the parameters (cast to their compute
+            # dtype): the unit's own work, left in its compute, never a wait for communication
+            if unit.group._all_gather_result is None or unit.shard_size == 1:
                 return original(unit.group)
             token = self._safe(self.rec.wait_start, unit.index)
             try:

@@ -577,6 +577,8 @@ def test_shard_groups_of_one_rank_are_ddp_by_fsdp2_stage_0(tmp_path):
     colls = trace.shards.colls
     own = colls[colls["unit"] >= 0]
     assert set(own["collective"]) == {"all_reduce"}  # no all-gather, no reduce-scatter on a group of one
+    # and no wait for one: a unit's wait_for_unshard is the copy-in of its parameters, its own compute
+    assert trace.shards.waits.empty and (compute_sharded_steps(trace)["wait_ms"] == 0).all()
     whole = dict(zip(units["name"], units["numel"] * 4))  # each unit's fp32 gradient, unpadded (S = 1)
     assert len(own) == N * 3 * len(units) and all(b == whole[n] for n, b in zip(own["name"], own["bytes"]))
     vol = compute_comm_volume(trace).set_index("collective")
