@@ -135,6 +135,9 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
     # FSDP2: 2 or 3 by its reshard setting, 0 on shard groups of one rank (nothing sharded)
     if stage not in ((1, 2, 3) if framework == "deepspeed" else (0, 2, 3)):
         raise ValueError(f"sharding.stage {stage!r} is not a ZeRO stage {framework} runs")
+    if stage == 0 and "shard_size" in units and (units["shard_size"] > 1).any():
+        raise ValueError(f"sharding.stage 0 (nothing sharded) but units are sharded over "
+                         f"{int(units['shard_size'].max())} ranks")
     after_step = AFTER_STEP_GATHER[stage] if framework == "deepspeed" else None
     for rank, (meta, events) in files.items():
         align = align_of(meta)

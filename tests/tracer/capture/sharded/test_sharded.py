@@ -599,6 +599,14 @@ def test_shard_groups_of_one_rank_are_ddp_by_fsdp2_stage_0(tmp_path):
         measured, replayed = compute_memory_over_step(trace, r), predict_memory(trace, r)
         assert len(measured) > 2 * len(units)
         assert replayed["unsharded_params_bytes"].tolist() == measured["unsharded_params_bytes"].tolist()
+    # a trace that says stage 0 of units sharded over 2 ranks contradicts itself: refused in one line
+    for u in run["sharding"]["units"]:
+        u["shard_size"] = 2
+    (out / "run.json").write_text(json.dumps(run))
+    said = (r"malformed sharded trace \(ValueError: sharding.stage 0 \(nothing sharded\) "
+            r"but units are sharded over 2 ranks\)$")
+    with pytest.raises(ValueError, match=said):
+        load_run(out)
 
 
 def test_collective_bytes_match_the_profilers_allocations_on_the_same_run(tmp_path):
