@@ -150,15 +150,17 @@ def accumulation_line(trace, vol: pd.DataFrame) -> str | None:
         return None
     sh = trace.shards
     deepspeed = sh.framework == "deepspeed"
-    # DeepSpeed 1-2 reduce by all-reduce, and so does FSDP2 on shard groups of one rank (stage 0)
-    kind = "all_reduce" if (deepspeed and sh.stage < 3) or sh.stage == 0 else "reduce_scatter"
+    # DeepSpeed 1-2 reduce by all-reduce, and so does FSDP2 on shard groups of one rank (nothing
+    # sharded: read off the units, as the volume and the memory replay read it)
+    alone = not deepspeed and shard_group_size(trace) == 1
+    kind = "all_reduce" if (deepspeed and sh.stage < 3) or alone else "reduce_scatter"
     by = vol.set_index("collective")["message_D"]
     reduced, gathered = float(by.get(kind, 0.0)), float(by.get("all_gather", 0.0))
     if deepspeed:
         why = ("ZeRO-1 reduces the accumulated gradients once, at the step's end" if sh.stage == 1 else
                "ZeRO-2 and -3 reduce each micro-batch's gradients into this rank's partition as they come")
     else:
-        reduces = "all-reduces" if sh.stage == 0 else "reduce-scatters"
+        reduces = "all-reduces" if alone else "reduce-scatters"
         why = (f"FSDP2 {reduces} each micro-batch's gradients unless the script turns gradient sync off "
                "(set_requires_gradient_sync(False)) for all but the last")
     return (f"A step here is {micro} micro-batches (gradient accumulation): its gradients were reduced {reduced:.2f} "

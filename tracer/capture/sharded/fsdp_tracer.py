@@ -124,7 +124,8 @@ class FSDPTracer:
         device = self.units[0].group.device
         self.stage, self.stage_reason = zero_stage(self.units)  # run.json has them from its first writing
         # gloo has no reduce-scatter; shard groups of 1 rank run none (FSDP2 copies the gradient)
-        self.sent_as = "all_reduce" if dist.get_backend() == "gloo" and self.stage else None
+        sharded = any(u.shard_size > 1 for u in self.units)
+        self.sent_as = "all_reduce" if dist.get_backend() == "gloo" and sharded else None
         clock = self._make_clock(device)
         self._open_files(device, clock, fsdp_units.signature(self.units),
                          fsdp_units.meta_params(self.model)[:3], [u.facts() for u in self.units])
