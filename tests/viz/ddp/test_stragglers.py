@@ -68,9 +68,10 @@ def test_a_delayed_rank_is_named_and_its_delay_measured(tmp_path):
     # lasted at least the late rank's delay that step, as the all-reduce's own end says.
     delay = stragglers["1"]["launch_delay_ms"]
     assert delay >= 45
-    b = load_run(out).buckets.query("rank == 0 and not incomplete")
+    run = load_run(out)  # read once: every check below is of the same run
+    b = run.buckets.query("rank == 0 and not incomplete")
     first = b.loc[b.groupby("step")["launch_us"].idxmin()]
-    steps = compute_launch_spread(load_run(out))["step"].unique()
+    steps = compute_launch_spread(run)["step"].unique()
     waited = ((first["done_us"] - first["launch_us"]) / 1e3)[first["step"].isin(steps)]
     assert delay <= waited.median() + 0.1, (delay, waited.tolist())
     assert stragglers["1"]["wait_caused_ms"] >= stragglers["1"]["launch_delay_ms"]
@@ -78,25 +79,26 @@ def test_a_delayed_rank_is_named_and_its_delay_measured(tmp_path):
     assert "straggler: rank 1 launched last" in text
     # said of the step's first all-reduce, against the others' first
     assert f"its first all-reduce of a step {delay:.1f} ms after the others' first" in text
-    fig = make_timeline_figure(load_run(out))
+    fig = make_timeline_figure(run)
     marks = next(d for d in fig.data if d.name.startswith("launched last"))
-    assert len(marks.x) == len(compute_launch_spread(load_run(out)))
+    assert len(marks.x) == len(compute_launch_spread(run))
     # the run's one number per quantity (What-if, Compare) is the late rank's, whom every step waited
     # for: pooled with rank 0's, whose exposed time holds its 60 ms wait, the median fell between them
     ranks = json.loads(summary.stdout)["ranks"]
     assert ranks["0"]["exposed_ms"] > ranks["1"]["exposed_ms"] + 30
     # Per step, the rank waited for; on a loaded machine rank 0 may be it in a step or two, so the
     # one number is the median of each step's waited-for row, not rank 1's own median
-    waited = compute_waited_steps(load_run(out))
-    assert (waited["rank"] == 1).mean() >= 0.75, waited["rank"].tolist()
+    waited_for = compute_waited_steps(run)
+    assert (waited_for["rank"] == 1).mean() >= 0.75, waited_for["rank"].tolist()
     check = json.loads(run_cli("whatif", "--json", str(out)).stdout)["replay_check"]
-    compared = compute_run_comparison({"late": load_run(out)}).iloc[0]
+    compared = compute_run_comparison({"late": run}).iloc[0]
     for k in ("exposed_ms", "comm_ms", "backward_ms"):
-        assert check[k]["measured"] == pytest.approx(waited[k].median(), rel=1e-9), k
-        assert compared[k] == pytest.approx(waited[k].median(), rel=1e-9), k
+        assert check[k]["measured"] == pytest.approx(waited_for[k].median(), rel=1e-9), k
+        assert compared[k] == pytest.approx(waited_for[k].median(), rel=1e-9), k
     # far from the pooled median, which rank 0's 60 ms waits pull up
-    pooled = compute_step_breakdown(load_run(out)).query("step in @waited.step")["exposed_ms"].median()
+    breakdown = compute_step_breakdown(run)
+    pooled = breakdown.query("step in @waited_for.step")["exposed_ms"].median()
     assert check["exposed_ms"]["measured"] < pooled - 10
     # the step: its ranks' mean (they meet at every all-reduce)
-    job_step = compute_step_breakdown(load_run(out)).groupby("step")["step_ms"].mean().median()
+    job_step = breakdown.groupby("step")["step_ms"].mean().median()
     assert check["step_ms"]["measured"] == pytest.approx(job_step) and compared["step_ms"] == pytest.approx(job_step)
