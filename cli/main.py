@@ -40,13 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     from ddpscope.tracer.launch.own_jobs import RingConfig, ZeroConfig
     from ddpscope.tracer.launch.runner import RunConfig
 
-    p = _Parser(prog=PROG, description="See distributed data-parallel training: trace real DDP runs, "
+    p = _Parser(prog=PROG, description="See distributed data-parallel training: trace real DDP, FSDP2 and DeepSpeed runs, "
                                        "read them, open the dashboard.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     r = sub.add_parser(
         "run", help="run a training script under torchrun and trace every rank (no change to the script)",
-        description="Run a training script (or the bundled demo) under torchrun and trace every DDP model it "
-                    "builds, bucket by bucket. Everything after -- is the script and its arguments.",
+        description="Run a training script (or the bundled demo) under torchrun and trace what it builds: each "
+                    "DDP model bucket by bucket, each FSDP2 model unit by unit, ZeroRedundancyOptimizer, "
+                    "DeepSpeed's ZeRO engine. Everything after -- is the script and its arguments.",
         epilog="examples: ddpscope run --nproc 2 --bucket-cap-mb 4 --steps 20 --out runs/mine -- train.py --lr 3e-4"
                " | ddpscope run --out runs/m -- -m mypkg.train | ddpscope run --demo gpt --out runs/demo")
     o.add_arguments(r, RunConfig)

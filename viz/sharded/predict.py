@@ -185,10 +185,13 @@ def predict_deepspeed_peak(trace, reduce_bucket_bytes: float) -> pd.DataFrame:
 
 def reshard_choices(trace) -> list[bool | int]:
     """The ``reshard_after_forward`` settings a rerun of this FSDP2 run can take, as the
-    Run page offers them: True (ZeRO-3), False (ZeRO-2) and every rank count that
-    divides the world size between 2 and it (resharded to N ranks, a hybrid)."""
-    world = trace.world_size
-    return [True, False, *(n for n in range(2, world) if world % n == 0)]
+    Run page offers them: True (ZeRO-3), False (ZeRO-2) and every rank count N that
+    divides the shard group S between 2 and S - 1 (resharded to N ranks, a hybrid). S, not
+    the world size: FSDP2 refuses an N that does not divide the shard group's size and
+    reads N = S as True (``_get_post_forward_mesh_info``), which under HSDP (S = world /
+    replicas) rules out some of the world's divisors and makes another the same as True."""
+    shard = shard_group_size(trace)
+    return [True, False, *(n for n in range(2, shard) if shard % n == 0)]
 
 
 def setting_name(setting: bool | int | None) -> str:

@@ -26,7 +26,7 @@ from ddpscope.viz.sharded.metrics import (
     sharded_step_noise_ms,
     stage_differences,
 )
-from ddpscope.viz.sharded.predict import compute_reshard_whatif, predict_memory, predict_peak
+from ddpscope.viz.sharded.predict import compute_reshard_whatif, predict_memory, predict_peak, reshard_choices
 from ddpscope.viz.sharded.profile_check import compute_sharded_profile_agreement
 from ddpscope.viz.sources.run_profile import load_run_profile
 from ddpscope.viz.trace import load_run
@@ -555,6 +555,8 @@ def test_hsdp_all_reduce_across_replicas_is_timed_apart(tmp_path):
     measured = stages[stages["rank"].notna()]
     assert ((measured["measured/predicted"] - 1).abs() < 0.05).all()  # N = 2, not 4
     assert any("HSDP: 2 replicas of 2 ranks" in line for line in stage_differences(trace))
+    # a rerun resharding to N ranks needs N a factor of the shard group below it: none here (2 is True)
+    assert reshard_choices(trace) == [True, False]
 
 
 def test_shard_groups_of_one_rank_are_ddp_by_fsdp2_stage_0(tmp_path):
