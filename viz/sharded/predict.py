@@ -13,9 +13,10 @@ backward's start (or prefetched by the unit before it in backward order: FSDP's
 default depth is one) and released at its backward's end. On shard groups of one rank
 (stage 0: nothing to gather) a prefetch allocates nothing: FSDP2 then copies a unit's
 parameters into its unsharded storage in the unit's own wait (``wait_for_unshard``),
-not at the prefetch's ``unshard``. The root keeps the setting it ran with. The result
-has the columns of ``sharded.metrics.compute_memory_over_step``, so the same figure
-draws it.
+not at the prefetch's ``unshard``. The root keeps the setting it ran with. A unit the
+script gathers or releases itself (its own ``unshard()``, ``set_reshard_after_backward``)
+stays as measured where the samples say so (``predict_memory``). The result has the
+columns of ``sharded.metrics.compute_memory_over_step``, so the same figure draws it.
 
 Step time: on a backend that runs collectives on the training thread (gloo), a unit
 that stays gathered from forward to backward saves its backward all-gather (and the
@@ -59,7 +60,12 @@ def predict_memory(trace, rank: int, reshard_after_forward: bool | int | None = 
                    step: int | None = None) -> pd.DataFrame:
     """A measured step's memory samples with the gathered parameters replayed under the
     settings (None: the run's own, ``own_prefetch``); ``unsharded_params_bytes`` and
-    ``total_bytes`` change, ``peak`` marks the new largest."""
+    ``total_bytes`` change, ``peak`` marks the new largest. Where the samples say which
+    units held gathered parameters (``unsharded_by_unit``), a unit whose measured state at
+    a sample is not what the replay at the run's own settings gives there is one the
+    script gathered, kept or released itself (torchtitan's chunked loss ``unshard()``s its
+    lm_head and keeps it through its chunks' backwards, then sets it back to resharding):
+    it stays as measured at that sample under any setting, which no rerun's flag changes."""
     sh = trace.shards
     own = own_prefetch(trace)
     forward_prefetch = own[0] if forward_prefetch is None else forward_prefetch
@@ -67,9 +73,40 @@ def predict_memory(trace, rank: int, reshard_after_forward: bool | int | None = 
     samples = compute_memory_over_step(trace, rank, step)
     if samples.empty:
         return samples
+    replay = _replay(trace, samples, reshard_after_forward, forward_prefetch, backward_prefetch)
+    measured_units = samples["unsharded_by_unit"].tolist() if "unsharded_by_unit" in samples else [None]
+    split = replay  # a trace before the per-unit split: the replay alone
+    if not any(m is None or not isinstance(m, dict) for m in measured_units):
+        as_run = _replay(trace, samples, None, *own)
+        size = sh.units.set_index("unit")["unsharded_bytes"].to_dict()
+        split = []
+        for measured, ran, new in zip(measured_units, as_run, replay):
+            now = {}
+            for u in sorted(set(measured) | set(ran) | set(new)):
+                held = measured.get(u, 0)
+                # 0.5 %: FSDP pads each parameter to the group, the replay counts the unit's padded whole / N
+                n = held if abs(held - ran.get(u, 0.0)) > 0.005 * size.get(u, 0) + 1 else new.get(u, 0.0)
+                if n:
+                    now[u] = n
+            split.append(now)
+    out = samples.copy()
+    # what the measured sample held gathered at the same point is replaced by the replay
+    measured = out["unsharded_params_bytes"].to_numpy()
+    out["unsharded_by_unit"] = split
+    out["unsharded_params_bytes"] = [sum(now.values()) for now in split]
+    out["total_bytes"] = out["total_bytes"] - measured + out["unsharded_params_bytes"]
+    out["peak"] = False
+    out.loc[out["total_bytes"].idxmax(), "peak"] = True
+    return out
+
+
+def _replay(trace, samples: pd.DataFrame, reshard_after_forward: bool | int | None, forward_prefetch: int,
+            backward_prefetch: int) -> list[dict[int, float]]:
+    """Per sample, each unit's gathered parameters (bytes) under the settings, as FSDP2
+    gathers and releases them (the module's docstring)."""
+    units = trace.shards.units.set_index("unit")
     if shard_group_size(trace) == 1:  # no all-gather: a unit's copy-in is in its own wait, never a prefetch's
         forward_prefetch = backward_prefetch = 0
-    units = sh.units.set_index("unit")
     size = units["unsharded_bytes"].to_dict()
     root = {int(u) for u in units.index[units["root"]]}
     reshard = {int(u): (bool(r) if isinstance(r, bool) else int(r)) if (reshard_after_forward is None or u in root)
@@ -87,7 +124,10 @@ def predict_memory(trace, rank: int, reshard_after_forward: bool | int | None = 
                 gathered.discard(unit)
             if phase == "forward" and not isinstance(setting, bool):
                 kept[unit] = 1 / setting
-        replayed.append(sum(size[u] for u in gathered) + sum(size[u] * part for u, part in kept.items()))
+        now = {u: float(size[u]) for u in gathered}
+        for u, part in kept.items():
+            now[u] = now.get(u, 0.0) + size[u] * part
+        replayed.append(now)
         if at == "start" and unit >= 0:  # the unit (and what it prefetches) is gathered right after
             gathered.add(unit)
             if phase == "backward":  # its kept shard lives until its own gather is copied out (a prefetch
@@ -102,14 +142,7 @@ def predict_memory(trace, rank: int, reshard_after_forward: bool | int | None = 
         if phase == "optimizer":
             gathered.clear()
             kept.clear()
-    out = samples.copy()
-    # what the measured sample held gathered at the same point is replaced by the replay
-    measured = out["unsharded_params_bytes"].to_numpy()
-    out["unsharded_params_bytes"] = replayed
-    out["total_bytes"] = out["total_bytes"] - measured + out["unsharded_params_bytes"]
-    out["peak"] = False
-    out.loc[out["total_bytes"].idxmax(), "peak"] = True
-    return out
+    return replayed
 
 
 def predict_peak(trace, **settings) -> pd.DataFrame:

@@ -25,7 +25,8 @@ Tables (times µs on rank 0's clock, bytes):
   DeepSpeed's own work around its collectives; NaN in traces before it)
 - ``memory``: rank, step, ts_us, unit, name, phase, at (start / end of the unit's
   phase), and bytes per category (``tracer.format.MEMORY_CATEGORIES``; "other" on CUDA
-  only), total_bytes
+  only), total_bytes, and ``unsharded_by_unit``: the gathered parameters' bytes by unit,
+  ``{unit: bytes}`` for the units holding any (None in traces before it and DeepSpeed's)
 
 ``real_steps``: the steps every table and prediction counts; ``shard_group_size`` and
 ``replicas``: the ranks a unit is sharded over and HSDP's replicas.
@@ -46,7 +47,8 @@ SEGMENT_COLUMNS = ["rank", "step", "unit", "name", "phase", "start_us", "end_us"
 COLL_COLUMNS = ["rank", "step", "unit", "name", "collective", "phase", "bytes", "prefetch", "sent_as", "start_us",
                 "end_us", "issued_by", "by", "bucket", "micro", "bucket_params", "first_param", "last_param", "bucket_numels",
                 "bucket_reduce_us"]
-MEMORY_COLUMNS = ["rank", "step", "ts_us", "unit", "name", "phase", "at", *fmt.MEMORY_CATEGORIES, "total_bytes"]
+MEMORY_COLUMNS = ["rank", "step", "ts_us", "unit", "name", "phase", "at", *fmt.MEMORY_CATEGORIES, "total_bytes",
+                  "unsharded_by_unit"]
 # who issued DeepSpeed's gathers after the optimizer's update (``issued_by`` param_allgather),
 # by ZeRO stage: their ``by``, as the Timeline's hover and the no-unit table say it
 AFTER_STEP_GATHER = {
@@ -160,6 +162,7 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
                 for k in fmt.MEMORY_CATEGORIES:
                     row[k] = _count(a[k]) if k in a else (0 if k != "other_bytes" else math.nan)
                 row["total_bytes"] = sum(row[k] for k in fmt.MEMORY_CATEGORIES if not math.isnan(row[k]))
+                row["unsharded_by_unit"] = _by_unit(a.get("unsharded_by_unit"), n_units, row["unsharded_params_bytes"])
                 mem.append(row)
                 continue
             te = ts + _time(e.get("dur", 0.0))
@@ -213,7 +216,27 @@ def _depth(sharding: dict, key: str, default: int) -> int | None:
     return value
 
 
-_TEXT = ("name", "phase", "at", "collective", "sent_as", "issued_by", "by", "first_param", "last_param", "bucket_numels")
+_TEXT = ("name", "phase", "at", "collective", "sent_as", "issued_by", "by", "first_param", "last_param",
+         "bucket_numels", "unsharded_by_unit")
+
+
+def _by_unit(value, n_units: int, total: int) -> dict[int, int] | None:
+    """A memory sample's gathered bytes by unit (``[[unit, bytes], ...]``) as ``{unit:
+    bytes}``; None where the sample has none (a trace before them). Raises ``ValueError``
+    where it names a unit the run does not have, repeats one, or does not add up to the
+    sample's ``unsharded_params_bytes``."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+        raise ValueError(f"unsharded_by_unit {str(value)[:80]} is not a list of [unit, bytes] pairs")
+    out = {}
+    for unit, n in value:
+        if isinstance(unit, bool) or not isinstance(unit, int) or not 0 <= unit < n_units or unit in out:
+            raise ValueError(f"unsharded_by_unit names unit {unit!r} of {n_units} (or twice)")
+        out[unit] = _count(n)
+    if sum(out.values()) != total:
+        raise ValueError(f"unsharded_by_unit adds up to {sum(out.values())} bytes, not the sample's {total}")
+    return out
 
 
 def _numels(value) -> tuple[int, ...] | None:

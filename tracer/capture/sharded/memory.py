@@ -14,6 +14,10 @@ From the tensors themselves, as FSDP2 keeps them:
 - activations: tensors autograd saved for backward during the step's forwards, counted
   by a saved-tensor pack hook on measured steps only (``SavedActivations``); parameters
   saved by their layers are the unsharded parameters' bytes, not counted twice;
+  ``unsharded_by_unit`` splits them by unit: ``[[unit, bytes], ...]`` for the units that
+  hold any (the what-if replays each unit's own, and keeps as measured a unit the script
+  gathered or kept itself: torchtitan's chunked loss ``unshard()``s its lm_head and keeps it
+  gathered through its chunks' backwards, whatever the unit's ``reshard_after_forward``);
 - communication buffers: the last forward all-gather's buffer FSDP keeps until the
   next copy-out (``comm_ctx.all_gather_state``), and the reduce-scatter inputs it holds
   (``comm_ctx.reduce_scatter_states``);
@@ -99,8 +103,8 @@ class ShardedMemory:
     """``meter()`` -> bytes by category now (see the module's docstring)."""
 
     def __init__(self, units: list[Unit], device: torch.device, optimizer: Callable[[], object]) -> None:
-        self.params = [p for u in units for p in u.group.fsdp_params]
-        self.groups = [u.group for u in units]
+        self.params = [(p, u.index) for u in units for p in u.group.fsdp_params]
+        self.groups = [(u.group, u.index) for u in units]
         self.sharded_params_bytes = sum(u.sharded_bytes for u in units)
         self.device = device
         self.optimizer = optimizer
@@ -110,13 +114,13 @@ class ShardedMemory:
     def __call__(self) -> dict[str, int]:
         # Called at every unit boundary of a measured step (~50 parameters x 4 tensors a
         # call): the storage reads inlined, a DTensor's local shard read directly.
-        unsharded, sharded_grads, unsharded_grads = {}, {}, {}
-        for p in self.params:
+        unsharded, sharded_grads, unsharded_grads = {}, {}, {}  # storage -> bytes (unsharded: (bytes, unit))
+        for p, unit in self.params:
             for t in p.all_gather_outputs:
                 st = t.untyped_storage()
                 n = st.nbytes()
                 if n:
-                    unsharded[st.data_ptr()] = n
+                    unsharded[st.data_ptr()] = (n, unit)
             # reshard_after_forward=N keeps 1/N of the gathered parameter from forward to
             # backward, a clone outside all_gather_outputs (FSDPParam.to_sharded_post_forward)
             post = getattr(p, "_sharded_post_forward_param_data", None)
@@ -124,7 +128,7 @@ class ShardedMemory:
                 st = post.untyped_storage()
                 n = st.nbytes()
                 if n:
-                    unsharded[st.data_ptr()] = n
+                    unsharded[st.data_ptr()] = (n, unit)
             g = p.sharded_param.grad
             if g is not None:
                 st = getattr(g, "_local_tensor", g).untyped_storage()
@@ -138,13 +142,16 @@ class ShardedMemory:
                     n = st.nbytes()
                     if n:
                         unsharded_grads[st.data_ptr()] = n
-        for g in self.groups:  # gathered, waiting for its copy-out (prefetched)
+        for g, unit in self.groups:  # gathered, waiting for its copy-out (prefetched)
             result = g._all_gather_result
             if result is not None:
                 ptr, n = _storage_bytes(result.all_gather_output)
-                unsharded[ptr] = n
+                unsharded[ptr] = (n, unit)
+        by_unit: dict[int, int] = {}
+        for n, unit in unsharded.values():
+            by_unit[unit] = by_unit.get(unit, 0) + n
         comm = {}
-        ctx = getattr(self.groups[0], "comm_ctx", None) if self.groups else None
+        ctx = getattr(self.groups[0][0], "comm_ctx", None) if self.groups else None
         held = getattr(ctx, "all_gather_state", None)
         if held is not None:
             ptr, n = _storage_bytes(held.all_gather_result.all_gather_output)
@@ -156,7 +163,7 @@ class ShardedMemory:
                 comm[ptr] = n
         out = {
             "sharded_params_bytes": self.sharded_params_bytes,
-            "unsharded_params_bytes": sum(unsharded.values()),
+            "unsharded_params_bytes": sum(by_unit.values()),
             "sharded_grads_bytes": sum(sharded_grads.values()),
             "unsharded_grads_bytes": sum(unsharded_grads.values()),
             "optimizer_state_bytes": self._state(self.optimizer()),
@@ -167,4 +174,5 @@ class ShardedMemory:
             # Allocator statistics are host-side counters: no CPU-GPU sync.
             allocated = allocator_counters(self.device)["allocated_bytes"]
             out["other_bytes"] = max(0, allocated - sum(out.values()))
+        out["unsharded_by_unit"] = [[unit, n] for unit, n in sorted(by_unit.items())]  # not a category: no total
         return out

@@ -9,11 +9,12 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import shutil
 
 import pandas as pd
 import pytest
 
-from ddpscope.viz.run_files import clock_alignment
+from ddpscope.viz.run_files import TraceError, clock_alignment
 from ddpscope.viz.sharded.comm_volume import comm_honesty_lines, compute_comm_volume
 from ddpscope.viz.sharded.exposed import exposed_per_step, with_exposed
 from ddpscope.viz.sharded.figures import make_sharded_timeline_figure
@@ -134,6 +135,35 @@ def test_memory_by_category_agrees_with_fsdp_mem_tracker_and_the_zero_model(zero
     samples = compute_memory_over_step(trace, 0)
     peak = samples[samples["peak"]].iloc[0]
     assert peak["total_bytes"] == samples["total_bytes"].max() and peak["phase"] in ("forward", "backward")
+    # the gathered parameters split by unit: each unit holds its whole gathered size or nothing (True), a
+    # unit resharded at its own forward's end and gathered from its backward's start to its end
+    size = trace.shards.units.set_index("unit")["unsharded_bytes"].to_dict()
+    for row in trace.shards.memory.itertuples():
+        assert all(n == size[u] for u, n in row.unsharded_by_unit.items()), row
+        if row.unit > 0 and row.phase == "forward" and row.at == "end":
+            assert row.unit not in row.unsharded_by_unit, row
+    # and the replay at the run's own settings is each sample as measured
+    for r in range(N):
+        replayed, measured = predict_memory(trace, r), compute_memory_over_step(trace, r)
+        assert replayed["total_bytes"].tolist() == measured["total_bytes"].tolist()
+
+
+@pytest.mark.parametrize("split, said", [
+    ([[99, 1]], "unsharded_by_unit names unit 99"),
+    ({"0": 1}, "is not a list of [unit, bytes] pairs"),
+    ([[0, 1]], "adds up to 1 bytes, not the sample's"),
+])
+def test_a_damaged_split_of_the_gathered_bytes_is_one_line(zero3, tmp_path, split, said):
+    _, out, _ = zero3
+    folder = tmp_path / "run"
+    shutil.copytree(out, folder, ignore=shutil.ignore_patterns("logs", "live"))
+    events = json.loads((folder / "rank-1.json").read_text())  # a JSON array of events, as Perfetto reads it
+    sample = next(e for e in events if e.get("cat") == "memory_sample" and e["args"]["unsharded_params_bytes"])
+    sample["args"]["unsharded_by_unit"] = split
+    (folder / "rank-1.json").write_text(json.dumps(events))
+    with pytest.raises(TraceError) as e:
+        load_run(folder)
+    assert said in str(e.value) and "\n" not in str(e.value)
 
 
 def test_communication_volume_says_what_gloo_sent_and_what_a_ring_would(zero3):

@@ -16,6 +16,7 @@ import pytest
 from ddpscope.tracer import format as fmt
 from ddpscope.viz.sharded.comm_volume import compute_comm_volume
 from ddpscope.viz.sharded.metrics import compute_stage_comparison
+from ddpscope.viz.sharded.predict import predict_peak
 from ddpscope.viz.trace import load_run
 from tests.tracer.capture.autotrace.test_autotrace import WORKERS, checks, trace_script, untraced
 
@@ -60,10 +61,18 @@ def _losses(text: str) -> list[tuple[int, str, str]]:
     return sorted(set(_LOSS.findall(_COLOUR.sub("", text))))
 
 
-def test_torchtitan_trains_bit_identically_traced_per_unit_with_its_own_sizes(tmp_path):
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    """torchtitan's default FSDP on 2 ranks, traced: (tmp folder, assets root, run folder, report, process)."""
+    tmp_path = tmp_path_factory.mktemp("torchtitan")
     root = _assets(tmp_path / "root")
     traced, out, report = trace_script(tmp_path, WORKER, str(root), *ARGS)
     assert traced.returncode == 0, traced.stderr[-3000:]
+    return tmp_path, root, out, report, traced
+
+
+def test_torchtitan_trains_bit_identically_traced_per_unit_with_its_own_sizes(fsdp):
+    tmp_path, root, out, report, traced = fsdp
     plain_report = untraced(tmp_path, WORKER, str(root), *ARGS)
     # nothing torchtitan computes changes
     assert checks(report) == checks(plain_report)
@@ -95,6 +104,31 @@ def test_torchtitan_trains_bit_identically_traced_per_unit_with_its_own_sizes(tm
     # model states per rank: the ZeRO paper's stage 3 with this run's K and N
     measured = compute_stage_comparison(trace).dropna(subset=["measured/predicted"])
     assert len(measured) == 2 and measured["measured/predicted"].between(0.98, 1.02).all(), measured
+
+
+def test_a_rerun_that_keeps_units_gathered_peaks_where_the_whatif_said_with_torchtitans_own_gathers(fsdp, tmp_path):
+    """torchtitan's chunked loss ``unshard()``s its last unit (norm, lm_head) itself and keeps it
+    gathered through every chunk's forward and backward (``set_reshard_after_backward(False)``),
+    then sets it to reshard after forward whatever it was built with: no
+    ``reshard_after_forward`` changes that. The what-if keeps that unit as measured where the
+    samples' per-unit split says the script held it, so ``--reshard-after-forward false``
+    (ZeRO-2) peaks where it predicted, to the byte (before the split: 1 MiB, the unit, under)."""
+    _, root, out, _, _ = fsdp
+    source = load_run(out)
+    last = int(source.shards.units["unit"].max())
+    # the script's own gather: held at samples where the run's settings (False for the last unit, as
+    # torchtitan builds it) would not hold it, and released where they would
+    held = [last in m for m in source.shards.memory[source.shards.memory["phase"] == "backward"]["unsharded_by_unit"]]
+    assert any(held) and not all(held)
+    proc, again, _ = trace_script(tmp_path, WORKER, str(root), *ARGS, name="false",
+                                  ddpscope=("--reshard-after-forward", "false"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rerun = load_run(again)
+    assert rerun.shards.stage == 2
+    predicted = predict_peak(source, reshard_after_forward=False).set_index("rank")
+    measured = predict_peak(rerun).set_index("rank")  # its own settings: its measured peak
+    assert predicted["predicted_peak_bytes"].to_dict() == measured["measured_peak_bytes"].to_dict()
+    assert (predicted["predicted_peak_bytes"] > predicted["measured_peak_bytes"]).all()  # ZeRO-2 holds more
 
 
 def test_torchtitan_ddp_by_fsdp2_is_stage_0_with_each_units_gradient_all_reduced(tmp_path):
