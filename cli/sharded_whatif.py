@@ -70,6 +70,7 @@ def refuse_fsdp2_flags(args, why: str) -> None:
 def _fsdp2(trace, args) -> int:
     from ddpscope.viz.sharded.metrics import sharded_step_noise_ms
     from ddpscope.viz.sharded.predict import compute_reshard_whatif, reshard_choices
+    from ddpscope.viz.sharded.trace import shard_group_size
 
     if getattr(args, "caps", None) is not None:
         raise ValueError(f"{WHATIF_CAPS.flag} sets a bucket size; an FSDP2 run reduce-scatters per unit: "
@@ -77,13 +78,16 @@ def _fsdp2(trace, args) -> int:
     world = trace.world_size
     settings = fsdp2_settings(args)  # ValueError naming the flag
     hybrids = [c for c in reshard_choices(trace) if not isinstance(c, bool)]  # not `in`: 1 == True
+    shard = shard_group_size(trace)  # FSDP2's N divides the shard group, not the world (HSDP: world / replicas)
+    group = f"the run's {world} ranks" if shard == world else f"the {shard} ranks each unit is sharded over"
     for kw in settings or ():
         n = kw["reshard_after_forward"]
         if not isinstance(n, bool) and n is not None and n not in hybrids:
-            raise ValueError(f"{RESHARD_AFTER_FORWARD.flag} N must divide the run's {world} ranks, between 2 and "
-                             f"{world - 1} (FSDP2's rule: 1 is false, {world} is true), got {n}" if world > 3 else
-                             f"{RESHARD_AFTER_FORWARD.flag} on a run of {world} ranks is true or false (N must divide "
-                             f"the ranks, between 2 and {world} - 1), got {n}")
+            raise ValueError(f"{RESHARD_AFTER_FORWARD.flag} N must divide {group}, between 2 and "
+                             f"{shard - 1} (FSDP2's rule: 1 is false, {shard} is true), got {n}" if hybrids else
+                             f"{RESHARD_AFTER_FORWARD.flag} on a run whose units are sharded over {shard} rank"
+                             f"{'s' if shard != 1 else ''} is true or false (FSDP2 takes N as a factor of them "
+                             f"between 2 and {shard} - 1: there is none), got {n}")
     table = compute_reshard_whatif(trace, settings)
     keys = ["reshard_after_forward", "forward_prefetch", "backward_prefetch", "predicted"]
     noise = sharded_step_noise_ms(trace)
@@ -104,7 +108,8 @@ def _fsdp2(trace, args) -> int:
     if hybrids:
         print(f"  {HYBRID_STEP_NOTE}")
     print(f"  {noise_line(noise)}")
-    print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run)}")
+    reshard = "|".join(["true", "false", *map(str, hybrids)])
+    print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run, reshard)}")
     return 0
 
 
@@ -221,12 +226,13 @@ _RESET = {"--out": 1, "--zero-stage": 1, "--bucket-cap-mb": 1, RESHARD_AFTER_FOR
           FORWARD_PREFETCH.flag: 1, BACKWARD_PREFETCH.flag: 1}
 
 
-def rerun_hint(framework: str | None, run: dict | None = None) -> str:
+def rerun_hint(framework: str | None, run: dict | None = None, reshard: str = "true|false|N") -> str:
     """The command that reruns a sharded run at another setting: the run's own ``ddpscope
     run`` line (run.json's ``command``) with the setting's flags in place of its own, or a
-    template where the run did not record one; and the page that does it."""
+    template where the run did not record one; and the page that does it. ``reshard``: the
+    ``reshard_after_forward`` values an FSDP2 rerun can take, as the line writes them."""
     flags = ["--zero-stage", "S", "--bucket-cap-mb", "MIB"] if framework == "deepspeed" else \
-        [RESHARD_AFTER_FORWARD.flag, "true|false|N"]
+        [RESHARD_AFTER_FORWARD.flag, reshard]
     words = _command_words((run or {}).get("command"))
     if words is None:
         line = " ".join(["ddpscope run", *flags, "--out DIR -- SCRIPT"])

@@ -339,7 +339,8 @@ def test_whatif_prints_each_setting_and_refuses_flags_the_run_does_not_take(zero
     trace = load_run(out)
     peak = predict_peak(trace, reshard_after_forward=False, forward_prefetch=1).set_index("rank")
     assert float(predicted[4]) == round(peak.loc[0, "predicted_peak_bytes"] / 2**20, 3)
-    assert lines[-1].startswith("rerun one: `ddpscope run --nproc 2 --reshard-after-forward true|false|N --out DIR -- ")
+    # the settings a rerun can take: 2 ranks hold no hybrid N (FSDP2 reads 2 as true)
+    assert lines[-1].startswith("rerun one: `ddpscope run --nproc 2 --reshard-after-forward true|false --out DIR -- ")
     assert f"{SCRIPT} --steps 4 --memtracker --report" in lines[-1]  # the run's own line, its script's arguments
     # a run that measured no memory: its peak column reads "-", and says why
     import argparse
@@ -363,7 +364,7 @@ def test_whatif_prints_each_setting_and_refuses_flags_the_run_does_not_take(zero
     assert "noise: this run has fewer than 2 real steps" in capsys.readouterr().out
     for flags, said in ((["--caps", "1"], "--caps sets a bucket size"),
                         (["--cap-list", "1,2"], "--cap-list is DDP's"),
-                        (["--reshard-after-forward", "2"], "on a run of 2 ranks is true or false"),
+                        (["--reshard-after-forward", "2"], "on a run whose units are sharded over 2 ranks is true or false"),
                         (["--reshard-after-forward", "maybe"], "--reshard-after-forward takes true, false"),
                         (["--backward-prefetch", "0"], "--backward-prefetch must be in 1..64"),
                         (["--apply"], "--apply reruns DDP runs")):
@@ -585,8 +586,15 @@ def test_hsdp_all_reduce_across_replicas_is_timed_apart(tmp_path):
     measured = stages[stages["rank"].notna()]
     assert ((measured["measured/predicted"] - 1).abs() < 0.05).all()  # N = 2, not 4
     assert any("HSDP: 2 replicas of 2 ranks" in line for line in stage_differences(trace))
-    # a rerun resharding to N ranks needs N a factor of the shard group below it: none here (2 is True)
+    # a rerun resharding to N ranks needs N a factor of the shard group below it: none here (2 is True),
+    # though 2 divides the world; `whatif` refuses it in one line and its rerun line offers true|false
     assert reshard_choices(trace) == [True, False]
+    proc = run_cli("whatif", str(out), "--reshard-after-forward", "2")
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(
+        "--reshard-after-forward on a run whose units are sharded over 2 ranks is true or false "
+        "(FSDP2 takes N as a factor of them between 2 and 2 - 1: there is none), got 2"), proc.stderr
+    proc = run_cli("whatif", str(out))
+    assert proc.returncode == 0 and "--reshard-after-forward true|false --out DIR" in proc.stdout, proc.stdout
 
 
 def test_shard_groups_of_one_rank_are_ddp_by_fsdp2_stage_0(tmp_path):
