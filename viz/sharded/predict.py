@@ -159,7 +159,11 @@ def predict_peak(trace, **settings) -> pd.DataFrame:
 
 def predict_step_ms(trace, reshard_after_forward: bool | int | None = None) -> pd.DataFrame:
     """Per rank: the measured median step (ms, non-warm-up steps) and the predicted one
-    when every non-root unit reshards after forward (True / N) or not (False)."""
+    when every non-root unit reshards after forward (True / N) or not (False). A unit
+    whose measured steps gather it again in backward where its setting says they would
+    not, or not where it says they would, is run the script's own way (torchtitan's
+    chunked loss sets its last unit, built not to reshard, to reshard at every step's
+    end; a rerun's flag does not change that): its gathers stay as measured."""
     sh = trace.shards
     real = real_steps(trace)
     steps = real_sharded_steps(trace)
@@ -172,6 +176,8 @@ def predict_step_ms(trace, reshard_after_forward: bool | int | None = None) -> p
     exposed = exposed_per_step(colls, waits, segs, by=("unit", "phase"))
     exposed = exposed.groupby(level=["unit", "phase", "rank"]).sum() if len(exposed) else exposed
     units = sh.units.set_index("unit")
+    backward = colls[colls["phase"] == "backward"]
+    regathered = set(zip(backward["unit"].astype(int), backward["rank"].astype(int)))
     rows = []
     for rank, mine in steps.groupby("rank"):
         delta = 0.0
@@ -180,6 +186,8 @@ def predict_step_ms(trace, reshard_after_forward: bool | int | None = None) -> p
             if bool(units.loc[u, "root"]) or reshard_after_forward is None:
                 continue
             if _reshards(setting) == _reshards(reshard_after_forward):
+                continue
+            if _reshards(setting) != ((int(u), int(rank)) in regathered):  # the script's own way: as measured
                 continue
             fwd, bwd = (float(exposed.get((u, ph, rank), 0.0)) for ph in ("forward", "backward"))
             # resharding now: a backward all-gather as long as the forward one; kept: it is gone

@@ -16,7 +16,7 @@ import pytest
 from ddpscope.tracer import format as fmt
 from ddpscope.viz.sharded.comm_volume import compute_comm_volume
 from ddpscope.viz.sharded.metrics import compute_stage_comparison
-from ddpscope.viz.sharded.predict import predict_peak
+from ddpscope.viz.sharded.predict import predict_peak, predict_step_ms
 from ddpscope.viz.trace import load_run
 from tests.tracer.capture.autotrace.test_autotrace import WORKERS, checks, trace_script, untraced
 
@@ -112,7 +112,8 @@ def test_a_rerun_that_keeps_units_gathered_peaks_where_the_whatif_said_with_torc
     then sets it to reshard after forward whatever it was built with: no
     ``reshard_after_forward`` changes that. The what-if keeps that unit as measured where the
     samples' per-unit split says the script held it, so ``--reshard-after-forward false``
-    (ZeRO-2) peaks where it predicted, to the byte (before the split: 1 MiB, the unit, under)."""
+    (ZeRO-2) peaks where it predicted, to the byte (before the split: 1 MiB, the unit, under);
+    its step keeps that unit's gathers as measured."""
     _, root, out, _, _ = fsdp
     source = load_run(out)
     last = int(source.shards.units["unit"].max())
@@ -129,6 +130,14 @@ def test_a_rerun_that_keeps_units_gathered_peaks_where_the_whatif_said_with_torc
     measured = predict_peak(rerun).set_index("rank")  # its own settings: its measured peak
     assert predicted["predicted_peak_bytes"].to_dict() == measured["measured_peak_bytes"].to_dict()
     assert (predicted["predicted_peak_bytes"] > predicted["measured_peak_bytes"]).all()  # ZeRO-2 holds more
+    # the step: the last unit is gathered again in backward at every step whatever it was built with
+    # (the chunked loss's doing, the rerun's too), so resharding every unit changes nothing in a run whose
+    # other units reshard already: predicted as measured (before, its forward gathers were added)
+    units = source.shards.units
+    assert units["reshard_after_forward"].tolist() == [True] * (len(UNITS) - 1) + [False]
+    steps = predict_step_ms(source, True)
+    assert (steps["predicted_step_ms"] == steps["measured_step_ms"]).all(), steps
+    assert (predict_step_ms(source, False)["predicted_step_ms"] < steps["measured_step_ms"]).all()  # no regathers
 
 
 def test_torchtitan_ddp_by_fsdp2_is_stage_0_with_each_units_gradient_all_reduced(tmp_path):
