@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ddpscope.tracer.launch.own_jobs import RingConfig, ZeroConfig
     from ddpscope.tracer.launch.runner import RunConfig
 
-    p = _Parser(prog=PROG, description="See distributed data-parallel training: trace real DDP, FSDP2 and DeepSpeed runs, "
-                                       "read them, open the dashboard.")
+    p = _Parser(prog=PROG, description="See distributed data-parallel training: trace real DDP, FSDP2 and "
+                                       "DeepSpeed runs, read them, open the dashboard.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     r = sub.add_parser(
         "run", help="run a training script under torchrun and trace every rank (no change to the script)",

@@ -76,8 +76,9 @@ def predict_memory(trace, rank: int, reshard_after_forward: bool | int | None = 
     replay = _replay(trace, samples, reshard_after_forward, forward_prefetch, backward_prefetch)
     measured_units = samples["unsharded_by_unit"].tolist() if "unsharded_by_unit" in samples else [None]
     split = replay  # a trace before the per-unit split: the replay alone
-    if not any(m is None or not isinstance(m, dict) for m in measured_units):
-        as_run = _replay(trace, samples, None, *own)
+    if all(isinstance(m, dict) for m in measured_units):
+        at_own = reshard_after_forward is None and (forward_prefetch, backward_prefetch) == own
+        as_run = replay if at_own else _replay(trace, samples, None, *own)
         size = sh.units.set_index("unit")["unsharded_bytes"].to_dict()
         split = []
         for measured, ran, new in zip(measured_units, as_run, replay):

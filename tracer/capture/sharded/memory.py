@@ -6,6 +6,10 @@ From the tensors themselves, as FSDP2 keeps them:
 - unsharded parameters: the all-gather outputs whose storage is allocated now (FSDP frees
   a unit's by resizing its storage to 0 when it reshards), and a unit's all-gathered
   buffer not yet copied out (a prefetched unit's, until its own forward or backward);
+  ``unsharded_by_unit`` splits them by unit: ``[[unit, bytes], ...]`` for the units that
+  hold any (the what-if replays each unit's own, and keeps as measured a unit the script
+  gathered or kept itself: torchtitan's chunked loss ``unshard()``s its lm_head and keeps it
+  gathered through its chunks' backwards, whatever the unit's ``reshard_after_forward``);
 - sharded gradients: the local shards' ``.grad``; unsharded gradients: a unit's
   full-size gradients between its backward and its reduce-scatter (and those kept
   for accumulation without reduction);
@@ -14,10 +18,6 @@ From the tensors themselves, as FSDP2 keeps them:
 - activations: tensors autograd saved for backward during the step's forwards, counted
   by a saved-tensor pack hook on measured steps only (``SavedActivations``); parameters
   saved by their layers are the unsharded parameters' bytes, not counted twice;
-  ``unsharded_by_unit`` splits them by unit: ``[[unit, bytes], ...]`` for the units that
-  hold any (the what-if replays each unit's own, and keeps as measured a unit the script
-  gathered or kept itself: torchtitan's chunked loss ``unshard()``s its lm_head and keeps it
-  gathered through its chunks' backwards, whatever the unit's ``reshard_after_forward``);
 - communication buffers: the last forward all-gather's buffer FSDP keeps until the
   next copy-out (``comm_ctx.all_gather_state``), and the reduce-scatter inputs it holds
   (``comm_ctx.reduce_scatter_states``);
