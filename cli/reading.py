@@ -326,7 +326,10 @@ def _sharded_summary(trace, as_json: bool) -> int:
         print(f"gradient buckets ({framework}; ms and bytes per step; start_ms after the step's start):")
         print(buckets.round(3).to_string(index=False))
     print("model states (bytes) beside ZeRO stages 0-3:")
-    print(stages[["row", "params_bytes", "grads_bytes", "optimizer_state_bytes", "model_state_bytes",
+    # ZeRO-Offload: what of the persistent states is in host memory
+    host = ["host_persistent_bytes"] if stages.get("host_persistent_bytes") is not None \
+        and stages["host_persistent_bytes"].fillna(0).any() else []
+    print(stages[["row", "params_bytes", "grads_bytes", "optimizer_state_bytes", "model_state_bytes", *host,
                   "measured/predicted"]].round(3).to_string(index=False))
     for line in notes:
         print(f"  {line}")

@@ -145,7 +145,8 @@ def _deepspeed(trace, args) -> int:
         view[k.removesuffix("_bytes") + "_MiB"] = view.pop(k) / MIB
     print(view.round(3).to_string(index=False))
     print("  persistent: parameters, the fp32 master and Adam's moments; gradients live in buffers sized by the "
-          "bucket layout")
+          "bucket layout" + ("; host_persistent: what of them ZeRO-Offload keeps in host memory (the script's "
+                             "offload, kept by a rerun)" if states["host_persistent_bytes"].any() else ""))
     if sizes is None:
         print(f"at another reduce_bucket_size: {why}")
     else:

@@ -35,6 +35,9 @@ def main() -> None:
     p.add_argument("--loss-allreduce", action="store_true",
                    help="average each loss over the ranks with torch.distributed.all_reduce (not deepspeed.comm), "
                         "after backward, before the step: the script's own collective in the step")
+    p.add_argument("--offload", choices=["optimizer", "both"], help="ZeRO-Offload to cpu: the optimizer's states "
+                   "(offload_optimizer), or those and the parameters (offload_param, stage 3); the client AdamW kept "
+                   "(zero_force_ds_cpu_optimizer false: DeepSpeedCPUAdam would build another C++ op)")
     args = p.parse_args()
     import deepspeed
 
@@ -46,6 +49,11 @@ def main() -> None:
                                     "stage3_prefetch_bucket_size": args.reduce_bucket_size,
                                     "stage3_param_persistence_threshold": args.persistence_threshold, "overlap_comm": args.overlap_comm},
               "bf16": {"enabled": args.bf16}, "steps_per_print": 10**9}
+    if args.offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False
+    if args.offload == "both":
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     if args.config_file:
         path = os.path.join(args.report, f"ds-config-{os.environ.get('RANK', '0')}.json")
         os.makedirs(args.report, exist_ok=True)

@@ -29,6 +29,13 @@ The *persistent* states (parameters, master and moments: everything but gradient
 which live from backward to the step in buffers whose size follows the bucket layout)
 are what a prediction for another stage is checked on.
 
+With ZeRO-Offload (``offload_optimizer: cpu``) the master and moments live in host memory
+(the trace's ``offloaded`` bytes, added back here so that each figure is the whole state
+wherever it is), and at stages 1-2 DeepSpeed keeps a model-dtype staging copy of the
+partition there too (b P/N more parameters); ``host_persistent_bytes`` is what of the
+persistent states is in host memory, measured and predicted (a rerun keeps the script's
+offload). With ``offload_param`` (stage 3) the model-dtype partitions are there as well.
+
 DeepSpeed's estimators (``estimate_zero2_model_states_mem_needs``,
 ``estimate_zero3_model_states_mem_needs``, without offload; their arithmetic, read from
 DeepSpeed 0.19.8, repeated here so that ddpscope's figures need no DeepSpeed): stage 2
@@ -63,28 +70,45 @@ def persistent_numel(trace) -> int:
     return int((trace.run.get("deepspeed") or {}).get("stage3_persistent_numel") or 0)
 
 
+def offload(trace) -> dict:
+    """The run's offload devices: ``{"optimizer": "cpu", "param": None}`` (run.json's)."""
+    ds = trace.run.get("deepspeed") or {}
+    return {"optimizer": ds.get("offload_optimizer"), "param": ds.get("offload_param")}
+
+
+def _whole(mem: pd.DataFrame, cat: str) -> pd.Series:
+    """A category's bytes wherever they are: the device's plus what is offloaded."""
+    host = mem["offloaded"].map(lambda d: (d or {}).get(cat, 0)) if "offloaded" in mem else 0
+    return mem[cat] + host
+
+
 def measured_states(trace) -> pd.DataFrame:
     """Per rank: params_bytes, grads_bytes, optimizer_state_bytes (moments + master),
-    master_bytes, model_state_bytes and persistent_bytes (see the module's docstring).
-    Steps from 1 on (the optimizer's state appears at the first step)."""
+    master_bytes, model_state_bytes, persistent_bytes and host_persistent_bytes (see the
+    module's docstring), each whole wherever it is kept. Steps from 1 on (the optimizer's
+    state appears at the first step)."""
     sh = trace.shards
     b = precision(trace).param
     mem = sh.memory[sh.memory["step"] >= 1] if (sh.memory["step"] >= 1).any() else sh.memory
+    staging = bool(offload(trace)["optimizer"]) and sh.stage < 3  # the model-dtype copy of the partition
     rows = []
     for rank, mine in mem.groupby("rank"):
-        sharded = float(mine["sharded_params_bytes"].max())
+        sharded = float(_whole(mine, "sharded_params_bytes").max())
         if sh.stage == 3:
             params, master = sharded * b / (b + 4), sharded * 4 / (b + 4)
             params += b * persistent_numel(trace)  # whole on every rank, beside their partitions
-            grads = float(mine["sharded_grads_bytes"].max())
+            grads = float(_whole(mine, "sharded_grads_bytes").max())
         else:
-            params, master = float(mine["unsharded_params_bytes"].max()), sharded
-            grads = float((mine["sharded_grads_bytes"] + mine["unsharded_grads_bytes"]).max()) if sh.stage == 1 \
-                else float(mine["sharded_grads_bytes"].max())
-        opt = float(mine["optimizer_state_bytes"].max()) + master
+            master = sharded * 4 / (b + 4) if staging else sharded
+            params = float(_whole(mine, "unsharded_params_bytes").max()) + sharded - master
+            grads = float((_whole(mine, "sharded_grads_bytes") + _whole(mine, "unsharded_grads_bytes")).max()) \
+                if sh.stage == 1 else float(_whole(mine, "sharded_grads_bytes").max())
+        opt = float(_whole(mine, "optimizer_state_bytes").max()) + master
+        host = mine["offloaded"].map(lambda d: sum(v for k, v in (d or {}).items() if k in (
+            "sharded_params_bytes", "unsharded_params_bytes", "optimizer_state_bytes"))) if "offloaded" in mine else 0
         rows.append({"row": f"measured (rank {int(rank)})", "rank": int(rank), "stage": sh.stage,
                      "params_bytes": params, "grads_bytes": grads, "optimizer_state_bytes": opt,
-                     "master_bytes": master})
+                     "master_bytes": master, "host_persistent_bytes": float(pd.Series(host).max())})
     out = pd.DataFrame(rows)
     if len(out):
         out["model_state_bytes"] = out[["params_bytes", "grads_bytes", "optimizer_state_bytes"]].sum(axis=1)
@@ -110,8 +134,18 @@ def predict_states(trace, stage: int, measured: pd.DataFrame | None = None) -> d
                 "optimizer_state_bytes": prec.k * (params if stage < 1 else part)}
     if stage == 3:  # the parameters DeepSpeed keeps whole there
         pred["params_bytes"] += prec.param * persistent_numel(trace)
+    part = pred["optimizer_state_bytes"] / prec.k  # elements of this rank's partition (P at stage 0)
+    where, host = offload(trace), 0.0
+    if where["optimizer"] and stage > 0:  # (stage 0 has no offload) master and moments in host memory; at 1-2 a model-dtype staging copy too
+        host = pred["optimizer_state_bytes"]
+        if 0 < stage < 3:
+            pred["params_bytes"] += prec.param * part
+            host += prec.param * part
+    if where["param"] and stage == 3:  # the model-dtype partitions too
+        host += prec.param * part
     pred["model_state_bytes"] = sum(pred.values())
     pred["persistent_bytes"] = pred["params_bytes"] + pred["optimizer_state_bytes"]
+    pred["host_persistent_bytes"] = host
     return pred
 
 

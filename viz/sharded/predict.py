@@ -284,7 +284,7 @@ def compute_reshard_whatif(trace, settings: list[dict] | None = None) -> pd.Data
 #: for a DeepSpeed run, beside the run's own
 DEEPSPEED_BUCKET_MIB = (0.25, 1.0, 4.0, 16.0, 64.0)
 #: the model states a DeepSpeed rerun at another stage is predicted on (bytes per rank)
-STATE_COLUMNS = ["params_bytes", "grads_bytes", "optimizer_state_bytes", "persistent_bytes"]
+STATE_COLUMNS = ["params_bytes", "grads_bytes", "optimizer_state_bytes", "persistent_bytes", "host_persistent_bytes"]
 
 
 def compute_deepspeed_stage_whatif(trace, stages=(1, 2, 3)) -> pd.DataFrame:

@@ -26,7 +26,9 @@ Tables (times µs on rank 0's clock, bytes):
 - ``memory``: rank, step, ts_us, unit, name, phase, at (start / end of the unit's
   phase), and bytes per category (``tracer.format.MEMORY_CATEGORIES``; "other" on CUDA
   only), total_bytes, and ``unsharded_by_unit``: the gathered parameters' bytes by unit,
-  ``{unit: bytes}`` for the units holding any (None in traces before it and DeepSpeed's)
+  ``{unit: bytes}`` for the units holding any (None in traces before it and DeepSpeed's);
+  with DeepSpeed's offload the categories are the device's and ``offloaded`` ({category:
+  bytes}, None without offload) what is kept of each in host memory, ``host_bytes`` its sum
 
 ``real_steps``: the steps every table and prediction counts; ``shard_group_size`` and
 ``replicas``: the ranks a unit is sharded over and HSDP's replicas.
@@ -48,7 +50,7 @@ COLL_COLUMNS = ["rank", "step", "unit", "name", "collective", "phase", "bytes", 
                 "end_us", "issued_by", "by", "bucket", "micro", "bucket_params", "first_param", "last_param", "bucket_numels",
                 "bucket_reduce_us"]
 MEMORY_COLUMNS = ["rank", "step", "ts_us", "unit", "name", "phase", "at", *fmt.MEMORY_CATEGORIES, "total_bytes",
-                  "unsharded_by_unit"]
+                  "unsharded_by_unit", "offloaded", "host_bytes"]
 # who issued DeepSpeed's gathers after the optimizer's update (``issued_by`` param_allgather),
 # by ZeRO stage: their ``by``, as the Timeline's hover and the no-unit table say it
 AFTER_STEP_GATHER = {
@@ -163,6 +165,8 @@ def parse_sharded(run: dict, files: dict[int, tuple[dict, list]], align_of) -> S
                     row[k] = _count(a[k]) if k in a else (0 if k != "other_bytes" else math.nan)
                 row["total_bytes"] = sum(row[k] for k in fmt.MEMORY_CATEGORIES if not math.isnan(row[k]))
                 row["unsharded_by_unit"] = _by_unit(a.get("unsharded_by_unit"), n_units, row["unsharded_params_bytes"])
+                row["offloaded"] = _offloaded(a.get("offloaded"))
+                row["host_bytes"] = sum((row["offloaded"] or {}).values())
                 mem.append(row)
                 continue
             te = ts + _time(e.get("dur", 0.0))
@@ -237,6 +241,17 @@ def _by_unit(value, n_units: int, total: int) -> dict[int, int] | None:
     if sum(out.values()) != total:
         raise ValueError(f"unsharded_by_unit adds up to {sum(out.values())} bytes, not the sample's {total}")
     return out
+
+
+def _offloaded(value) -> dict[str, int] | None:
+    """A memory sample's bytes kept in host memory by category (DeepSpeed's offload); None
+    where the sample has none. Raises ``ValueError`` on a category the format does not
+    have or a size that is not a count."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not set(value) <= set(fmt.MEMORY_CATEGORIES):
+        raise ValueError(f"offloaded {str(value)[:80]} is not bytes by memory category")
+    return {k: _count(n) for k, n in value.items()}
 
 
 def _numels(value) -> tuple[int, ...] | None:

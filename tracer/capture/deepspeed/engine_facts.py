@@ -96,10 +96,9 @@ def untraced_features(engine, facts: dict) -> list[str]:
         out.append(f"DeepSpeed's pipeline engine ({name})")
     if "Hybrid" in name:
         out.append(f"DeepSpeed's hybrid engine ({name})")
-    if facts.get("offload_optimizer"):
-        out.append(f"optimizer offload to {facts['offload_optimizer']}")
-    if facts.get("offload_param"):
-        out.append(f"parameter offload to {facts['offload_param']}")
+    for what in ("optimizer", "param"):  # offload to the CPU is traced; NVMe swaps states in and out unseen
+        if facts.get(f"offload_{what}") not in (None, "cpu"):
+            out.append(f"{'parameter' if what == 'param' else what} offload to {facts[f'offload_{what}']}")
     hpz = _call(engine, "zero_hpz_partition_size")
     if isinstance(hpz, int) and hpz > 1:
         out.append(f"ZeRO++ hierarchical partitioning (zero_hpz_partition_size={hpz})")

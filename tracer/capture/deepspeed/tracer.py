@@ -91,14 +91,17 @@ class DeepSpeedTracer(FSDPTracer):
         self.units, unit_of, owner_of = find_units(engine.module, stage, world, ITEMSIZE.get(facts["dtype"], 4))
         self.param_names = {id(p): n for n, p in engine.module.named_parameters()}
         device = next((p.device for p in engine.module.parameters()), torch.device("cpu"))
+        offload = "".join(f", {what} offload to {facts[f'offload_{key}']}" for key, what in
+                          (("optimizer", "optimizer"), ("param", "parameter")) if facts.get(f"offload_{key}"))
         self.stage_reason = (f"DeepSpeed ZeRO stage {stage} ({type(opt).__name__}, {facts['dtype']}, "
-                             f"overlap_comm={facts.get('overlap_comm')})")
+                             f"overlap_comm={facts.get('overlap_comm')}{offload})")
         # host times on every device: see the module's docstring
         self._open_files(device, make_clock(torch.device("cpu")), [(u.name, u.numel) for u in self.units], [],
                          [u.facts() for u in self.units])
         names = [u.name for u in self.units]
         params = list(engine.module.parameters())
-        self.memory = DeepSpeedMemory(opt, params, stage)
+        self.memory = DeepSpeedMemory(opt, params, stage,
+                                      offload=bool(facts.get("offload_optimizer") or facts.get("offload_param")))
         self.recorder = ShardedRecorder(clock=self.clock, emit=lambda s: self._emit(s, names),
                                         sample=self.memory, measure_step=self._measure_steps(),
                                         on_close=self.on_step, in_backward=autograd_running,

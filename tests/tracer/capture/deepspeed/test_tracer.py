@@ -423,3 +423,51 @@ def test_parameters_zero3_keeps_whole_are_predicted_from_stage_2_and_measured_at
     numel = float(traces[2].shards.units["numel"].sum())
     assert predict_states(traces[2], 0)["optimizer_state_bytes"] == \
         model_state_bytes(numel, 2, 0, precision(traces[2]))["optimizer_state_bytes"] == 12 * numel
+
+
+@pytest.mark.parametrize("stage, offload", [(2, "optimizer"), (3, "both")])
+def test_zero_offload_is_traced_with_the_states_it_keeps_in_host_memory_apart(tmp_path, stage, offload):
+    """ZeRO-Offload (``offload_optimizer: cpu``; at stage 3 also ``offload_param``) is
+    traced, training bit-identical: the memory samples' categories are the device's and
+    ``offloaded`` holds what DeepSpeed keeps in host memory, checked against the model's
+    own size (P elements, fp32, N = 2): Adam's moments (8 P/N) and the fp32 master (4 P/N)
+    are all on the host, at stage 2 with a model-dtype staging copy of the partition (4 P/N)
+    while the whole parameters (4 P) stay on the device; at stage 3 with ``offload_param``
+    no partition is on the device. The measured host share of the persistent states is the
+    one ``predict_states`` gives for the run's own stage."""
+    from ddpscope.viz.sharded.deepspeed_states import measured_states, predict_states
+
+    script = (WORKER, "--stage", str(stage), "--offload", offload, "--steps", "3", "--reduce-bucket-size", "20000")
+    proc, out, report = trace_script(tmp_path, *script, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    own = checks(report)
+    run = json.loads((out / fmt.RUN_FILE).read_text())
+    assert run["kind"] == fmt.KIND_SHARDED and run["status"] == fmt.COMPLETE
+    assert run["deepspeed"]["offload_optimizer"] == "cpu"
+    assert run["deepspeed"]["offload_param"] == ("cpu" if offload == "both" else None)
+    assert "optimizer offload to cpu" in run["sharding"]["stage_reason"]
+    trace = _load(out)
+    part = own[0]["numel"] / 2  # elements of a rank's partition
+    mem = trace.shards.memory
+    after = mem[mem["step"] >= 1]
+    assert len(after) and after["offloaded"].map(lambda d: isinstance(d, dict)).all()
+    host = pd.DataFrame(list(after["offloaded"])).fillna(0)
+    assert (after["optimizer_state_bytes"] == 0).all()  # nothing of the optimizer on the device
+    assert (abs(host["optimizer_state_bytes"] - 8 * part) <= 2 * PAD).all()  # Adam's two moments
+    staging = 4 * part if stage < 3 else 0  # stages 1-2: the model-dtype copy of the partition, beside the master
+    assert (abs(host["sharded_params_bytes"] - 4 * part - staging - (4 * part if offload == "both" else 0))
+            <= 2 * PAD).all()
+    if stage < 3:  # the whole parameters stay on the device
+        assert (abs(after["unsharded_params_bytes"] - 4 * own[0]["numel"]) <= 2 * PAD).all()
+    else:  # offload_param: no partition on the device
+        assert (after["sharded_params_bytes"] == 0).all()
+    assert (after["host_bytes"] == host.sum(axis=1).to_numpy()).all()
+    predicted = predict_states(trace, stage)["host_persistent_bytes"]
+    for got in measured_states(trace)["host_persistent_bytes"]:
+        assert abs(got - predicted) <= 2 * PAD, (got, predicted)
+    summary = run_cli("summary", str(out))
+    assert summary.returncode == 0 and "host_persistent_bytes" in summary.stdout
+    plain = untraced(tmp_path, *script)
+    for r in (0, 1):
+        assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
+        assert own[r]["losses"] == checks(plain)[r]["losses"]
