@@ -82,6 +82,17 @@ def _whole(mem: pd.DataFrame, cat: str) -> pd.Series:
     return mem[cat] + host
 
 
+PERSISTENT_CATEGORIES = ("sharded_params_bytes", "unsharded_params_bytes", "optimizer_state_bytes")
+GRADIENT_CATEGORIES = ("sharded_grads_bytes", "unsharded_grads_bytes")
+
+
+def _host(mem: pd.DataFrame, cats: tuple[str, ...]) -> float:
+    """The most bytes of ``cats`` a sample kept in host memory (0 without offload)."""
+    if "offloaded" not in mem or not len(mem):
+        return 0.0
+    return float(mem["offloaded"].map(lambda d: sum(v for k, v in (d or {}).items() if k in cats)).max())
+
+
 def measured_states(trace) -> pd.DataFrame:
     """Per rank: params_bytes, grads_bytes, optimizer_state_bytes (moments + master),
     master_bytes, model_state_bytes, persistent_bytes and host_persistent_bytes (see the
@@ -104,11 +115,10 @@ def measured_states(trace) -> pd.DataFrame:
             grads = float((_whole(mine, "sharded_grads_bytes") + _whole(mine, "unsharded_grads_bytes")).max()) \
                 if sh.stage == 1 else float(_whole(mine, "sharded_grads_bytes").max())
         opt = float(_whole(mine, "optimizer_state_bytes").max()) + master
-        host = mine["offloaded"].map(lambda d: sum(v for k, v in (d or {}).items() if k in (
-            "sharded_params_bytes", "unsharded_params_bytes", "optimizer_state_bytes"))) if "offloaded" in mine else 0
         rows.append({"row": f"measured (rank {int(rank)})", "rank": int(rank), "stage": sh.stage,
                      "params_bytes": params, "grads_bytes": grads, "optimizer_state_bytes": opt,
-                     "master_bytes": master, "host_persistent_bytes": float(pd.Series(host).max())})
+                     "master_bytes": master, "host_persistent_bytes": _host(mine, PERSISTENT_CATEGORIES),
+                     "host_bytes": _host(mine, PERSISTENT_CATEGORIES + GRADIENT_CATEGORIES)})
     out = pd.DataFrame(rows)
     if len(out):
         out["model_state_bytes"] = out[["params_bytes", "grads_bytes", "optimizer_state_bytes"]].sum(axis=1)
@@ -149,12 +159,16 @@ def predict_states(trace, stage: int, measured: pd.DataFrame | None = None) -> d
     return pred
 
 
-def deepspeed_estimate(params: float, largest_layer: float, n: int, stage: int) -> float | None:
-    """DeepSpeed's own estimate of the model states per GPU without offload (bytes), or
-    None for a stage it has no estimator for (0, 1)."""
+def deepspeed_estimate(params: float, largest_layer: float, n: int, stage: int, *, offload_optimizer: bool = False,
+                       offload_param: bool = False) -> float | None:
+    """DeepSpeed's own estimate of the model states per GPU (bytes; with ZeRO-Offload,
+    what stays on the GPU: its ``cpu_offload`` / ``cpu_offload_params`` branches), or None
+    for a stage it has no estimator for (0, 1)."""
     if stage == 2:
-        return 2 * params + int(18 * params / n)
+        return 2 * params if offload_optimizer else 2 * params + int(18 * params / n)
     if stage == 3:
+        if offload_optimizer:
+            return 4 * largest_layer + (0 if offload_param else int(2 * params / n))
         return 4 * largest_layer + int(18 * params / n)
     return None
 
@@ -175,7 +189,9 @@ def compute_deepspeed_stages(trace) -> pd.DataFrame:
         rows.append({"row": f"stage {stage}", "rank": None, "stage": stage, **predict_states(trace, stage, measured)})
     for stage in (2, 3):
         rows.append({"row": f"DeepSpeed estimate (stage {stage})", "rank": None, "stage": stage,
-                     "model_state_bytes": float(deepspeed_estimate(params, largest, n, stage))})
+                     "model_state_bytes": float(deepspeed_estimate(
+                         params, largest, n, stage, offload_optimizer=bool(offload(trace)["optimizer"]),
+                         offload_param=bool(offload(trace)["param"])))})
     out = pd.DataFrame(rows)
     own = out[out["row"] == f"stage {sh.stage}"].iloc[0]
     measured = out["rank"].notna()
@@ -203,7 +219,19 @@ def deepspeed_differences(trace) -> list[str]:
                          "are views of a buffer DeepSpeed sizes by its bucket layout, alive from backward to the step.")
     estimate = table[table["row"] == f"DeepSpeed estimate (stage {sh.stage})"]
     measured = table[table["rank"].notna()]
-    if len(estimate) and len(measured):
+    where = offload(trace)
+    if len(estimate) and len(measured) and where["optimizer"]:
+        est = float(estimate["model_state_bytes"].iloc[0])
+        got = float((measured["model_state_bytes"] - measured["host_bytes"]).max())
+        against = f"{(est / got - 1) * 100:+.0f} % against " if got > 0 else ""
+        lines.append(f"DeepSpeed's estimator with offload says {est / 2**20:.3f} MiB stay on the device for stage "
+                     f"{sh.stage} ({against}the measured {got / 2**20:.3f} MiB there; "
+                     f"{float(measured['host_bytes'].max()) / 2**20:.3f} MiB of model states in host memory): it "
+                     "assumes 2-byte parameters" + (", and 4 bytes per parameter of the largest layer gathered"
+                                                    if sh.stage == 3 else "")
+                     + (f"; this run trains in {(trace.run.get('deepspeed') or {}).get('dtype')}"
+                        if prec.param != 2 else "") + ".")
+    elif len(estimate) and len(measured):
         est, got = float(estimate["model_state_bytes"].iloc[0]), float(measured["model_state_bytes"].max())
         lines.append(f"DeepSpeed's estimator says {est / 2**20:.3f} MiB for stage {sh.stage} "
                      f"({(est / got - 1) * 100:+.0f} % against the measured {got / 2**20:.3f} MiB): it assumes 2-byte "

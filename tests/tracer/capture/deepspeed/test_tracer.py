@@ -465,8 +465,19 @@ def test_zero_offload_is_traced_with_the_states_it_keeps_in_host_memory_apart(tm
     predicted = predict_states(trace, stage)["host_persistent_bytes"]
     for got in measured_states(trace)["host_persistent_bytes"]:
         assert abs(got - predicted) <= 2 * PAD, (got, predicted)
+    # the device's part beside DeepSpeed's own estimator with offload, called here (the independent instrument)
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    from ddpscope.viz.sharded.deepspeed_states import compute_deepspeed_stages
+    table = compute_deepspeed_stages(trace).set_index("row")
+    numel, largest = float(trace.shards.units["numel"].sum()), float(trace.shards.units["numel"].max())
+    theirs = estimate_zero2_model_states_mem_needs(numel, 2, 1, cpu_offload=True)[1] if stage == 2 else \
+        estimate_zero3_model_states_mem_needs(numel, largest, 2, 1, cpu_offload=True, cpu_offload_params=True)[1]
+    assert table.loc[f"DeepSpeed estimate (stage {stage})", "model_state_bytes"] == theirs
     summary = run_cli("summary", str(out))
     assert summary.returncode == 0 and "host_persistent_bytes" in summary.stdout
+    assert "DeepSpeed's estimator with offload says" in summary.stdout
     plain = untraced(tmp_path, *script)
     for r in (0, 1):
         assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
