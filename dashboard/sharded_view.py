@@ -266,7 +266,9 @@ def deepspeed_rerun_settings(trace) -> dict:
     view[[_mib(k) for k in STATE_COLUMNS]] /= MIB
     show_table(view.round(3), key="run_ds_states")
     st.caption("MiB per rank. Persistent: parameters, the fp32 master and Adam's moments (what the rerun is checked "
-               "on); gradients live in buffers sized by the bucket layout.")
+               "on); gradients live in buffers sized by the bucket layout."
+               + (" Host persistent: what of them ZeRO-Offload keeps in host memory (this run's offload, which a "
+                  "rerun keeps); the peaks are the device's." if states["host_persistent_bytes"].any() else ""))
     mem = trace.shards.memory
     peak = None
     if len(mem) and now:  # the buckets are allocated whole: the peak moves with their size

@@ -146,7 +146,8 @@ def predict_states(trace, stage: int, measured: pd.DataFrame | None = None) -> d
         pred["params_bytes"] += prec.param * persistent_numel(trace)
     part = pred["optimizer_state_bytes"] / prec.k  # elements of this rank's partition (P at stage 0)
     where, host = offload(trace), 0.0
-    if where["optimizer"] and stage > 0:  # (stage 0 has no offload) master and moments in host memory; at 1-2 a model-dtype staging copy too
+    # master and moments in host memory, at 1-2 a model-dtype staging copy too (stage 0 has no offload)
+    if where["optimizer"] and stage > 0:
         host = pred["optimizer_state_bytes"]
         if 0 < stage < 3:
             pred["params_bytes"] += prec.param * part
