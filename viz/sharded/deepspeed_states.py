@@ -212,12 +212,18 @@ def deepspeed_differences(trace) -> list[str]:
     lines = [f"DeepSpeed keeps an fp32 master partition beside the {prec.param:g}-byte parameters, so its optimizer "
              f"state is K = 12 bytes per parameter of the partition (master, momentum, variance), as the ZeRO paper "
              f"counts mixed-precision Adam, also when it trains in float32."]
+    why = ("with ZeRO-Offload DeepSpeed keeps the fp32 gradient partition in host memory and, beside it, staging "
+           "buffers of its largest parameter's size (one on the host, one on the device)"
+           if offload(trace)["optimizer"] and sh.stage < 3 else
+           "with ZeRO-Offload DeepSpeed keeps two copies of the gradient partition in host memory (the partitions' "
+           "flat buffer and the fp32 partition's own gradient)" if offload(trace)["optimizer"] else
+           "the averaged gradients are views of a buffer DeepSpeed sizes by its bucket layout, alive from backward "
+           "to the step")
     for r in table[table["rank"].notna()].itertuples():
         grads = own["grads_bytes"]
         if grads and abs(r.grads_bytes / grads - 1) > 0.05:
             lines.append(f"rank {int(r.rank)}: gradients held {r.grads_bytes / 2**20:.3f} MiB where the model counts "
-                         f"{grads / 2**20:.3f} MiB ({(r.grads_bytes / grads - 1) * 100:+.0f} %): the averaged gradients "
-                         "are views of a buffer DeepSpeed sizes by its bucket layout, alive from backward to the step.")
+                         f"{grads / 2**20:.3f} MiB ({(r.grads_bytes / grads - 1) * 100:+.0f} %): {why}.")
     estimate = table[table["row"] == f"DeepSpeed estimate (stage {sh.stage})"]
     measured = table[table["rank"].notna()]
     where = offload(trace)

@@ -478,6 +478,7 @@ def test_zero_offload_is_traced_with_the_states_it_keeps_in_host_memory_apart(tm
     summary = run_cli("summary", str(out))
     assert summary.returncode == 0 and "host_persistent_bytes" in summary.stdout
     assert "DeepSpeed's estimator with offload says" in summary.stdout
+    assert "with ZeRO-Offload DeepSpeed keeps" in summary.stdout  # why the gradients exceed the model's P/N
     plain = untraced(tmp_path, *script)
     for r in (0, 1):
         assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
