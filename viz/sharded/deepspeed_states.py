@@ -149,7 +149,7 @@ def predict_states(trace, stage: int, measured: pd.DataFrame | None = None) -> d
     # master and moments in host memory, at 1-2 a model-dtype staging copy too (stage 0 has no offload)
     if where["optimizer"] and stage > 0:
         host = pred["optimizer_state_bytes"]
-        if 0 < stage < 3:
+        if stage < 3:
             pred["params_bytes"] += prec.param * part
             host += prec.param * part
     if where["param"] and stage == 3:  # the model-dtype partitions too
@@ -184,6 +184,7 @@ def compute_deepspeed_stages(trace) -> pd.DataFrame:
     n = trace.world_size
     params = float(sh.units["numel"].sum())
     largest = float(sh.units["numel"].max()) if len(sh.units) else 0.0
+    where = offload(trace)
     measured = measured_states(trace)
     rows = measured.to_dict("records")
     for stage in range(4):
@@ -191,8 +192,8 @@ def compute_deepspeed_stages(trace) -> pd.DataFrame:
     for stage in (2, 3):
         rows.append({"row": f"DeepSpeed estimate (stage {stage})", "rank": None, "stage": stage,
                      "model_state_bytes": float(deepspeed_estimate(
-                         params, largest, n, stage, offload_optimizer=bool(offload(trace)["optimizer"]),
-                         offload_param=bool(offload(trace)["param"])))})
+                         params, largest, n, stage, offload_optimizer=bool(where["optimizer"]),
+                         offload_param=bool(where["param"])))})
     out = pd.DataFrame(rows)
     own = out[out["row"] == f"stage {sh.stage}"].iloc[0]
     measured = out["rank"].notna()
@@ -212,11 +213,12 @@ def deepspeed_differences(trace) -> list[str]:
     lines = [f"DeepSpeed keeps an fp32 master partition beside the {prec.param:g}-byte parameters, so its optimizer "
              f"state is K = 12 bytes per parameter of the partition (master, momentum, variance), as the ZeRO paper "
              f"counts mixed-precision Adam, also when it trains in float32."]
+    where = offload(trace)
     why = ("with ZeRO-Offload DeepSpeed keeps the fp32 gradient partition in host memory and, beside it, staging "
            "buffers of its largest parameter's size (one on the host, one on the device)"
-           if offload(trace)["optimizer"] and sh.stage < 3 else
+           if where["optimizer"] and sh.stage < 3 else
            "with ZeRO-Offload DeepSpeed keeps two copies of the gradient partition in host memory (the partitions' "
-           "flat buffer and the fp32 partition's own gradient)" if offload(trace)["optimizer"] else
+           "flat buffer and the fp32 partition's own gradient)" if where["optimizer"] else
            "the averaged gradients are views of a buffer DeepSpeed sizes by its bucket layout, alive from backward "
            "to the step")
     for r in table[table["rank"].notna()].itertuples():
@@ -226,7 +228,6 @@ def deepspeed_differences(trace) -> list[str]:
                          f"{grads / 2**20:.3f} MiB ({(r.grads_bytes / grads - 1) * 100:+.0f} %): {why}.")
     estimate = table[table["row"] == f"DeepSpeed estimate (stage {sh.stage})"]
     measured = table[table["rank"].notna()]
-    where = offload(trace)
     if len(estimate) and len(measured) and where["optimizer"]:
         est = float(estimate["model_state_bytes"].iloc[0])
         got = float((measured["model_state_bytes"] - measured["host_bytes"]).max())
