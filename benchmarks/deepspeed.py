@@ -1,7 +1,8 @@
 """DeepSpeed tracing: its overhead on ZeRO stages 1, 2 and 3.
 
     python -m benchmarks.deepspeed [--rounds 60] [--layers 6] [--dim 1024] [--bucket-elements 250000]
-                                   [--stages 1,2,3] [--pieces-steps 100] [--cpu] [--stress] [--smoke]
+                                   [--stages 1,2,3] [--pieces-steps 100] [--offload none|optimizer|both]
+                                   [--cpu] [--stress] [--smoke]
 
 Workload: an MLP of ``--layers`` hidden layers (``--dim`` wide), a client AdamW,
 DeepSpeed's engine at each ZeRO stage (fp32, ``reduce_bucket_size`` and
@@ -15,7 +16,9 @@ is the short-step stress: 4 layers of 256, buckets of 50,000 elements, 15-38 ms 
 with a collective every ~1.5 ms, where the tracer's fixed cost per step and per
 collective (a few hundred µs, ~10 µs) is 4-10 times the share it is at the default
 scale. Needs DeepSpeed (``pip install deepspeed==0.19.8``); its first run builds a small
-C++ op (~100 s).
+C++ op (~100 s). ``--offload`` measures the same with ZeRO-Offload to the CPU
+(``offload_optimizer``; ``both`` adds ``offload_param``, stage 3 only), where the tracer's
+memory samples also sort each state's host bytes from its device bytes.
 
 As ``benchmarks/sharded.py`` measures FSDP2's: one real 2-rank job (torchrun); per stage
 every rank builds three engines of the same model: ``untraced``, ``control`` (another
@@ -65,6 +68,7 @@ RESULT_PREFIX = "deepspeed-overhead-result "
 MODES = ("untraced", "control", "traced")
 BLOCKS = 2 * len(MODES)  # each mode runs on each engine for two blocks of rounds
 STAGES = (1, 2, 3)
+OFFLOADS = {"none": "none", "optimizer": "offload_optimizer", "both": "offload_optimizer and offload_param"}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -93,11 +97,17 @@ def worker(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, list[float]]] = {}
     pieces: dict[str, dict[str, float]] = {}
     step_tags: dict[str, list[str]] = {}
+    offloads: dict[str, dict] = {}  # per stage, what the engine itself says it offloads
     for stage in (int(x) for x in args.stages.split(",")):
         config = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 10**9,
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket_elements,
                                         "stage3_prefetch_bucket_size": args.bucket_elements,
                                         "stage3_param_persistence_threshold": 0}}
+        if args.offload != "none":  # ZeRO-Offload to the CPU; the client AdamW kept (see --offload's help)
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+            config["zero_force_ds_cpu_optimizer"] = False
+        if args.offload == "both":
+            config["zero_optimization"]["offload_param"] = {"device": "cpu"}
         engines = []
         for _ in MODES:
             model = copy.deepcopy(base)
@@ -122,7 +132,9 @@ def worker(args: argparse.Namespace) -> None:
             cfg = TracerConfig(out_dir=Path(args.out) / f"stage{stage}-{block}", capture="python",
                                memory_interval_s=TracerConfig.memory_interval_s * len(MODES))  # docstring
             cfg.out_dir.mkdir(parents=True, exist_ok=True)
-            tracer = DeepSpeedTracer(engine_of["traced"], engine_facts(engine_of["traced"]), cfg)
+            facts = engine_facts(engine_of["traced"])
+            offloads[str(stage)] = {k: facts[k] for k in ("offload_optimizer", "offload_param")}
+            tracer = DeepSpeedTracer(engine_of["traced"], facts, cfg)
             why = tracer.start()
             if why is not None:
                 raise SystemExit(f"deepspeed overhead benchmark: {why}")
@@ -149,7 +161,8 @@ def worker(args: argparse.Namespace) -> None:
         engines.clear()
         gc.collect()
     if rank == 0:
-        print(RESULT_PREFIX + json.dumps({"times": results, "pieces": pieces, "tags": step_tags}), flush=True)
+        print(RESULT_PREFIX + json.dumps({"times": results, "pieces": pieces, "tags": step_tags,
+                                               "offloads": offloads}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -297,13 +310,19 @@ def overhead(args, tmp: Path) -> None:
     result, res = worker_result("benchmarks.deepspeed", RESULT_PREFIX,
                                 ["--rounds", str(args.rounds), "--layers", str(args.layers), "--dim", str(args.dim),
                                  "--bucket-elements", str(args.bucket_elements), "--stages", args.stages,
-                                 "--pieces-steps", str(args.pieces_steps), *(["--cpu"] if args.cpu else []),
+                                 "--pieces-steps", str(args.pieces_steps), "--offload", args.offload,
+                                 *(["--cpu"] if args.cpu else []),
                                  "--out", str(tmp / "traces")], tmp / "logs", env={"DS_ACCELERATOR": "cpu"})
     if result is None:
         raise SystemExit(f"benchmark job failed: {res.reason}\n{res.stderr_tail}")
     print(f"overhead: DeepSpeed {args.layers} hidden layers of {args.dim}, buckets of {args.bucket_elements:,} "
           f"elements, ranks=2, rounds={args.rounds} "
-          "(rank 0; one step of every mode per round, interleaved)")
+          "(rank 0; one step of every mode per round, interleaved)"
+          + ("" if args.offload == "none" else f"; ZeRO-Offload to cpu: {OFFLOADS[args.offload]}"))
+    if args.offload != "none":
+        print("  the engines say they offload to: " + "; ".join(
+            f"stage {stage} optimizer {o['offload_optimizer']}, parameters {o['offload_param']}"
+            for stage, o in result["offloads"].items()))
     if args.cpu:
         print("  --cpu: every time below is the training thread's CPU time, not the step's wall time")
     print("  ratios to the untraced engine's step of the same rounds; 'both': traced to the mean of the untraced")
@@ -355,6 +374,10 @@ def main(argv=None) -> None:
     p.add_argument("--cpu", action="store_true",
                    help="time each step's CPU on the training thread (time.thread_time), not its wall time: "
                         "what the tracer adds there, with the waits for the other rank left out (less noise)")
+    p.add_argument("--offload", choices=tuple(OFFLOADS), default="none",
+                   help="ZeRO-Offload to the CPU: the optimizer's states (offload_optimizer, stages 1-3), or those "
+                        "and the parameters (offload_param, stage 3 only); the client AdamW is kept "
+                        "(zero_force_ds_cpu_optimizer false), so the step is the same optimizer's")
     p.add_argument("--stress", action="store_true",
                    help="the short-step workload: 4 layers of 256, buckets of 50,000 elements (see the docstring)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, few rounds: the script runs, nothing more")
@@ -376,6 +399,8 @@ def main(argv=None) -> None:
         args.rounds, args.layers, args.dim, args.pieces_steps = 6, 1, 32, 3
     if not args.stages or any(x not in ("1", "2", "3") for x in args.stages.split(",")):
         p.error(f"--stages takes ZeRO stages 1, 2 and 3, comma-separated, not {args.stages!r}")
+    if args.offload == "both" and args.stages != "3":
+        p.error("--offload both offloads the parameters, which only ZeRO stage 3 does: add --stages 3")
     with tempfile.TemporaryDirectory(prefix="ddpscope-deepspeed-bench-") as tmp:
         overhead(args, Path(tmp))
 

@@ -98,3 +98,26 @@ def test_whatif_predicts_again_from_the_runs_it_kept(tmp_path):
     empty = subprocess.run([sys.executable, "-m", "benchmarks.whatif", "--from", str(tmp_path)], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
     assert empty.returncode != 0 and "no runs of this benchmark" in empty.stderr
+
+
+def test_deepspeed_overhead_is_measured_under_zero_offload_and_refuses_parameter_offload_below_stage_3():
+    """``benchmarks.deepspeed --offload both`` measures the tracer on a ZeRO-3 engine that
+    offloads its optimizer states and parameters to the CPU (its header says so, its
+    table has the stage's rows); asked below stage 3 it is one line and exit code 2."""
+    pytest.importorskip("deepspeed")
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.deepspeed", "--smoke", "--offload", "both",
+                          "--stages", "2,3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "only ZeRO stage 3 does: add --stages 3" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    tmp = Path(tempfile.mkdtemp(prefix="ddpb-"))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.deepspeed", "--smoke", "--offload", "both",
+                               "--stages", "3"], cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)},
+                              capture_output=True, text=True, timeout=900)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ZeRO-Offload to cpu: offload_optimizer and offload_param" in proc.stdout
+    assert "the engines say they offload to: stage 3 optimizer cpu, parameters cpu" in proc.stdout  # DeepSpeed's own
+    assert re.search(r"^\s+3 traced\s+[\d.]+\s+[\d.]+", proc.stdout, re.M), proc.stdout[-3000:]
+    assert "Traceback" not in proc.stderr
