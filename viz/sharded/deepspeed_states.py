@@ -212,7 +212,8 @@ def deepspeed_differences(trace) -> list[str]:
     params = float(sh.units["numel"].sum()) or 1.0
     lines = [f"DeepSpeed keeps an fp32 master partition beside the {prec.param:g}-byte parameters, so its optimizer "
              f"state is K = 12 bytes per parameter of the partition (master, momentum, variance), as the ZeRO paper "
-             f"counts mixed-precision Adam, also when it trains in float32."]
+             f"counts mixed-precision Adam" + (", also when it trains in float32 (a second fp32 copy)."
+                                                 if prec.param >= 4 else ".")]
     where = offload(trace)
     why = ("with ZeRO-Offload DeepSpeed keeps the fp32 gradient partition in host memory and, beside it, staging "
            "buffers of its largest parameter's size (one on the host, one on the device)"

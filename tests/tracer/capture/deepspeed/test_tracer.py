@@ -312,6 +312,10 @@ def test_bf16_with_overlap_comm_and_accumulation_reduces_every_micro_batch(tmp_p
     on_gpu = replace(trace, ranks={r: {**m, "device": f"cuda:{r}"} for r, m in trace.ranks.items()}, cache={})
     assert any(line.startswith("On cuda:0, cuda:1 DeepSpeed's collectives run on its own streams")
                for line in comm_honesty_lines(on_gpu))
+    from ddpscope.viz.sharded.deepspeed_states import deepspeed_differences
+
+    master = deepspeed_differences(trace)[0]  # the fp32 master beside bf16 parameters: no second copy to explain
+    assert "beside the 2-byte parameters" in master and "float32" not in master, master
     plain = untraced(tmp_path, *script)
     for r in (0, 1):
         assert checks(report)[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
@@ -478,6 +482,7 @@ def test_zero_offload_is_traced_with_the_states_it_keeps_in_host_memory_apart(tm
     summary = run_cli("summary", str(out))
     assert summary.returncode == 0 and "host_persistent_bytes" in summary.stdout
     assert "DeepSpeed's estimator with offload says" in summary.stdout
+    assert "beside the 4-byte parameters" in summary.stdout and "also when it trains in float32" in summary.stdout
     assert "with ZeRO-Offload DeepSpeed keeps" in summary.stdout  # why the gradients exceed the model's P/N
     plain = untraced(tmp_path, *script)
     for r in (0, 1):
