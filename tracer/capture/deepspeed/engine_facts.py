@@ -96,7 +96,9 @@ def untraced_features(engine, facts: dict) -> list[str]:
         out.append(f"DeepSpeed's pipeline engine ({name})")
     if "Hybrid" in name:
         out.append(f"DeepSpeed's hybrid engine ({name})")
-    for what in ("optimizer", "param"):  # offload to the CPU is traced; NVMe swaps states in and out unseen
+    # offload to the CPU is traced; NVMe swaps states in and out unseen. Stages 1-2 never read
+    # offload_param (stage_1_and_2.py, 0.19.8): set there, it offloads nothing
+    for what in ("optimizer", "param") if facts.get("zero_stage") == 3 else ("optimizer",):
         if facts.get(f"offload_{what}") not in (None, "cpu"):
             out.append(f"{'parameter' if what == 'param' else what} offload to {facts[f'offload_{what}']}")
     hpz = _call(engine, "zero_hpz_partition_size")

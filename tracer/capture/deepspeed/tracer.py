@@ -92,7 +92,10 @@ class DeepSpeedTracer(FSDPTracer):
         self.param_names = {id(p): n for n, p in engine.module.named_parameters()}
         device = next((p.device for p in engine.module.parameters()), torch.device("cpu"))
         offload = "".join(f", {what} offload to {facts[f'offload_{key}']}" for key, what in
-                          (("optimizer", "optimizer"), ("param", "parameter")) if facts.get(f"offload_{key}"))
+                          (("optimizer", "optimizer"), ("param", "parameter")) if facts.get(f"offload_{key}")
+                          and (key == "optimizer" or stage == 3))
+        if stage < 3 and facts.get("offload_param"):  # stages 1-2 never read it (engine_facts.untraced_features)
+            offload += f", offload_param {facts['offload_param']} set (stage 3 only: unused here)"
         self.stage_reason = (f"DeepSpeed ZeRO stage {stage} ({type(opt).__name__}, {facts['dtype']}, "
                              f"overlap_comm={facts.get('overlap_comm')}{offload})")
         # host times on every device: see the module's docstring
@@ -101,7 +104,8 @@ class DeepSpeedTracer(FSDPTracer):
         names = [u.name for u in self.units]
         params = list(engine.module.parameters())
         self.memory = DeepSpeedMemory(opt, params, stage,
-                                      offload=bool(facts.get("offload_optimizer") or facts.get("offload_param")))
+                                      offload=bool(facts.get("offload_optimizer")
+                                                   or (stage == 3 and facts.get("offload_param"))))
         self.recorder = ShardedRecorder(clock=self.clock, emit=lambda s: self._emit(s, names),
                                         sample=self.memory, measure_step=self._measure_steps(),
                                         on_close=self.on_step, in_backward=autograd_running,

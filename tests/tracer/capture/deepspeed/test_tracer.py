@@ -429,27 +429,32 @@ def test_parameters_zero3_keeps_whole_are_predicted_from_stage_2_and_measured_at
         model_state_bytes(numel, 2, 0, precision(traces[2]))["optimizer_state_bytes"] == 12 * numel
 
 
-@pytest.mark.parametrize("stage, offload", [(2, "optimizer"), (3, "both")])
-def test_zero_offload_is_traced_with_the_states_it_keeps_in_host_memory_apart(tmp_path, stage, offload):
-    """ZeRO-Offload (``offload_optimizer: cpu``; at stage 3 also ``offload_param``) is
+# stage 2 with offload_param set too, which stages 1-2 never read: a stage-3 config rerun at
+# stage 2 (``--zero-stage 2``, the Run page's rerun) keeps it
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_offload_is_traced_with_the_states_it_keeps_in_host_memory_apart(tmp_path, stage):
+    """ZeRO-Offload (``offload_optimizer`` and ``offload_param`` to ``cpu``) is
     traced, training bit-identical: the memory samples' categories are the device's and
     ``offloaded`` holds what DeepSpeed keeps in host memory, checked against the model's
     own size (P elements, fp32, N = 2): Adam's moments (8 P/N) and the fp32 master (4 P/N)
     are all on the host, at stage 2 with a model-dtype staging copy of the partition (4 P/N)
-    while the whole parameters (4 P) stay on the device; at stage 3 with ``offload_param``
-    no partition is on the device. The measured host share of the persistent states is the
+    while the whole parameters (4 P) stay on the device (``offload_param`` is for stage 3
+    only, and the run says it is unused); at stage 3 no partition is on the device. The measured host share of the persistent states is the
     one ``predict_states`` gives for the run's own stage."""
     from ddpscope.viz.sharded.deepspeed_states import measured_states, predict_states
 
-    script = (WORKER, "--stage", str(stage), "--offload", offload, "--steps", "3", "--reduce-bucket-size", "20000")
+    script = (WORKER, "--stage", str(stage), "--offload", "both", "--steps", "3", "--reduce-bucket-size", "20000")
     proc, out, report = trace_script(tmp_path, *script, env=ENV)
     assert proc.returncode == 0, proc.stderr
     own = checks(report)
     run = json.loads((out / fmt.RUN_FILE).read_text())
     assert run["kind"] == fmt.KIND_SHARDED and run["status"] == fmt.COMPLETE
     assert run["deepspeed"]["offload_optimizer"] == "cpu"
-    assert run["deepspeed"]["offload_param"] == ("cpu" if offload == "both" else None)
-    assert "optimizer offload to cpu" in run["sharding"]["stage_reason"]
+    assert run["deepspeed"]["offload_param"] == "cpu"  # the config's, at every stage
+    reason = run["sharding"]["stage_reason"]
+    assert "optimizer offload to cpu" in reason
+    assert ("parameter offload to cpu" in reason) == (stage == 3)  # stages 1-2 ignore offload_param: said
+    assert ("offload_param cpu set (stage 3 only: unused here)" in reason) == (stage < 3), reason
     trace = _load(out)
     part = own[0]["numel"] / 2  # elements of a rank's partition
     mem = trace.shards.memory
@@ -459,7 +464,7 @@ def test_zero_offload_is_traced_with_the_states_it_keeps_in_host_memory_apart(tm
     assert (after["optimizer_state_bytes"] == 0).all()  # nothing of the optimizer on the device
     assert (abs(host["optimizer_state_bytes"] - 8 * part) <= 2 * PAD).all()  # Adam's two moments
     staging = 4 * part if stage < 3 else 0  # stages 1-2: the model-dtype copy of the partition, beside the master
-    assert (abs(host["sharded_params_bytes"] - 4 * part - staging - (4 * part if offload == "both" else 0))
+    assert (abs(host["sharded_params_bytes"] - 4 * part - staging - (4 * part if stage == 3 else 0))
             <= 2 * PAD).all()
     if stage < 3:  # the whole parameters stay on the device
         assert (abs(after["unsharded_params_bytes"] - 4 * own[0]["numel"]) <= 2 * PAD).all()
