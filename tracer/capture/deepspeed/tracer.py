@@ -91,11 +91,12 @@ class DeepSpeedTracer(FSDPTracer):
         self.units, unit_of, owner_of = find_units(engine.module, stage, world, ITEMSIZE.get(facts["dtype"], 4))
         self.param_names = {id(p): n for n, p in engine.module.named_parameters()}
         device = next((p.device for p in engine.module.parameters()), torch.device("cpu"))
-        offload = "".join(f", {what} offload to {facts[f'offload_{key}']}" for key, what in
-                          (("optimizer", "optimizer"), ("param", "parameter")) if facts.get(f"offload_{key}")
-                          and (key == "optimizer" or stage == 3))
-        if stage < 3 and facts.get("offload_param"):  # stages 1-2 never read it (engine_facts.untraced_features)
-            offload += f", offload_param {facts['offload_param']} set (stage 3 only: unused here)"
+        to, params_to = facts.get("offload_optimizer"), facts.get("offload_param")
+        if stage < 3 and params_to:  # stages 1-2 never read it (engine_facts.untraced_features)
+            offload, params_to = f", offload_param {params_to} set (stage 3 only: unused here)", None
+        else:
+            offload = f", parameter offload to {params_to}" if params_to else ""
+        offload = (f", optimizer offload to {to}" if to else "") + offload
         self.stage_reason = (f"DeepSpeed ZeRO stage {stage} ({type(opt).__name__}, {facts['dtype']}, "
                              f"overlap_comm={facts.get('overlap_comm')}{offload})")
         # host times on every device: see the module's docstring
@@ -103,9 +104,7 @@ class DeepSpeedTracer(FSDPTracer):
                          [u.facts() for u in self.units])
         names = [u.name for u in self.units]
         params = list(engine.module.parameters())
-        self.memory = DeepSpeedMemory(opt, params, stage,
-                                      offload=bool(facts.get("offload_optimizer")
-                                                   or (stage == 3 and facts.get("offload_param"))))
+        self.memory = DeepSpeedMemory(opt, params, stage, offload=bool(to or params_to))
         self.recorder = ShardedRecorder(clock=self.clock, emit=lambda s: self._emit(s, names),
                                         sample=self.memory, measure_step=self._measure_steps(),
                                         on_close=self.on_step, in_backward=autograd_running,
