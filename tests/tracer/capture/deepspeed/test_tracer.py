@@ -439,8 +439,9 @@ def test_zero_offload_is_traced_with_the_states_it_keeps_in_host_memory_apart(tm
     own size (P elements, fp32, N = 2): Adam's moments (8 P/N) and the fp32 master (4 P/N)
     are all on the host, at stage 2 with a model-dtype staging copy of the partition (4 P/N)
     while the whole parameters (4 P) stay on the device (``offload_param`` is for stage 3
-    only, and the run says it is unused); at stage 3 no partition is on the device. The measured host share of the persistent states is the
-    one ``predict_states`` gives for the run's own stage."""
+    only, and the run says it is unused); at stage 3 no partition is on the device. The
+    measured host share of the persistent states is the one ``predict_states`` gives for
+    the run's own stage."""
     from ddpscope.viz.sharded.deepspeed_states import measured_states, predict_states
 
     script = (WORKER, "--stage", str(stage), "--offload", "both", "--steps", "3", "--reduce-bucket-size", "20000")
