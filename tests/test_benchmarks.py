@@ -50,6 +50,19 @@ def test_every_benchmark_script_has_a_smoke_run_here():
         assert "--smoke" in (ROOT / "benchmarks" / f"{name}.py").read_text(), name
 
 
+def smoke(name: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.<name> --smoke *args``, run from the project's root."""
+    # What a script leaves behind goes with the test: a folder of its own, short, as Chromium's
+    # profile holds a Unix socket whose path must stay under 108 bytes (pytest's tmp_path,
+    # /tmp/pytest-of-root/pytest-<N>/test_benchmark_runs_in_its_smo<k>/..., passes it once N has 3 digits)
+    tmp = Path(tempfile.mkdtemp(prefix="ddpb-"))
+    try:
+        return subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--smoke", *args], cwd=ROOT,
+                              env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=900)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 # whatif's smoke run is test_whatif_predicts_again_from_the_runs_it_kept's first (the same
 # --smoke, its table checked there): not run twice
 @pytest.mark.parametrize("name", sorted(set(PRINTS) - {"whatif"}))
@@ -60,16 +73,7 @@ def test_benchmark_runs_in_its_smoke_mode_and_prints_its_table(name):
         pytest.importorskip("deepspeed")
     if name in ("rerun", "first_chart", "overview", "idle_page") and not os.path.exists("/usr/bin/chromium"):
         pytest.skip("needs Debian's chromium (apt-get install -y chromium)")
-    # What a script leaves behind goes with the test: a folder of its own, short, as Chromium's
-    # profile holds a Unix socket whose path must stay under 108 bytes (pytest's tmp_path,
-    # /tmp/pytest-of-root/pytest-<N>/test_benchmark_runs_in_its_smo<k>/..., passes it once N has 3 digits)
-    tmp = Path(tempfile.mkdtemp(prefix="ddpb-"))
-    try:
-        proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--smoke", *SMOKE_ARGS.get(name, [])],
-                              cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True,
-                              timeout=900)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    proc = smoke(name, *SMOKE_ARGS.get(name, []))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert PRINTS[name] in proc.stdout, proc.stdout[-3000:]
     assert "Traceback" not in proc.stderr
@@ -110,17 +114,10 @@ def test_deepspeed_overhead_is_measured_under_zero_offload_and_refuses_parameter
     offloads its optimizer states and parameters to the CPU (its header says so, its
     table has the stage's rows); asked below stage 3 it is one line and exit code 2."""
     pytest.importorskip("deepspeed")
-    bad = subprocess.run([sys.executable, "-m", "benchmarks.deepspeed", "--smoke", "--offload", "both",
-                          "--stages", "2,3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = smoke("deepspeed", "--offload", "both", "--stages", "2,3")
     assert bad.returncode == 2 and "only ZeRO stage 3 does: add --stages 3" in bad.stderr
     assert "Traceback" not in bad.stderr
-    tmp = Path(tempfile.mkdtemp(prefix="ddpb-"))
-    try:
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.deepspeed", "--smoke", "--offload", "both",
-                               "--stages", "3"], cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)},
-                              capture_output=True, text=True, timeout=900)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    proc = smoke("deepspeed", "--offload", "both", "--stages", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ZeRO-Offload to cpu: offload_optimizer and offload_param" in proc.stdout
     assert "the engines say they offload to: stage 3 optimizer cpu, parameters cpu" in proc.stdout  # DeepSpeed's own

@@ -87,6 +87,14 @@ def persistent_numel(engine, stage: int | None) -> int:
     return total
 
 
+def offloads_in_use(facts: dict) -> dict:
+    """Where the engine offloads to, as it acts: ``{"optimizer": "cpu", "param": None}``.
+    Stages 1-2 never read ``offload_param`` (stage_1_and_2.py, 0.19.8): set there (a stage-3
+    config rerun at stage 2 keeps it), it offloads nothing. ``facts`` keeps the config's own."""
+    return {"optimizer": facts.get("offload_optimizer"),
+            "param": facts.get("offload_param") if facts.get("zero_stage") == 3 else None}
+
+
 def untraced_features(engine, facts: dict) -> list[str]:
     """The DeepSpeed features in use whose communication ddpscope does not trace, named
     (each becomes one note; the run goes on)."""
@@ -96,11 +104,9 @@ def untraced_features(engine, facts: dict) -> list[str]:
         out.append(f"DeepSpeed's pipeline engine ({name})")
     if "Hybrid" in name:
         out.append(f"DeepSpeed's hybrid engine ({name})")
-    # offload to the CPU is traced; NVMe swaps states in and out unseen. Stages 1-2 never read
-    # offload_param (stage_1_and_2.py, 0.19.8): set there, it offloads nothing
-    for what in ("optimizer", "param") if facts.get("zero_stage") == 3 else ("optimizer",):
-        if facts.get(f"offload_{what}") not in (None, "cpu"):
-            out.append(f"{'parameter' if what == 'param' else what} offload to {facts[f'offload_{what}']}")
+    for what, to in offloads_in_use(facts).items():  # to the CPU is traced; NVMe swaps states in and out unseen
+        if to not in (None, "cpu"):
+            out.append(f"{'parameter' if what == 'param' else what} offload to {to}")
     hpz = _call(engine, "zero_hpz_partition_size")
     if isinstance(hpz, int) and hpz > 1:
         out.append(f"ZeRO++ hierarchical partitioning (zero_hpz_partition_size={hpz})")

@@ -41,7 +41,7 @@ import torch
 from ddpscope.tracer.capture.clock import make_clock
 from ddpscope.tracer.capture.collective_timer import CollectiveTimer
 from ddpscope.tracer.capture.deepspeed.comm import BACKEND, CommTap, bucket_done, bucket_mark
-from ddpscope.tracer.capture.deepspeed.engine_facts import ITEMSIZE
+from ddpscope.tracer.capture.deepspeed.engine_facts import ITEMSIZE, offloads_in_use
 from ddpscope.tracer.capture.deepspeed.memory import DeepSpeedMemory
 from ddpscope.tracer.capture.deepspeed.units import find_units
 from ddpscope.tracer.capture.hook_guard import autograd_running
@@ -91,12 +91,11 @@ class DeepSpeedTracer(FSDPTracer):
         self.units, unit_of, owner_of = find_units(engine.module, stage, world, ITEMSIZE.get(facts["dtype"], 4))
         self.param_names = {id(p): n for n, p in engine.module.named_parameters()}
         device = next((p.device for p in engine.module.parameters()), torch.device("cpu"))
-        to, params_to = facts.get("offload_optimizer"), facts.get("offload_param")
-        if stage < 3 and params_to:  # stages 1-2 never read it (engine_facts.untraced_features)
-            offload, params_to = f", offload_param {params_to} set (stage 3 only: unused here)", None
-        else:
-            offload = f", parameter offload to {params_to}" if params_to else ""
-        offload = (f", optimizer offload to {to}" if to else "") + offload
+        used = offloads_in_use(facts)  # below stage 3 an offload_param set is said unused
+        to, params_to, set_to = used["optimizer"], used["param"], facts.get("offload_param")
+        offload = ((f", optimizer offload to {to}" if to else "")
+                   + (f", parameter offload to {params_to}" if params_to else
+                      f", offload_param {set_to} set (stage 3 only: unused here)" if set_to else ""))
         self.stage_reason = (f"DeepSpeed ZeRO stage {stage} ({type(opt).__name__}, {facts['dtype']}, "
                              f"overlap_comm={facts.get('overlap_comm')}{offload})")
         # host times on every device: see the module's docstring
