@@ -33,8 +33,16 @@ def launch_command(args: argparse.Namespace) -> int:
                   "calibrate": calibrate.CalibrateConfig}[args.command]
     prog = f"{PROG} {args.command}"
     settings = {k: v for k, v in vars(args).items() if k not in ("command", "verbose", "quiet")}
-    if settings.get("script", [])[:1] == ["--"]:  # argparse keeps the separator
-        settings["script"] = settings["script"][1:]
+    script = settings.get("script", [])
+    if script[:1] == ["--"]:  # argparse keeps the separator
+        settings["script"] = script[1:]
+    elif "--" in script and script[0] != "-m" and not os.path.isfile(script[0]):
+        # a stray value (`--profile 3`) started the script before the separator
+        rest = " ".join(script[1:script.index("--")])
+        print(f"{prog}: error: {script[0]!r} was taken as the script, before --" + (f", and {rest!r} as its arguments"
+              if rest else "") + ": ddpscope's flags and their values go before --, the script after it",
+              file=sys.stderr)
+        return 2
     try:
         if args.verbose and args.quiet:
             raise ValueError("give either --verbose or --quiet, not both")

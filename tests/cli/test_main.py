@@ -39,6 +39,9 @@ def test_summary_reads_a_sample_from_anywhere():
     (["dashboard", "/etc/hostname"], "is not a folder"),
     (["run", "--out", "/tmp/never-made", "--", "no-such-script.py"], "script no-such-script.py does not exist"),
     (["summary", "/nonexistent"], "is not a folder"),
+    # a value given to a switch starts the script early: said, not "--out is required"
+    (["run", "--profile", "3", "--out", "/tmp/never-made", "--", "train.py"],
+     "'3' was taken as the script, before --, and '--out /tmp/never-made' as its arguments"),
 ])
 def test_bad_arguments_one_line_exit_2(args, message):
     proc = _run(*args)
