@@ -333,6 +333,11 @@ def explain_failure(cfg: LaunchConfig, result: LaunchResult, exits: dict[int, in
         rank = base + int(log.parent.name)
         if rank not in errors and (line := _exception_line(_tail(log, 200))) is not None:
             errors[rank] = (bool(_PEER_FAILURE.search(line)), 0, line[:300])
+    # a rank that exited with a code of its own and no traceback (sys.exit, the script's argparse)
+    # said why on stderr, if anywhere: its last line
+    for rank, code in (exits or {}).items():
+        if code > 0 and rank not in errors and (line := _last_line(_stderr_log(cfg, rank))) is not None:
+            errors[rank] = (False, 0, f"exited with code {code}; its last line on stderr: {line}")
     # The root cause, in this order: a rank killed by a signal (torchrun's root cause
     # first), a rank with an error of its own (earliest first), a rank stopped by SIGTERM
     # (how torchrun stops the others once one failed), a rank that lost a peer.
@@ -372,9 +377,22 @@ def explain_failure(cfg: LaunchConfig, result: LaunchResult, exits: dict[int, in
             result.reason += f" (then {len(result.consequences)} other rank{'s' if len(result.consequences) > 1 else ''} failed)"
         if (cause := known_cause(result.how)) is not None:
             result.reason += f" ({cause})"
-    logs = list(cfg.log_dir.glob(f"*/attempt_*/{root - base}/stderr.log"))
-    if logs:
-        result.stderr_tail = _tail(logs[0])
+    if (log := _stderr_log(cfg, root)) is not None:
+        result.stderr_tail = _tail(log)
+
+
+def _stderr_log(cfg: LaunchConfig, rank: int) -> Path | None:
+    """Global ``rank``'s stderr as torchrun kept it (this node's), None if there is none."""
+    return next(iter(cfg.log_dir.glob(f"*/attempt_*/{rank - cfg.node_rank * cfg.nproc}/stderr.log")), None)
+
+
+def _last_line(path: Path | None) -> str | None:
+    """The last non-empty line of a rank's stderr (rank prefix off, 300 characters at most)."""
+    for line in reversed(_tail(path, 20).splitlines() if path is not None else []):
+        m = _RANK_PREFIX.match(line)
+        if (line := (m.group(2) if m else line).strip()):
+            return line[:300]
+    return None
 
 
 def _last_position(cfg: LaunchConfig, rank: int) -> str | None:

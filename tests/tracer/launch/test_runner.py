@@ -113,6 +113,23 @@ def test_failing_rank_reports_reason_keeps_finished_steps_and_leaves_nothing_beh
     assert processes_mentioning(str(out)) == []
 
 
+def test_a_script_that_exits_on_its_own_arguments_is_named_with_what_it_said(tmp_path):
+    """A script's argparse error is a ``SystemExit(2)``, no traceback: the reason is that rank
+    and the last line it wrote on stderr (was: "killed or crashed without a Python error"),
+    shown also under ``-q``, which hides the script's own output."""
+    script = tmp_path / "train.py"
+    script.write_text("import argparse\np = argparse.ArgumentParser()\np.add_argument('--lr', required=True)\n"
+                      "p.parse_args()\n")
+    out = tmp_path / "bad-args"
+    proc = run_cli("run", "-q", "--nproc", "2", "--out", str(out), "--", str(script), "--learning-rate", "3")
+    assert proc.returncode == 1
+    said = "exited with code 2; its last line on stderr: train.py: error: the following arguments are required: --lr"
+    assert "run failed: rank " in proc.stderr and said in proc.stderr, proc.stderr
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "failed" and run["failed_rank"] in (0, 1) and said in run["error"]
+    assert processes_mentioning(str(out)) == []
+
+
 @pytest.mark.failures
 def test_watchdog_stops_a_hung_run(tmp_path):
     out = tmp_path / "hangs"
