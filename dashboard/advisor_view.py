@@ -58,6 +58,8 @@ def render_advisor(path: Path, stamp: float, trace, model, jobs: JobManager, bus
                    f"{rec['traced_step_ms']:.1f} ms at the traced setting: {rec['gain_ms']:.1f} ms "
                    f"({rec['gain_pct']:.1f} %) faster, 95 % interval {lo:.1f}..{hi:.1f} ms from this run's "
                    "step-to-step noise.")
+        if rec.get("in_code"):
+            st.caption(rec["in_code"][0].upper() + rec["in_code"][1:] + ".")
     else:
         st.info(f"Advisor: keep {setting_text(setting)}. {rec['why'][0].upper()}{rec['why'][1:]}.")
     if rec.get("flag_off"):

@@ -214,6 +214,30 @@ def test_whatif_advisor_says_keep_or_change(app):
     assert len(next(d.value for d in app.dataframe if {"kind", "label", "step_ms"} <= set(d.value.columns))) > 40
 
 
+def test_the_advisors_change_says_where_the_users_code_sets_it(tmp_path, monkeypatch):
+    """A run Lightning built (run.json's ``ddp_built_by``, as the tracer writes it): under the
+    advisor's change, the line that says how DDPStrategy takes it, the CLI's own."""
+    from streamlit.testing.v1 import AppTest
+
+    from tests.conftest import ROOT
+
+    runs = tmp_path / "runs"
+    shutil.copytree(SAMPLES / "gpt-2rank-cap25mb", runs / "mine")
+    meta = json.loads((runs / "mine" / "run.json").read_text())
+    meta["ddp_built_by"] = {"framework": "lightning", "module": "lightning.pytorch.strategies.ddp",
+                            "file": "/x/ddp.py", "line": 1, "function": "_setup_model"}
+    (runs / "mine" / "run.json").write_text(json.dumps(meta))
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    app = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    app.sidebar.selectbox(key="trace").set_value("run: mine").run()
+    open_page(app, "What-if")
+    assert not app.exception
+    said = next(c.value for c in app.caption if c.value.startswith("In your code: "))
+    cli = run_cli("whatif", str(runs / "mine"), "--json")
+    assert said == "I" + json.loads(cli.stdout)["recommended"]["in_code"][1:] + "."
+    assert "Trainer(strategy=DDPStrategy(bucket_cap_mb" in said
+
+
 @pytest.mark.ddp
 def test_apply_on_the_page_reruns_and_shows_a_against_b(app, tmp_path):
     """Apply on the 25 MiB sample: a real rerun with the recommendation whose run.json

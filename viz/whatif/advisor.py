@@ -40,6 +40,7 @@ from ddpscope.viz.whatif.model import WhatIfModel, fit_model, usable_steps
 from ddpscope.viz.whatif.search import LayoutSearch
 from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, MIN_GAIN, _medians
+from ddpscope.viz.whatif.where_to_set import where_to_set
 
 #: a simpler setting this close to the best (fraction of its step) is recommended instead
 SIMPLER = 0.005
@@ -82,6 +83,7 @@ class Advice:
     # the same search predicts with the flag off (DDP then rebuilds in gradient-ready order)
     flag_off: "FlagOff | None" = None
     gain_if_overlap_lost_ms: float | None = None  # the steal not measured: the best's gain at its bound
+    in_code: str | None = None  # how the user's code sets a recommended change (where_to_set.py)
 
     @property
     def gain_pct(self) -> float:
@@ -99,7 +101,7 @@ class Advice:
                 "measured_step_ms": self.measured_step_ms, "gain_ms": self.gain_ms, "gain_pct": self.gain_pct,
                 "gain_interval_ms": list(self.interval_ms), "noise_ms": self.noise_ms,
                 "best_found": setting_json(self.best), "searched": self.searched, "note": self.note,
-                "gain_if_overlap_lost_ms": self.gain_if_overlap_lost_ms,
+                "gain_if_overlap_lost_ms": self.gain_if_overlap_lost_ms, "in_code": self.in_code,
                 "flag_off": None if self.flag_off is None else {
                     "flag": self.flag_off.flag, **setting_json(self.flag_off.setting),
                     "step_ms": self.flag_off.step_ms, "gain_ms": self.flag_off.gain_ms,
@@ -385,4 +387,5 @@ def _advise(trace: RunTrace, search: LayoutSearch, noise: float, caps, lists, lo
                   traced_step_ms=mo["step_ms"], measured_step_ms=_medians(trace)["step_ms"], gain_ms=gain,
                   noise_ms=noise, searched={k: int(kinds.get(k, 0)) for k in _KINDS if k != "traced"},
                   candidates=table.drop(columns="simplicity"), prediction=pred_best if change else pred_own,
-                  note=note, gain_if_overlap_lost_ms=worst)
+                  note=note, gain_if_overlap_lost_ms=worst,
+                  in_code=where_to_set(trace.run, chosen, table) if change else None)

@@ -140,6 +140,8 @@ def print_advice(advice: Advice) -> None:
         print(f"recommended: {setting_text(advice.setting)}  predicted step {advice.step_ms:.1f} ms against "
               f"{advice.traced_step_ms:.1f} ms at the traced setting (measured {advice.measured_step_ms:.1f}): "
               f"{advice.gain_ms:.1f} ms ({advice.gain_pct:.1f} %) faster, {noise}")
+        if advice.in_code:
+            print(f"  {advice.in_code}")
     else:
         print(f"recommended: keep {setting_text(advice.traced)}: {advice.why}")
 

@@ -10,6 +10,7 @@ import functools
 import inspect
 import sys
 
+from ddpscope.tracer.capture.autotrace.built_by import ddp_built_by
 from ddpscope.tracer.capture.autotrace.session import Session, now_us
 
 DDP_MODULE = "torch.nn.parallel.distributed"
@@ -38,6 +39,7 @@ def _patch_ddp(session: Session, module) -> None:
         except TypeError:  # DDP's own error, as the script would have had it
             return original(self, *args, **kwargs)
         script_cap = bound.arguments.get("bucket_cap_mb")
+        session.built_by = ddp_built_by()  # the caller of this __init__: the script, or a framework
         script_list = bound.arguments.get("bucket_cap_mb_list")
         try:
             session.script_caps = {"bucket_cap_mb_list_script": [float(c) for c in script_list] if script_list

@@ -33,6 +33,7 @@ class Session:
     def __init__(self, config: CaptureConfig) -> None:
         self.config = config
         self.script_caps: dict = {}  # the script's own bucket_cap_mb(_list), as it built DDP
+        self.built_by: dict | None = None  # who built that DDP (built_by.py), where it set them
         self.tracer = None
         self.extra: list = []  # the tracers of further DDP models, each into models/<k>-<class>
         self.profiler = None  # torch.profiler beside the tracer (--profile)
@@ -88,6 +89,7 @@ class Session:
         and as overridden, and the step limit."""
         return {"capture": "ddpscope run", "bucket_cap_mb_script": script_cap,
                 "bucket_cap_mb_list_script": self.script_caps.get("bucket_cap_mb_list_script"),
+                "ddp_built_by": self.built_by,
                 "bucket_cap_mb_requested": self.config.bucket_cap_mb if overridden else None,
                 "bucket_cap_mb_list_requested": self.config.bucket_cap_mb_list if overridden else None,
                 "steps_requested": self.config.steps}

@@ -221,6 +221,10 @@ def test_the_override_wins_and_without_it_the_scripts_cap_stands(tmp_path):
     assert c["bucket_bytes_cap"] == 2 * 2**20 and not run["bucket_cap_default"]
     assert "in place of" not in proc.stderr and not any("replaced" in n for n in run["notes"])
     assert run["bucket_layout"] == [[int(i) for i in b.split()] for b in c["rebuilt"].split(",")]
+    # where the script sets it: its own DDP(...) line (the independent instrument: the script's source)
+    line = next(i for i, t in enumerate(Path(USER).read_text().splitlines(), 1) if "ddp = DDP(model, **kw)" in t)
+    assert run["ddp_built_by"] == {"framework": "script", "module": "__main__", "file": USER, "line": line,
+                                   "function": run["ddp_built_by"]["function"]}
 
     proc, out, report = trace_script(tmp_path, USER, "--steps", "4", "--bucket-cap-mb", "2",
                                      ddpscope=("--bucket-cap-mb", "0.5"), name="override")
@@ -290,6 +294,8 @@ def test_lightning_ddp_strategy_is_traced_with_its_layout_and_the_override_wins(
     assert c["class"] == "DistributedDataParallel" and c["global_step"] == 6
     assert trace.run["bucket_cap_mb"] == 0.5 and trace.run["bucket_cap_mb_script"] == 0.5
     assert trace.run["bucket_layout"] == [[int(i) for i in b.split()] for b in c["rebuilt"].split(",")]
+    built = trace.run["ddp_built_by"]  # Lightning's strategy built it: DDPStrategy(...) is where the cap goes
+    assert built["framework"] == "lightning" and built["module"].startswith("lightning.pytorch.strategies"), built
     # Lightning steps the optimizer with a closure: still one traced step per optimizer step
     assert trace.steps.groupby("rank").size().to_dict() == {0: 6, 1: 6}
     assert (trace.steps.micro_batches == 2).all()
@@ -311,6 +317,8 @@ def test_accelerate_ddp_kwargs_are_traced_and_the_override_wins(tmp_path):
     assert trace.run["bucket_cap_mb_script"] == 0.5
     assert trace.run["bucket_layout"] == [[int(i) for i in b.split()] for b in c["rebuilt"].split(",")]
     assert trace.steps.groupby("rank").size().to_dict() == {0: 6, 1: 6} and (trace.steps.micro_batches == 2).all()
+    built = trace.run["ddp_built_by"]  # Accelerate's prepare() built it: its DDP kwargs handler sets the cap
+    assert built["framework"] == "accelerate" and built["module"] == "accelerate.accelerator", built
 
 
 @pytest.mark.frameworks
@@ -334,6 +342,9 @@ def test_hugging_face_trainers_own_ddp_is_traced_as_ddp_built_it(tmp_path, accum
         runs[cap] = (load_run(out), ddp, report)
     trace, ddp, report = runs["0.1"]
     assert trace.run["capture_path"] == "compiled" and trace.run["find_unused_parameters"] is True
+    # the Trainer built it through Accelerate's prepare(): TrainingArguments is where the cap goes
+    built = trace.run["ddp_built_by"]
+    assert built["framework"] == "transformers" and built["module"] == "accelerate.accelerator", built
     sizes = ddp[0]["bucket_sizes"]
     assert len(sizes) >= 3
     for (rank, step), b in trace.buckets.groupby(["rank", "step"]):

@@ -1,0 +1,48 @@
+"""Who built a DDP model: the framework on the stack when ``DistributedDataParallel`` was
+constructed (the Hugging Face Trainer, Lightning, Fabric, Accelerate, or the script itself)
+and the innermost line outside torch and ddpscope that called it. run.json keeps it as
+``ddp_built_by``, so that a recommended bucket setting can be said where the user sets it
+(``TrainingArguments(ddp_bucket_cap_mb=...)``, ``DDPStrategy(bucket_cap_mb=...)``, the
+script's own ``DistributedDataParallel(...)`` call).
+
+Read from the frames alone: nothing is imported, nothing called."""
+
+from __future__ import annotations
+
+import sys
+
+# module-name prefixes of each framework, the first found on the stack (outermost first in
+# this order) naming it: the Trainer builds DDP through Accelerate, so Accelerate comes last
+FRAMEWORKS = (
+    ("transformers", ("transformers.",)),
+    ("lightning", ("lightning.pytorch.", "pytorch_lightning.")),
+    ("fabric", ("lightning.fabric.", "lightning_fabric.")),
+    ("accelerate", ("accelerate.",)),
+)
+_OURS = ("torch.", "ddpscope.")  # and ``torch`` itself
+_DEPTH = 80  # frames read at most: a DDP is built a few dozen frames below the script
+
+
+def ddp_built_by(depth: int = 1) -> dict | None:
+    """``{"framework", "module", "file", "line", "function"}`` for the DDP being built now:
+    ``framework`` one of ``FRAMEWORKS``' names or ``"script"``; the rest the innermost
+    frame outside torch and ddpscope, counted from ``depth`` frames above this call (the
+    caller of ``DistributedDataParallel.__init__``). None where the stack cannot be read."""
+    try:
+        frame = sys._getframe(depth + 1)
+    except ValueError:
+        return None
+    site, modules = None, []
+    for _ in range(_DEPTH):
+        if frame is None:
+            break
+        name = str(frame.f_globals.get("__name__", ""))
+        modules.append(name)
+        if site is None and name != "torch" and not name.startswith(_OURS):
+            site = {"module": name, "file": frame.f_code.co_filename, "line": frame.f_lineno,
+                    "function": frame.f_code.co_name}
+        frame = frame.f_back
+    if site is None:
+        return None
+    framework = next((fw for fw, prefixes in FRAMEWORKS if any(m.startswith(prefixes) for m in modules)), "script")
+    return {"framework": framework, **site}

@@ -1,0 +1,85 @@
+"""Where a bucket setting goes in the user's own code: said for whatever built the traced
+DDP model (run.json's ``ddp_built_by``, from the stack when DDP was constructed).
+
+``ddpscope run --bucket-cap-mb`` / ``--bucket-cap-mb-list`` set it for a traced run only;
+to keep it, the user changes the call that builds DDP, and each framework takes it its own
+way: the Hugging Face Trainer ``TrainingArguments(ddp_bucket_cap_mb=...)`` (one cap, an
+``int`` field: a fraction of a MiB only from Python), Accelerate a
+``DistributedDataParallelKwargs`` handler (one cap), Lightning and Fabric
+``DDPStrategy(...)`` (its keyword arguments go to DDP as they are: a list too), a script
+its own ``DistributedDataParallel(...)`` call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from ddpscope.viz.whatif.layout import Cap, is_cap_list
+
+_ONE_CAP = {  # frameworks that pass one bucket_cap_mb to DDP and no list
+    "transformers": "the Hugging Face Trainer",
+    "accelerate": "Accelerate",
+}
+
+
+def _number(v: float) -> str:
+    return f"{float(v):g}"
+
+
+def _list(caps: tuple[float, ...]) -> str:
+    return "[" + ", ".join(_number(c) for c in caps) + "]"
+
+
+def where_to_set(run: dict, setting: Cap, candidates: pd.DataFrame | None = None) -> str | None:
+    """One line saying how the user's code sets ``setting`` (``bucket_cap_mb`` in MiB, a
+    ``bucket_cap_mb_list`` tuple, or None: DDP's default), or None where the run does not
+    say who built its DDP model (traced before ddpscope recorded it, or by ``DDPTracer``
+    from Python) or is ddpscope's own demo. ``candidates``: the advisor's (``kind``,
+    ``setting``, ``step_ms``), whose fastest uniform cap is named where the framework
+    cannot take a list."""
+    built = run.get("ddp_built_by")
+    if not isinstance(built, dict) or run.get("demo"):
+        return None
+    framework = built.get("framework")
+    if setting is None:
+        arg = {"transformers": "leave ddp_bucket_cap_mb unset in TrainingArguments",
+               "accelerate": "leave bucket_cap_mb unset in DistributedDataParallelKwargs",
+               "lightning": "leave bucket_cap_mb out of DDPStrategy(...)",
+               "fabric": "leave bucket_cap_mb out of DDPStrategy(...)"}.get(framework, "leave bucket_cap_mb out of "
+                                                                                     "DistributedDataParallel(...)")
+        return f"in your code: {arg} (DDP's default)"
+    if is_cap_list(setting):
+        if framework in _ONE_CAP:
+            return (f"in your code: {_ONE_CAP[framework]} passes one bucket_cap_mb to DDP and no "
+                    f"bucket_cap_mb_list: this list can be run traced (`ddpscope run --bucket-cap-mb-list "
+                    f"{','.join(_number(c) for c in setting)}`) but not set there; "
+                    + _best_single(candidates))
+        kw = f"bucket_cap_mb_list={_list(setting)}"
+    else:
+        kw = f"bucket_cap_mb={_number(setting)}"
+    if framework == "transformers":
+        whole = float(setting) == int(float(setting))
+        return (f"in your code: TrainingArguments(ddp_bucket_cap_mb={_number(setting)})" +
+                (f", or --ddp_bucket_cap_mb {int(float(setting))} on the command line" if whole else
+                 " (from Python: the command line's --ddp_bucket_cap_mb takes whole MiB only)"))
+    if framework == "accelerate":
+        return f"in your code: Accelerator(kwargs_handlers=[DistributedDataParallelKwargs({kw})])"
+    if framework == "lightning":
+        return f"in your code: Trainer(strategy=DDPStrategy({kw})) (Lightning passes it to DDP)"
+    if framework == "fabric":
+        return f"in your code: Fabric(strategy=DDPStrategy({kw})) (Fabric passes it to DDP)"
+    at = f"{Path(str(built.get('file', '?'))).name}:{built.get('line', '?')}"
+    if framework == "script":
+        return f"in your code: DistributedDataParallel(..., {kw}) at {at}"
+    return f"in your code: {kw} where {built.get('module', '?')} builds DistributedDataParallel ({at})"
+
+
+def _best_single(candidates: pd.DataFrame | None) -> str:
+    """The fastest uniform cap among the advisor's candidates, in words."""
+    uniform = candidates[candidates["kind"] == "uniform"] if candidates is not None and len(candidates) else None
+    if uniform is None or not len(uniform):
+        return "a single cap is what it can keep"
+    row = uniform.sort_values("step_ms", kind="stable").iloc[0]
+    cap, ms = _number(row["setting"]), row["step_ms"]
+    return f"the fastest single cap searched is bucket_cap_mb={cap} ({ms:.1f} ms a step)"
