@@ -42,6 +42,8 @@ def where_to_set(run: dict, setting: Cap, candidates: pd.DataFrame | None = None
     if not isinstance(built, dict) or run.get("demo"):
         return None
     framework = built.get("framework")
+    if not isinstance(framework, str):  # a hand-edited run.json: nothing to say
+        return None
     if setting is None:
         arg = {"transformers": "leave ddp_bucket_cap_mb unset in TrainingArguments",
                "accelerate": "leave bucket_cap_mb unset in DistributedDataParallelKwargs",

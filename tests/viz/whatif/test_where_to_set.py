@@ -51,6 +51,8 @@ def test_a_list_where_the_framework_takes_one_cap_names_the_fastest_single_cap(f
 def test_nothing_is_said_without_who_built_it_or_for_the_demo():
     assert where_to_set({}, 4.0) is None  # traced before run.json said, or by DDPTracer from Python
     assert where_to_set({**_built("script"), "demo": "gpt"}, 4.0) is None
+    assert where_to_set({"ddp_built_by": {"framework": ["x"]}}, 4.0) is None  # hand-edited: not a name
+    assert where_to_set({"ddp_built_by": "script"}, 4.0) is None
 
 
 def test_the_advisors_change_carries_it_to_whatif_json_and_text(tmp_path):
