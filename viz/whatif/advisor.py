@@ -40,7 +40,7 @@ from ddpscope.viz.whatif.model import WhatIfModel, fit_model, usable_steps
 from ddpscope.viz.whatif.search import LayoutSearch
 from ddpscope.viz.whatif.simulate import predict_run, traced_cap
 from ddpscope.viz.whatif.sweep import DEFAULT_CAPS, MIN_GAIN, _medians
-from ddpscope.viz.whatif.where_to_set import where_to_set
+from ddpscope.viz.whatif.where_to_set import flag_in_code, where_to_set
 
 #: a simpler setting this close to the best (fraction of its step) is recommended instead
 SIMPLER = 0.005
@@ -119,7 +119,7 @@ def flag_off_text(advice: Advice) -> str:
     return (f"every parameter had its gradient in every traced step, so {off.flag} would do: DDP would then rebuild its "
             f"buckets in gradient-ready order; predicted {off.step_ms:.1f} ms a step at {setting_text(off.setting)} "
             f"({than}, {beyond} the noise ±{advice.noise_ms:.1f} ms; the unused-parameter map's all-reduce would go "
-            "too, not counted)")
+            "too, not counted)" + (f"; {off.in_code}" if off.in_code else ""))
 
 
 def setting_json(cap: Cap) -> dict:
@@ -170,6 +170,7 @@ class FlagOff:
     step_ms: float
     gain_ms: float
     buckets: int
+    in_code: str | None = None  # how the user's code turns it off (where_to_set.flag_in_code)
 
 
 def unused_parameters(trace: RunTrace) -> list[str]:
@@ -299,7 +300,8 @@ def advise(trace: RunTrace, model: WhatIfModel | None = None, *, caps=DEFAULT_CA
                       caps, lists, local_budget)
         advice = replace(advice, flag_off=FlagOff(flag="find_unused_parameters=False", setting=off.setting,
                                                   step_ms=off.step_ms, gain_ms=advice.traced_step_ms - off.step_ms,
-                                                  buckets=off.buckets))
+                                                  buckets=off.buckets,
+                                                  in_code=flag_in_code(trace.run, "find_unused_parameters", False)))
     return advice
 
 

@@ -85,3 +85,23 @@ def _best_single(candidates: pd.DataFrame | None) -> str:
     row = uniform.sort_values("step_ms", kind="stable").iloc[0]
     cap, ms = _number(row["setting"]), row["step_ms"]
     return f"the fastest single cap searched is bucket_cap_mb={cap} ({ms:.1f} ms a step)"
+
+
+def flag_in_code(run: dict, flag: str, value: bool) -> str | None:
+    """One line saying how the user's code sets DDP's ``flag`` (``find_unused_parameters``)
+    to ``value``, or None where the run does not say who built its DDP model (as
+    ``where_to_set``)."""
+    built = run.get("ddp_built_by")
+    if not isinstance(built, dict) or run.get("demo") or not isinstance(built.get("framework"), str):
+        return None
+    framework, kw = built["framework"], f"{flag}={value}"
+    if framework == "transformers":  # TrainingArguments names DDP's flags ddp_<flag>
+        return f"in your code: TrainingArguments(ddp_{kw}), or --ddp_{flag} {str(value).lower()} on the command line"
+    if framework == "accelerate":
+        return f"in your code: Accelerator(kwargs_handlers=[DistributedDataParallelKwargs({kw})])"
+    if framework in ("lightning", "fabric"):
+        return f"in your code: {'Trainer' if framework == 'lightning' else 'Fabric'}(strategy=DDPStrategy({kw}))"
+    at = f"{Path(str(built.get('file', '?'))).name}:{built.get('line', '?')}"
+    if framework == "script":
+        return f"in your code: DistributedDataParallel(..., {kw}) at {at}"
+    return f"in your code: {kw} where {built.get('module', '?')} builds DistributedDataParallel ({at})"

@@ -280,6 +280,12 @@ def test_what_turning_find_unused_parameters_off_would_give_is_predicted_only_wh
     assert [n.split(".")[-2:] for n in unused_parameters(unused)] == [["unused_head", "weight"], ["unused_head", "bias"]]
     out = run_cli("whatif", str(flagged.path))
     assert out.returncode == 0 and "  flag: every parameter had its gradient in every traced step" in out.stdout
+    # and where the script turns it off: its own DDP(...) line
+    from pathlib import Path
+
+    line = next(i for i, t in enumerate(Path(USER).read_text().splitlines(), 1) if "ddp = DDP(model, **kw)" in t)
+    said = f"; in your code: DistributedDataParallel(..., find_unused_parameters=False) at user_train.py:{line}"
+    assert off.in_code == said[2:] and said in out.stdout
 
 
 @pytest.mark.parametrize("sample", ["mlp-2rank-cap1mb", "gpt-2rank-cap25mb"])

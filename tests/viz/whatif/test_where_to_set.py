@@ -12,7 +12,7 @@ import pytest
 
 from ddpscope.viz.trace import load_run
 from ddpscope.viz.whatif.advisor import advise
-from ddpscope.viz.whatif.where_to_set import where_to_set
+from ddpscope.viz.whatif.where_to_set import flag_in_code, where_to_set
 from tests.conftest import SAMPLES, run_cli
 
 
@@ -77,3 +77,15 @@ def test_the_advisors_change_carries_it_to_whatif_json_and_text(tmp_path):
         lines = proc.stdout.splitlines()
         at = next(i for i, t in enumerate(lines) if t.startswith("recommended: "))
         assert lines[at + 1] == f"  {a.in_code}"
+
+
+@pytest.mark.parametrize("framework, said", [
+    ("script", "DistributedDataParallel(..., find_unused_parameters=False) at train.py:57"),
+    ("transformers", "TrainingArguments(ddp_find_unused_parameters=False), or --ddp_find_unused_parameters false "
+                     "on the command line"),
+    ("accelerate", "Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)])"),
+    ("lightning", "Trainer(strategy=DDPStrategy(find_unused_parameters=False))"),
+])
+def test_turning_find_unused_parameters_off_is_said_each_frameworks_way(framework, said):
+    assert flag_in_code(_built(framework), "find_unused_parameters", False) == f"in your code: {said}"
+    assert flag_in_code({}, "find_unused_parameters", False) is None
