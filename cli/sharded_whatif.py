@@ -152,7 +152,7 @@ def _deepspeed(trace, args) -> int:
     else:
         print(f"at other reduce_bucket_size values, at stage {trace.shards.stage} (first row: this run, measured; "
               "buckets: reductions a step):")
-        print(_rank0_and_largest(sizes, ["reduce_bucket_MiB", "predicted"],
+        print(_rank0_and_largest(sizes, ["reduce_bucket_MiB", "reduce_bucket_size", "predicted"],
                                  {"peak_bytes": ("peak_MiB", MIB, "max"), "buckets": ("buckets", 1, "max"),
                                   "step_ms": ("step_ms", 1.0, "max")}).round(4).to_string(index=False))
         mem = trace.shards.memory
@@ -167,6 +167,9 @@ def _deepspeed(trace, args) -> int:
                             "accuracy: docs/sharded.md#predictions), each reduction costed at "
                             f"{cost_in_words(cost, trace.path)}"))
         print(f"  {noise_line(noise)}")
+        dtype = (trace.run.get("deepspeed") or {}).get("communication_dtype") or "the communication dtype"
+        print(f"  in your code: the DeepSpeed config's zero_optimization.reduce_bucket_size, in elements of {dtype} "
+              "(the reduce_bucket_size column); `--bucket-cap-mb MIB` sets it for a traced rerun only")
     print("  a rerun at another stage is predicted in memory only: the rerun measures its step")
     print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run)}")
     return 0

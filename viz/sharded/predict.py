@@ -307,7 +307,8 @@ def compute_deepspeed_bucket_whatif(trace, bucket_mib: list[float]) -> pd.DataFr
     """A DeepSpeed run at other ``reduce_bucket_size`` values (MiB of the communication
     dtype), at its own stage: one row per size and rank, first the run's own size as
     measured (``predicted`` False), then each other size of ``bucket_mib``. Columns:
-    reduce_bucket_MiB, rank, predicted, peak_bytes (bytes, ``predict_deepspeed_peak``; NaN
+    reduce_bucket_MiB, reduce_bucket_size (what the DeepSpeed config takes: elements of the
+    communication dtype; None where the run did not record it), rank, predicted, peak_bytes (bytes, ``predict_deepspeed_peak``; NaN
     where the run measured no memory), buckets (reductions a step) and step_ms (ms, median
     over real steps; ``deepspeed_buckets.predict_deepspeed_step_ms``; NaN where the trace
     lists no bucket sizes). ``ValueError`` where the run did not record its bucket size."""
@@ -315,6 +316,9 @@ def compute_deepspeed_bucket_whatif(trace, bucket_mib: list[float]) -> pd.DataFr
     if not isinstance(now, (int, float)) or now <= 0:
         raise ValueError("the run did not record DeepSpeed's reduce_bucket_size")
     measured_memory = len(trace.shards.memory) > 0
+    elements_now = (trace.run.get("deepspeed") or {}).get("reduce_bucket_size")
+    # the config's unit: elements of the communication dtype (as a rerun's --bucket-cap-mb converts)
+    itemsize = max(1, round(now / elements_now)) if isinstance(elements_now, (int, float)) and elements_now > 0 else None
     sizes = [now / 2**20, *(m for m in dict.fromkeys(float(m) for m in bucket_mib) if m * 2**20 != now)]
     rows = []
     for k, mib in enumerate(sizes):
@@ -323,11 +327,14 @@ def compute_deepspeed_bucket_whatif(trace, bucket_mib: list[float]) -> pd.DataFr
         steps = predict_deepspeed_step_ms(trace, mib).set_index("rank")
         ranks = sorted(set(steps.index) | (set(peaks.index) if peaks is not None else set()))
         for rank in ranks:
-            rows.append({"reduce_bucket_MiB": mib, "rank": int(rank), "predicted": bool(k),
+            rows.append({"reduce_bucket_MiB": mib,
+                         "reduce_bucket_size": max(1, int(mib * 2**20) // itemsize) if itemsize else None,
+                         "rank": int(rank), "predicted": bool(k),
                          "peak_bytes": at_rank(peaks, rank, f"{which}_peak_bytes"),
                          "buckets": at_rank(steps, rank, f"{which}_buckets"),
                          "step_ms": at_rank(steps, rank, f"{which}_step_ms")})
-    return pd.DataFrame(rows, columns=["reduce_bucket_MiB", "rank", "predicted", "peak_bytes", "buckets", "step_ms"])
+    return pd.DataFrame(rows, columns=["reduce_bucket_MiB", "reduce_bucket_size", "rank", "predicted", "peak_bytes",
+                                       "buckets", "step_ms"])
 
 
 def at_rank(table: pd.DataFrame | None, rank: int, column: str) -> float:

@@ -122,7 +122,11 @@ def test_the_peak_and_buckets_at_another_reduce_bucket_size_are_the_reruns(tmp_p
     at_rerun = sizes[sizes["reduce_bucket_MiB"] == RERUN_MIB].set_index("rank")
     assert at_rerun["predicted"].all() and at_rerun["peak_bytes"].to_dict() == measured
     assert at_rerun["buckets"].tolist() == [2, 2] and at_rerun["step_ms"].to_dict() == steps["predicted_step_ms"].to_dict()
+    # in the config's own unit (elements), what the rerun's DeepSpeed reported it ran with
+    assert rerun.run["deepspeed"]["reduce_bucket_size"] == 70_000
+    assert (at_rerun["reduce_bucket_size"] == 70_000).all()
     own_row = sizes[~sizes["predicted"]].set_index("rank")
+    assert (own_row["reduce_bucket_size"] == traced.run["deepspeed"]["reduce_bucket_size"]).all()
     assert own_row["peak_bytes"].to_dict() == table["measured_peak_bytes"].to_dict()
     assert own_row["buckets"].tolist() == [3, 3] and "bucket reductions" in body["bucket_cost"]
     # at its own size, the prediction is the run
