@@ -71,6 +71,7 @@ def _fsdp2(trace, args) -> int:
     from ddpscope.viz.sharded.metrics import sharded_step_noise_ms
     from ddpscope.viz.sharded.predict import compute_reshard_whatif, reshard_choices
     from ddpscope.viz.sharded.trace import shard_group_size
+    from ddpscope.viz.whatif.where_to_set import reshard_in_code
 
     if getattr(args, "caps", None) is not None:
         raise ValueError(f"{WHATIF_CAPS.flag} sets a bucket size; an FSDP2 run reduce-scatters per unit: "
@@ -91,8 +92,9 @@ def _fsdp2(trace, args) -> int:
     table = compute_reshard_whatif(trace, settings)
     keys = ["reshard_after_forward", "forward_prefetch", "backward_prefetch", "predicted"]
     noise = sharded_step_noise_ms(trace)
+    in_code = reshard_in_code(trace.run)
     if args.json:
-        return _print_json(trace, {"settings": _records(table), "step_noise_ms": _finite(noise)})
+        return _print_json(trace, {"settings": _records(table), "step_noise_ms": _finite(noise), "in_code": in_code})
     print(f"{trace.path}  ranks={world}  FSDP2, ZeRO stage {trace.shards.stage}  (first row: this run, measured; "
           "the others predicted from it)")
     print(_rank0_and_largest(table, keys, {"peak_bytes": ("peak_MiB", MIB, "max"),
@@ -108,6 +110,8 @@ def _fsdp2(trace, args) -> int:
     if hybrids:
         print(f"  {HYBRID_STEP_NOTE}")
     print(f"  {noise_line(noise)}")
+    if in_code:
+        print(f"  {in_code}")
     reshard = "|".join(["true", "false", *map(str, hybrids)])
     print(f"rerun one: {rerun_hint(trace.shards.framework, trace.run, reshard)}")
     return 0

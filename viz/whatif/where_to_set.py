@@ -1,5 +1,6 @@
-"""Where a bucket setting goes in the user's own code: said for whatever built the traced
-DDP model (run.json's ``ddp_built_by``, from the stack when DDP was constructed).
+"""Where a setting goes in the user's own code: a DDP bucket setting for whatever built the
+traced DDP model (run.json's ``ddp_built_by``, from the stack when DDP was constructed),
+FSDP2's ``reshard_after_forward`` for whatever trained the FSDP2 model (``fsdp_trained_by``).
 
 ``ddpscope run --bucket-cap-mb`` / ``--bucket-cap-mb-list`` set it for a traced run only;
 to keep it, the user changes the call that builds DDP, and each framework takes it its own
@@ -105,3 +106,23 @@ def flag_in_code(run: dict, flag: str, value: bool) -> str | None:
     if framework == "script":
         return f"in your code: DistributedDataParallel(..., {kw}) at {at}"
     return f"in your code: {kw} where {built.get('module', '?')} builds DistributedDataParallel ({at})"
+
+
+def reshard_in_code(run: dict) -> str | None:
+    """One line saying how the user's code sets FSDP2's ``reshard_after_forward`` (true,
+    false or N ranks) for whatever trained the run (run.json's ``fsdp_trained_by``), or
+    None where the run does not say."""
+    by = run.get("fsdp_trained_by")
+    framework = by.get("framework") if isinstance(by, dict) else None
+    if not isinstance(framework, str) or run.get("demo"):
+        return None
+    if framework == "torchtitan":
+        return ("in your code: torchtitan's --parallelism.fsdp_reshard_after_forward always (true) or never (false); "
+                "N ranks is fully_shard's own (reshard_after_forward=N), not a torchtitan option")
+    if framework == "transformers":
+        return ('in your code: TrainingArguments(fsdp_config={"reshard_after_forward": true|false}); N ranks is '
+                "fully_shard's own, not the Trainer's")
+    if framework == "accelerate":
+        return ("in your code: FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True|False); "
+                "N ranks is fully_shard's own, not Accelerate's")
+    return "in your code: fully_shard(module, reshard_after_forward=True|False|N) for each unit"

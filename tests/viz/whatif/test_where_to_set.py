@@ -12,7 +12,7 @@ import pytest
 
 from ddpscope.viz.trace import load_run
 from ddpscope.viz.whatif.advisor import advise
-from ddpscope.viz.whatif.where_to_set import flag_in_code, where_to_set
+from ddpscope.viz.whatif.where_to_set import flag_in_code, reshard_in_code, where_to_set
 from tests.conftest import SAMPLES, run_cli
 
 
@@ -89,3 +89,14 @@ def test_the_advisors_change_carries_it_to_whatif_json_and_text(tmp_path):
 def test_turning_find_unused_parameters_off_is_said_each_frameworks_way(framework, said):
     assert flag_in_code(_built(framework), "find_unused_parameters", False) == f"in your code: {said}"
     assert flag_in_code({}, "find_unused_parameters", False) is None
+
+
+@pytest.mark.parametrize("framework, said", [
+    ("script", "fully_shard(module, reshard_after_forward=True|False|N) for each unit"),
+    ("torchtitan", "torchtitan's --parallelism.fsdp_reshard_after_forward always (true) or never (false)"),
+    ("transformers", 'TrainingArguments(fsdp_config={"reshard_after_forward": true|false})'),
+    ("accelerate", "FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True|False)"),
+])
+def test_fsdp2s_reshard_after_forward_is_said_each_frameworks_way(framework, said):
+    assert reshard_in_code({"fsdp_trained_by": {"framework": framework}}).startswith(f"in your code: {said}")
+    assert reshard_in_code({}) is None and reshard_in_code({"fsdp_trained_by": {"framework": 3}}) is None

@@ -10,7 +10,7 @@ import functools
 import inspect
 import sys
 
-from ddpscope.tracer.capture.autotrace.built_by import ddp_built_by
+from ddpscope.tracer.capture.autotrace.built_by import built_by
 from ddpscope.tracer.capture.autotrace.session import Session, now_us
 
 DDP_MODULE = "torch.nn.parallel.distributed"
@@ -39,7 +39,7 @@ def _patch_ddp(session: Session, module) -> None:
         except TypeError:  # DDP's own error, as the script would have had it
             return original(self, *args, **kwargs)
         script_cap = bound.arguments.get("bucket_cap_mb")
-        session.built_by = ddp_built_by()  # the caller of this __init__: the script, or a framework
+        session.built_by = built_by()  # the caller of this __init__: the script, or a framework
         script_list = bound.arguments.get("bucket_cap_mb_list")
         try:
             session.script_caps = {"bucket_cap_mb_list_script": [float(c) for c in script_list] if script_list
@@ -153,6 +153,7 @@ def _patch_fsdp2(session: Session, module) -> None:
         first = getattr(self, "_is_root", None) is None
         result = original(self, *args, **kwargs)  # FSDP's errors reach the script as they are
         if first and getattr(self, "_is_root", False):
+            session.built_by = built_by()  # the framework running this first forward (torchtitan's trainer)
             try:
                 session.on_fsdp_root(self)
             except Exception as e:  # noqa: BLE001 - training goes on, untraced

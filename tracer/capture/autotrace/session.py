@@ -33,7 +33,7 @@ class Session:
     def __init__(self, config: CaptureConfig) -> None:
         self.config = config
         self.script_caps: dict = {}  # the script's own bucket_cap_mb(_list), as it built DDP
-        self.built_by: dict | None = None  # who built that DDP (built_by.py), where it set them
+        self.built_by: dict | None = None  # who built the traced model (built_by.py), where
         self.tracer = None
         self.extra: list = []  # the tracers of further DDP models, each into models/<k>-<class>
         self.profiler = None  # torch.profiler beside the tracer (--profile)
@@ -185,7 +185,8 @@ class Session:
             self.note(f"--reshard-after-forward / prefetch not applied ({e}); the script's settings stay")
         self.times_us["ddp_built"] = now_us()
         facts = {"capture_times_us": self.times_us, "capture": "ddpscope run", "sharding_requested": requested,
-                 "steps_requested": cfg.steps, "notes": self.notes}
+                 "steps_requested": cfg.steps, "notes": self.notes,
+                 "fsdp_trained_by": None if self.built_by is None else {"framework": self.built_by["framework"]}}
         if cfg.bucket_cap_mb is not None or cfg.bucket_cap_mb_list is not None:
             self.note("--bucket-cap-mb(-list) applies to DDP; this script shards with FSDP2, which has no buckets")
         if cfg.grad_marks_every > 1:

@@ -341,6 +341,9 @@ def test_whatif_prints_each_setting_and_refuses_flags_the_run_does_not_take(zero
     assert float(predicted[4]) == round(peak.loc[0, "predicted_peak_bytes"] / 2**20, 3)
     # the settings a rerun can take: 2 ranks hold no hybrid N (FSDP2 reads 2 as true)
     assert lines[-1].startswith("rerun one: `ddpscope run --nproc 2 --reshard-after-forward true|false --out DIR -- ")
+    # where the script sets it: the script trained its FSDP2 model itself (no framework on the stack)
+    assert trace.run["fsdp_trained_by"] == {"framework": "script"}
+    assert lines[-2] == "  in your code: fully_shard(module, reshard_after_forward=True|False|N) for each unit"
     assert f"{SCRIPT} --steps 4 --memtracker --report" in lines[-1]  # the run's own line, its script's arguments
     # a run that measured no memory: its peak column reads "-", and says why
     import argparse

@@ -83,6 +83,7 @@ def test_torchtitan_trains_bit_identically_traced_per_unit_with_its_own_sizes(fs
 
     run = json.loads((out / fmt.RUN_FILE).read_text())
     assert run["kind"] == fmt.KIND_SHARDED and run["status"] == fmt.COMPLETE
+    assert run["fsdp_trained_by"] == {"framework": "torchtitan"}  # its trainer: --parallelism.fsdp_... sets it
     trace = load_run(out)
     units = trace.shards.units
     assert units["name"].tolist() == UNITS  # torchtitan's fully_shard calls: embeddings, each layer, norm + head
