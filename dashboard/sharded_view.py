@@ -57,6 +57,7 @@ from ddpscope.viz.sharded.rerun_check import compute_rerun_check, rerun_setting
 from ddpscope.viz.sharded.trace import shard_group_size
 from ddpscope.viz.sources.run_profile import profile_folder
 from ddpscope.viz.units import UNITS
+from ddpscope.viz.whatif.where_to_set import bucket_elements_in_code, reshard_in_code
 
 MIB = 2**20
 #: st.metric without its delta arrow (a newer Streamlit's delta_arrow; an older one draws it)
@@ -213,6 +214,8 @@ def sharded_rerun_settings(trace) -> dict:
     _prediction_metric(m[1], "predicted step (rank 0)", "step_ms", 1.0, "ms",
                        predict_step_ms(trace, setting) if len(trace.steps) else None,
                        "This run finished no step: no step time is predicted.", sharded_step_noise_ms(trace))
+    if (said := reshard_in_code(trace.run)) is not None:
+        st.caption(said[0].upper() + said[1:] + ".")
     if not measured:
         return settings
     with st.expander("Predicted memory over a step"):
@@ -291,6 +294,8 @@ def deepspeed_rerun_settings(trace) -> dict:
                + ". The step: the buckets cut again from the order ZeRO took the gradients in (exact), each reduction costed "
                  "as this run's were for their size" + (f", {cost_in_words(cost, trace.path)}" if cost is not None else "")
                + ": a model, which the rerun checks. A rerun at another stage is predicted in memory only.")
+    if (said := bucket_elements_in_code(trace.run, now if same else cap)) is not None:
+        st.caption(said[0].upper() + said[1:] + ".")
     return {"zero_stage": stage if stage != trace.shards.stage else None, "bucket_cap_mb": None if same else cap}
 
 

@@ -80,6 +80,9 @@ def test_a_sharded_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, mo
     peak = next(m for m in at.metric if m.label == "predicted peak (rank 0)")
     assert peak.delta.startswith("+") and peak.delta.endswith(" MiB")  # units kept gathered: a larger peak
     assert at.button(key="run_button").label == "Rerun with reshard_after_forward = false"
+    # where the script sets it (the script itself trained the model): the CLI's line
+    assert "In your code: fully_shard(module, reshard_after_forward=True|False|N) for each unit." in \
+        [c.value for c in at.caption]
     open_page(at, "Compare runs")  # like with like: the DDP sample is not set beside the FSDP2 run
     at.multiselect(key="compare_runs").set_value(["run: fsdp2", "sample: gpt-2rank-cap1mb"]).run()
     assert not at.exception
@@ -207,6 +210,9 @@ def test_a_deepspeed_run_opens_on_its_timeline_memory_and_rerun_pages(tmp_path, 
     assert step.delta == "as this run" and step.value.endswith(" ms")
     at.select_slider(key="run_ds_cap").set_value(16.0).run()
     assert at.button(key="run_button").label == "Rerun at ZeRO stage 3, reduce_bucket_size 16 MiB"
+    # the config's value for it: 16 MiB of fp32 gradients (the run's own 20,000 elements are 80,000 bytes)
+    assert ("In your code: the DeepSpeed config's zero_optimization.reduce_bucket_size = 4194304 (16 MiB in elements "
+            "of float32).") in [c.value for c in at.caption]
     assert not any("no peak is predicted" in i.value or "no step is predicted" in i.value for i in at.info)
     trace = load_run(out)
     want = predict_deepspeed_step_ms(trace, 16.0).iloc[0]

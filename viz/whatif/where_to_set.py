@@ -126,3 +126,18 @@ def reshard_in_code(run: dict) -> str | None:
         return ("in your code: FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True|False); "
                 "N ranks is fully_shard's own, not Accelerate's")
     return "in your code: fully_shard(module, reshard_after_forward=True|False|N) for each unit"
+
+
+def bucket_elements_in_code(run: dict, mib: float) -> str | None:
+    """One line: the DeepSpeed config value that sets a ``mib`` MiB gradient bucket
+    (``zero_optimization.reduce_bucket_size`` counts elements of the communication dtype,
+    converted as a rerun's ``--bucket-cap-mb`` is), or None where the run did not record
+    its own size in both units."""
+    ds = run.get("deepspeed") if isinstance(run.get("deepspeed"), dict) else {}
+    elements, size = ds.get("reduce_bucket_size"), ds.get("reduce_bucket_bytes")
+    if not all(isinstance(v, (int, float)) and v > 0 for v in (elements, size)):
+        return None
+    itemsize = max(1, round(size / elements))
+    dtype = ds.get("communication_dtype") or f"{itemsize}-byte gradients"
+    return (f"in your code: the DeepSpeed config's zero_optimization.reduce_bucket_size = "
+            f"{max(1, int(mib * 2**20) // itemsize)} ({_number(mib)} MiB in elements of {dtype})")

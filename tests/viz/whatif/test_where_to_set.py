@@ -12,7 +12,7 @@ import pytest
 
 from ddpscope.viz.trace import load_run
 from ddpscope.viz.whatif.advisor import advise
-from ddpscope.viz.whatif.where_to_set import flag_in_code, reshard_in_code, where_to_set
+from ddpscope.viz.whatif.where_to_set import bucket_elements_in_code, flag_in_code, reshard_in_code, where_to_set
 from tests.conftest import SAMPLES, run_cli
 
 
@@ -100,3 +100,18 @@ def test_turning_find_unused_parameters_off_is_said_each_frameworks_way(framewor
 def test_fsdp2s_reshard_after_forward_is_said_each_frameworks_way(framework, said):
     assert reshard_in_code({"fsdp_trained_by": {"framework": framework}}).startswith(f"in your code: {said}")
     assert reshard_in_code({}) is None and reshard_in_code({"fsdp_trained_by": {"framework": 3}}) is None
+
+
+def test_a_deepspeed_bucket_size_is_said_in_the_configs_elements():
+    """As a rerun's --bucket-cap-mb converts (config_override.edited): bf16 gradients, 2 bytes."""
+    from ddpscope.tracer.capture.deepspeed.config_override import Override, edited
+
+    run = {"deepspeed": {"reduce_bucket_size": 500_000, "reduce_bucket_bytes": 1_000_000,
+                         "communication_dtype": "bfloat16"}}
+    said = bucket_elements_in_code(run, 1.5)
+    config, _ = edited({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, Override(bucket_cap_mb=1.5))
+    assert said == (f"in your code: the DeepSpeed config's zero_optimization.reduce_bucket_size = "
+                    f"{config['zero_optimization']['reduce_bucket_size']} (1.5 MiB in elements of bfloat16)")
+    assert config["zero_optimization"]["reduce_bucket_size"] == 786_432
+    assert bucket_elements_in_code({"deepspeed": {"reduce_bucket_size": 0}}, 1.0) is None
+    assert bucket_elements_in_code({}, 1.0) is None
