@@ -40,6 +40,7 @@ from ddpscope.viz.sharded.metrics import (
     reshard_setting,
 )
 from ddpscope.viz.sharded.trace import real_steps, shard_group_size
+from ddpscope.viz.whatif.where_to_set import deepspeed_bucket_elements
 
 
 def _reshards(setting: bool | int) -> bool:
@@ -308,17 +309,15 @@ def compute_deepspeed_bucket_whatif(trace, bucket_mib: list[float]) -> pd.DataFr
     dtype), at its own stage: one row per size and rank, first the run's own size as
     measured (``predicted`` False), then each other size of ``bucket_mib``. Columns:
     reduce_bucket_MiB, reduce_bucket_size (what the DeepSpeed config takes: elements of the
-    communication dtype; None where the run did not record it), rank, predicted, peak_bytes (bytes, ``predict_deepspeed_peak``; NaN
-    where the run measured no memory), buckets (reductions a step) and step_ms (ms, median
-    over real steps; ``deepspeed_buckets.predict_deepspeed_step_ms``; NaN where the trace
-    lists no bucket sizes). ``ValueError`` where the run did not record its bucket size."""
+    communication dtype; None where the run did not record it), rank, predicted,
+    peak_bytes (bytes, ``predict_deepspeed_peak``; NaN where the run measured no memory),
+    buckets (reductions a step) and step_ms (ms, median over real steps;
+    ``deepspeed_buckets.predict_deepspeed_step_ms``; NaN where the trace lists no bucket
+    sizes). ``ValueError`` where the run did not record its bucket size."""
     now = (trace.run.get("deepspeed") or {}).get("reduce_bucket_bytes")
     if not isinstance(now, (int, float)) or now <= 0:
         raise ValueError("the run did not record DeepSpeed's reduce_bucket_size")
     measured_memory = len(trace.shards.memory) > 0
-    elements_now = (trace.run.get("deepspeed") or {}).get("reduce_bucket_size")
-    # the config's unit: elements of the communication dtype (as a rerun's --bucket-cap-mb converts)
-    itemsize = max(1, round(now / elements_now)) if isinstance(elements_now, (int, float)) and elements_now > 0 else None
     sizes = [now / 2**20, *(m for m in dict.fromkeys(float(m) for m in bucket_mib) if m * 2**20 != now)]
     rows = []
     for k, mib in enumerate(sizes):
@@ -328,7 +327,7 @@ def compute_deepspeed_bucket_whatif(trace, bucket_mib: list[float]) -> pd.DataFr
         ranks = sorted(set(steps.index) | (set(peaks.index) if peaks is not None else set()))
         for rank in ranks:
             rows.append({"reduce_bucket_MiB": mib,
-                         "reduce_bucket_size": max(1, int(mib * 2**20) // itemsize) if itemsize else None,
+                         "reduce_bucket_size": deepspeed_bucket_elements(trace.run, mib),  # the config's unit
                          "rank": int(rank), "predicted": bool(k),
                          "peak_bytes": at_rank(peaks, rank, f"{which}_peak_bytes"),
                          "buckets": at_rank(steps, rank, f"{which}_buckets"),

@@ -84,7 +84,7 @@ def test_the_advisors_change_carries_it_to_whatif_json_and_text(tmp_path):
     ("transformers", "TrainingArguments(ddp_find_unused_parameters=False), or --ddp_find_unused_parameters false "
                      "on the command line"),
     ("accelerate", "Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)])"),
-    ("lightning", "Trainer(strategy=DDPStrategy(find_unused_parameters=False))"),
+    ("lightning", "Trainer(strategy=DDPStrategy(find_unused_parameters=False)) (Lightning passes it to DDP)"),
 ])
 def test_turning_find_unused_parameters_off_is_said_each_frameworks_way(framework, said):
     assert flag_in_code(_built(framework), "find_unused_parameters", False) == f"in your code: {said}"
