@@ -92,7 +92,7 @@ def _fsdp2(trace, args) -> int:
     table = compute_reshard_whatif(trace, settings)
     keys = ["reshard_after_forward", "forward_prefetch", "backward_prefetch", "predicted"]
     noise = sharded_step_noise_ms(trace)
-    in_code = reshard_in_code(trace.run)
+    in_code = reshard_in_code(trace.run) if shard > 1 else None  # sharded over 1 rank: nothing to reshard
     if args.json:
         return _print_json(trace, {"settings": _records(table), "step_noise_ms": _finite(noise), "in_code": in_code})
     print(f"{trace.path}  ranks={world}  FSDP2, ZeRO stage {trace.shards.stage}  (first row: this run, measured; "

@@ -214,7 +214,7 @@ def sharded_rerun_settings(trace) -> dict:
     _prediction_metric(m[1], "predicted step (rank 0)", "step_ms", 1.0, "ms",
                        predict_step_ms(trace, setting) if len(trace.steps) else None,
                        "This run finished no step: no step time is predicted.", sharded_step_noise_ms(trace))
-    if (said := reshard_in_code(trace.run)) is not None:
+    if shard_group_size(trace) > 1 and (said := reshard_in_code(trace.run)) is not None:  # 1: nothing to reshard
         st.caption(said[0].upper() + said[1:] + ".")
     if not measured:
         return settings

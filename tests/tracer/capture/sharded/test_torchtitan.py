@@ -18,6 +18,7 @@ from ddpscope.viz.sharded.comm_volume import compute_comm_volume
 from ddpscope.viz.sharded.metrics import compute_stage_comparison
 from ddpscope.viz.sharded.predict import predict_peak, predict_step_ms
 from ddpscope.viz.trace import load_run
+from tests.conftest import run_cli
 from tests.tracer.capture.autotrace.test_autotrace import WORKERS, checks, trace_script, untraced
 
 pytest.importorskip("torchtitan")
@@ -105,6 +106,10 @@ def test_torchtitan_trains_bit_identically_traced_per_unit_with_its_own_sizes(fs
     # model states per rank: the ZeRO paper's stage 3 with this run's K and N
     measured = compute_stage_comparison(trace).dropna(subset=["measured/predicted"])
     assert len(measured) == 2 and measured["measured/predicted"].between(0.98, 1.02).all(), measured
+    # torchtitan's trainer ran it, but units sharded over 1 rank have nothing to reshard: no flag to name
+    assert trace.run["fsdp_trained_by"] == {"framework": "torchtitan"}
+    said = run_cli("whatif", str(out), "--json")
+    assert said.returncode == 0 and json.loads(said.stdout)["in_code"] is None, said.stderr
 
 
 def test_a_rerun_that_keeps_units_gathered_peaks_where_the_whatif_said_with_torchtitans_own_gathers(fsdp, tmp_path):
@@ -174,3 +179,7 @@ def test_torchtitan_ddp_by_fsdp2_is_stage_0_with_each_units_gradient_all_reduced
     assert vol.loc["total", "ring_D"] == pytest.approx(1.0)  # DDP's 2D x (N-1)/N at N = 2
     measured = compute_stage_comparison(trace).dropna(subset=["measured/predicted"])
     assert len(measured) == 2 and measured["measured/predicted"].between(0.98, 1.02).all(), measured
+    # torchtitan's trainer ran it, but units sharded over 1 rank have nothing to reshard: no flag to name
+    assert trace.run["fsdp_trained_by"] == {"framework": "torchtitan"}
+    said = run_cli("whatif", str(out), "--json")
+    assert said.returncode == 0 and json.loads(said.stdout)["in_code"] is None, said.stderr
