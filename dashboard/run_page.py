@@ -34,6 +34,7 @@ from ddpscope.tracer.launch.runner import file_sha256
 from ddpscope.tracer.options import DEMO_MODELS, mib_list
 from ddpscope.viz.trace import TraceError
 from ddpscope.viz.whatif.layout import runnable
+from ddpscope.viz.whatif.where_to_set import where_to_set
 
 CAP_OPTIONS = [0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 5.0, 8.0, 10.0, 16.0, 25.0, 32.0, 50.0, 64.0, 100.0, 250.0, 500.0]  # MiB
 
@@ -164,6 +165,17 @@ def _rerun_controls(path: Path, trace, source: dict, jobs: JobManager, busy: boo
     label = ("Rerun with DDP's default buckets" if default else
              f"Rerun with bucket_cap_mb_list = {caps}" if caps else f"Rerun with bucket_cap_mb = {cap:g}")
     job_button(label, "run_button", jobs.start, settings, disabled=busy or bool(blocked), type="primary")
+    if (said := where_to_set(run, None if default else _typed_list(caps) or float(cap))) is not None:
+        st.caption(said[0].upper() + said[1:] + ": to keep it once the rerun says it is worth it.")
+
+
+def _typed_list(caps: str) -> tuple[float, ...] | None:
+    """The typed bucket_cap_mb_list as numbers; None where it is empty or not numbers
+    (the rerun says what is wrong with it)."""
+    try:
+        return mib_list(caps) or None
+    except ValueError:
+        return None
 
 
 def _runnable_list(run: dict, caps: str) -> bool:

@@ -39,6 +39,25 @@ def test_ddps_default_and_25_mib_everywhere_are_two_choices_on_the_run_page(tmp_
     assert at.button(key="run_button").label == "Rerun with bucket_cap_mb = 1"
 
 
+def test_the_chosen_setting_is_said_where_the_users_code_sets_it(tmp_path, monkeypatch):
+    """A run the Hugging Face Trainer built (run.json's ``ddp_built_by``): the Run page says
+    how TrainingArguments takes the chosen cap, and that it takes no list."""
+    runs = tmp_path / "runs"
+    shutil.copytree(SAMPLES / "gpt-2rank-cap1mb", runs / "hf")
+    r = json.loads((runs / "hf" / "run.json").read_text())
+    r["ddp_built_by"] = {"framework": "transformers", "module": "accelerate.accelerator", "file": "/x/accelerator.py",
+                         "line": 1, "function": "prepare_model"}
+    (runs / "hf" / "run.json").write_text(json.dumps(r))
+    monkeypatch.setenv("DDPSCOPE_RUNS_DIR", str(runs))
+    at = open_page(AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run(), "Run")
+    said = [c.value for c in at.caption if c.value.startswith("In your code: ")]
+    assert said == ["In your code: TrainingArguments(ddp_bucket_cap_mb=1), or --ddp_bucket_cap_mb 1 on the command "
+                    "line: to keep it once the rerun says it is worth it."]
+    at.text_input(key="run_cap_list").input("1,8").run()
+    said = next(c.value for c in at.caption if c.value.startswith("In your code: "))
+    assert "passes one bucket_cap_mb to DDP and no bucket_cap_mb_list" in said and "--bucket-cap-mb-list 1,8" in said
+
+
 @pytest.mark.ddp
 def test_rerun_of_the_open_trace_shows_it_beside_its_source(app, tmp_path):
     """The open trace (the 1 MiB demo sample) rerun at 25 MiB from the Run page: progress
