@@ -32,20 +32,20 @@ def built_by(depth: int = 1) -> dict | None:
     frame outside torch and ddpscope, counted from ``depth`` frames above this call (the
     caller of ``DistributedDataParallel.__init__``, of FSDP2's lazy init). None where the
     stack cannot be read."""
-    try:
+    try:  # called inside the script's DistributedDataParallel(...): never its error
         frame = sys._getframe(depth + 1)
-    except ValueError:
+        site, modules = None, []
+        for _ in range(_DEPTH):
+            if frame is None:
+                break
+            name = str(frame.f_globals.get("__name__", ""))
+            modules.append(name)
+            if site is None and name != "torch" and not name.startswith(_OURS):
+                site = {"module": name, "file": str(frame.f_code.co_filename), "line": int(frame.f_lineno or 0),
+                        "function": str(frame.f_code.co_name)}
+            frame = frame.f_back
+    except Exception:  # noqa: BLE001 - an odd frame (a C extension's globals): nothing said, training goes on
         return None
-    site, modules = None, []
-    for _ in range(_DEPTH):
-        if frame is None:
-            break
-        name = str(frame.f_globals.get("__name__", ""))
-        modules.append(name)
-        if site is None and name != "torch" and not name.startswith(_OURS):
-            site = {"module": name, "file": frame.f_code.co_filename, "line": frame.f_lineno,
-                    "function": frame.f_code.co_name}
-        frame = frame.f_back
     if site is None:
         return None
     framework = next((fw for fw, prefixes in FRAMEWORKS if any(m.startswith(prefixes) for m in modules)), "script")
