@@ -43,30 +43,32 @@ def _wait_for_step(out: Path, step: int) -> None:
 
 @contextlib.contextmanager
 def small_disk(where: Path, size: str = "3m"):
-    """A tmpfs of ``size`` at ``where`` (a real full disk: ENOSPC); skips where mounting
-    is not allowed (not root, or no CAP_SYS_ADMIN in a container)."""
+    """A tmpfs of ``size`` at ``where`` (a real full disk: ENOSPC), holding one empty file,
+    ``where / "filler"``; skips where mounting is not allowed (not root, or no
+    CAP_SYS_ADMIN in a container)."""
     where.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root with CAP_SYS_ADMIN)")
     try:
-        _check_empty_disk(where)
+        _first_file(where / "filler")
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
-def _check_empty_disk(where: Path) -> None:
-    """Skips, saying what the machine showed, where the fresh tmpfs does not take a first
-    file: the test is of a disk that fills during the run, not of one full at its start.
-    (CI failed once, 2026-12-03, creating the first file on a fresh 16 MiB tmpfs: ENOSPC,
-    beside the other lane's DeepSpeed jobs; not seen here in any run.)"""
-    st = os.statvfs(where)
-    seen = (f"mounted={os.path.ismount(where)}, {st.f_bavail * st.f_frsize} bytes and "
+def _first_file(path: Path) -> None:
+    """The fresh tmpfs's first file, made once and kept (a test fills the disk through it,
+    opening it without creating anything); skips, saying what the machine showed, where
+    the tmpfs refuses it: the tests are of a disk that fills during the run, not of one
+    that takes no file at its start. (CI failed so twice, 2026-12-03, beside the other
+    lane's jobs: ENOSPC creating a file on a fresh 16 MiB tmpfs right after a first one
+    had been made and removed there; the cause is not known.)"""
+    st = os.statvfs(path.parent)
+    seen = (f"mounted={os.path.ismount(path.parent)}, {st.f_bavail * st.f_frsize} bytes and "
             f"{st.f_favail} inodes free; / has {shutil.disk_usage('/').free} bytes free")
     try:
-        (where / "probe").write_bytes(b"\0" * 4096)
-        (where / "probe").unlink()
+        path.touch()
     except OSError as e:
         pytest.skip(f"a fresh small tmpfs refused its first file here ({e.strerror}; {seen})")
 
@@ -78,9 +80,10 @@ def test_training_goes_on_when_the_disk_fills_and_the_trace_says_incomplete(tmp_
     # 2026-12-01, cost ~130 s of CI's lane A for the same check.)
     with small_disk(tmp_path / "disk", "16m") as disk:
         out, report = disk / "run", tmp_path / "report"
-        # The filler is made before the run: on a loaded machine the trace may fill the small
-        # disk itself before step 3 is seen, and creating a file on a full disk fails (ENOSPC).
-        with open(disk / "filler", "wb") as f:
+        # The filler was made with the disk (small_disk), before the run: on a loaded machine the
+        # trace may fill the small disk itself before step 3 is seen, and creating a file on a
+        # full disk fails (ENOSPC); opening it for writing ("r+b") creates nothing.
+        with open(disk / "filler", "r+b") as f:
             proc = _traced(out, report, STEPS)
             _wait_for_step(out, 3)
             with contextlib.suppress(OSError):  # fill the disk: every later write fails with ENOSPC
