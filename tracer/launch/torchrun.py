@@ -329,14 +329,14 @@ def explain_failure(cfg: LaunchConfig, result: LaunchResult, exits: dict[int, in
             errors[base + int(err.parent.name)] = (bool(_PEER_FAILURE.search(text)), ts, _last_error_line(text))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    for log in cfg.log_dir.glob("*/attempt_*/*/stderr.log"):
-        rank = base + int(log.parent.name)
-        if rank not in errors and (line := _exception_line(_tail(log, 200))) is not None:
+    tails = {base + int(log.parent.name): _tail(log, 200) for log in cfg.log_dir.glob("*/attempt_*/*/stderr.log")}
+    for rank, text in tails.items():
+        if rank not in errors and (line := _exception_line(text)) is not None:
             errors[rank] = (bool(_PEER_FAILURE.search(line)), 0, line[:300])
     # a rank that exited with a code of its own and no traceback (sys.exit, the script's argparse)
     # said why on stderr, if anywhere: its last line
     for rank, code in (exits or {}).items():
-        if code > 0 and rank not in errors and (line := _last_line(_stderr_log(cfg, rank))) is not None:
+        if code > 0 and rank not in errors and (line := _last_line(tails.get(rank, ""))) is not None:
             errors[rank] = (False, 0, f"exited with code {code}; its last line on stderr: {line}")
     # The root cause, in this order: a rank killed by a signal (torchrun's root cause
     # first), a rank with an error of its own (earliest first), a rank stopped by SIGTERM
@@ -386,13 +386,15 @@ def _stderr_log(cfg: LaunchConfig, rank: int) -> Path | None:
     return next(iter(cfg.log_dir.glob(f"*/attempt_*/{rank - cfg.node_rank * cfg.nproc}/stderr.log")), None)
 
 
-def _last_line(path: Path | None) -> str | None:
+def _last_line(text: str) -> str | None:
     """The last non-empty line of a rank's stderr (rank prefix off, 300 characters at most)."""
-    for line in reversed(_tail(path, 20).splitlines() if path is not None else []):
-        m = _RANK_PREFIX.match(line)
-        if (line := (m.group(2) if m else line).strip()):
-            return line[:300]
-    return None
+    return next((line[:300] for line in map(_unprefixed, reversed(text.splitlines())) if line), None)
+
+
+def _unprefixed(line: str) -> str:
+    """A rank's output line without torchrun's rank prefix, stripped."""
+    m = _RANK_PREFIX.match(line)
+    return (m.group(2) if m else line).strip()
 
 
 def _last_position(cfg: LaunchConfig, rank: int) -> str | None:
@@ -411,9 +413,7 @@ def _last_position(cfg: LaunchConfig, rank: int) -> str | None:
 def _exception_line(text: str) -> str | None:
     """The last ``SomeError: message`` line of a traceback in ``text`` (rank prefixes off)."""
     found = None
-    for line in text.splitlines():
-        m = _RANK_PREFIX.match(line)
-        line = (m.group(2) if m else line).strip()
+    for line in map(_unprefixed, text.splitlines()):
         if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", line):
             found = line
     return found
