@@ -11,7 +11,13 @@ from ddpscope.dashboard.loaders import load_zero_trace
 from ddpscope.dashboard.sharded_view import render_sharded_memory
 from ddpscope.dashboard.tables import show_table
 from ddpscope.tracer.launch.jobs import JobManager
-from ddpscope.viz.ddp.stages import compute_ddp_stage_comparison, ddp_comm_lines, ddp_stage, ddp_stage_differences
+from ddpscope.viz.ddp.stages import (
+    compute_ddp_stage_comparison,
+    ddp_comm_lines,
+    ddp_stage,
+    ddp_stage_differences,
+    frozen_params,
+)
 from ddpscope.viz.sharded.figures import make_stage_comparison_figure
 from ddpscope.viz.units import FAMILIES, FAMILY_LABELS, UNITS
 from ddpscope.viz.zero.figures import make_zero_projection_figure, make_zero_run_figure
@@ -52,9 +58,10 @@ def render_ddp_memory(trace, unit: str = "MiB") -> None:
         for col in [c for c in view.columns if c.endswith("_bytes")]:
             view[col.replace("bytes", unit)] = view.pop(col) / UNITS[unit]
         show_table(view.round(4), key="ddp_stage_table")
+    trained, frozen = int(trace.run["model_params"]), frozen_params(trace)
+    params = f"{trained + frozen:,} parameters ({trained:,} of them trained)" if frozen else f"{trained:,} parameters"
     st.caption(f"Measured: ZeRO stage {facts.get('stage', 0)} ({facts.get('stage_reason', 'DDP')}), at the end of "
-               f"each measured step. The stages: the ZeRO model for this model's {int(trace.run['model_params']):,} "
-               f"parameters on {trace.world_size} ranks.")
+               f"each measured step. The stages: the ZeRO model for this model's {params} on {trace.world_size} ranks.")
     for line in ddp_stage_differences(trace) + ddp_comm_lines(trace):
         st.write("• " + line)
 

@@ -149,12 +149,14 @@ class MemoryMeter:
     allocator: the CUDA context, NCCL's own buffers, other libraries' allocations; what the
     device uses beyond ``reserved_bytes`` (``total - free - reserved``) holds them."""
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], frozen: Iterable[torch.nn.Parameter] = ()) -> None:
+        """``params``: the parameters that train (their gradients are counted); ``frozen``:
+        those that do not (``requires_grad=False``), held all the same: in ``params_bytes``."""
         self.params = params
         # () -> the gradients' distinct bytes or -1 (the compiled capture's GradBytes); None: Python
         self.grad_bytes: Callable[[], int] | None = None
         self.device = params[0].device if params else torch.device("cpu")
-        self.params_bytes = distinct_bytes(params)  # parameters do not change size
+        self.params_bytes = distinct_bytes([*params, *frozen])  # parameters do not change size
         self._peak_at_start: int | None = None  # CUDA: the allocator's peak when the measured step began
         self._state = _OptimizerStateBytes()
         self._statm = None  # /proc/self/statm, kept open (a file object: closed when collected too)

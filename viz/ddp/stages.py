@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from ddpscope.viz.sharded.metrics import MODEL_STATE_PARTS
-from ddpscope.viz.zero.model import Precision, model_state_bytes
+from ddpscope.viz.zero.model import Precision, frozen_line, model_state_bytes
 
 # Optimizer state bytes per fp32 parameter, by class (PyTorch's implementations; Adam's
 # per-parameter ``step`` is a scalar tensor, a few bytes per tensor, not per parameter).
@@ -78,13 +78,21 @@ def param_sync_medians(trace, sync: pd.DataFrame | None = None) -> dict | None:
             "bytes": int(sync["bytes"].median())}
 
 
+def frozen_params(trace) -> int:
+    """Parameters of the DDP model that do not train (run.json's ``frozen_params``, 0 for
+    a trace from before ddpscope recorded them): held, never reduced."""
+    return int(trace.run.get("frozen_params") or 0)
+
+
 def _params_and_width(trace) -> tuple[int, float]:
-    """(parameters, bytes per parameter as held) of the DDP model."""
+    """(parameters that train: those DDP reduces, bytes per parameter as held) of the DDP
+    model; the measured ``params_bytes`` hold the frozen ones too (``frozen_params``)."""
     params = int(trace.run.get("model_params") or 0)
     if params <= 0:
         raise ValueError("run.json has no model_params: the ZeRO model needs the parameter count")
     mem = trace.memory
-    width = float(mem["params_bytes"].max()) / params if "params_bytes" in mem and len(mem) else 4.0
+    held = params + frozen_params(trace)
+    width = float(mem["params_bytes"].max()) / held if "params_bytes" in mem and len(mem) else 4.0
     return params, width
 
 
@@ -110,9 +118,9 @@ def compute_ddp_stage_comparison(trace) -> pd.DataFrame:
         measured = [r["optimizer_state_bytes"] for r in rows]
         k = (float(np.median(measured)) * (n if stage >= 1 else 1) / params) if measured else 0.0
     precision = Precision(name="the run's", param=width, grad=width, k=k)
-    for st in range(4):
+    for st in range(4):  # every parameter held (sharded at 3), gradients and state of those that train
         rows.append({"row": f"stage {st}", "rank": None, "stage": st,
-                     **model_state_bytes(params, n, st, precision)})
+                     **model_state_bytes(params + frozen_params(trace), n, st, precision, trainable=params)})
     out = pd.DataFrame(rows)
     out["model_state_bytes"] = out[list(MODEL_STATE_PARTS)].sum(axis=1)
     own = out.loc[out["row"] == f"stage {stage}", "model_state_bytes"].iloc[0]
@@ -137,6 +145,8 @@ def ddp_stage_differences(trace) -> list[str]:
                          f"{100 / n:.1f} %; its optimizer state follows.")
     lines.append("each Adam-like optimizer also keeps a scalar step count per parameter tensor (a few bytes each), "
                  "outside the model's K.")
+    if frozen := frozen_params(trace):
+        lines.append(frozen_line(frozen, frozen + int(trace.run.get("model_params") or 0)))
     if "bucket_buffers_bytes" in trace.memory and trace.memory["bucket_buffers_bytes"].max() > 0:
         lines.append("DDP's gradient buckets are a second copy of the gradients (unless gradient_as_bucket_view): "
                      "shown as the working set, outside the ZeRO model.")
@@ -152,8 +162,11 @@ def ddp_comm_lines(trace) -> list[str]:
     frac = (n - 1) / n
     b = trace.buckets
     ar = float(b.groupby(["rank", "step"])["bytes"].sum().median()) if len(b) else 0.0
-    lines = [f"D = {d / 2**20:.3f} MiB of parameters; N = {n} ranks; ZeRO stage {facts.get('stage', 0)} "
-             f"({facts.get('stage_reason', 'DDP')}).",
+    frozen = frozen_params(trace)
+    lines = [f"D = {d / 2**20:.3f} MiB of parameters{' that train' if frozen else ''}; N = {n} ranks; ZeRO stage "
+             f"{facts.get('stage', 0)} ({facts.get('stage_reason', 'DDP')})"
+             + (f"; the {frozen:,} frozen parameters ({frozen * width / 2**20:.3f} MiB) are never sent." if frozen
+                else "."),
              f"All-reduce of the gradients: {ar / 2**20:.3f} MiB a step ({ar / d:.2f} D); a ring all-reduce "
              f"sends 2(N-1)/N of it per rank: {2 * frac * ar / d:.2f} D."]
     if facts.get("stage") == 1:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ddpscope.viz.sharded.trace import real_steps, replicas, shard_group_size
+from ddpscope.viz.sharded.trace import params_and_trainable, real_steps, replicas, shard_group_size
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8,
                 "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -19,12 +19,17 @@ def model_sizes(trace) -> tuple[float, float]:
     """(D as gathered, D as reduced) in bytes: the model's parameters in ``param_dtype``
     (what all-gathers carry) and in ``reduce_dtype`` (what reduce-scatters carry: under
     ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` twice the
-    gathered bytes). Without a recorded ``reduce_dtype`` gradients reduce as gathered."""
+    gathered bytes). Without a recorded ``reduce_dtype`` gradients reduce as gathered. Only
+    the parameters that train have gradients: with frozen ones (a LoRA base model) the
+    gradients' D is that share of the model (``params_and_trainable``)."""
     sh = trace.shards
     gathered = float(sh.units["unsharded_bytes"].sum()) or 1.0
     sharding = trace.run.get("sharding") or {}
     param, reduce = _DTYPE_BYTES.get(str(sharding.get("param_dtype"))), _DTYPE_BYTES.get(str(sharding.get("reduce_dtype")))
     reduced = gathered * reduce / param if param and reduce else gathered
+    params, trained = params_and_trainable(trace)
+    if 0 < trained < params:
+        reduced *= trained / params
     return gathered, reduced
 
 
@@ -83,7 +88,13 @@ def comm_honesty_lines(trace) -> list[str]:
     total = vol[vol["collective"] == "total"].iloc[0]
     lines = [f"D = {d / 2**20:.3f} MiB of gathered parameters; N = {n} ranks; ZeRO stage {sh.stage} "
              f"({sh.stage_reason})."]
-    if d_reduce != d:
+    params, trained = params_and_trainable(trace)
+    frozen = 0 < trained < params
+    if frozen:
+        lines.append(f"{params - trained:,.0f} of the {params:,.0f} parameters are frozen: gathered with the rest, "
+                     f"never reduced (they have no gradient), so the gradients' D (a reduce-scatter's, an "
+                     f"all-reduce's) is the {trained:,.0f} that train: {d_reduce / 2**20:.3f} MiB.")
+    if abs(d_reduce * (params / trained if frozen else 1) - d) > 1e-6 * d:
         sharding = trace.run.get("sharding") or {}
         lines.append(f"Mixed precision: parameters are gathered in {sharding.get('param_dtype')} and gradients reduced "
                      f"in {sharding.get('reduce_dtype')}, so the gradients' D (a reduce-scatter's, an all-reduce's) is "

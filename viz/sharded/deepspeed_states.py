@@ -25,6 +25,12 @@ one): ``b`` bytes per element of run.json's ``stage3_persistent_numel`` more, me
 (a stage 1-2 trace says which parameters stage 3 would keep whole), which the ZeRO
 model does not count.
 
+A frozen parameter (``requires_grad=False``, a LoRA base model's) is in no optimizer
+group: held as the model dtype's (whole at stages 1-2, partitioned at 3, beside the
+groups' flat buffers) with no master, moment or gradient. The model's gradient and
+optimizer terms count run.json's ``trainable_params``; at stage 3 ``frozen_partition_numel``
+is what of the measured partitions is theirs.
+
 The *persistent* states (parameters, master and moments: everything but gradients,
 which live from backward to the step in buffers whose size follows the bucket layout)
 are what a prediction for another stage is checked on.
@@ -48,8 +54,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ddpscope.viz.sharded.trace import real_steps
-from ddpscope.viz.zero.model import Precision, model_state_bytes
+from ddpscope.viz.sharded.trace import params_and_trainable, real_steps
+from ddpscope.viz.zero.model import Precision, frozen_line, model_state_bytes
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 PERSISTENT = ("params_bytes", "optimizer_state_bytes")
@@ -68,6 +74,16 @@ def persistent_numel(trace) -> int:
     """Elements of the parameters DeepSpeed keeps whole at stage 3 (run.json's
     ``stage3_persistent_numel``; 0 for a trace that does not say)."""
     return int((trace.run.get("deepspeed") or {}).get("stage3_persistent_numel") or 0)
+
+
+def frozen_partition(trace) -> float:
+    """Elements of one rank's partitions of the frozen parameters at stage 3: measured
+    (run.json's ``frozen_partition_numel``) on a stage-3 trace, else (P - P_t) / N."""
+    ds = trace.run.get("deepspeed") or {}
+    if trace.shards.stage == 3 and isinstance(ds.get("frozen_partition_numel"), int):
+        return float(ds["frozen_partition_numel"])
+    params, trained = params_and_trainable(trace)
+    return (params - trained) / trace.world_size
 
 
 def offload(trace) -> dict:
@@ -106,7 +122,8 @@ def measured_states(trace) -> pd.DataFrame:
     for rank, mine in mem.groupby("rank"):
         sharded = float(_whole(mine, "sharded_params_bytes").max())
         if sh.stage == 3:
-            params, master = sharded * b / (b + 4), sharded * 4 / (b + 4)
+            frozen = b * frozen_partition(trace)  # no master beside these
+            params, master = (sharded - frozen) * b / (b + 4) + frozen, (sharded - frozen) * 4 / (b + 4)
             params += b * persistent_numel(trace)  # whole on every rank, beside their partitions
             grads = float(_whole(mine, "sharded_grads_bytes").max())
         else:
@@ -131,17 +148,17 @@ def predict_states(trace, stage: int, measured: pd.DataFrame | None = None) -> d
     the ZeRO model with DeepSpeed's precision, P from the trace's units and P/N as this
     trace's padded partition (its master partition, when measured). ``measured``: this
     trace's ``measured_states``, when the caller has it."""
-    sh = trace.shards
     n = trace.world_size
-    params = float(sh.units["numel"].sum())
+    params, trained = params_and_trainable(trace)
     prec = precision(trace)
-    pred = model_state_bytes(params, n, stage, prec)
+    pred = model_state_bytes(params, n, stage, prec, trainable=trained)
     measured = measured_states(trace) if measured is None else measured
+    frozen = frozen_partition(trace)
     if len(measured) and measured["master_bytes"].iloc[0] > 0:
         part = float(measured["master_bytes"].iloc[0]) / 4  # elements in this rank's padded partition
-        pred = {"params_bytes": prec.param * (params if stage < 3 else part),
-                "grads_bytes": prec.grad * (params if stage < 2 else part),
-                "optimizer_state_bytes": prec.k * (params if stage < 1 else part)}
+        pred = {"params_bytes": prec.param * (params if stage < 3 else part + frozen),
+                "grads_bytes": prec.grad * (trained if stage < 2 else part),
+                "optimizer_state_bytes": prec.k * (trained if stage < 1 else part)}
     if stage == 3:  # the parameters DeepSpeed keeps whole there
         pred["params_bytes"] += prec.param * persistent_numel(trace)
     part = pred["optimizer_state_bytes"] / prec.k  # elements of this rank's partition (P at stage 0)
@@ -152,8 +169,8 @@ def predict_states(trace, stage: int, measured: pd.DataFrame | None = None) -> d
         if stage < 3:
             pred["params_bytes"] += prec.param * part
             host += prec.param * part
-    if where["param"] and stage == 3:  # the model-dtype partitions too
-        host += prec.param * part
+    if where["param"] and stage == 3:  # the model-dtype partitions too, the frozen parameters' with them
+        host += prec.param * (part + frozen)
     pred["model_state_bytes"] = sum(pred.values())
     pred["persistent_bytes"] = pred["params_bytes"] + pred["optimizer_state_bytes"]
     pred["host_persistent_bytes"] = host
@@ -248,6 +265,8 @@ def deepspeed_differences(trace) -> list[str]:
                      + (", and 4 bytes per parameter of the largest layer gathered" if sh.stage == 3 else "")
                      + (f"; this run trains in {(trace.run.get('deepspeed') or {}).get('dtype')}"
                         if prec.param != 2 else "") + ".")
+    if (trained := params_and_trainable(trace)[1]) < params:
+        lines.append(frozen_line(params - trained, params))
     persist = persistent_numel(trace)
     if persist:
         threshold = (trace.run.get("deepspeed") or {}).get("stage3_param_persistence_threshold")

@@ -26,8 +26,8 @@ from ddpscope.viz.sharded.comm_volume import (  # noqa: F401 - moved there; 0.2'
 )
 from ddpscope.viz.sharded.deepspeed_states import compute_deepspeed_stages, measured_states
 from ddpscope.viz.sharded.exposed import EMPTY, by_head, exposed_per_step, in_flight_ms, with_exposed
-from ddpscope.viz.sharded.trace import real_steps, replicas, shard_group_size
-from ddpscope.viz.zero.model import model_state_bytes, run_precision
+from ddpscope.viz.sharded.trace import params_and_trainable, real_steps, replicas, shard_group_size
+from ddpscope.viz.zero.model import frozen_line, model_state_bytes, run_precision
 
 MODEL_STATE_PARTS = {  # the ZeRO model's three parts <- the measured categories
     "params_bytes": ("sharded_params_bytes", "unsharded_params_bytes"),
@@ -262,7 +262,7 @@ def compute_stage_comparison(trace) -> pd.DataFrame:
     if sh.framework == "deepspeed":
         return compute_deepspeed_stages(trace)
     n = shard_group_size(trace)  # HSDP: the ZeRO model holds within one replica's shard group
-    params = int(sh.units["numel"].sum())
+    params, trained = params_and_trainable(trace)  # frozen parameters: sharded, no gradient or state
     rows = []
     for rank, mine in sh.memory.groupby("rank"):
         peak = mine.loc[mine["total_bytes"].idxmax()]
@@ -282,7 +282,7 @@ def compute_stage_comparison(trace) -> pd.DataFrame:
                      "working_set_bytes": float(sum(peak[c] for c in working)),
                      "peak_where": f"{peak['name']} {peak['phase']}"})
     for stage in range(4):
-        pred = model_state_bytes(params, n, stage, run_precision(stage))
+        pred = model_state_bytes(params, n, stage, run_precision(stage), trainable=trained)
         rows.append({"row": f"stage {stage}", "rank": None, "stage": stage, **pred})
     out = pd.DataFrame(rows)
     out["model_state_bytes"] = out[list(MODEL_STATE_PARTS)].sum(axis=1)
@@ -315,6 +315,9 @@ def stage_differences(trace) -> list[str]:
         lines.append(f"padding: FSDP pads each parameter's first dimension to a multiple of N, so the shards hold "
                      f"{padded / 2**20:.3f} MiB where P/N is {unpadded / 2**20:.3f} MiB "
                      f"(+{(padded / unpadded - 1) * 100:.1f} %).")
+    params, trained = params_and_trainable(trace)
+    if trained < params:
+        lines.append(frozen_line(params - trained, params))
     root = u[u["root"]]
     if len(root) and not bool(root["reshard_after_forward"].iloc[0]):
         lines.append(f"the root unit ({int(root['numel'].iloc[0]):,} parameters) stays gathered from forward to "

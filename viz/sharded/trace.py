@@ -100,7 +100,7 @@ def _count(v) -> int:
 
 
 # run.json's DeepSpeed settings the tables and predictions count with (engine_facts.py)
-_DEEPSPEED_COUNTS = ("reduce_bucket_size", "reduce_bucket_bytes", "stage3_persistent_numel",
+_DEEPSPEED_COUNTS = ("reduce_bucket_size", "reduce_bucket_bytes", "stage3_persistent_numel", "frozen_partition_numel",
                      "stage3_param_persistence_threshold", "gradient_accumulation_steps", "world_size")
 
 
@@ -284,6 +284,16 @@ def shard_group_size(trace) -> int:
     u = trace.shards.units
     size = int(u["shard_size"].max()) if "shard_size" in u and len(u) else 0
     return size if size > 0 else trace.world_size
+
+
+def params_and_trainable(trace) -> tuple[float, float]:
+    """(P, P_t): the model's parameters (its units') and those that train (run.json's
+    ``trainable_params``; all of them for a trace that does not say, or says a count
+    outside 0..P)."""
+    params = float(trace.shards.units["numel"].sum())
+    trained = trace.run.get("trainable_params")
+    ok = isinstance(trained, (int, float)) and not isinstance(trained, bool) and 0 <= trained <= params
+    return params, float(trained) if ok else params
 
 
 def replicas(trace) -> int:

@@ -12,6 +12,10 @@ stage 2    p P + (g + K) P/N   + gradients partitioned
 stage 3    (p + g + K) P/N     + parameters partitioned
 =========  ==================  =========================
 
+The paper trains every parameter. A frozen one (``requires_grad=False``: the base model
+of a LoRA fine-tune) is held as the others are (partitioned at stage 3) but has no
+gradient or optimizer state: the g and K terms count the P_t parameters that train.
+
 Communication per rank and step, in parameters' worth of gradient bytes: 2P for stages
 0-2 (all-reduce, or reduce-scatter + all-gather) and 3P for stage 3 (parameters are
 all-gathered again for backward); exactly, with ring algorithms, x (N-1)/N.
@@ -55,15 +59,23 @@ PRESETS = {"GPT-2 XL (1.5B)": 1.5e9, "ZeRO paper Fig. 1 (7.5B)": 7.5e9, "Llama 2
            "Llama 2 13B": 13.0e9, "Llama 2 70B": 69.0e9, "GPT-3 (175B)": 175e9}
 
 
-def model_state_bytes(params: float, n: int, stage: int, precision: Precision = MIXED) -> dict[str, float]:
-    """Per-device bytes of parameters, gradients and optimizer state for ``stage``."""
+def model_state_bytes(params: float, n: int, stage: int, precision: Precision = MIXED,
+                      trainable: float | None = None) -> dict[str, float]:
+    """Per-device bytes of parameters, gradients and optimizer state for ``stage``.
+    ``trainable``: the parameters that train (``requires_grad``; all of them when None):
+    only they have gradients and optimizer state, while every parameter is held (and, at
+    stage 3, partitioned), so a model fine-tuned with most of it frozen (LoRA) keeps
+    ``p P`` of parameters but ``(g + K) P_trainable`` of the rest."""
     if stage not in STAGE_NAMES:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if n < 1:
         raise ValueError(f"N (ranks) must be >= 1, got {n}")
     if params < 0:
         raise ValueError(f"parameter count must be >= 0, got {params}")
-    p, g, k = params * precision.param, params * precision.grad, params * precision.k
+    trained = params if trainable is None else trainable
+    if not 0 <= trained <= params:
+        raise ValueError(f"trainable parameters must be between 0 and the {params:g} parameters, got {trained}")
+    p, g, k = params * precision.param, trained * precision.grad, trained * precision.k
     return {
         "params_bytes": p / n if stage >= 3 else p,
         "grads_bytes": g / n if stage >= 2 else g,
@@ -122,3 +134,11 @@ def run_precision(stage: int) -> Precision:
     while the optimizer updates the fp32 shard, which then plays the master copy's role
     (K = 8 + 4)."""
     return Precision(name="fp32 (run)", param=4, grad=4, k=12 if stage == 2 else 8)
+
+
+def frozen_line(frozen: float, params: float) -> str:
+    """One line saying how ``frozen`` of ``params`` parameters that do not train are counted."""
+    return (f"{frozen:,.0f} of the {params:,.0f} parameters are frozen (requires_grad=False, "
+            f"{frozen / max(params, 1) * 100:.0f} %: a LoRA or partial fine-tune): held as the others are "
+            f"(partitioned at stage 3) with no gradient or optimizer state, so every stage's gradients and "
+            f"optimizer state count the {params - frozen:,.0f} that train.")

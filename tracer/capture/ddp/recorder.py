@@ -41,9 +41,11 @@ class StepRecorder:
         memory_interval_s: float = 1.0,
         offset_us: float = 0.0,
         grad_marks_every: int = 1,
+        frozen_params: tuple[torch.nn.Parameter, ...] | list[torch.nn.Parameter] = (),
     ) -> None:
         """``offset_us``: add it to this rank's host clock (µs) for rank 0's (``offsets.py``);
-        ``grad_marks_every``: see ``_marks``."""
+        ``grad_marks_every``: see ``_marks``; ``frozen_params``: the model's parameters that
+        do not train, counted in its memory (``MemoryMeter``)."""
         self.clock = clock
         self.rank = rank
         self.param_names = param_names
@@ -69,7 +71,7 @@ class StepRecorder:
         self.bucket_source = None
         self._synced_pass: int | None = None  # a syncing backward whose all-reduces are not taken yet
         self.step_events = StepEvents(rank, param_names)
-        self.memory = MemoryMeter(params)
+        self.memory = MemoryMeter(params, frozen_params)
         self.measure = self.memory  # at close of a measured step (benchmarks/overhead.py times it apart)
         self._measured = MeasuredSteps(clock, memory_interval_s, offset_us)
         self.grad_marks_every = grad_marks_every

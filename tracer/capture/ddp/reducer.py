@@ -27,6 +27,19 @@ def reducer_params(ddp: DDP) -> tuple[list[str], list[torch.nn.Parameter]]:
     return names, params
 
 
+def frozen_params(ddp: DDP) -> list[torch.nn.Parameter]:
+    """The model's parameters that do not train (``requires_grad=False``: a LoRA base
+    model's): held on every rank as the others are, outside DDP's buckets, with no
+    gradient or optimizer state. Each once, in ``parameters()`` order."""
+    seen: set[int] = set()
+    out = []
+    for p in ddp.module.parameters():
+        if not p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
 def will_rebuild_buckets(ddp: DDP) -> bool:
     # Mirrors Reducer::should_rebuild_buckets: DDP rebuilds its buckets once, after the
     # first iteration, unless it looks for unused parameters on a dynamic graph.

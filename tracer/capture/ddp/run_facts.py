@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpscope.tracer.capture.ddp.comm_hook import STATE_ATTR
-from ddpscope.tracer.capture.ddp.reducer import reducer_params
+from ddpscope.tracer.capture.ddp.reducer import frozen_params, reducer_params
 
 
 def ddp_facts(ddp: DDP) -> dict:
@@ -20,7 +20,8 @@ def ddp_facts(ddp: DDP) -> dict:
     return {
         **bucket_caps(ddp),
         "model_class": type(ddp.module).__name__,
-        "model_params": sum(p.numel() for p in reducer_params(ddp)[1]),
+        "model_params": sum(p.numel() for p in reducer_params(ddp)[1]),  # those DDP reduces
+        "frozen_params": sum(p.numel() for p in frozen_params(ddp)),  # held, never reduced
         "comm_hook": _comm_hook_name(ddp),
         "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
         "static_graph": bool(ddp.static_graph),

@@ -34,7 +34,7 @@ from ddpscope.tracer.capture.ddp.buffer_sync import BufferBroadcastTimer
 from ddpscope.tracer.capture.ddp.comm_hook import attach_comm_hook, ddp_register_builtin_comm_hook
 from ddpscope.tracer.capture.ddp.compiled import CompiledBuckets, load_extension, usable
 from ddpscope.tracer.capture.ddp.recorder import StepRecorder
-from ddpscope.tracer.capture.ddp.reducer import reducer_params
+from ddpscope.tracer.capture.ddp.reducer import frozen_params, reducer_params
 from ddpscope.tracer.capture.ddp.run_facts import ddp_facts, zero_stage
 from ddpscope.tracer.capture.ddp.step_hooks import attach_grad_hooks, attach_hooks
 from ddpscope.tracer.capture.hook_guard import HookGuard, HookHandles
@@ -201,7 +201,7 @@ class DDPTracer:
             optimizer=None if self.optimizer == "auto" else self.optimizer, step_boundary=cfg.step_boundary,
             emit=self._emit, nccl_kernel_timing=nccl_timing, on_close=self._on_step,
             memory_interval_s=cfg.memory_interval_s, offset_us=self.offsets_start[self.rank].offset_us,
-            grad_marks_every=cfg.grad_marks_every,
+            grad_marks_every=cfg.grad_marks_every, frozen_params=frozen_params(self.model),
         )
         comm_state.keep_work = nccl_timing
         comm_state.recorder, comm_state.guard = self._recorder, self._guard

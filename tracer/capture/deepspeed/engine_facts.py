@@ -31,8 +31,9 @@ def engine_facts(engine) -> dict:
     training dtype), ``communication_dtype``, ``overlap_comm``, ``contiguous_gradients``,
     ``reduce_bucket_size`` (elements, as DeepSpeed counts it) and ``reduce_bucket_bytes``
     (in the communication dtype), ``gradient_accumulation_steps``, offload devices, the
-    engine's class, DeepSpeed's version, and ``stage3_persistent_numel`` (``persistent_numel``)
-    with the threshold it follows."""
+    engine's class, DeepSpeed's version, ``stage3_persistent_numel`` (``persistent_numel``)
+    with the threshold it follows, and at stage 3 this rank's partitions of the parameters
+    that do not train (``frozen_partition_numel``)."""
     stage = _call(engine, "zero_optimization_stage")
     dtype = "bfloat16" if _call(engine, "bfloat16_enabled") else "float16" if _call(engine, "fp16_enabled") \
         else "float32"
@@ -62,6 +63,11 @@ def engine_facts(engine) -> dict:
             facts["stage3_persistent_numel"] = persistent_numel(engine, facts["zero_stage"])
         except Exception:  # noqa: BLE001 - a fact ddpscope cannot read is left out
             pass
+    try:
+        if facts["zero_stage"] == 3:
+            facts["frozen_partition_numel"] = frozen_partition_numel(engine)
+    except Exception:  # noqa: BLE001 - a fact ddpscope cannot read is left out
+        pass
     deepspeed = sys.modules.get("deepspeed")  # the script's: ddpscope never imports DeepSpeed itself
     if deepspeed is not None:
         facts["deepspeed_version"] = str(getattr(deepspeed, "__version__", "?"))
@@ -85,6 +91,15 @@ def persistent_numel(engine, stage: int | None) -> int:
         if n + total <= model and n <= each:
             total += n
     return total
+
+
+def frozen_partition_numel(engine) -> int:
+    """Elements of this rank's stage-3 partitions (``ds_tensor``, padded) of the parameters
+    that do not train. A frozen parameter (a LoRA base model's) is in no optimizer group:
+    stages 1-2 leave it whole on the module, stage 3 partitions it apart from the groups'
+    flat buffers; it has no gradient or optimizer state."""
+    return sum(int(p.ds_tensor.numel()) for p in engine.module.parameters()
+               if not p.requires_grad and getattr(p, "ds_tensor", None) is not None)
 
 
 def offloads_in_use(facts: dict) -> dict:

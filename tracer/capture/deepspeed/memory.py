@@ -5,10 +5,12 @@ first category that names it keeps it), in the sharded trace's categories:
 - sharded parameters: the fp32 master partition (stages 1-2
   ``single_partition_of_fp32_groups``; stage 3 ``fp32_partitioned_groups_flat``) and, at
   stage 3, the model-dtype partitions (``fp16_partitioned_groups_flat``, also fp32 in
-  fp32 training);
+  fp32 training) and those of the frozen parameters (``requires_grad=False``, in no
+  optimizer group: each its own ``ds_tensor``);
 - unsharded parameters: stages 1-2 the whole model-dtype parameters
-  (``bit16_groups_flat``, which every parameter is a view of); stage 3 the parameters
-  gathered now (a partitioned one's data is empty);
+  (``bit16_groups_flat``, which every trained parameter is a view of, and the frozen
+  parameters, left whole on the module); stage 3 the parameters gathered now (a
+  partitioned one's data is empty);
 - sharded gradients: stage 2's ``grads_in_partition``, stage 3's
   ``grad_partitions_flat_buffer``, the averaged gradients kept for the step and the
   master partition's gradient during it;
@@ -61,6 +63,7 @@ class DeepSpeedMemory:
         self.offload = offload
         # on a GPU a storage on the CPU is host memory; on the CPU accelerator DeepSpeed's roles say
         self.on_cpu = not params or params[0].device.type == "cpu"
+        self.frozen = [p for p in params if not p.requires_grad]  # held, in no optimizer group
         self.activations = SavedActivations()
         self._state = _OptimizerStateBytes()
 
@@ -114,7 +117,9 @@ class DeepSpeedMemory:
         buckets = [b.buffer for b in (getattr(opt, "ipg_buckets", None) or {}).values() if b is not None]
         if self.stage == 3:
             sharded = count(getattr(opt, "fp32_partitioned_groups_flat", None),
-                            getattr(opt, "fp16_partitioned_groups_flat", None), cat="sharded_params_bytes")
+                            getattr(opt, "fp16_partitioned_groups_flat", None),
+                            [p.ds_tensor for p in self.frozen if getattr(p, "ds_tensor", None) is not None],
+                            cat="sharded_params_bytes")
             # a partitioned parameter's data is empty: what has data now is gathered (or persistent)
             unsharded = count([p.data for p in self.params if p.data.numel()], cat="unsharded_params_bytes")
             sharded_grads = count(getattr(opt, "grad_partitions_flat_buffer", None),
@@ -125,7 +130,8 @@ class DeepSpeedMemory:
             sharded = count(getattr(opt, "single_partition_of_fp32_groups", None),
                             getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None),
                             cat="sharded_params_bytes")
-            unsharded = count(getattr(opt, "bit16_groups_flat", None), cat="unsharded_params_bytes")
+            unsharded = count(getattr(opt, "bit16_groups_flat", None), [p.data for p in self.frozen],
+                              cat="unsharded_params_bytes")
             sharded_grads = count(getattr(opt, "grads_in_partition", None), getattr(opt, "averaged_gradients", None),
                                   [t.grad for t in _tensors(getattr(opt, "single_partition_of_fp32_groups", None))],
                                   getattr(opt, "temp_grad_buffer_for_cpu_offload", None),

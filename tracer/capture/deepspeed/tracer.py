@@ -46,7 +46,7 @@ from ddpscope.tracer.capture.deepspeed.memory import DeepSpeedMemory
 from ddpscope.tracer.capture.deepspeed.units import find_units
 from ddpscope.tracer.capture.hook_guard import autograd_running
 from ddpscope.tracer.capture.live import LiveFile
-from ddpscope.tracer.capture.sharded.fsdp_tracer import FSDPTracer, position
+from ddpscope.tracer.capture.sharded.fsdp_tracer import FSDPTracer, position, trainable_params
 from ddpscope.tracer.capture.sharded.own_collectives import OwnCollectives
 from ddpscope.tracer.capture.sharded.recorder import BACKWARD, FORWARD, ROOT, ShardedRecorder, ShardedStep
 from ddpscope.tracer.capture.tracer_config import TracerConfig
@@ -131,6 +131,7 @@ class DeepSpeedTracer(FSDPTracer):
         facts = self.facts
         return {"model_class": type(self.model).__name__,
                 "model_params": sum(u.numel for u in self.units),
+                "trainable_params": trainable_params(self.model),
                 "deepspeed": facts,
                 "sharding": {"framework": "deepspeed", "stage": self.stage, "stage_reason": self.stage_reason,
                              "units": [u.facts() for u in self.units], "reduce_scatter_sent_as": None,

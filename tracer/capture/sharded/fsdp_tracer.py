@@ -260,6 +260,7 @@ class FSDPTracer:
         """run.json's facts of the model and how it is sharded (``sharding``)."""
         return {"model_class": type(self.model).__name__.removeprefix("FSDP"),
                 "model_params": sum(u.numel for u in self.units),
+                "trainable_params": trainable_params(self.model),
                 "sharding": {"framework": "fsdp2", "stage": self.stage, "stage_reason": self.stage_reason,
                              "units": [u.facts() for u in self.units], "reduce_scatter_sent_as": self.sent_as,
                              **read_prefetch(self.units), "param_dtype": _dtype_name(self.units, "param_dtype"),
@@ -282,6 +283,13 @@ class FSDPTracer:
         if error:
             run["error"] = error
         write_json_atomic(path, run)
+
+
+def trainable_params(model: torch.nn.Module) -> int:
+    """Elements of the model's parameters that train (``requires_grad``), whole: a DTensor's
+    global size, a ZeRO-3 parameter's ``ds_numel``. The others (a LoRA base model's) are
+    held and sharded all the same, with no gradient or optimizer state."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
 
 
 def _dtype_name(units: list[fsdp_units.Unit], attr: str) -> str | None:
