@@ -116,12 +116,16 @@ def main() -> None:
                    help="this rank aborts (SIGABRT) after destroy_process_group: a failure at exit, after training")
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank's forward sleeps --slow-ms each pass")
     p.add_argument("--slow-ms", type=float, default=0.0)
+    p.add_argument("--freeze", type=int, default=0,
+                   help="the first N layers' parameters do not train (requires_grad=False: a partial fine-tune)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
         torch.manual_seed(0)
         model = build(args.width, args.depth, args.batchnorm)
+        for layer in [m for m in model if isinstance(m, nn.Linear)][:args.freeze]:
+            layer.requires_grad_(False)
         if args.no_ddp:
             for _ in range(args.steps):
                 model(torch.randn(4, args.width)).sum().backward()
@@ -154,6 +158,7 @@ def main() -> None:
         steps = args.steps - (args.join and rank == dist.get_world_size() - 1)
         joined = Join([ddp]) if args.join else contextlib.nullcontext()
         joined.__enter__()
+        grad_bytes = 0
         for step in range(steps):
             if rank == args.fail_rank and step == args.fail_step or args.fail_rank == -2 and step == args.fail_step:
                 raise RuntimeError(f"user script failed on rank {rank} at step {step}")
@@ -189,6 +194,7 @@ def main() -> None:
                     raise
                 args.catch_exit -= 1
                 print(f"rank {rank}: caught SystemExit after step {step}, training on", file=sys.stderr, flush=True)
+            grad_bytes = sum(q.grad.numel() * q.grad.element_size() for q in ddp.parameters() if q.grad is not None)
             opt.zero_grad()
             if other is not None:
                 other(torch.randn(4, 64)).sum().backward()
@@ -196,6 +202,11 @@ def main() -> None:
         os.makedirs(args.report, exist_ok=True)
         with open(os.path.join(args.report, f"check-rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "buffer_bytes": sum(b.numel() * b.element_size() for b in ddp.module.buffers()),
+                       "param_bytes": sum(q.numel() * q.element_size() for q in ddp.module.parameters()),
+                       "frozen_numel": sum(q.numel() for q in ddp.module.parameters() if not q.requires_grad),
+                       "grad_bytes": grad_bytes,  # at the last step's end, before zero_grad
+                       "optimizer_state_bytes": sum(t.numel() * t.element_size() for s in opt.state.values()
+                                                    for t in s.values() if isinstance(t, torch.Tensor)),
                        "own": own, "logging": logging, "losses": losses, "steps": steps, "params_sha256": params_sha256(ddp.module),
                        "bucket_bytes_cap": ddp.bucket_bytes_cap,
                        "delayed_bytes": 0 if ddp._delay_grad_buffer is None else

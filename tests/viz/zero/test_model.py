@@ -96,3 +96,19 @@ def test_projection_figure_stacks_each_stage_in_the_chosen_unit():
     assert fig.layout.yaxis.title.text == "per device (GB)"
     gib = make_zero_projection_figure(mem, "GiB")
     assert next(t for t in gib.data if t.name == "parameters").y[0] == pytest.approx(15e9 / 2**30)
+
+
+def test_frozen_parameters_are_held_and_sharded_with_no_gradient_or_optimizer_state():
+    """A LoRA fine-tune: 1000 parameters held, 50 of them trained, 4 ranks, fp32 Adam."""
+    fp32 = FP32
+    for stage in range(4):
+        every = model_state_bytes(1000, 4, stage, fp32)
+        lora = model_state_bytes(1000, 4, stage, fp32, trainable=50)
+        assert lora["params_bytes"] == every["params_bytes"]  # held (and sharded at 3) all the same
+        assert lora["grads_bytes"] == every["grads_bytes"] / 20
+        assert lora["optimizer_state_bytes"] == every["optimizer_state_bytes"] / 20
+    assert model_state_bytes(1000, 4, 3, fp32, trainable=50) == {"params_bytes": 1000.0, "grads_bytes": 50.0,
+                                                                 "optimizer_state_bytes": 100.0}
+    for bad in (-1, 1001):
+        with pytest.raises(ValueError, match="trainable parameters must be between 0 and the 1000 parameters"):
+            model_state_bytes(1000, 4, 0, fp32, trainable=bad)
