@@ -38,6 +38,8 @@ def main() -> None:
     p.add_argument("--offload", choices=["optimizer", "both"], help="ZeRO-Offload to cpu: the optimizer's states "
                    "(offload_optimizer), or those and the parameters (offload_param, stage 3); the client AdamW kept "
                    "(zero_force_ds_cpu_optimizer false: DeepSpeedCPUAdam would build another C++ op)")
+    p.add_argument("--freeze", action="store_true", help="the first two layers do not train (requires_grad=False: "
+                   "a partial fine-tune); the optimizer gets those that do, as the Hugging Face Trainer hands them")
     args = p.parse_args()
     import deepspeed
 
@@ -60,7 +62,10 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(config, f)
         config = path
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if args.freeze:
+        model[0].requires_grad_(False)
+        model[2].requires_grad_(False)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(100 + rank)
@@ -92,7 +97,12 @@ def main() -> None:
                    "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
                    "bf16": bool(engine.bfloat16_enabled()), "losses": losses, "loss_means": loss_means,
                    "params_sha256": digest.hexdigest(),
-                   "numel": sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())}, f)
+                   "numel": sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
+                   "trainable_numel": sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()
+                                          if p.requires_grad),
+                   # ZeRO-3: this rank's partition of every parameter, each its own (padded)
+                   "partition_numel": sum(p.ds_tensor.numel() for p in engine.module.parameters()
+                                          if getattr(p, "ds_tensor", None) is not None)}, f)
     # a clean teardown: ZeRO-3 under gloo can abort a rank at exit otherwise (an async
     # all-gather's last reference dropped after finalisation began)
     engine.destroy()

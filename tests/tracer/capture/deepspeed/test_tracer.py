@@ -494,3 +494,41 @@ def test_zero_offload_is_traced_with_the_states_it_keeps_in_host_memory_apart(tm
     for r in (0, 1):
         assert own[r]["params_sha256"] == checks(plain)[r]["params_sha256"]
         assert own[r]["losses"] == checks(plain)[r]["losses"]
+
+
+def test_frozen_parameters_are_held_and_partitioned_without_gradients_or_states(tmp_path):
+    """A partial fine-tune (the first two layers ``requires_grad=False``, the optimizer
+    given the rest, as the Hugging Face Trainer does for a LoRA model): at stage 2 every
+    parameter is held whole, at stage 3 partitioned (the frozen ones apart from the
+    optimizer's flat groups), and only the last layer's 2,056 parameters have gradients, a
+    master and moments. Measured against the script's own counts (``ds_numel``, each
+    parameter's ``ds_tensor``), and each stage's prediction from the other's trace holds."""
+    from ddpscope.viz.sharded.deepspeed_states import compute_deepspeed_stages, measured_states, predict_states
+
+    script = (WORKER, "--steps", "3", "--stage", "2", "--freeze")
+    proc, two, report_two = trace_script(tmp_path, *script, name="two", env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    proc, three, report_three = trace_script(tmp_path, *script, name="three", ddpscope=("--zero-stage", "3"), env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    traces, own = {2: _load(two), 3: _load(three)}, {2: checks(report_two)[0], 3: checks(report_three)[0]}
+    numel, trained = own[2]["numel"], own[2]["trainable_numel"]
+    assert trained == 256 * 8 + 8 and numel == trained + 64 * 256 + 256 + 256 * 256 + 256
+    for t in traces.values():
+        assert t.run["trainable_params"] == trained and t.run["model_params"] == numel
+    measured = {s: measured_states(t) for s, t in traces.items()}
+    assert (measured[2]["params_bytes"] == 4 * numel).all()  # the frozen ones whole beside the flat group
+    assert (measured[3]["params_bytes"] == 4 * own[3]["partition_numel"]).all()  # every partition, frozen ones too
+    for m in measured.values():  # the trained last layer's partition alone: a master and two moments
+        assert (abs(m["optimizer_state_bytes"] - 12 * trained / 2) <= 3 * PAD).all(), m
+        # gradients: buffers sized by the trained parameters' bucket layout (P_t/N or more), none for the frozen
+        assert ((m["grads_bytes"] >= 4 * trained / 2 - PAD) & (m["grads_bytes"] <= 4 * trained + 2 * PAD)).all(), m
+    for a, b in ((2, 3), (3, 2)):  # each stage predicted from the other's trace
+        predicted = predict_states(traces[a], b)["persistent_bytes"]
+        assert (abs(measured[b]["persistent_bytes"] - predicted) <= 2 * PAD).all(), (a, b, predicted, measured[b])
+    table = compute_deepspeed_stages(traces[3]).set_index("row")
+    assert table.loc["stage 0", "optimizer_state_bytes"] == 12 * trained  # not 12 x the whole model
+    assert table.loc["stage 3", "params_bytes"] == 4 * own[3]["partition_numel"]
+    assert ((table["measured/predicted"].dropna() - 1).abs() < 0.01).all()
+    frozen = numel - trained
+    said = run_cli("summary", str(three)).stdout
+    assert f"{frozen:,} of the {numel:,} parameters are frozen" in said and "the gradients' D" in said
