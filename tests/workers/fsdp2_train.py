@@ -98,6 +98,7 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step (no reduction but the last)")
     p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bfloat16)")
     p.add_argument("--report")
+    p.add_argument("--freeze", type=int, default=0, help="the first N blocks do not train (requires_grad=False)")
     p.add_argument("--memtracker", action="store_true")
     p.add_argument("--mix-ddp", action="store_true", help="also build a DDP model (a script that mixes both)")
     p.add_argument("--meta-init", action="store_true", help="torchtitan's way: build on meta, shard, to_empty, init")
@@ -132,6 +133,8 @@ def main() -> None:
                 model = Model(args.vocab, args.dim, args.layers)
         else:
             model = Model(args.vocab, args.dim, args.layers).to(device)
+        for block in model.layers[:args.freeze]:  # a partial fine-tune: these train no more
+            block.requires_grad_(False)
         if args.hang:
             h_rank, h_step, h_block = (int(x) for x in args.hang.split(":"))
             calls = [0]

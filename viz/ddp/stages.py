@@ -79,9 +79,11 @@ def param_sync_medians(trace, sync: pd.DataFrame | None = None) -> dict | None:
 
 
 def frozen_params(trace) -> int:
-    """Parameters of the DDP model that do not train (run.json's ``frozen_params``, 0 for
-    a trace from before ddpscope recorded them): held, never reduced."""
-    return int(trace.run.get("frozen_params") or 0)
+    """Parameters of the DDP model that do not train (run.json's ``frozen_params``; 0 for
+    a trace from before ddpscope recorded them, or one that says no count): held, never
+    reduced."""
+    n = trace.run.get("frozen_params")
+    return int(n) if isinstance(n, (int, float)) and not isinstance(n, bool) and 0 <= n < 2**62 else 0
 
 
 def _params_and_width(trace) -> tuple[int, float]:

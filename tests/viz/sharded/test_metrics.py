@@ -14,10 +14,12 @@ from ddpscope.viz.sharded.metrics import (
     active_units,
     compute_sharded_run_comparison,
     compute_sharded_steps,
+    compute_stage_comparison,
     compute_unit_table,
     idle_units_line,
     reshard_setting,
     sharded_step_noise_ms,
+    stage_differences,
 )
 
 
@@ -147,3 +149,37 @@ def test_the_compare_row_is_each_step_as_the_rank_it_waited_for_its_time_the_ran
     assert steps.groupby("rank")["exposed_ms"].median().tolist() == pytest.approx([0.030, 0.0])
     row = compute_sharded_run_comparison({"run": t}).iloc[0]
     assert row["exposed_ms"] == 0.0 and row["step_ms"] == pytest.approx(110.0)
+
+
+@pytest.mark.ddp
+def test_frozen_blocks_are_sharded_with_no_gradient_or_optimizer_state(tmp_path):
+    """FSDP2 with the first 2 of 4 blocks frozen (``requires_grad=False``, a partial
+    fine-tune): every unit is sharded and gathered as before, but only the parameters that
+    train have a gradient shard, Adam's moments and a reduce-scatter. run.json names them;
+    the ZeRO model counts P held and P_t trained and meets the measurement; the gradients'
+    D is theirs; training bit-identical to the run untraced."""
+    from ddpscope.viz.sharded.comm_volume import compute_comm_volume
+    from ddpscope.viz.trace import load_run
+    from tests.tracer.capture.autotrace.test_autotrace import trace_script, untraced
+    from tests.tracer.capture.sharded.test_sharded import SCRIPT, assert_trained_alike
+
+    args = (SCRIPT, "--steps", "3", "--freeze", "2")
+    proc, out, report = trace_script(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_trained_alike(report, untraced(tmp_path, *args))
+    trace = load_run(out)
+    block = 2 * 64 + 64 * 256 + 256 + 256 * 64 + 64  # a block's norm, w1 and w2
+    params, trained = int(trace.run["model_params"]), int(trace.run["trainable_params"])
+    assert params - trained == 2 * block
+    stages = compute_stage_comparison(trace)
+    measured = stages[stages["rank"].notna()]
+    assert ((measured["measured/predicted"] - 1).abs() < 0.02).all(), measured
+    # no gradient shard or Adam moments for the frozen blocks: the trained parameters' alone (padded to N = 2)
+    assert ((measured["grads_bytes"] - 4 * trained / 2).abs() <= 4 * 64).all(), measured
+    assert ((measured["optimizer_state_bytes"] - 8 * trained / 2).abs() <= 8 * 64 + 64).all(), measured
+    assert ((measured["params_bytes"] - 4 * params / 2).abs() <= 4 * 64).all(), measured  # every parameter sharded
+    assert any(line.startswith(f"{2 * block:,} of the {params:,} parameters are frozen")
+               for line in stage_differences(trace))
+    vol = compute_comm_volume(trace).set_index("collective")
+    assert vol.loc["all_gather", "message_D"] == pytest.approx(2.0, rel=0.01)  # the frozen gathered too
+    assert vol.loc["reduce_scatter", "message_D"] == pytest.approx(1.0, rel=0.01)  # the trained ones' gradients
