@@ -54,7 +54,7 @@ from ddpscope.viz.sharded.predict import (
 )
 from ddpscope.viz.sharded.profile_check import compute_sharded_profile_agreement
 from ddpscope.viz.sharded.rerun_check import compute_rerun_check, rerun_setting
-from ddpscope.viz.sharded.trace import shard_group_size
+from ddpscope.viz.sharded.trace import params_and_trainable, shard_group_size
 from ddpscope.viz.sources.run_profile import profile_folder
 from ddpscope.viz.units import UNITS
 from ddpscope.viz.whatif.where_to_set import bucket_elements_in_code, reshard_in_code
@@ -174,8 +174,10 @@ def render_sharded_memory(trace, unit: str = "MiB") -> None:
     how = precision(trace).name if sh.framework == "deepspeed" else "fp32 AdamW"
     n = shard_group_size(trace)  # HSDP: the model within one shard group
     ranks = f"{trace.world_size} ranks" if n == trace.world_size else f"N = {n} (the shard group of each replica)"
+    params, trained = params_and_trainable(trace)
+    held = f"{params:,.0f} parameters" + (f" ({trained:,.0f} of them trained)" if trained < params else "")
     st.caption(f"Measured: ZeRO stage {sh.stage} ({sh.stage_reason}). The stages: the ZeRO model for this model's "
-               f"{int(sh.units['numel'].sum()):,} parameters on {ranks}, {how}.")
+               f"{held} on {ranks}, {how}.")
     view = comparison.drop(columns=["rank"]).copy()
     for col in [c for c in view.columns if c.endswith("_bytes")]:
         view[col.replace("bytes", unit)] = view.pop(col) / UNITS[unit]

@@ -96,3 +96,23 @@ def test_a_zero1_run_shows_its_broadcasts_and_its_stage_on_the_memory_page(tmp_p
     table = next(d.value for d in at.dataframe if "measured/predicted" in d.value.columns)
     assert list(table["row"])[-4:] == ["stage 0", "stage 1", "stage 2", "stage 3"]
     assert any("ZeroRedundancyOptimizer partitions whole parameters" in m.value for m in at.markdown)
+
+
+def test_a_partial_fine_tune_shows_its_frozen_parameters_held_and_not_trained(tmp_path, monkeypatch):
+    """DDP with its first 3 layers frozen (traced here): the Memory page sets the run beside
+    a ZeRO model that holds every parameter and trains the rest, and says so."""
+    from tests.tracer.capture.autotrace.test_autotrace import USER
+
+    at, out = open_traced(tmp_path, monkeypatch, USER, "--freeze", "3", "--width", "128", "--depth", "4",
+                          "--steps", "3", name="lora")
+    run = json.loads((out / "run.json").read_text())
+    trained, frozen = run["model_params"], run["frozen_params"]
+    assert frozen == 3 * (128 * 128 + 128)
+    open_page(at, "Memory (ZeRO)")
+    assert not at.exception
+    assert any(f"{trained + frozen:,} parameters ({trained:,} of them trained)" in c.value for c in at.caption)
+    assert any(f"{frozen:,} of the {trained + frozen:,} parameters are frozen" in m.value for m in at.markdown)
+    table = next(d.value for d in at.dataframe if "measured/predicted" in d.value.columns).set_index("row")
+    assert (table["measured/predicted"].dropna() - 1).abs().max() < 1e-3
+    held = [c for c in table.columns if c.startswith("params_")][0]  # in the page's unit
+    assert table.loc["stage 3", held] == pytest.approx(table.loc["stage 0", held] / 2, abs=1e-4)  # all sharded (rounded)

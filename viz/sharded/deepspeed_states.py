@@ -122,7 +122,7 @@ def measured_states(trace) -> pd.DataFrame:
     for rank, mine in mem.groupby("rank"):
         sharded = float(_whole(mine, "sharded_params_bytes").max())
         if sh.stage == 3:
-            frozen = b * frozen_partition(trace)  # no master beside these
+            frozen = min(sharded, b * frozen_partition(trace))  # no master beside these (a count past it: a bad file)
             params, master = (sharded - frozen) * b / (b + 4) + frozen, (sharded - frozen) * 4 / (b + 4)
             params += b * persistent_numel(trace)  # whole on every rank, beside their partitions
             grads = float(_whole(mine, "sharded_grads_bytes").max())
