@@ -532,3 +532,34 @@ def test_frozen_parameters_are_held_and_partitioned_without_gradients_or_states(
     frozen = numel - trained
     said = run_cli("summary", str(three)).stdout
     assert f"{frozen:,} of the {numel:,} parameters are frozen" in said and "the gradients' D" in said
+
+
+def test_hugging_face_trainer_with_peft_lora_under_zero3_counts_the_frozen_base_model(tmp_path):
+    """The stack that found frozen parameters uncounted: the Trainer fine-tuning a PEFT LoRA
+    model under ZeRO-3. run.json's parameter counts are PEFT's own
+    (``get_nb_trainable_parameters``, the independent instrument); every rank holds its
+    partition of every parameter, the frozen base model's too (each ``ds_tensor``, as the
+    script counts it); each step reduces the adapters' gradients alone; the measured model
+    states sit on the ZeRO model's."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    script = (str(ROOT / "tests" / "workers" / "hf_deepspeed_train.py"), "--stage", "3", "--lora", "--steps", "3")
+    proc, out, report = trace_script(tmp_path, *script, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    own = checks(report)
+    peft = own[0]["peft"]
+    trace = _load(out)
+    assert 0 < peft["trainable"] < peft["all"] / 10
+    assert trace.run["trainable_params"] == peft["trainable"] and trace.run["model_params"] == peft["all"]
+    persistent = trace.run["deepspeed"]["stage3_persistent_numel"]
+    from ddpscope.viz.sharded.deepspeed_states import compute_deepspeed_stages, measured_states
+
+    for r, row in measured_states(trace).set_index("rank").iterrows():
+        assert row["params_bytes"] == 4 * (own[r]["partition_numel"] + persistent), (r, row)
+    colls = trace.shards.colls
+    for (rank, step), c in colls.groupby(["rank", "step"]):  # the adapters' gradients, once a step
+        assert abs(c[c["issued_by"] == "grad_bucket"]["bytes"].sum() - 4 * peft["trainable"]) <= PAD, (rank, step)
+    table = compute_deepspeed_stages(trace)
+    assert ((table["measured/predicted"].dropna() - 1).abs() < 0.05).all(), table
+    said = run_cli("summary", str(out)).stdout
+    assert f"{peft['all'] - peft['trainable']:,} of the {peft['all']:,} parameters are frozen" in said
