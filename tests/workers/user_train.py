@@ -77,7 +77,7 @@ def register_hook(ddp: DDP, name: str) -> None:
 def params_sha256(module: nn.Module) -> str:
     h = hashlib.sha256()
     for p in module.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().float().contiguous().numpy().tobytes())  # bf16 has no numpy dtype; fp32 as it is
     return h.hexdigest()
 
 
@@ -118,6 +118,9 @@ def main() -> None:
     p.add_argument("--slow-ms", type=float, default=0.0)
     p.add_argument("--freeze", type=int, default=0,
                    help="the first N layers' parameters do not train (requires_grad=False: a partial fine-tune)")
+    p.add_argument("--frozen-bf16", action="store_true",
+                   help="the frozen layers in bfloat16, forward under CPU autocast (a bf16 base model beside fp32 "
+                        "adapters, as PEFT keeps them)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -126,6 +129,8 @@ def main() -> None:
         model = build(args.width, args.depth, args.batchnorm)
         for layer in [m for m in model if isinstance(m, nn.Linear)][:args.freeze]:
             layer.requires_grad_(False)
+            if args.frozen_bf16:
+                layer.to(torch.bfloat16)
         if args.no_ddp:
             for _ in range(args.steps):
                 model(torch.randn(4, args.width)).sum().backward()
@@ -166,9 +171,11 @@ def main() -> None:
                 sync = micro == args.accumulate - 1
                 x = torch.randn(64, args.width, generator=gen)
                 y = torch.randn(64, 8, generator=gen)
+                autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.frozen_bf16 else contextlib.nullcontext()
                 with contextlib.nullcontext() if sync else ddp.no_sync():
                     t0 = time.perf_counter()
-                    out = ddp(x)
+                    with autocast:
+                        out = ddp(x).float()
                     t1 = time.perf_counter()
                     if sync:
                         d = ddp._get_ddp_logging_data()  # the previous syncing pass's timings

@@ -86,16 +86,20 @@ def frozen_params(trace) -> int:
     return int(n) if isinstance(n, (int, float)) and not isinstance(n, bool) and 0 <= n < 2**62 else 0
 
 
-def _params_and_width(trace) -> tuple[int, float]:
-    """(parameters that train: those DDP reduces, bytes per parameter as held) of the DDP
-    model; the measured ``params_bytes`` hold the frozen ones too (``frozen_params``)."""
+def _params_and_width(trace) -> tuple[int, float, float]:
+    """(parameters that train: those DDP reduces, bytes per parameter as held, bytes per
+    trained parameter) of the DDP model. The measured ``params_bytes`` hold the frozen ones
+    too (``frozen_params``), which may be of another dtype (a bf16 base model beside PEFT's
+    fp32 adapters): the trained ones' width is their own (run.json's ``param_bytes``)."""
     params = int(trace.run.get("model_params") or 0)
     if params <= 0:
         raise ValueError("run.json has no model_params: the ZeRO model needs the parameter count")
     mem = trace.memory
     held = params + frozen_params(trace)
     width = float(mem["params_bytes"].max()) / held if "params_bytes" in mem and len(mem) else 4.0
-    return params, width
+    own = trace.run.get("param_bytes")
+    ok = isinstance(own, list) and own and all(isinstance(b, (int, float)) and b > 0 for b in own)
+    return params, width, (float(sum(own)) / params if ok else width)
 
 
 def compute_ddp_stage_comparison(trace) -> pd.DataFrame:
@@ -105,7 +109,7 @@ def compute_ddp_stage_comparison(trace) -> pd.DataFrame:
     model), model_state_bytes and measured/predicted against the run's own stage."""
     facts = ddp_stage(trace)
     stage, n = int(facts.get("stage", 0)), trace.world_size
-    params, width = _params_and_width(trace)
+    params, width, trained_width = _params_and_width(trace)
     mem = trace.memory
     rows = []
     for rank, mine in mem.groupby("rank") if len(mem) else []:
@@ -119,7 +123,7 @@ def compute_ddp_stage_comparison(trace) -> pd.DataFrame:
     if k is None:  # read off the measurement: the state each rank holds, as a whole model's
         measured = [r["optimizer_state_bytes"] for r in rows]
         k = (float(np.median(measured)) * (n if stage >= 1 else 1) / params) if measured else 0.0
-    precision = Precision(name="the run's", param=width, grad=width, k=k)
+    precision = Precision(name="the run's", param=width, grad=trained_width, k=k)
     for st in range(4):  # every parameter held (sharded at 3), gradients and state of those that train
         rows.append({"row": f"stage {st}", "rank": None, "stage": st,
                      **model_state_bytes(params + frozen_params(trace), n, st, precision, trainable=params)})
@@ -159,16 +163,16 @@ def ddp_comm_lines(trace) -> list[str]:
     """Per step and rank, what DDP (and ZeRO-1's broadcasts) sent, in units of D."""
     facts = ddp_stage(trace)
     n = trace.world_size
-    params, width = _params_and_width(trace)
-    d = params * width
+    params, width, trained_width = _params_and_width(trace)
+    d = params * trained_width  # the gradients DDP reduces
     frac = (n - 1) / n
     b = trace.buckets
     ar = float(b.groupby(["rank", "step"])["bytes"].sum().median()) if len(b) else 0.0
     frozen = frozen_params(trace)
     lines = [f"D = {d / 2**20:.3f} MiB of parameters{' that train' if frozen else ''}; N = {n} ranks; ZeRO stage "
              f"{facts.get('stage', 0)} ({facts.get('stage_reason', 'DDP')})"
-             + (f"; the {frozen:,} frozen parameters ({frozen * width / 2**20:.3f} MiB) are never sent." if frozen
-                else "."),
+             + (f"; the {frozen:,} frozen parameters ({((params + frozen) * width - d) / 2**20:.3f} MiB) are never "
+                "sent." if frozen else "."),
              f"All-reduce of the gradients: {ar / 2**20:.3f} MiB a step ({ar / d:.2f} D); a ring all-reduce "
              f"sends 2(N-1)/N of it per rank: {2 * frac * ar / d:.2f} D."]
     if facts.get("stage") == 1:

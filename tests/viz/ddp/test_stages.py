@@ -30,12 +30,14 @@ def test_k_comes_from_the_named_optimizer_else_from_what_the_ranks_hold(mlp_run)
 
 @pytest.mark.ddp
 def test_frozen_parameters_are_held_without_gradients_or_state_and_training_is_unchanged(tmp_path):
-    """A partial fine-tune (the first 3 of 5 layers ``requires_grad=False``, as a LoRA base
-    model is): the run holds every parameter, but only those that train have gradients,
-    DDP buckets and optimizer state. Measured against the script's own counts (its
-    parameters, its gradients before ``zero_grad``, its SGD momentum buffers), set beside
-    the ZeRO model with P held and P_t trained, and bit-identical to the run untraced."""
-    script = (USER, "--freeze", "3", "--width", "128", "--depth", "4", "--steps", "4")
+    """A partial fine-tune (the first 3 of 5 layers ``requires_grad=False`` and in bfloat16,
+    the rest fp32 under CPU autocast, as PEFT keeps fp32 adapters beside a bf16 base model):
+    the run holds every parameter, but only those that train have gradients, DDP buckets
+    and optimizer state. Measured against the script's own counts (its parameters, its
+    gradients before ``zero_grad``, its SGD momentum buffers), set beside the ZeRO model
+    with P held (each in its own dtype) and P_t trained, and bit-identical to the run
+    untraced."""
+    script = (USER, "--freeze", "3", "--frozen-bf16", "--width", "128", "--depth", "4", "--steps", "4")
     proc, out, report = trace_script(tmp_path, *script)
     assert proc.returncode == 0, proc.stderr
     ours, theirs = checks(report), checks(untraced(tmp_path, *script))
@@ -44,7 +46,7 @@ def test_frozen_parameters_are_held_without_gradients_or_state_and_training_is_u
     own = ours[0]
     frozen, trained = own["frozen_numel"], trace.run["model_params"]
     assert trace.run["frozen_params"] == frozen == 3 * (128 * 128 + 128)
-    assert (frozen + trained) * 4 == own["param_bytes"]
+    assert frozen * 2 + trained * 4 == own["param_bytes"]  # bf16 frozen, fp32 trained
     table = compute_ddp_stage_comparison(trace)
     measured = table[table["rank"].notna()]
     assert (measured["params_bytes"] == own["param_bytes"]).all()  # the frozen ones held too
